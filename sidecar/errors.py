@@ -1,0 +1,187 @@
+"""The closed error taxonomy: every failure the sidecar reports, with its HTTP and gRPC status.
+
+Each error has a stable ``code`` (what clients and metrics key on), the ``stage`` where it
+happened (request, prefill, handoff, decode, sidecar), an HTTP status, a gRPC status and a
+*safe* message: one written by the sidecar, never an engine's body (engine bodies may quote
+the prompt) and never a traceback.
+
+    raise PrefillFailed("prefill engine answered 500")
+        -> HTTP 502 {"error": {"message": ..., "type": "prefill_error", "code": "prefill_failed"}}
+        -> gRPC UNAVAILABLE
+
+Deliberate limits: rendering lives in the front doors (``http_server.errors``,
+``grpc_server.errors``); this module only names the cases.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import ClassVar
+
+import grpc
+
+
+class Stage(StrEnum):
+    """Where in a request's life an error happened."""
+
+    REQUEST = "request"
+    PREFILL = "prefill"
+    HANDOFF = "handoff"
+    DECODE = "decode"
+    SIDECAR = "sidecar"
+
+
+class SidecarError(Exception):
+    """Base of every error the sidecar reports to a client."""
+
+    code: ClassVar[str] = "internal_error"
+    http_status: ClassVar[int] = 500
+    grpc_status: ClassVar[grpc.StatusCode] = grpc.StatusCode.INTERNAL
+    default_stage: ClassVar[Stage] = Stage.SIDECAR
+
+    def __init__(self, message: str, *, stage: Stage | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.stage = stage or self.default_stage
+
+    @property
+    def error_type(self) -> str:
+        """The OpenAI envelope's ``type``: the stage the error belongs to."""
+        return f"{self.stage.value}_error"
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(code={self.code!r}, stage={self.stage.value!r})"
+
+
+class InvalidRequest(SidecarError):
+    """The client's request is malformed or asks for something unsupported (HTTP 400)."""
+
+    code = "invalid_request"
+    http_status = 400
+    grpc_status = grpc.StatusCode.INVALID_ARGUMENT
+    default_stage = Stage.REQUEST
+
+
+class TargetNotAllowed(SidecarError):
+    """The named prefill target is not on the allowlist; nothing is sent to it (HTTP 403)."""
+
+    code = "prefill_target_not_allowed"
+    http_status = 403
+    grpc_status = grpc.StatusCode.PERMISSION_DENIED
+    default_stage = Stage.REQUEST
+
+
+class BodyTooLarge(SidecarError):
+    """The request body exceeds the configured cap (HTTP 413)."""
+
+    code = "body_too_large"
+    http_status = 413
+    grpc_status = grpc.StatusCode.RESOURCE_EXHAUSTED
+    default_stage = Stage.REQUEST
+
+
+class PrefillFailed(SidecarError):
+    """The prefill engine failed, was unreachable or answered garbage (HTTP 502)."""
+
+    code = "prefill_failed"
+    http_status = 502
+    grpc_status = grpc.StatusCode.UNAVAILABLE
+    default_stage = Stage.PREFILL
+
+
+class InvalidHandoff(SidecarError):
+    """The prefill answered, but without a usable hand-off for the decode engine (HTTP 502)."""
+
+    code = "invalid_handoff"
+    http_status = 502
+    grpc_status = grpc.StatusCode.UNAVAILABLE
+    default_stage = Stage.HANDOFF
+
+
+class DecodeFailed(SidecarError):
+    """The decode engine failed, was unreachable or broke its stream (HTTP 502)."""
+
+    code = "decode_failed"
+    http_status = 502
+    grpc_status = grpc.StatusCode.UNAVAILABLE
+    default_stage = Stage.DECODE
+
+
+class Overloaded(SidecarError):
+    """More requests in flight than ``--max-inflight`` allows (HTTP 503, Retry-After)."""
+
+    code = "overloaded"
+    http_status = 503
+    grpc_status = grpc.StatusCode.RESOURCE_EXHAUSTED
+    default_stage = Stage.SIDECAR
+
+
+class Draining(SidecarError):
+    """The sidecar is shutting down and takes no new requests (HTTP 503)."""
+
+    code = "draining"
+    http_status = 503
+    grpc_status = grpc.StatusCode.UNAVAILABLE
+    default_stage = Stage.SIDECAR
+
+
+class EngineNotReady(SidecarError):
+    """The local engine does not answer (HTTP 503)."""
+
+    code = "engine_not_ready"
+    http_status = 503
+    grpc_status = grpc.StatusCode.UNAVAILABLE
+    default_stage = Stage.DECODE
+
+
+class DeadlineExceeded(SidecarError):
+    """A leg's deadline passed (HTTP 504)."""
+
+    code = "deadline_exceeded"
+    http_status = 504
+    grpc_status = grpc.StatusCode.DEADLINE_EXCEEDED
+    default_stage = Stage.PREFILL
+
+
+class ResourceExhausted(SidecarError):
+    """A configured resource bound (staged KV bytes, block count) would be exceeded."""
+
+    code = "resource_exhausted"
+    http_status = 503
+    grpc_status = grpc.StatusCode.RESOURCE_EXHAUSTED
+    default_stage = Stage.SIDECAR
+
+
+class FailedPrecondition(SidecarError):
+    """The request cannot run against this engine (e.g. KV blocks of another model)."""
+
+    code = "failed_precondition"
+    http_status = 400
+    grpc_status = grpc.StatusCode.FAILED_PRECONDITION
+    default_stage = Stage.HANDOFF
+
+
+class ClientCancelled(SidecarError):
+    """The client went away; both legs were cancelled (never rendered, only counted)."""
+
+    code = "client_cancelled"
+    http_status = 499
+    grpc_status = grpc.StatusCode.CANCELLED
+    default_stage = Stage.SIDECAR
+
+
+ALL_ERRORS: tuple[type[SidecarError], ...] = (
+    InvalidRequest,
+    TargetNotAllowed,
+    BodyTooLarge,
+    PrefillFailed,
+    InvalidHandoff,
+    DecodeFailed,
+    Overloaded,
+    Draining,
+    EngineNotReady,
+    DeadlineExceeded,
+    ResourceExhausted,
+    FailedPrecondition,
+    ClientCancelled,
+)

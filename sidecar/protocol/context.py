@@ -1,0 +1,69 @@
+"""What a hand-off is built from: the route, the prefill target and the per-request ids.
+
+The orchestrator fills a ``HandoffContext`` once per request (ids come from ``sidecar.ids``,
+the Mooncake engine id from the prefill's bootstrap ``/query``); engine handlers and KV agents
+read it and never do I/O themselves.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass, replace
+from enum import StrEnum
+
+
+class Route(StrEnum):
+    """The OpenAI routes that run as prefill/decode pairs."""
+
+    COMPLETIONS = "/v1/completions"
+    CHAT = "/v1/chat/completions"
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillTarget:
+    """A prefill engine's address: host (IPv6 without brackets) and port."""
+
+    host: str
+    port: int
+
+    @property
+    def url_host(self) -> str:
+        """The host as written in a URL (IPv6 in brackets)."""
+        try:
+            if ipaddress.ip_address(self.host).version == 6:
+                return f"[{self.host}]"
+        except ValueError:
+            pass
+        return self.host
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.url_host}:{self.port}"
+
+    def __str__(self) -> str:
+        return f"{self.url_host}:{self.port}"
+
+
+@dataclass(frozen=True, slots=True)
+class HandoffContext:
+    """Everything a handler or agent needs besides the bodies.
+
+    ``advertise_host`` is the address the *decode* engine must use to reach the prefill
+    engine's KV side channel (NIXL ``remote_host``, Mooncake bootstrap host). Over HTTP it is
+    the prefill target's host; over gRPC the prefill sidecar fills in its own pod address.
+    """
+
+    route: Route
+    request_id: str
+    prefill: PrefillTarget
+    advertise_host: str
+    sglang_bootstrap_port: int = 8998
+    sglang_room: int | None = None
+    trtllm_disagg_request_id: int | None = None
+    mooncake_bootstrap_port: int = 8998
+    mooncake_transfer_id: str | None = None
+    mooncake_engine_id: str | None = None
+
+    def with_ids(self, **ids: object) -> HandoffContext:
+        """A copy with some per-request ids set."""
+        return replace(self, **ids)  # type: ignore[arg-type]
