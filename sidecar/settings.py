@@ -54,6 +54,8 @@ class Settings(BaseModel):
     grpc_enabled: bool = True
     grpc_port: int = Field(default=50051, ge=0, le=65535)
     grpc_max_message_bytes: int = Field(default=64 * 1024 * 1024, ge=1024)
+    metrics_port: int | None = Field(default=None, ge=0, le=65535)
+    ports_file: str | None = None
 
     # Pod information.
     podinfo_dir: str | None = None
