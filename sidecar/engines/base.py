@@ -49,7 +49,9 @@ class EngineHandler(ABC):
         agent: KVTransferAgent | None,
     ) -> dict[str, Any]:
         """The body POSTed to the prefill engine: the common rules plus engine fields."""
-        body = prefill_base(client_body, drop_max_completion_tokens=self.drops_max_completion_tokens)
+        body = prefill_base(
+            client_body, drop_max_completion_tokens=self.drops_max_completion_tokens
+        )
         body.update(self.prefill_fields(ctx, agent))
         return body
 

@@ -1,0 +1,38 @@
+"""The default engine handler: a plain prefill-then-decode flow with no hand-off fields.
+
+Used for engines the registry does not know (the seed's rule: an unknown engine resolves here),
+so a new engine still gets the common prefill rules (one token, not streamed) and a decode
+leg built from the original client body.
+
+Deliberate limits: no KV hand-off at all; the decode engine recomputes the prompt unless it
+shares a cache with the prefill engine by some means outside the request bodies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from sidecar.engines.base import EngineHandler
+from sidecar.kv_agents.base import KVTransferAgent
+from sidecar.protocol.context import HandoffContext
+
+
+class DefaultHandler(EngineHandler):
+    """No augmentation, sequential legs, empty hand-off."""
+
+    name = "default"
+    checked_against = "any OpenAI-compatible engine (no engine-specific fields)"
+
+    def prefill_fields(
+        self, ctx: HandoffContext, agent: KVTransferAgent | None
+    ) -> dict[str, Any]:
+        return {}
+
+    def handoff(
+        self,
+        prefill_response: Mapping[str, Any] | None,
+        ctx: HandoffContext,
+        agent: KVTransferAgent | None,
+    ) -> dict[str, Any]:
+        return {}

@@ -1,0 +1,68 @@
+"""The SGLang engine handler: bootstrap host, port and room on both legs, sent concurrently.
+
+SGLang pairs a prefill and a decode request through the prefill engine's bootstrap server:
+both bodies carry the same ``bootstrap_host``, ``bootstrap_port`` and ``bootstrap_room``
+(contracts.md section 3), and the prefill blocks until the decode connects, so the legs run
+at the same time.
+
+    assign_ids: room := ids.rooms.allocate()   (the orchestrator releases ctx.sglang_room)
+    prefill fields == decode fields == {bootstrap_host, bootstrap_port, bootstrap_room}
+
+The fields are set after the client's keys, so client-supplied bootstrap values are always
+overwritten. Deliberate limits: one room per request; batches (one room per item) are refused
+earlier by ``sidecar.protocol.request``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from sidecar.engines.base import EngineHandler
+from sidecar.errors import SidecarError
+from sidecar.ids import IdSources
+from sidecar.kv_agents.base import KVTransferAgent
+from sidecar.protocol.context import HandoffContext
+
+BOOTSTRAP_HOST = "bootstrap_host"
+BOOTSTRAP_PORT = "bootstrap_port"
+BOOTSTRAP_ROOM = "bootstrap_room"
+
+
+class SGLangHandler(EngineHandler):
+    """Concurrent legs paired by a bootstrap room unique among in-flight requests."""
+
+    name = "sglang"
+    checked_against = "SGLang main (2026 snapshot): bootstrap_host/port/room on the OpenAI routes"
+
+    def concurrent(self, agent: KVTransferAgent | None) -> bool:
+        return True
+
+    def assign_ids(
+        self, ctx: HandoffContext, ids: IdSources, agent: KVTransferAgent | None
+    ) -> HandoffContext:
+        return ctx.with_ids(sglang_room=ids.rooms.allocate())
+
+    def prefill_fields(
+        self, ctx: HandoffContext, agent: KVTransferAgent | None
+    ) -> dict[str, Any]:
+        return self._bootstrap_fields(ctx)
+
+    def handoff(
+        self,
+        prefill_response: Mapping[str, Any] | None,
+        ctx: HandoffContext,
+        agent: KVTransferAgent | None,
+    ) -> dict[str, Any]:
+        # The decode leg is built before the prefill answers: same three values, same room.
+        return self._bootstrap_fields(ctx)
+
+    @staticmethod
+    def _bootstrap_fields(ctx: HandoffContext) -> dict[str, Any]:
+        if ctx.sglang_room is None:
+            raise SidecarError("SGLang request has no bootstrap room (assign_ids not called)")
+        return {
+            BOOTSTRAP_HOST: ctx.advertise_host,
+            BOOTSTRAP_PORT: ctx.sglang_bootstrap_port,
+            BOOTSTRAP_ROOM: ctx.sglang_room,
+        }

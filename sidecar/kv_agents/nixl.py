@@ -1,0 +1,38 @@
+"""NIXL on AWS Neuron (seed name ``nixl``): the whole prefill response rides to decode.
+
+contracts.md section 2.2: the prefill body gets nothing; the decode body gets
+``"disagg_prefill_resp": <the entire prefill response JSON>``, always, with no top-level
+``kv_transfer_params`` and no ``remote_host`` rewrite: Neuron's connector finds what it needs
+inside that object.
+
+Deliberate limits: the response is passed as received (not copied, never modified); its
+content is not validated here because the Neuron connector owns its meaning.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from sidecar.errors import InvalidHandoff
+from sidecar.kv_agents.base import KVTransferAgent
+from sidecar.protocol.context import HandoffContext
+
+DISAGG_PREFILL_RESP = "disagg_prefill_resp"
+
+
+class NeuronNixlAgent(KVTransferAgent):
+    """Sequential legs; decode gets the prefill response wrapped whole."""
+
+    name = "nixl"
+    checked_against = "AIBrix NIXLAgent (Neuron vLLM): disagg_prefill_resp wrapping"
+
+    def prefill_fields(self, ctx: HandoffContext) -> dict[str, Any]:
+        return {}
+
+    def handoff(
+        self, prefill_response: Mapping[str, Any] | None, ctx: HandoffContext
+    ) -> dict[str, Any]:
+        if prefill_response is None:
+            raise InvalidHandoff("Neuron NIXL hand-off needs the prefill response")
+        return {DISAGG_PREFILL_RESP: prefill_response}

@@ -1,0 +1,30 @@
+"""Host formatting for addresses the sidecar writes into engine bodies.
+
+Owns one rule: an IPv6 literal goes in brackets inside a URL or ``host:port`` string
+(``http://[fd00::1]:8998``), everything else (IPv4, DNS names) is written as is.
+
+Deliberate limits: no DNS resolution and no validation of names; a host that is already
+bracketed is left alone so the helper is idempotent.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+
+
+def is_ipv6_literal(host: str) -> bool:
+    """True when ``host`` is a bare IPv6 address (a zone suffix such as ``%eth0`` allowed)."""
+    try:
+        return ipaddress.ip_address(host).version == 6
+    except ValueError:
+        return False
+
+
+def url_host(host: str) -> str:
+    """``host`` as written before ``:port`` in a URL: IPv6 literals in brackets."""
+    return f"[{host}]" if is_ipv6_literal(host) else host
+
+
+def http_url(host: str, port: int) -> str:
+    """``http://<host>:<port>`` with IPv6 literals bracketed."""
+    return f"http://{url_host(host)}:{port}"

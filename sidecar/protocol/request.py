@@ -1,0 +1,201 @@
+"""Checks on a client's OpenAI body before a prefill/decode flow starts.
+
+    raw bytes ──parse_client_body(raw, route)──▶ ClientRequest(route, body, stream)
+                                           └──▶ InvalidRequest (HTTP 400) with a clear message
+
+This runs on every PD request, so it reads only the fields the sidecar itself acts on and
+leaves everything else to the engine: no model of the whole body. Refused:
+
+- malformed JSON, or a body that is not an object;
+- wrong types of ``stream``, ``max_tokens``, ``max_completion_tokens``, ``min_tokens``, ``n``,
+  ``prompt`` (completions) and ``messages`` (chat);
+- hand-off fields sent by the client (only a trusted router may set them; engines would
+  otherwise act on foreign KV coordinates);
+- duplicated top-level control keys (orjson silently keeps the last one; another parser on
+  the path may keep the first);
+- ``n > 1`` and batched prompts: one hand-off per request only, for now.
+
+Duplicate detection is cheap: a key the body holds is re-checked only when its quoted name
+occurs more than once in the raw bytes, and then the top level is re-parsed with the standard
+library's ``object_pairs_hook`` to confirm. Deliberate limit: a duplicate spelled with escapes
+(``"max\\u005ftokens"``) is not detected; the sidecar forwards re-serialized bodies, so the
+engines see the same single value the sidecar read.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from sidecar import jsonutil
+from sidecar.errors import InvalidRequest
+from sidecar.protocol.context import Route
+
+STREAM = "stream"
+N = "n"
+PROMPT = "prompt"
+MESSAGES = "messages"
+
+#: Token-limit fields the sidecar rewrites on the prefill leg: int or null.
+INT_OR_NULL_FIELDS: tuple[str, ...] = ("max_tokens", "max_completion_tokens", "min_tokens")
+
+#: Fields only the sidecar (or a trusted router) may set: engine hand-off coordinates.
+HANDOFF_FIELDS: tuple[str, ...] = (
+    "kv_transfer_params",
+    "disaggregated_params",
+    "bootstrap_host",
+    "bootstrap_port",
+    "bootstrap_room",
+    "disagg_prefill_resp",
+)
+
+#: Top-level keys that must not occur twice.
+CONTROL_KEYS: frozenset[str] = frozenset(
+    {
+        "max_tokens",
+        "max_completion_tokens",
+        "min_tokens",
+        "min_completion_tokens",
+        STREAM,
+        "stream_options",
+        N,
+        *HANDOFF_FIELDS,
+    }
+)
+
+_QUOTED_CONTROL_KEYS: dict[str, bytes] = {key: f'"{key}"'.encode() for key in CONTROL_KEYS}
+
+
+@dataclass(frozen=True, slots=True)
+class ClientRequest:
+    """A checked client request: its route, parsed body and whether it streams."""
+
+    route: Route
+    body: dict[str, Any]
+    stream: bool
+
+
+def _type_name(value: object) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int):
+        return "integer"
+    if isinstance(value, float):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, list):
+        return "array"
+    return "object"
+
+
+def _is_int(value: object) -> bool:
+    # JSON true/false parse to bool, a subclass of int in Python.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_token_ids(value: list[Any]) -> bool:
+    return all(_is_int(item) for item in value)
+
+
+def _check_duplicates(raw: bytes, body: dict[str, Any]) -> None:
+    suspects = [
+        key
+        for key in body.keys() & CONTROL_KEYS
+        if raw.count(_QUOTED_CONTROL_KEYS[key]) > 1
+    ]
+    if not suspects:
+        return
+    # The hook sees every object, innermost first; the top level comes back as the result.
+    pairs: list[tuple[str, Any]] = json.loads(raw, object_pairs_hook=lambda p: p)
+    counts: dict[str, int] = {}
+    for key, _ in pairs:
+        counts[key] = counts.get(key, 0) + 1
+    duplicated = sorted(key for key in suspects if counts.get(key, 0) > 1)
+    if duplicated:
+        raise InvalidRequest(
+            "duplicated top-level key(s) in request body: " + ", ".join(duplicated)
+        )
+
+
+def _check_types(body: dict[str, Any], route: Route) -> None:
+    stream = body.get(STREAM)
+    if stream is not None and not isinstance(stream, bool):
+        raise InvalidRequest(f"'stream' must be a boolean, got {_type_name(stream)}")
+    for key in INT_OR_NULL_FIELDS:
+        value = body.get(key)
+        if value is not None and not _is_int(value):
+            raise InvalidRequest(f"'{key}' must be an integer or null, got {_type_name(value)}")
+    n = body.get(N)
+    if n is not None:
+        if not _is_int(n):
+            raise InvalidRequest(f"'n' must be an integer, got {_type_name(n)}")
+        if n > 1:
+            raise InvalidRequest("n > 1 is not supported yet with prefill/decode disaggregation")
+    if route is Route.COMPLETIONS:
+        _check_prompt(body)
+    else:
+        _check_messages(body)
+
+
+def _check_prompt(body: dict[str, Any]) -> None:
+    if PROMPT not in body:
+        raise InvalidRequest("'prompt' is required")
+    prompt = body[PROMPT]
+    if isinstance(prompt, str):
+        return
+    if not isinstance(prompt, list):
+        raise InvalidRequest(
+            f"'prompt' must be a string or an array of token ids, got {_type_name(prompt)}"
+        )
+    if not prompt:
+        raise InvalidRequest("'prompt' must not be an empty array")
+    if _is_token_ids(prompt):
+        return
+    if all(isinstance(item, str | list) for item in prompt):
+        if len(prompt) > 1:
+            raise InvalidRequest(
+                "batched prompts (an array of several prompts) are not supported yet with "
+                "prefill/decode disaggregation"
+            )
+        only = prompt[0]
+        if isinstance(only, str) or (only and _is_token_ids(only)):
+            return
+    raise InvalidRequest(
+        "'prompt' must be a string, an array of token ids, or a one-item array of either"
+    )
+
+
+def _check_messages(body: dict[str, Any]) -> None:
+    messages = body.get(MESSAGES)
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequest("'messages' must be a non-empty array of objects")
+    if not all(isinstance(message, dict) for message in messages):
+        raise InvalidRequest("'messages' must be a non-empty array of objects")
+
+
+def parse_client_body(
+    raw: bytes, route: Route, *, trusted_router: bool = False
+) -> ClientRequest:
+    """Parse and check a client body; raises ``InvalidRequest`` naming what is wrong.
+
+    ``trusted_router`` allows the hand-off fields (a router that computed them itself).
+    """
+    try:
+        body = jsonutil.loads(raw)
+    except jsonutil.JSONDecodeError:
+        raise InvalidRequest("request body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise InvalidRequest(f"request body must be a JSON object, got {_type_name(body)}")
+    if not trusted_router:
+        sent = [key for key in HANDOFF_FIELDS if key in body]
+        if sent:
+            raise InvalidRequest(
+                "hand-off field(s) may not be sent by the client: " + ", ".join(sent)
+            )
+    _check_duplicates(raw, body)
+    _check_types(body, route)
+    return ClientRequest(route=route, body=body, stream=body.get(STREAM) is True)
