@@ -1,0 +1,40 @@
+"""Proves the default handler: common rules only, sequential, empty hand-off, both routes."""
+
+from __future__ import annotations
+
+import pytest
+from engine_builders import chat_body, completions_body, make_ctx, make_ids
+
+from sidecar.engines.default import DefaultHandler
+from sidecar.protocol.context import Route
+
+HANDLER = DefaultHandler()
+
+
+@pytest.mark.parametrize("route", list(Route))
+def test_golden(route: Route) -> None:
+    ctx = HANDLER.assign_ids(make_ctx(route), make_ids(), None)
+    assert ctx == make_ctx(route)
+    assert HANDLER.concurrent(None) is False
+    client = completions_body() if route is Route.COMPLETIONS else chat_body()
+    prefill = HANDLER.prefill_body(client, ctx, None)
+    if route is Route.COMPLETIONS:
+        assert prefill == {
+            "model": "m",
+            "prompt": "hello world",
+            "max_tokens": 1,
+            "stream": False,
+            "temperature": 0.0,
+        }
+    else:
+        assert prefill == {
+            "model": "m",
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_completion_tokens": 1,
+            "max_tokens": 1,
+            "stream": False,
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+        }
+    assert HANDLER.handoff({"choices": []}, ctx, None) == {}
+    assert HANDLER.decode_body(client, {}) == client
+    assert HANDLER.answered_by_prefill({"choices": [{"finish_reason": "stop"}]}) is False

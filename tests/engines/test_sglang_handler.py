@@ -1,0 +1,93 @@
+"""Proves the SGLang handler's wire format (contracts.md section 3), completions and chat.
+
+Both legs carry the same bootstrap_host/port/room, the room comes from the allocator, the
+legs are concurrent, and client-supplied bootstrap values are overwritten on both legs.
+Does not prove that SGLang pairs the legs (that needs a real engine).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+from engine_builders import chat_body, completions_body, make_ctx, make_ids
+
+from sidecar.engines.sglang import SGLangHandler
+from sidecar.errors import SidecarError
+from sidecar.protocol.context import Route
+
+HANDLER = SGLangHandler()
+
+
+def test_concurrent_without_agent() -> None:
+    assert HANDLER.concurrent(None) is True
+
+
+@pytest.mark.parametrize("route", list(Route))
+def test_golden_both_legs_same_room(route: Route) -> None:
+    ids = make_ids()
+    ctx = HANDLER.assign_ids(
+        make_ctx(route, host="10.1.2.3", sglang_bootstrap_port=9001), ids, None
+    )
+    room = ctx.sglang_room
+    assert isinstance(room, int) and 0 <= room <= ids.rooms.max_room
+    assert ids.rooms.in_flight() == 1
+    client = completions_body() if route is Route.COMPLETIONS else chat_body()
+    before = copy.deepcopy(client)
+
+    prefill = HANDLER.prefill_body(client, ctx, None)
+    decode = HANDLER.decode_body(client, HANDLER.handoff(None, ctx, None))
+
+    fields = {"bootstrap_host": "10.1.2.3", "bootstrap_port": 9001, "bootstrap_room": room}
+    if route is Route.COMPLETIONS:
+        assert prefill == {
+            "model": "m",
+            "prompt": "hello world",
+            "max_tokens": 1,
+            "stream": False,
+            "temperature": 0.0,
+            **fields,
+        }
+        assert decode == {**before, **fields}
+    else:
+        assert prefill == {
+            "model": "m",
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_completion_tokens": 1,
+            "max_tokens": 1,
+            "stream": False,
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+            **fields,
+        }
+        assert decode == {**before, **fields}
+    assert client == before
+
+
+@pytest.mark.parametrize("route", list(Route))
+def test_client_bootstrap_values_are_overwritten(route: Route) -> None:
+    ctx = make_ctx(route, host="10.1.2.3", sglang_room=42)
+    base = completions_body() if route is Route.COMPLETIONS else chat_body()
+    client = {**base, "bootstrap_host": "evil", "bootstrap_port": 1, "bootstrap_room": 7}
+    prefill = HANDLER.prefill_body(client, ctx, None)
+    decode = HANDLER.decode_body(client, HANDLER.handoff({"ignored": True}, ctx, None))
+    for body in (prefill, decode):
+        assert body["bootstrap_host"] == "10.1.2.3"
+        assert body["bootstrap_port"] == 8998
+        assert body["bootstrap_room"] == 42
+    assert client["bootstrap_room"] == 7
+
+
+def test_ipv6_host_is_sent_bare() -> None:
+    ctx = make_ctx(host="fd00::5", sglang_room=3)
+    assert HANDLER.prefill_fields(ctx, None)["bootstrap_host"] == "fd00::5"
+
+
+def test_missing_room_is_an_internal_error() -> None:
+    with pytest.raises(SidecarError):
+        HANDLER.prefill_fields(make_ctx(), None)
+
+
+def test_rooms_are_distinct_among_in_flight_requests() -> None:
+    ids = make_ids(max_room=63)
+    rooms = [HANDLER.assign_ids(make_ctx(), ids, None).sglang_room for _ in range(64)]
+    assert sorted(rooms) == list(range(64))  # every room of the space, each once
