@@ -2,14 +2,31 @@
 
 Precedence, highest first: command-line flags > environment ``DISAGG_*`` > the pod's labels
 and annotations (downward-API files under ``--podinfo-dir``) > defaults. The loader that
-applies it lives in ``sidecar.config_loader``; this module defines the fields and checks them.
+applies it lives in ``sidecar.config_loader``; this module defines the fields and checks each
+value on its own (types, ranges, names, URL shapes, allowlist entries).
+
+Every field has a ``description``: it is the flag's help text and a row of the generated
+configuration reference (``sidecar.config_docs``), so a field without one fails a test.
+``POD_SOURCES`` names the fields a pod label or annotation can set, and which field holds the
+key; ``EXTRA_ENV`` names environment variables read besides ``DISAGG_<FIELD>``.
+
+Deliberate limits: checks that relate two fields or import plug-ins (same port twice, a
+connector for an engine it does not serve) live in the loader, where the source of each value
+is known and can be named in the message.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from enum import StrEnum
+from types import MappingProxyType
+from typing import Final, Literal, NamedTuple
+from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from sidecar.allowlist import parse_entry
+from sidecar.kv_agents import valid_agent_names
 
 
 class Role(StrEnum):
@@ -32,61 +49,286 @@ class KVTransport(StrEnum):
     INLINE = "inline"
 
 
+LOG_LEVELS: Final = ("debug", "info", "warning", "error", "critical")
+LOG_FORMATS: Final = ("text", "json")
+
+
+class PodKey(NamedTuple):
+    """Where in the pod's metadata a field can come from."""
+
+    kind: Literal["label", "annotation"]
+    #: The Settings field whose value is the label or annotation key.
+    key_field: str
+
+
+#: Fields a pod label or annotation can set (below flags and env, above defaults).
+POD_SOURCES: Final[Mapping[str, PodKey]] = MappingProxyType(
+    {
+        "engine": PodKey("label", "engine_label"),
+        "kv_connector": PodKey("label", "kv_connector_label"),
+        "engine_url": PodKey("label", "port_label"),
+        "role": PodKey("label", "role_label"),
+        "sglang_bootstrap_port": PodKey("annotation", "sglang_bootstrap_port_annotation"),
+    }
+)
+
+#: Environment variables read after ``DISAGG_<FIELD>`` (Kubernetes commonly injects POD_IP).
+EXTRA_ENV: Final[Mapping[str, tuple[str, ...]]] = MappingProxyType(
+    {"advertise_host": ("POD_IP",)}
+)
+
+
 class Settings(BaseModel):
     """Every setting of one sidecar process; immutable once built."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     # What runs next to us.
-    engine: str = "vllm"
-    kv_connector: str = "shfs"
-    default_kv_connector: str = "shfs"
-    engine_url: str = "http://127.0.0.1:8000"
-    role: Role = Role.BOTH
-    sglang_bootstrap_port: int = Field(default=8998, ge=1, le=65535)
-    mooncake_bootstrap_port: int = Field(default=8998, ge=1, le=65535)
-    trtllm_machine_id: int = Field(default=0, ge=0, le=1023)
-    advertise_host: str | None = None
+    engine: str = Field(
+        default="vllm",
+        description="The local engine: vllm, sglang, trtllm; another name gets the default "
+        "handler (plain prefill then decode). Lower-cased.",
+    )
+    kv_connector: str = Field(
+        default="shfs",
+        description="The vLLM KV connector type (shfs, nixl, mooncake; case-insensitive). An "
+        "unknown or missing label value falls back to default_kv_connector with a warning; an "
+        "unknown value given by flag or env refuses to start.",
+    )
+    default_kv_connector: str = Field(
+        default="shfs",
+        description="The connector used when the pod label is missing or unknown.",
+    )
+    engine_url: str = Field(
+        default="http://127.0.0.1:8000",
+        description="Base URL of the local engine (http or https, no query). From the port "
+        "label it is http://127.0.0.1:<port>.",
+    )
+    role: Role = Field(
+        default=Role.BOTH,
+        description="This sidecar's role: prefill, decode or both. From the label, any value "
+        "other than prefill or decode means both.",
+    )
+    sglang_bootstrap_port: int = Field(
+        default=8998, ge=1, le=65535, description="SGLang's disaggregation bootstrap port."
+    )
+    mooncake_bootstrap_port: int = Field(
+        default=8998, ge=1, le=65535, description="vLLM Mooncake connector's bootstrap port."
+    )
+    trtllm_machine_id: int = Field(
+        default=0,
+        ge=0,
+        le=1023,
+        description="TensorRT-LLM snowflake request-id machine id (0..1023), unique per pod.",
+    )
+    advertise_host: str | None = Field(
+        default=None,
+        description="The address peers use to reach this pod's engine (hand-off host); "
+        "falls back to env POD_IP.",
+    )
 
     # Where we listen.
-    host: str = "0.0.0.0"
-    port: int = Field(default=8080, ge=0, le=65535)
-    grpc_enabled: bool = True
-    grpc_port: int = Field(default=50051, ge=0, le=65535)
-    grpc_max_message_bytes: int = Field(default=64 * 1024 * 1024, ge=1024)
-    metrics_port: int | None = Field(default=None, ge=0, le=65535)
-    ports_file: str | None = None
+    host: str = Field(default="0.0.0.0", description="Address the HTTP and gRPC servers bind.")
+    port: int = Field(
+        default=8080, ge=0, le=65535, description="HTTP port (0: chosen by the OS)."
+    )
+    grpc_enabled: bool = Field(default=True, description="Serve the gRPC front door.")
+    grpc_port: int = Field(
+        default=50051, ge=0, le=65535, description="gRPC port (0: chosen by the OS)."
+    )
+    grpc_max_message_bytes: int = Field(
+        default=64 * 1024 * 1024, ge=1024, description="Largest gRPC message, each direction."
+    )
+    metrics_port: int | None = Field(
+        default=None,
+        ge=0, le=65535,
+        description="Separate Prometheus port (0: chosen by the OS); unset: /metrics on the "
+        "HTTP port.",
+    )
+    ports_file: str | None = Field(
+        default=None,
+        description="Write the bound ports as JSON to this file once listening (for tests and "
+        "port 0).",
+    )
 
     # Pod information.
-    podinfo_dir: str | None = None
-    engine_label: str = "model.aibrix.ai/engine"
-    kv_connector_label: str = "model.aibrix.ai/kv-connector-type"
-    port_label: str = "model.aibrix.ai/port"
-    role_label: str = "role-name"
-    sglang_bootstrap_port_annotation: str = "model.aibrix.ai/sglang-bootstrap-port"
+    podinfo_dir: str | None = Field(
+        default=None,
+        description="Downward-API directory holding the files labels and annotations "
+        "(e.g. /etc/podinfo); unset: labels are not read.",
+    )
+    engine_label: str = Field(
+        default="model.aibrix.ai/engine", min_length=1, description="Label naming the engine."
+    )
+    kv_connector_label: str = Field(
+        default="model.aibrix.ai/kv-connector-type",
+        min_length=1,
+        description="Label naming the KV connector type.",
+    )
+    port_label: str = Field(
+        default="model.aibrix.ai/port",
+        min_length=1,
+        description="Label holding the local engine's port.",
+    )
+    role_label: str = Field(
+        default="role-name", min_length=1, description="Label holding the pod's role."
+    )
+    sglang_bootstrap_port_annotation: str = Field(
+        default="model.aibrix.ai/sglang-bootstrap-port",
+        min_length=1,
+        description="Annotation holding SGLang's bootstrap port.",
+    )
 
     # Prefill targets.
-    prefill_urls: tuple[str, ...] = ()
-    prefill_allowlist: tuple[str, ...] = ()
+    prefill_urls: tuple[str, ...] = Field(
+        default=(),
+        description="Static prefill pool, each http(s)://host:port with nothing else; used "
+        "when a request names no prefill host. Repeat the flag; comma-separated in env.",
+    )
+    prefill_allowlist: tuple[str, ...] = Field(
+        default=(),
+        description="Prefill targets a router may name: HOST:PORT, HOST:*, CIDR:PORT, CIDR:* "
+        "(IPv6 in brackets); comma-separated. Empty: only the static pool.",
+    )
 
     # Behaviour and limits.
-    on_prefill_failure: PrefillFailurePolicy = PrefillFailurePolicy.FAIL
-    trusted_router: bool = False
-    max_body_bytes: int = Field(default=32 * 1024 * 1024, ge=1024)
-    max_prefill_response_bytes: int = Field(default=16 * 1024 * 1024, ge=1024)
-    max_inflight: int = Field(default=1024, ge=1)
-    connect_timeout_s: float = Field(default=5.0, gt=0)
-    read_timeout_s: float = Field(default=300.0, gt=0)
-    prefill_timeout_s: float = Field(default=30.0, gt=0)
-    keepalive_s: float = Field(default=4.0, gt=0)
-    max_connections: int = Field(default=1024, ge=1)
-    drain_grace_s: float = Field(default=30.0, ge=0)
+    on_prefill_failure: PrefillFailurePolicy = Field(
+        default=PrefillFailurePolicy.FAIL,
+        description="When the prefill leg fails: fail the request, or run it whole on the "
+        "local engine.",
+    )
+    trusted_router: bool = Field(
+        default=False,
+        description="Trust the router's prefill target without the allowlist (only behind a "
+        "router you control).",
+    )
+    max_body_bytes: int = Field(
+        default=32 * 1024 * 1024, ge=1024, description="Largest client request body."
+    )
+    max_prefill_response_bytes: int = Field(
+        default=16 * 1024 * 1024, ge=1024, description="Largest prefill engine response body."
+    )
+    max_inflight: int = Field(
+        default=1024, ge=1, description="Requests in flight before new ones get 503."
+    )
+    connect_timeout_s: float = Field(
+        default=5.0, gt=0, description="Upstream connect timeout, seconds."
+    )
+    read_timeout_s: float = Field(
+        default=300.0, gt=0, description="Upstream per-read timeout, seconds (no total limit)."
+    )
+    prefill_timeout_s: float = Field(
+        default=30.0, gt=0, description="Whole prefill leg deadline, seconds."
+    )
+    keepalive_s: float = Field(
+        default=4.0,
+        gt=0,
+        description="Idle upstream connection lifetime, seconds (below vLLM's 5 s).",
+    )
+    max_connections: int = Field(
+        default=1024, ge=1, description="Upstream connection pool size."
+    )
+    drain_grace_s: float = Field(
+        default=30.0, ge=0, description="On SIGTERM, seconds to let in-flight requests finish."
+    )
 
     # gRPC KV transport.
-    kv_transport: KVTransport = KVTransport.NATIVE
-    max_staged_bytes: int = Field(default=1024 * 1024 * 1024, ge=0)
-    max_kv_blocks: int = Field(default=100_000, ge=1)
+    kv_transport: KVTransport = Field(
+        default=KVTransport.NATIVE,
+        description="gRPC KV hand-off: native (engines move KV) or inline (KV bytes in the "
+        "stream; vLLM with this project's connector).",
+    )
+    max_staged_bytes: int = Field(
+        default=1024 * 1024 * 1024, ge=0, description="Inline mode: KV bytes staged at once."
+    )
+    max_kv_blocks: int = Field(
+        default=100_000, ge=1, description="Inline mode: KV blocks accepted per request."
+    )
 
     # Logging.
-    log_level: str = "info"
-    log_format: str = "text"
+    log_level: str = Field(
+        default="info", description="Log level: debug, info, warning, error, critical."
+    )
+    log_format: str = Field(default="text", description="Log format: text or json.")
+
+    @field_validator("engine")
+    @classmethod
+    def _engine_name(cls, value: str) -> str:
+        name = value.strip().lower()
+        if not name:
+            raise ValueError("engine name is empty")
+        return name
+
+    @field_validator("kv_connector", "default_kv_connector")
+    @classmethod
+    def _connector_name(cls, value: str) -> str:
+        name = value.strip().lower()
+        valid = valid_agent_names()
+        if name not in valid:
+            raise ValueError(f"unknown kv connector {value!r}; valid: {', '.join(valid)}")
+        return name
+
+    @field_validator("engine_url")
+    @classmethod
+    def _engine_url(cls, value: str) -> str:
+        parts = urlsplit(value)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError("engine URL must be http(s)://host[:port][/path]")
+        if parts.query or parts.fragment or parts.username or parts.password:
+            raise ValueError("engine URL must not carry a query, fragment or credentials")
+        _ = parts.port  # raises ValueError for a port that is not a number in range
+        # Paths are joined onto it, so a trailing slash would double.
+        return value.rstrip("/")
+
+    @field_validator("prefill_urls")
+    @classmethod
+    def _prefill_urls(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for url in value:
+            check_prefill_url(url)
+        return value
+
+    @field_validator("prefill_allowlist")
+    @classmethod
+    def _allowlist(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for entry in value:
+            parse_entry(entry)
+        return value
+
+    @field_validator("log_level")
+    @classmethod
+    def _log_level(cls, value: str) -> str:
+        level = value.strip().lower()
+        if level not in LOG_LEVELS:
+            raise ValueError(f"log level must be one of {', '.join(LOG_LEVELS)}")
+        return level
+
+    @field_validator("log_format")
+    @classmethod
+    def _log_format(cls, value: str) -> str:
+        fmt = value.strip().lower()
+        if fmt not in LOG_FORMATS:
+            raise ValueError(f"log format must be one of {', '.join(LOG_FORMATS)}")
+        return fmt
+
+
+def check_prefill_url(url: str) -> None:
+    """Raise ValueError unless ``url`` is exactly ``http(s)://host:port``."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as exc:
+        raise ValueError(f"prefill URL {url!r}: {exc}") from None
+    if (
+        parts.scheme not in ("http", "https")
+        or not parts.hostname
+        or port is None
+        or port == 0
+        or parts.path
+        or parts.query
+        or parts.fragment
+        or "?" in url
+        or "#" in url
+        or parts.username is not None
+        or parts.password is not None
+    ):
+        raise ValueError(f"prefill URL {url!r} must be http(s)://host:port with nothing else")

@@ -1,0 +1,390 @@
+"""Builds the one ``Settings`` object from flags, environment and pod labels, and names sources.
+
+    flags (--engine) > env (DISAGG_ENGINE, then extras such as POD_IP) > pod label/annotation
+    (--podinfo-dir) > default                      ->  LoadedSettings(settings, sources, warnings)
+
+Every field gets one flag (``--`` + the field name with dashes; ``--grpc/--no-grpc`` and the
+repeatable ``--prefill-url`` are the exceptions) and one variable ``DISAGG_<FIELD>``. Lists are
+comma-separated in env; booleans read true/false/1/0/yes/no; an empty variable counts as unset.
+The label rules are the seed's: a missing engine label means vllm; a missing or unknown
+connector label falls back to ``default_kv_connector`` with one warning (vLLM only); the port
+label gives ``http://127.0.0.1:<port>``; a role other than prefill or decode means both.
+
+A bad value raises ``ConfigError`` naming the field, the value and where it came from, so an
+operator can fix the right layer; ``run_config_command`` prints the resolved settings with
+their sources as JSON (``disagg-sidecar config``).
+
+Deliberate limits: the loader only reads (it never logs; ``log_effective_settings`` does,
+once, when the caller is ready), and reads the pod's metadata once, at start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import json
+import logging
+import os
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, TextIO
+from urllib.parse import urlsplit
+
+from pydantic import ValidationError
+
+from sidecar.engines import valid_engine_names
+from sidecar.kv_agents import AGENTS, resolve_connector_type, valid_agent_names
+from sidecar.podinfo import PodInfo, PodInfoError, read_podinfo
+from sidecar.settings import EXTRA_ENV, POD_SOURCES, Settings
+
+ENV_PREFIX = "DISAGG_"
+SOURCE_DEFAULT = "default"
+#: Flags that are not simply ``--`` + the field name with dashes.
+FLAG_OVERRIDES: Mapping[str, str] = MappingProxyType(
+    {"grpc_enabled": "--grpc", "prefill_urls": "--prefill-url"}
+)
+#: Fields given as a list: repeatable or comma-separated flags, comma-separated env.
+LIST_FIELDS = frozenset({"prefill_urls", "prefill_allowlist"})
+#: Fields whose flag may be repeated (each occurrence may also hold commas).
+REPEATABLE_FIELDS = frozenset({"prefill_urls"})
+
+_TRUE = frozenset({"true", "1", "yes"})
+_FALSE = frozenset({"false", "0", "no"})
+_LABEL_ROLES = frozenset({"prefill", "decode"})
+
+
+class ConfigError(Exception):
+    """The configuration is invalid; the message names the value and its source."""
+
+
+@dataclass(frozen=True)
+class LoadedSettings:
+    """The settings, where each field's value came from, and warnings raised while loading."""
+
+    settings: Settings
+    sources: Mapping[str, str]
+    warnings: tuple[str, ...] = ()
+
+
+def field_names() -> list[str]:
+    """Settings fields in definition order."""
+    return list(Settings.model_fields)
+
+
+def flag_for(name: str) -> str:
+    """The command-line flag that sets field ``name``."""
+    return FLAG_OVERRIDES.get(name, "--" + name.replace("_", "-"))
+
+
+def env_for(name: str) -> str:
+    """The environment variable that sets field ``name``."""
+    return ENV_PREFIX + name.upper()
+
+
+def is_bool_field(name: str) -> bool:
+    return Settings.model_fields[name].annotation is bool
+
+
+def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add one flag per Settings field; every default is None so unset flags defer to env."""
+    group = parser.add_argument_group(
+        "settings", "precedence: flag > env DISAGG_* > pod label/annotation > default"
+    )
+    for name, info in Settings.model_fields.items():
+        flag = flag_for(name)
+        default = info.get_default(call_default_factory=True)
+        shown = ",".join(default) if isinstance(default, tuple) else default
+        text = f"{info.description or ''} [env {env_for(name)}; default: {shown}]"
+        help_text = text.replace("%", "%%")
+        if is_bool_field(name):
+            group.add_argument(
+                flag,
+                dest=name,
+                action=argparse.BooleanOptionalAction,
+                default=None,
+                help=help_text,
+            )
+        elif name in REPEATABLE_FIELDS:
+            group.add_argument(
+                flag, dest=name, action="append", default=None, metavar="URL", help=help_text
+            )
+        else:
+            group.add_argument(
+                flag, dest=name, default=None, metavar=name.upper(), help=help_text
+            )
+
+
+def _parse_bool(text: str, name: str, source: str) -> bool:
+    word = text.strip().lower()
+    if word in _TRUE:
+        return True
+    if word in _FALSE:
+        return False
+    raise ConfigError(
+        f"invalid {name} {text!r} (from {source}): expected true/false/1/0/yes/no"
+    )
+
+
+def _split_list(values: list[str]) -> tuple[str, ...]:
+    return tuple(item.strip() for value in values for item in value.split(",") if item.strip())
+
+
+def _from_text(name: str, text: str, source: str) -> Any:
+    """A flag or env string as the value handed to Settings (which checks it further)."""
+    if is_bool_field(name):
+        return _parse_bool(text, name, source)
+    if name in LIST_FIELDS:
+        return _split_list([text])
+    if Settings.model_fields[name].default is None and not text.strip():
+        return None
+    return text
+
+
+def _explicit(
+    args: argparse.Namespace, environ: Mapping[str, str]
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """Values set by flag or environment, and their sources."""
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for name in field_names():
+        flag_value = getattr(args, name, None)
+        if flag_value is not None:
+            source = f"flag {flag_for(name)}"
+            if isinstance(flag_value, bool):
+                values[name] = flag_value
+            elif isinstance(flag_value, list):
+                values[name] = _split_list([str(v) for v in flag_value])
+            else:
+                values[name] = _from_text(name, str(flag_value), source)
+            sources[name] = source
+            continue
+        for env_name in (env_for(name), *EXTRA_ENV.get(name, ())):
+            env_value = environ.get(env_name)
+            # An empty variable is unset: templated manifests often render unused ones empty.
+            if env_value is not None and env_value.strip():
+                source = f"env {env_name}"
+                values[name] = _from_text(name, env_value, source)
+                sources[name] = source
+                break
+    return values, sources
+
+
+def _default(name: str) -> Any:
+    return Settings.model_fields[name].get_default(call_default_factory=True)
+
+
+def _port_number(text: str, where: str) -> int:
+    value = text.strip()
+    if not (value.isascii() and value.isdigit() and 1 <= int(value) <= 65535):
+        raise ConfigError(f"{where} has {text!r}, not a port number (1..65535)")
+    return int(value)
+
+
+class _Resolver:
+    """One load: the values gathered so far, their sources, and the warnings."""
+
+    def __init__(self, values: dict[str, Any], sources: dict[str, str]) -> None:
+        self.values = values
+        self.sources = sources
+        self.warnings: list[str] = []
+
+    def get(self, name: str) -> Any:
+        return self.values[name] if name in self.values else _default(name)
+
+    def set(self, name: str, value: Any, source: str) -> None:
+        self.values[name] = value
+        self.sources[name] = source
+
+    def pod_value(self, pod: PodInfo, name: str) -> tuple[str | None, str]:
+        """The pod's label/annotation value for field ``name`` and its source text."""
+        kind, key_field = POD_SOURCES[name]
+        key = str(self.get(key_field))
+        mapping = pod.labels if kind == "label" else pod.annotations
+        return mapping.get(key), f"{kind} {key}"
+
+    def apply_pod(self, pod: PodInfo) -> None:
+        if "engine" not in self.values:
+            label, source = self.pod_value(pod, "engine")
+            if label is not None and label.strip():
+                self.set("engine", label.strip().lower(), source)
+        engine = str(self.get("engine")).strip().lower()
+        if engine and engine not in valid_engine_names():
+            self.warnings.append(
+                f"engine {engine!r} (from {self.source_of('engine')}) is not registered; the "
+                f"default handler (plain prefill then decode) serves it; registered: "
+                f"{', '.join(valid_engine_names())}"
+            )
+
+        if "kv_connector" not in self.values:
+            self._connector_from_label(pod, engine)
+
+        if "engine_url" not in self.values:
+            label, source = self.pod_value(pod, "engine_url")
+            if label is not None:
+                port = _port_number(label, source)
+                self.set("engine_url", f"http://127.0.0.1:{port}", source)
+
+        if "role" not in self.values:
+            label, source = self.pod_value(pod, "role")
+            if label is not None:
+                role = label.strip().lower()
+                self.set("role", role if role in _LABEL_ROLES else "both", source)
+
+        if "sglang_bootstrap_port" not in self.values:
+            label, source = self.pod_value(pod, "sglang_bootstrap_port")
+            if label is not None:
+                self.set("sglang_bootstrap_port", _port_number(label, source), source)
+
+    def _connector_from_label(self, pod: PodInfo, engine: str) -> None:
+        label, source = self.pod_value(pod, "kv_connector")
+        fallback = str(self.get("default_kv_connector")).strip().lower()
+        name, used = resolve_connector_type(label, fallback)
+        if used:
+            self.set("kv_connector", name, source)
+            return
+        via = self.source_of("default_kv_connector")
+        self.set(
+            "kv_connector",
+            fallback,
+            SOURCE_DEFAULT if via == SOURCE_DEFAULT else f"default_kv_connector ({via})",
+        )
+        # Connectors are a vLLM notion: other engines ignore the label, so say nothing.
+        if engine != "vllm":
+            return
+        if label is None:
+            why = f"no {source}"
+        else:
+            why = f"{source}={label!r} is not a known connector ({', '.join(valid_agent_names())})"
+        self.warnings.append(f"{why}; using default_kv_connector {fallback!r}")
+
+    def source_of(self, name: str) -> str:
+        return self.sources.get(name, SOURCE_DEFAULT)
+
+
+def _validation_message(exc: ValidationError, values: Mapping[str, Any], res: _Resolver) -> str:
+    problems = []
+    for error in exc.errors():
+        loc = error.get("loc", ())
+        name = str(loc[0]) if loc else "settings"
+        value = values.get(name, error.get("input"))
+        reason = str(error.get("msg", "invalid")).removeprefix("Value error, ")
+        problems.append(f"invalid {name} {value!r} (from {res.source_of(name)}): {reason}")
+    return "; ".join(problems)
+
+
+def _loopback(host: str) -> bool:
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _check_ports(settings: Settings, res: _Resolver) -> None:
+    parts = urlsplit(settings.engine_url)
+    engine_port = parts.port or (443 if parts.scheme == "https" else 80)
+    if settings.port and settings.port == engine_port and _loopback(parts.hostname or ""):
+        raise ConfigError(
+            f"port {settings.port} (from {res.source_of('port')}) is the local engine's port "
+            f"in engine_url {settings.engine_url!r} (from {res.source_of('engine_url')}); the "
+            "sidecar and the engine cannot listen on the same port"
+        )
+    listeners = [("port", settings.port), ("metrics_port", settings.metrics_port)]
+    if settings.grpc_enabled:
+        listeners.insert(1, ("grpc_port", settings.grpc_port))
+    seen: dict[int, str] = {}
+    for name, port in listeners:
+        if not port:  # None or 0 (the OS picks a free port)
+            continue
+        if port in seen:
+            other = seen[port]
+            raise ConfigError(
+                f"{name} {port} (from {res.source_of(name)}) equals {other} "
+                f"(from {res.source_of(other)}); each listener needs its own port"
+            )
+        seen[port] = name
+
+
+def _check_connector_engine(settings: Settings, res: _Resolver) -> None:
+    source = res.source_of("kv_connector")
+    if not source.startswith(("flag ", "env ")):
+        return  # a label or the default: used only where it applies, never refused
+    try:
+        engines = type(AGENTS.get(settings.kv_connector)).engines
+    except ImportError as exc:
+        raise ConfigError(f"kv connector {settings.kv_connector!r} cannot load: {exc}") from None
+    if settings.engine not in engines:
+        raise ConfigError(
+            f"kv connector {settings.kv_connector!r} (from {source}) serves "
+            f"{', '.join(sorted(engines))}, not engine {settings.engine!r} "
+            f"(from {res.source_of('engine')})"
+        )
+
+
+def load_settings(args: argparse.Namespace, environ: Mapping[str, str]) -> LoadedSettings:
+    """Build the settings; ``ConfigError`` names any bad value and where it came from."""
+    values, sources = _explicit(args, environ)
+    res = _Resolver(values, sources)
+    podinfo_dir = res.get("podinfo_dir")
+    pod = PodInfo()
+    if podinfo_dir:
+        if not os.path.isdir(podinfo_dir):  # noqa: PTH112 (str path from the user, stat only)
+            res.warnings.append(
+                f"podinfo_dir {podinfo_dir!r} (from {res.source_of('podinfo_dir')}) is not a "
+                "directory; no labels or annotations read"
+            )
+        else:
+            try:
+                pod = read_podinfo(podinfo_dir)
+            except PodInfoError as exc:
+                raise ConfigError(f"pod info: {exc}") from None
+    res.apply_pod(pod)
+    try:
+        settings = Settings(**res.values)
+    except ValidationError as exc:
+        raise ConfigError(_validation_message(exc, res.values, res)) from None
+    _check_ports(settings, res)
+    _check_connector_engine(settings, res)
+    all_sources = {name: res.source_of(name) for name in field_names()}
+    return LoadedSettings(settings, MappingProxyType(all_sources), tuple(res.warnings))
+
+
+def settings_report(loaded: LoadedSettings) -> dict[str, Any]:
+    """JSON-able: each field's value and source, and the warnings."""
+    dumped = loaded.settings.model_dump(mode="json")
+    return {
+        "settings": {
+            name: {"value": dumped[name], "source": loaded.sources.get(name, SOURCE_DEFAULT)}
+            for name in field_names()
+        },
+        "warnings": list(loaded.warnings),
+    }
+
+
+def log_effective_settings(loaded: LoadedSettings, logger: logging.Logger) -> None:
+    """Log the warnings, then the effective settings with sources as one JSON line."""
+    for warning in loaded.warnings:
+        logger.warning("config: %s", warning)
+    report = settings_report(loaded)["settings"]
+    logger.info("effective settings: %s", json.dumps(report, separators=(",", ":")))
+
+
+def run_config_command(
+    args: argparse.Namespace,
+    environ: Mapping[str, str] | None = None,
+    stdout: TextIO | None = None,
+    stderr: TextIO | None = None,
+) -> int:
+    """``disagg-sidecar config``: print the report as JSON and return 0; 2 on a bad config."""
+    out = stdout if stdout is not None else sys.stdout
+    err = stderr if stderr is not None else sys.stderr
+    try:
+        loaded = load_settings(args, os.environ if environ is None else environ)
+    except ConfigError as exc:
+        print(f"disagg-sidecar: invalid configuration: {exc}", file=err)
+        return 2
+    print(json.dumps(settings_report(loaded), indent=2), file=out)
+    return 0
