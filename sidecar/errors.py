@@ -89,6 +89,15 @@ class PrefillFailed(SidecarError):
     default_stage = Stage.PREFILL
 
 
+class EngineRejected(SidecarError):
+    """An engine refused the request as invalid (it answered 4xx); the client must change it."""
+
+    code = "engine_rejected_request"
+    http_status = 400
+    grpc_status = grpc.StatusCode.INVALID_ARGUMENT
+    default_stage = Stage.DECODE
+
+
 class InvalidHandoff(SidecarError):
     """The prefill answered, but without a usable hand-off for the decode engine (HTTP 502)."""
 
@@ -175,6 +184,7 @@ ALL_ERRORS: tuple[type[SidecarError], ...] = (
     TargetNotAllowed,
     BodyTooLarge,
     PrefillFailed,
+    EngineRejected,
     InvalidHandoff,
     DecodeFailed,
     Overloaded,

@@ -70,6 +70,17 @@ class RoomAllocator:
         self._in_flight: set[int] = set()
         self._lock = threading.Lock()
 
+    def narrowed(self, max_room: int) -> RoomAllocator:
+        """An allocator over ``[0, max_room]`` sharing this one's rooms in flight.
+
+        gRPC paths need int32 rooms; sharing the in-flight set keeps them unique against the
+        HTTP path's int64 rooms on the same prefill engine.
+        """
+        view = RoomAllocator(min(max_room, self._max_room))
+        view._in_flight = self._in_flight
+        view._lock = self._lock
+        return view
+
     @property
     def max_room(self) -> int:
         return self._max_room

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Iterator
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
 T = TypeVar("T")
 
@@ -30,7 +30,7 @@ class UnknownName(KeyError):
 class LazyRegistry(Generic[T]):
     """Maps names to classes given as "module:Class", instantiated once on first use."""
 
-    def __init__(self, kind: str, base: type[T]) -> None:
+    def __init__(self, kind: str, base: type[Any]) -> None:
         self._kind = kind
         self._base = base
         self._paths: dict[str, str] = {}
@@ -63,6 +63,6 @@ class LazyRegistry(Generic[T]):
             cls = getattr(importlib.import_module(module_name), class_name)
             if not (isinstance(cls, type) and issubclass(cls, self._base)):
                 raise TypeError(f"{self._paths[key]} is not a {self._base.__name__}")
-            instance = cls()
+            instance = cast(T, cls())
             self._instances[key] = instance
         return instance

@@ -1,0 +1,131 @@
+"""The composition root: ``disagg-sidecar <command>``.
+
+    serve        run the sidecar (HTTP + gRPC front doors) next to an engine
+    config       print the resolved settings (with their sources) as JSON and exit
+    demo         stub engines + sidecar on loopback, one streamed PD request, exit
+    stub-engine  run one stub engine (vLLM, SGLang or TensorRT-LLM; prefill or decode)
+    route        a gRPC router client: Prefill on one sidecar, Decode on another
+
+Nothing else decides what runs: this module parses the command line, builds the settings once,
+and hands them to the command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any
+
+from sidecar import __version__
+from sidecar.config_loader import (
+    ConfigError,
+    add_settings_arguments,
+    load_settings,
+    log_effective_settings,
+    run_config_command,
+)
+from sidecar.logging_setup import configure_logging
+
+logger = logging.getLogger("sidecar")
+
+
+def run_async(main: Coroutine[Any, Any, int]) -> int:
+    """Run ``main`` on uvloop where installed, else the default loop."""
+    factory: Callable[[], asyncio.AbstractEventLoop] | None = None
+    try:
+        import uvloop
+
+        factory = uvloop.new_event_loop
+    except ImportError:
+        pass
+    with asyncio.Runner(loop_factory=factory) as runner:
+        return runner.run(main)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    try:
+        loaded = load_settings(args, os.environ)
+    except ConfigError as exc:
+        print(f"disagg-sidecar: invalid configuration: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(loaded.settings.log_level, loaded.settings.log_format)
+    log_effective_settings(loaded, logger)
+    from sidecar.serve import serve_until_signalled
+
+    return run_async(serve_until_signalled(loaded.settings))
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from sidecar.demo import run_demo
+
+    return run_async(run_demo(args))
+
+
+def _stub(args: argparse.Namespace) -> int:
+    from sidecar.stubs import run_stub_command
+
+    configure_logging("info", "text")
+    return run_async(run_stub_command(args))
+
+
+def _route(args: argparse.Namespace) -> int:
+    from sidecar.grpc_server.router_cli import run_route_command
+
+    return run_async(run_route_command(args))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="disagg-sidecar",
+        description="Prefill/decode-disaggregated LLM serving next to vLLM, SGLang or TRT-LLM.",
+    )
+    parser.add_argument("--version", action="version", version=f"disagg-sidecar {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    serve = commands.add_parser("serve", help="run the sidecar next to an engine")
+    add_settings_arguments(serve)
+    serve.set_defaults(run=_serve)
+
+    config = commands.add_parser("config", help="print the resolved settings as JSON and exit")
+    add_settings_arguments(config)
+    config.set_defaults(run=run_config_command)
+
+    demo = commands.add_parser(
+        "demo", help="run stub engines and the sidecar on loopback, send one PD request, exit"
+    )
+    from sidecar.demo import add_demo_arguments
+
+    add_demo_arguments(demo)
+    demo.set_defaults(run=_demo)
+
+    stub = commands.add_parser("stub-engine", help="run a stub engine (for tests and demos)")
+    from sidecar.stubs import add_stub_arguments
+
+    add_stub_arguments(stub)
+    stub.set_defaults(run=_stub)
+
+    try:
+        from sidecar.grpc_server.router_cli import add_route_arguments
+    except ImportError:
+        pass
+    else:
+        route = commands.add_parser(
+            "route", help="gRPC router client: Prefill on one sidecar, Decode on another"
+        )
+        add_route_arguments(route)
+        route.set_defaults(run=_route)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    run: Callable[[argparse.Namespace], int] = args.run
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""Admission control shared by both front doors: the in-flight bound and draining.
+
+    enter() ─▶ Overloaded (over --max-inflight) | Draining (after SIGTERM) | admitted
+    leave() ─▶ wakes wait_idle() when the last request ends
+
+Deliberate limits: a plain counter, not a queue; a refused client retries (HTTP 503 carries
+Retry-After) rather than waiting here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from sidecar.errors import Draining, Overloaded
+
+
+class Admission:
+    """Counts requests in flight and refuses new ones when full or draining."""
+
+    def __init__(self, max_inflight: int) -> None:
+        self._max_inflight = max_inflight
+        self._inflight = 0
+        self._draining = False
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @property
+    def inflight(self) -> int:
+        return self._inflight
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    def enter(self) -> None:
+        if self._draining:
+            raise Draining("the sidecar is shutting down")
+        if self._inflight >= self._max_inflight:
+            raise Overloaded("too many requests in flight")
+        self._inflight += 1
+        self._idle.clear()
+
+    def leave(self) -> None:
+        self._inflight -= 1
+        if self._inflight == 0:
+            self._idle.set()
+
+    def start_draining(self) -> None:
+        self._draining = True
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until nothing is in flight; False when ``timeout_s`` passed first."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._idle.wait()
+        except TimeoutError:
+            return False
+        return True

@@ -1,0 +1,1 @@
+"""The transport-agnostic core: upstream client, prefill targets, the legs and the orchestrator."""

@@ -1,0 +1,68 @@
+"""Mooncake engine ids from the prefill's bootstrap server, looked up once per host.
+
+The decode body of the Mooncake flow names the prefill engine (``remote_engine_id``), which
+only the prefill's bootstrap ``GET /query`` tells. Ids change when an engine restarts, so
+entries expire and a failed decode can drop them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import aiohttp
+
+from sidecar import jsonutil
+from sidecar.errors import InvalidHandoff, Stage
+
+
+class EngineIdCache:
+    """Caches ``host:port -> engine id`` for ``ttl_s`` seconds."""
+
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        parse: Callable[[object], str],
+        *,
+        ttl_s: float = 60.0,
+        timeout_s: float = 5.0,
+    ) -> None:
+        self._session = session
+        self._parse = parse
+        self._ttl_s = ttl_s
+        self._timeout_s = timeout_s
+        self._entries: dict[str, tuple[float, str]] = {}
+
+    async def get(self, url_host: str, port: int) -> str:
+        key = f"{url_host}:{port}"
+        entry = self._entries.get(key)
+        now = time.monotonic()
+        if entry is not None and entry[0] > now:
+            return entry[1]
+        engine_id = await self._query(f"http://{key}/query")
+        self._entries[key] = (now + self._ttl_s, engine_id)
+        return engine_id
+
+    def invalidate(self, url_host: str, port: int) -> None:
+        self._entries.pop(f"{url_host}:{port}", None)
+
+    async def _query(self, url: str) -> str:
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                async with self._session.get(url, allow_redirects=False) as response:
+                    if response.status != 200:
+                        raise InvalidHandoff(
+                            f"prefill bootstrap /query answered HTTP {response.status}",
+                            stage=Stage.PREFILL,
+                        )
+                    raw = await response.content.read(1024 * 1024)
+        except (aiohttp.ClientError, TimeoutError):
+            raise InvalidHandoff(
+                "prefill bootstrap /query unreachable", stage=Stage.PREFILL
+            ) from None
+        try:
+            payload = jsonutil.loads(raw)
+        except jsonutil.JSONDecodeError:
+            raise InvalidHandoff("prefill bootstrap /query answered malformed JSON") from None
+        return self._parse(payload)

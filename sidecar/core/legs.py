@@ -1,0 +1,126 @@
+"""The two upstream calls of a PD request, with their deadlines and error mapping.
+
+    post_prefill()  ─▶ dict (the prefill engine's JSON answer, size-capped, deadline-bound)
+    open_decode()   ─▶ aiohttp.ClientResponse (headers arrived, body not read; caller releases)
+
+Errors map to the taxonomy: unreachable -> PrefillFailed/EngineNotReady, 4xx ->
+EngineRejected, 5xx or garbage -> PrefillFailed/DecodeFailed, deadlines -> DeadlineExceeded.
+Engine error bodies are read (to free the connection) but never relayed: they may quote the
+prompt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from typing import Any
+
+import aiohttp
+
+from sidecar import jsonutil
+from sidecar.errors import (
+    DeadlineExceeded,
+    DecodeFailed,
+    EngineNotReady,
+    EngineRejected,
+    PrefillFailed,
+    SidecarError,
+    Stage,
+)
+
+_JSON_HEADERS = {"Content-Type": "application/json"}
+_MAX_ERROR_BODY = 64 * 1024
+
+
+async def read_capped(response: aiohttp.ClientResponse, max_bytes: int) -> bytes:
+    """The whole body, refusing more than ``max_bytes`` while reading."""
+    length = response.content_length
+    if length is not None and length > max_bytes:
+        raise PrefillFailed(f"prefill response of {length} bytes exceeds the cap")
+    buffer = bytearray()
+    async for chunk in response.content.iter_any():
+        buffer += chunk
+        if len(buffer) > max_bytes:
+            raise PrefillFailed("prefill response exceeds the size cap")
+    return bytes(buffer)
+
+
+def _status_error(status: int, stage: Stage) -> SidecarError:
+    name = stage.value
+    if status in (408, 429) or status >= 500 or status < 400:
+        failed: type[SidecarError] = PrefillFailed if stage is Stage.PREFILL else DecodeFailed
+        return failed(f"{name} engine answered HTTP {status}", stage=stage)
+    return EngineRejected(f"{name} engine rejected the request (HTTP {status})", stage=stage)
+
+
+async def post_prefill(
+    session: aiohttp.ClientSession,
+    url: str,
+    body: Mapping[str, Any],
+    headers: Mapping[str, str],
+    *,
+    timeout_s: float,
+    max_bytes: int,
+) -> dict[str, Any]:
+    """POST the prefill body and return its JSON object answer."""
+    payload = jsonutil.dumps(body)
+    try:
+        async with asyncio.timeout(timeout_s):
+            async with session.post(
+                url, data=payload, headers={**headers, **_JSON_HEADERS}, allow_redirects=False
+            ) as response:
+                if response.status != 200:
+                    await _drain_error_body(response)
+                    raise _status_error(response.status, Stage.PREFILL)
+                raw = await read_capped(response, max_bytes)
+    except TimeoutError:
+        raise DeadlineExceeded(
+            f"prefill leg exceeded its {timeout_s:g} s deadline", stage=Stage.PREFILL
+        ) from None
+    except aiohttp.ClientError as exc:
+        raise PrefillFailed(f"prefill engine unreachable or broke the connection: "
+                            f"{type(exc).__name__}") from None
+    try:
+        answer = jsonutil.loads(raw)
+    except jsonutil.JSONDecodeError:
+        raise PrefillFailed("prefill engine answered malformed JSON") from None
+    if not isinstance(answer, dict):
+        raise PrefillFailed("prefill engine answered JSON that is not an object")
+    return answer
+
+
+async def open_decode(
+    session: aiohttp.ClientSession,
+    url: str,
+    body: Mapping[str, Any] | bytes,
+    headers: Mapping[str, str],
+) -> aiohttp.ClientResponse:
+    """POST the decode body; return the response once its head arrived (status 200)."""
+    payload = body if isinstance(body, bytes) else jsonutil.dumps(body)
+    try:
+        response = await session.post(
+            url, data=payload, headers={**headers, **_JSON_HEADERS}, allow_redirects=False
+        )
+    except aiohttp.ClientConnectorError:
+        raise EngineNotReady("local engine refused the connection", stage=Stage.DECODE) from None
+    except TimeoutError:
+        raise DeadlineExceeded("decode engine did not answer in time", stage=Stage.DECODE) from None
+    except aiohttp.ClientError as exc:
+        raise DecodeFailed(
+            f"decode engine broke the connection: {type(exc).__name__}", stage=Stage.DECODE
+        ) from None
+    if response.status != 200:
+        try:
+            await _drain_error_body(response)
+        finally:
+            response.release()
+        raise _status_error(response.status, Stage.DECODE)
+    return response
+
+
+async def _drain_error_body(response: aiohttp.ClientResponse) -> None:
+    """Read (and drop) a bounded error body so the connection can be reused."""
+    try:
+        await response.content.read(_MAX_ERROR_BODY)
+    except (aiohttp.ClientError, TimeoutError):
+        response.close()

@@ -1,0 +1,160 @@
+"""Prefill targets: strict parsing of ``x-prefiller-host-port``, the static pool, the allowlist.
+
+    header "10.0.0.7:8000" ─parse_target_header()─▶ [PrefillTarget]
+        ─TargetSelector.select()─▶ resolve once ─▶ every address allowed? ─▶ PrefillTarget(ip)
+
+The sidecar connects to the address it checked (never re-resolves), so DNS rebinding between
+check and connect cannot redirect a prompt. Targets from the static pool (``--prefill-url``)
+are trusted configuration and skip the allowlist.
+
+Deliberate limits: one address per request is used (the first resolved); no health tracking
+of pool members (routers pick healthy prefill pods).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import itertools
+import random
+import re
+import socket
+from collections.abc import Sequence
+from typing import Protocol
+from urllib.parse import urlsplit
+
+from sidecar.errors import InvalidRequest, PrefillFailed, TargetNotAllowed
+from sidecar.protocol.context import PrefillTarget
+
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+PREFILL_TARGET_HEADER = "x-prefiller-host-port"
+
+_HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+                       r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?$")
+_PORT = re.compile(r"^[0-9]{1,5}$")
+_MAX_TARGETS = 16
+
+
+class AllowlistLike(Protocol):
+    def allows(self, host: str, addresses: Sequence[IPAddress], port: int) -> bool: ...
+
+
+def parse_host_port(text: str) -> PrefillTarget:
+    """One ``host:port`` (IPv6 in brackets); refuses schemes, user info, paths and controls."""
+    if not text or any(ord(ch) < 0x21 or ord(ch) == 0x7F for ch in text):
+        raise InvalidRequest("x-prefiller-host-port: empty value or control/space characters")
+    if text.startswith("["):
+        close = text.find("]")
+        if close < 0 or text[close + 1 : close + 2] != ":":
+            raise InvalidRequest("x-prefiller-host-port: IPv6 host needs the form [addr]:port")
+        host, port_text = text[1:close], text[close + 2 :]
+        try:
+            if ipaddress.ip_address(host).version != 6:
+                raise ValueError(host)
+        except ValueError:
+            raise InvalidRequest("x-prefiller-host-port: malformed IPv6 address") from None
+    else:
+        host, sep, port_text = text.rpartition(":")
+        if not sep or not _HOSTNAME.match(host):
+            raise InvalidRequest(
+                "x-prefiller-host-port: expected HOST:PORT with no scheme, user info or path"
+            )
+        host = host.rstrip(".").lower()
+    if not _PORT.match(port_text) or not 1 <= int(port_text) <= 65535:
+        raise InvalidRequest("x-prefiller-host-port: port must be 1..65535")
+    return PrefillTarget(host=host, port=int(port_text))
+
+
+def parse_target_header(values: Sequence[str]) -> list[PrefillTarget]:
+    """All targets named by (possibly repeated, comma-separated) header values."""
+    targets = [
+        parse_host_port(item.strip())
+        for value in values
+        for item in value.split(",")
+        if item.strip()
+    ]
+    if not targets:
+        raise InvalidRequest("x-prefiller-host-port: no target given")
+    if len(targets) > _MAX_TARGETS:
+        raise InvalidRequest("x-prefiller-host-port: too many targets")
+    return targets
+
+
+def parse_prefill_url(url: str) -> PrefillTarget:
+    """A static pool entry ``http://host:port`` (validated again at start-up by the loader)."""
+    parts = urlsplit(url)
+    if parts.hostname is None or parts.port is None:
+        raise ValueError(f"prefill URL {url!r} needs http://host:port")
+    return PrefillTarget(host=parts.hostname, port=parts.port)
+
+
+def _literal(host: str) -> IPAddress | None:
+    try:
+        return ipaddress.ip_address(host)
+    except ValueError:
+        return None
+
+
+class TargetSelector:
+    """Picks the prefill target of a request and checks it against the allowlist."""
+
+    def __init__(
+        self,
+        allowlist: AllowlistLike,
+        pool: Sequence[PrefillTarget],
+        *,
+        resolve_timeout_s: float,
+    ) -> None:
+        self._allowlist = allowlist
+        self._pool = list(pool)
+        self._pool_cycle = itertools.cycle(self._pool) if self._pool else None
+        self._resolve_timeout_s = resolve_timeout_s
+
+    @property
+    def has_pool(self) -> bool:
+        return bool(self._pool)
+
+    async def select(self, header_values: Sequence[str]) -> PrefillTarget | None:
+        """The checked target for a request, or None when it names none and no pool exists.
+
+        Every named target must be allowed (a list with one foreign entry is refused whole);
+        one of them is picked at random. Returns the target with its resolved address.
+        """
+        if header_values:
+            targets = parse_target_header(header_values)
+            checked = [await self._check(target) for target in targets]
+            return random.choice(checked) if len(checked) > 1 else checked[0]
+        if self._pool_cycle is not None:
+            target = next(self._pool_cycle)
+            addresses = await self._resolve(target)
+            return PrefillTarget(host=str(addresses[0]), port=target.port)
+        return None
+
+    async def _check(self, target: PrefillTarget) -> PrefillTarget:
+        literal = _literal(target.host)
+        addresses = [literal] if literal is not None else await self._resolve(target)
+        if not self._allowlist.allows(target.host, addresses, target.port):
+            raise TargetNotAllowed(f"prefill target {target} is not on the allowlist")
+        return PrefillTarget(host=str(addresses[0]), port=target.port)
+
+    async def _resolve(self, target: PrefillTarget) -> list[IPAddress]:
+        literal = _literal(target.host)
+        if literal is not None:
+            return [literal]
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(self._resolve_timeout_s):
+                infos = await loop.getaddrinfo(
+                    target.host, target.port, type=socket.SOCK_STREAM
+                )
+        except (OSError, TimeoutError):
+            raise PrefillFailed(f"prefill host {target.host} does not resolve") from None
+        addresses: list[IPAddress] = []
+        for info in infos:
+            address = ipaddress.ip_address(info[4][0])
+            if address not in addresses:
+                addresses.append(address)
+        if not addresses:
+            raise PrefillFailed(f"prefill host {target.host} does not resolve")
+        return addresses

@@ -1,0 +1,1 @@
+"""The OpenAI HTTP front door (aiohttp): PD routes, the engine passthrough, operations."""

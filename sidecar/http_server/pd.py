@@ -1,0 +1,196 @@
+"""The PD routes: ``POST /v1/completions`` and ``POST /v1/chat/completions``.
+
+    request ─admission─▶ target? ──no──▶ passthrough to the local engine
+                            │yes
+                            ▼
+        read body (capped) ─▶ parse_client_body ─▶ orchestrator.start ─▶ relay ─▶ client
+                                                                         JSON or SSE bytes
+
+The relay writes the decode engine's bytes as they arrive (no re-encoding). A failure after
+the first byte ends the stream with one error event and an unterminated body: no second
+status, no fabricated ``[DONE]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+
+from sidecar import jsonutil
+from sidecar.core.orchestrator import PDExchange, PDRequest
+from sidecar.core.targets import PREFILL_TARGET_HEADER
+from sidecar.core.upstream import forwardable_headers
+from sidecar.errors import BodyTooLarge, ClientCancelled, SidecarError
+from sidecar.http_server.errors import REQUEST_ID, error_response, sse_error_event
+from sidecar.http_server.keys import RUNTIME
+from sidecar.http_server.proxy import proxy_to_engine
+from sidecar.protocol.context import Route
+from sidecar.protocol.request import parse_client_body
+from sidecar.protocol.sse import answer_as_sse
+from sidecar.runtime import Runtime
+
+logger = logging.getLogger(__name__)
+
+FRONT_DOOR = "http"
+_SAFE_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,200}$")
+_RELAYED_HEADERS = ("Content-Type", "Cache-Control")
+
+
+def request_id_of(request: web.Request) -> str:
+    """The client's ``X-Request-Id`` when it is sane, else a new one."""
+    given = request.headers.get(REQUEST_ID)
+    if given is not None and _SAFE_REQUEST_ID.match(given):
+        return given
+    return uuid.uuid4().hex
+
+
+async def _read_body(request: web.Request, max_bytes: int) -> bytes:
+    if request.content_length is not None and request.content_length > max_bytes:
+        raise BodyTooLarge(f"request body exceeds {max_bytes} bytes")
+    try:
+        return await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise BodyTooLarge(f"request body exceeds {max_bytes} bytes") from None
+
+
+def _route_handler(route: Route) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    async def handle(request: web.Request) -> web.StreamResponse:
+        return await handle_pd(request, route)
+
+    return handle
+
+
+async def handle_pd(request: web.Request, route: Route) -> web.StreamResponse:
+    """Serve one OpenAI request, as a PD pair when it names a prefill target."""
+    runtime = request.app[RUNTIME]
+    metrics = runtime.metrics
+    request_id = request_id_of(request)
+    started = time.perf_counter()
+    outcome = "error"
+    try:
+        runtime.admission.enter()
+    except SidecarError as error:
+        _count_error(runtime, error, route, "refused")
+        return error_response(error, request_id)
+    metrics.inflight.labels(FRONT_DOOR).inc()
+    try:
+        target = await runtime.selector.select(request.headers.getall(PREFILL_TARGET_HEADER, []))
+        if target is None:
+            outcome = "passthrough"
+            return await proxy_to_engine(
+                request, runtime.session, runtime.settings.engine_url.rstrip("/"), request_id
+            )
+        raw = await _read_body(request, runtime.settings.max_body_bytes)
+        client = parse_client_body(raw, route, trusted_router=runtime.settings.trusted_router)
+        headers = forwardable_headers(request.headers.items(), drop=("accept-encoding",))
+        headers[REQUEST_ID] = request_id
+        exchange = await runtime.orchestrator.start(
+            PDRequest(
+                route=route,
+                body=client.body,
+                stream=client.stream,
+                target=target,
+                request_id=request_id,
+                headers=headers,
+            )
+        )
+        try:
+            _observe_stages(runtime, exchange)
+            response = await _relay(request, runtime, exchange, client.stream, route, request_id)
+        finally:
+            await exchange.aclose()
+        outcome = "fallback" if exchange.fallback_reason else "ok"
+        return response
+    except SidecarError as error:
+        _count_error(runtime, error, route, "error")
+        logger.warning("request %s failed: %s (%s)", request_id, error.code, error.message)
+        return error_response(error, request_id)
+    except asyncio.CancelledError:
+        outcome = "cancelled"
+        metrics.errors.labels(FRONT_DOOR, ClientCancelled.default_stage.value,
+                              ClientCancelled.code).inc()
+        raise
+    finally:
+        runtime.admission.leave()
+        metrics.inflight.labels(FRONT_DOOR).dec()
+        if outcome != "error":
+            metrics.requests.labels(
+                FRONT_DOOR, route.value, runtime.engine_name, runtime.connector_name, outcome
+            ).inc()
+        metrics.stage_seconds.labels(FRONT_DOOR, "total").observe(time.perf_counter() - started)
+
+
+def _count_error(runtime: Runtime, error: SidecarError, route: Route, outcome: str) -> None:
+    runtime.metrics.errors.labels(FRONT_DOOR, error.stage.value, error.code).inc()
+    runtime.metrics.requests.labels(
+        FRONT_DOOR, route.value, runtime.engine_name, runtime.connector_name, outcome
+    ).inc()
+
+
+def _observe_stages(runtime: Runtime, exchange: PDExchange) -> None:
+    histogram = runtime.metrics.stage_seconds
+    timings = exchange.timings
+    if timings.prefill is not None:
+        histogram.labels(FRONT_DOOR, "prefill").observe(timings.prefill)
+    if timings.handoff is not None:
+        histogram.labels(FRONT_DOOR, "handoff").observe(timings.handoff)
+    if timings.decode_first_byte is not None:
+        histogram.labels(FRONT_DOOR, "decode_first_byte").observe(timings.decode_first_byte)
+
+
+async def _relay(
+    request: web.Request,
+    runtime: Runtime,
+    exchange: PDExchange,
+    stream: bool,
+    route: Route,
+    request_id: str,
+) -> web.StreamResponse:
+    relayed = runtime.metrics.relayed_bytes.labels(FRONT_DOOR)
+    if exchange.decode is None:
+        answer = exchange.answer or {}
+        if stream:
+            body = answer_as_sse(answer, route)
+            content_type = "text/event-stream"
+        else:
+            body = jsonutil.dumps(answer)
+            content_type = "application/json"
+        relayed.inc(len(body))
+        return web.Response(body=body, content_type=content_type,
+                            headers={REQUEST_ID: request_id})
+    headers = {name: exchange.decode.headers[name] for name in _RELAYED_HEADERS
+               if name in exchange.decode.headers}
+    headers[REQUEST_ID] = request_id
+    if not stream:
+        body = await exchange.read_all(runtime.settings.max_body_bytes)
+        relayed.inc(len(body))
+        return web.Response(body=body, headers=headers)
+    response = web.StreamResponse(status=200, headers=headers)
+    await response.prepare(request)
+    total = 0
+    try:
+        async for chunk in exchange.chunks():
+            await response.write(chunk)
+            total += len(chunk)
+    except SidecarError as error:
+        relayed.inc(total)
+        _count_error(runtime, error, route, "broken_stream")
+        logger.warning("request %s: stream broke after %d bytes: %s", request_id, total, error.code)
+        await response.write(sse_error_event(error))
+        if request.transport is not None:
+            request.transport.close()
+        return response
+    relayed.inc(total)
+    await response.write_eof()
+    return response
+
+
+def add_pd_routes(app: web.Application) -> None:
+    for route in Route:
+        app.router.add_post(route.value, _route_handler(route))

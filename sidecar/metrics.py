@@ -1,0 +1,85 @@
+"""Prometheus metrics of one sidecar process (one registry, shared by both front doors).
+
+Every metric carries ``front_door`` (http | grpc). Names and labels are the public contract
+documented in README's metrics table; ``tests`` read them through the real exposition.
+
+Deliberate limits: label values come from closed sets (routes, engines, connectors, error
+codes, stages), never from client input, so cardinality stays bounded.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+_LATENCY_BUCKETS = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+    60.0, 120.0, 300.0,
+)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class Metrics:
+    """The sidecar's metric families, registered in their own registry."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "disagg_requests",
+            "Requests handled, by front door, route, engine, connector and outcome.",
+            ["front_door", "route", "engine", "connector", "outcome"],
+            registry=r,
+        )
+        self.stage_seconds = Histogram(
+            "disagg_stage_seconds",
+            "Latency of each stage: prefill, handoff, decode_first_byte, total.",
+            ["front_door", "stage"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.inflight = Gauge(
+            "disagg_inflight_requests",
+            "Requests in flight, by front door.",
+            ["front_door"],
+            registry=r,
+        )
+        self.errors = Counter(
+            "disagg_errors",
+            "Errors reported to clients, by front door, stage and code.",
+            ["front_door", "stage", "code"],
+            registry=r,
+        )
+        self.relayed_bytes = Counter(
+            "disagg_relayed_bytes",
+            "Bytes relayed from the decode engine to clients.",
+            ["front_door"],
+            registry=r,
+        )
+        self.prefill_fallbacks = Counter(
+            "disagg_prefill_fallbacks",
+            "Requests served by a local prefill after their prefill leg failed (policy 'local').",
+            ["front_door", "reason"],
+            registry=r,
+        )
+        self.kv_bytes = Counter(
+            "disagg_kv_bytes",
+            "KV block bytes streamed through the gRPC front door, by direction (out|in).",
+            ["direction"],
+            registry=r,
+        )
+        self.staged_bytes = Gauge(
+            "disagg_staged_kv_bytes",
+            "KV bytes staged for decode requests (inline KV transport).",
+            registry=r,
+        )
+        self.engine_ready = Gauge(
+            "disagg_engine_ready",
+            "1 when the local engine answered its health check, else 0.",
+            registry=r,
+        )
+
+    def exposition(self) -> bytes:
+        """The registry in Prometheus text format."""
+        return generate_latest(self.registry)

@@ -1,0 +1,120 @@
+"""The shared services of one sidecar process, opened and closed together.
+
+    Settings ─open_runtime()─▶ Runtime(session, orchestrator, selector, admission, health, metrics)
+
+Both front doors (HTTP and gRPC) take the same ``Runtime``: one pooled client session, one
+orchestrator, one metrics registry, one admission counter. ``open_runtime`` must run inside the
+event loop (the client session binds to it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import aiohttp
+
+from sidecar.admission import Admission
+from sidecar.allowlist import Allowlist
+from sidecar.core.engine_ids import EngineIdCache
+from sidecar.core.orchestrator import Orchestrator
+from sidecar.core.targets import TargetSelector, parse_prefill_url
+from sidecar.core.upstream import make_session
+from sidecar.engine_health import EngineHealth
+from sidecar.engines import EngineHandler, resolve_engine
+from sidecar.ids import INT32_ROOMS, IdSources, RoomAllocator, SnowflakeIds
+from sidecar.kv_agents import KVTransferAgent, resolve_agent
+from sidecar.metrics import Metrics
+from sidecar.settings import Settings
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Runtime:
+    """Everything a front door needs to serve requests."""
+
+    settings: Settings
+    metrics: Metrics
+    handler: EngineHandler
+    agent: KVTransferAgent | None
+    session: aiohttp.ClientSession
+    orchestrator: Orchestrator
+    grpc_orchestrator: Orchestrator
+    selector: TargetSelector
+    admission: Admission
+    health: EngineHealth
+
+    @property
+    def engine_name(self) -> str:
+        return self.handler.name
+
+    @property
+    def connector_name(self) -> str:
+        return self.agent.name if self.agent is not None else "none"
+
+
+def resolve_parts(settings: Settings) -> tuple[EngineHandler, KVTransferAgent | None]:
+    """The handler for the engine and, where the engine uses one, the KV agent."""
+    handler = resolve_engine(settings.engine)
+    agent = resolve_agent(settings.kv_connector) if handler.uses_kv_agent else None
+    return handler, agent
+
+
+@contextlib.asynccontextmanager
+async def open_runtime(
+    settings: Settings, metrics: Metrics | None = None
+) -> AsyncIterator[Runtime]:
+    """Build the shared services; close the client session on exit."""
+    metrics = metrics or Metrics()
+    handler, agent = resolve_parts(settings)
+    session = make_session(settings)
+    try:
+        engine_ids = None
+        if agent is not None and agent.needs_engine_id:
+            from sidecar.kv_agents.mooncake import engine_id_from_query
+
+            engine_ids = EngineIdCache(
+                session, engine_id_from_query, timeout_s=settings.connect_timeout_s
+            )
+        snowflake = SnowflakeIds(settings.trtllm_machine_id)
+        rooms = RoomAllocator()
+
+        def orchestrator(ids: IdSources, front_door: str) -> Orchestrator:
+            fallbacks = metrics.prefill_fallbacks
+            return Orchestrator(
+                settings=settings,
+                handler=handler,
+                agent=agent,
+                session=session,
+                ids=ids,
+                engine_ids=engine_ids,
+                on_fallback=lambda reason: fallbacks.labels(front_door, reason).inc(),
+            )
+
+        selector = TargetSelector(
+            Allowlist.parse(settings.prefill_allowlist),
+            [parse_prefill_url(url) for url in settings.prefill_urls],
+            resolve_timeout_s=settings.connect_timeout_s,
+        )
+        runtime = Runtime(
+            settings=settings,
+            metrics=metrics,
+            handler=handler,
+            agent=agent,
+            session=session,
+            orchestrator=orchestrator(IdSources(snowflake, rooms), "http"),
+            # SGLang's gRPC path carries rooms as int32: give gRPC requests their own range.
+            grpc_orchestrator=orchestrator(
+                IdSources(snowflake, rooms.narrowed(INT32_ROOMS)), "grpc"
+            ),
+            selector=selector,
+            admission=Admission(settings.max_inflight),
+            health=EngineHealth(session, settings.engine_url, timeout_s=settings.connect_timeout_s),
+        )
+        runtime.health.on_change(lambda ready: metrics.engine_ready.set(1 if ready else 0))
+        yield runtime
+    finally:
+        await session.close()

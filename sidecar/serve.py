@@ -1,0 +1,104 @@
+"""``disagg-sidecar serve``: both front doors in one process and one event loop.
+
+    open_runtime ─▶ HTTP (aiohttp AppRunner) + gRPC (grpc.aio) + engine health watcher
+    SIGTERM ─▶ not ready, refuse new requests ─▶ wait for in-flight (grace) ─▶ stop ─▶ exit 0
+
+``--port 0`` / ``--grpc-port 0`` let the OS choose; the bound ports are logged and, with
+``--ports-file``, written as JSON once both servers listen (tests and scripts read it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from sidecar import jsonutil
+from sidecar.http_server.app import build_http_app
+from sidecar.http_server.ops import metrics as metrics_endpoint
+from sidecar.http_server.keys import RUNTIME
+from sidecar.runtime import Runtime, open_runtime
+from sidecar.settings import Settings
+
+logger = logging.getLogger(__name__)
+
+#: Starts the gRPC front door; returns its bound port and an async stop(grace) function.
+GrpcStarter = Callable[[Runtime], Awaitable[tuple[int, Callable[[float], Awaitable[None]]]]]
+
+
+def _bound_port(runner: web.AppRunner) -> int:
+    for address in runner.addresses:
+        if isinstance(address, tuple):
+            return int(address[1])
+    raise RuntimeError("HTTP server has no bound address")
+
+
+def _grpc_starter() -> GrpcStarter | None:
+    try:
+        from sidecar.grpc_server.server import start_grpc_server
+    except ImportError:
+        return None
+    return start_grpc_server
+
+
+async def _start_site(app: web.Application, host: str, port: int) -> web.AppRunner:
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
+    await runner.setup()
+    await web.TCPSite(runner, host, port, reuse_address=True).start()
+    return runner
+
+
+async def run_server(settings: Settings, stop: asyncio.Event) -> int:
+    """Serve until ``stop`` is set, then drain and return the exit code."""
+    async with open_runtime(settings) as runtime:
+        http_runner = await _start_site(build_http_app(runtime), settings.host, settings.port)
+        ports: dict[str, Any] = {"http": _bound_port(http_runner)}
+        metrics_runner: web.AppRunner | None = None
+        if settings.metrics_port is not None:
+            metrics_app = web.Application()
+            metrics_app[RUNTIME] = runtime
+            metrics_app.router.add_get("/metrics", metrics_endpoint)
+            metrics_runner = await _start_site(metrics_app, settings.host, settings.metrics_port)
+            ports["metrics"] = _bound_port(metrics_runner)
+        stop_grpc: Callable[[float], Awaitable[None]] | None = None
+        starter = _grpc_starter() if settings.grpc_enabled else None
+        if starter is not None:
+            ports["grpc"], stop_grpc = await starter(runtime)
+        watcher = asyncio.ensure_future(runtime.health.watch())
+        if settings.ports_file:
+            Path(settings.ports_file).write_bytes(jsonutil.dumps(ports))
+        logger.info("listening: %s", " ".join(f"{k}={settings.host}:{v}" for k, v in ports.items()))
+        try:
+            await stop.wait()
+        finally:
+            logger.info("draining: %d request(s) in flight", runtime.admission.inflight)
+            runtime.admission.start_draining()
+            drained = await runtime.admission.wait_idle(settings.drain_grace_s)
+            if not drained:
+                logger.warning("grace period over with %d request(s) in flight",
+                               runtime.admission.inflight)
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
+            if stop_grpc is not None:
+                await stop_grpc(1.0)
+            await http_runner.cleanup()
+            if metrics_runner is not None:
+                await metrics_runner.cleanup()
+    logger.info("stopped")
+    return 0
+
+
+async def serve_until_signalled(settings: Settings) -> int:
+    """Serve until SIGTERM or SIGINT."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    return await run_server(settings, stop)
