@@ -1,0 +1,1 @@
+"""Tests of the gRPC contract (protos/disagg.proto), its generated code and the hand-off codec."""
