@@ -21,8 +21,8 @@ from aiohttp import web
 
 from sidecar import jsonutil
 from sidecar.http_server.app import build_http_app
-from sidecar.http_server.ops import metrics as metrics_endpoint
 from sidecar.http_server.keys import RUNTIME
+from sidecar.http_server.ops import metrics as metrics_endpoint
 from sidecar.runtime import Runtime, open_runtime
 from sidecar.settings import Settings
 
@@ -37,6 +37,14 @@ def _bound_port(runner: web.AppRunner) -> int:
         if isinstance(address, tuple):
             return int(address[1])
     raise RuntimeError("HTTP server has no bound address")
+
+
+def _write_ports_file(path: str, ports: dict[str, Any]) -> None:
+    """Write atomically, so a reader never sees a half-written file."""
+    target = Path(path)
+    partial = target.with_name(target.name + ".partial")
+    partial.write_bytes(jsonutil.dumps(ports))
+    partial.replace(target)
 
 
 def _grpc_starter() -> GrpcStarter | None:
@@ -72,7 +80,7 @@ async def run_server(settings: Settings, stop: asyncio.Event) -> int:
             ports["grpc"], stop_grpc = await starter(runtime)
         watcher = asyncio.ensure_future(runtime.health.watch())
         if settings.ports_file:
-            Path(settings.ports_file).write_bytes(jsonutil.dumps(ports))
+            _write_ports_file(settings.ports_file, ports)
         logger.info("listening: %s", " ".join(f"{k}={settings.host}:{v}" for k, v in ports.items()))
         try:
             await stop.wait()
