@@ -17,6 +17,8 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from sidecar.errors import ResourceExhausted
+
 TRT_MACHINE_ID_BITS = 10
 TRT_MIN_GLOBAL_ID = 1 << 42
 TRT_MAX_MACHINE_ID = (1 << TRT_MACHINE_ID_BITS) - 1
@@ -87,6 +89,8 @@ class RoomAllocator:
 
     def allocate(self) -> int:
         with self._lock:
+            if len(self._in_flight) > self._max_room:
+                raise ResourceExhausted("every SGLang bootstrap room is in flight")
             while True:
                 room = secrets.randbelow(self._max_room + 1)
                 if room not in self._in_flight:

@@ -143,6 +143,23 @@ def _as_prefill_error(error: BaseException) -> SidecarError:
     return PrefillFailed(f"prefill leg failed: {type(error).__name__}")
 
 
+def _without_handoff(response: dict[str, Any]) -> dict[str, Any]:
+    """A finished context answer as the client sees it: no engine hand-off state in it.
+
+    TensorRT-LLM's own disaggregated server drops ``disaggregated_params`` from a context
+    response it returns as the answer.
+    """
+    answer = {k: v for k, v in response.items() if k != "disaggregated_params"}
+    choices = answer.get("choices")
+    if isinstance(choices, list):
+        answer["choices"] = [
+            {k: v for k, v in choice.items() if k != "disaggregated_params"}
+            if isinstance(choice, dict) else choice
+            for choice in choices
+        ]
+    return answer
+
+
 async def _cancel(task: asyncio.Task[Any]) -> None:
     if not task.done():
         task.cancel()
@@ -234,7 +251,8 @@ class Orchestrator:
             response = await self._prefill(request, prefill_body)
             timings.prefill = time.perf_counter() - started
             if self.handler.answered_by_prefill(response):
-                return PDExchange(ctx=ctx, decode=None, answer=response, timings=timings)
+                answer = _without_handoff(response)
+                return PDExchange(ctx=ctx, decode=None, answer=answer, timings=timings)
             handoff_started = time.perf_counter()
             handoff = self.handler.handoff(response, ctx, self.agent)
             decode_body = self.handler.decode_body(request.body, handoff)
