@@ -1,0 +1,57 @@
+# syntax=docker/dockerfile:1
+#
+# disagg-sidecar container image.
+#
+# Two stages: "build" turns the source tree into a wheel and installs it with its dependencies
+# into a virtual environment at /opt/venv; "runtime" copies only that environment onto a fresh
+# slim Python base, so no compiler, no wheel cache and no source tree reach the final image.
+# Every dependency ships manylinux wheels for CPython 3.11, so the build stage needs no
+# compiler either; if one ever does, install it in "build" only.
+#
+# Build:  podman build --format docker -t disagg-sidecar .    (or: docker build -t ... .)
+# Run:    podman run -p 8080:8080 -p 50051:50051 disagg-sidecar serve --engine-url http://...
+#
+# Deliberate limits: the base is chosen by the PYTHON_IMAGE build argument and must provide a
+# `python` on PATH (the interpreter path differs between images, so nothing hard-codes it); the
+# two stages must use the same base, because the venv links to the base's interpreter.
+ARG PYTHON_IMAGE=python:3.11-slim
+
+FROM ${PYTHON_IMAGE} AS build
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PYTHONDONTWRITEBYTECODE=1
+WORKDIR /src
+# .dockerignore admits only what the wheel needs (pyproject, README, the packages, protos).
+COPY . .
+# The wheel is built in isolation, then installed with its dependencies; pip compiles the
+# bytecode at install time, so the runtime image can run from a read-only root filesystem.
+# pip, setuptools and wheel are removed from the venv afterwards: the runtime needs none of them.
+RUN python -m venv /opt/venv \
+ && /opt/venv/bin/python -m pip wheel --no-cache-dir --no-deps --wheel-dir /tmp/wheels . \
+ && /opt/venv/bin/python -m pip install --no-cache-dir /tmp/wheels/*.whl \
+ && /opt/venv/bin/python -m pip uninstall --yes pip setuptools wheel \
+ && /opt/venv/bin/disagg-sidecar --help > /dev/null
+
+FROM ${PYTHON_IMAGE} AS runtime
+LABEL org.opencontainers.image.title="disagg-sidecar" \
+      org.opencontainers.image.description="Prefill/decode disaggregation sidecar for vLLM, SGLang and TensorRT-LLM" \
+      org.opencontainers.image.licenses="Apache-2.0"
+# A fixed numeric UID/GID so Kubernetes' runAsNonRoot can verify it without /etc/passwd lookups.
+RUN groupadd --gid 10001 sidecar \
+ && useradd --uid 10001 --gid 10001 --no-create-home --home-dir /nonexistent \
+        --shell /usr/sbin/nologin sidecar
+COPY --from=build /opt/venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1
+USER 10001:10001
+WORKDIR /tmp
+# HTTP (OpenAI front door, /health, /ready, /metrics), gRPC (PrefillWorker/DecodeWorker),
+# and the optional separate metrics port (--metrics-port 9090).
+EXPOSE 8080 50051 9090
+# For podman/docker only (Kubernetes ignores it and uses the probes in deploy/). The image has
+# no curl; the stdlib client asks the sidecar's liveness endpoint on DISAGG_PORT, proxies off.
+HEALTHCHECK --interval=15s --timeout=3s --start-period=10s --retries=3 \
+    CMD ["python", "-c", "import os, urllib.request as u; u.build_opener(u.ProxyHandler({})).open('http://127.0.0.1:%s/health' % os.environ.get('DISAGG_PORT', '8080'), timeout=2)"]
+ENTRYPOINT ["disagg-sidecar"]
+CMD ["serve"]
