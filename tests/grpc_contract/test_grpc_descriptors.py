@@ -9,8 +9,9 @@ behaviour (test_grpc_wire, test_grpc_interop do).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
+import grpc
 import pytest
 from google.protobuf import descriptor_pb2
 
@@ -99,6 +100,6 @@ class _RecordingChannel:
 
 def test_generated_stubs_call_the_seed_method_names() -> None:
     channel = _RecordingChannel()
-    disagg_pb2_grpc.PrefillWorkerStub(channel)
-    disagg_pb2_grpc.DecodeWorkerStub(channel)
+    disagg_pb2_grpc.PrefillWorkerStub(cast(grpc.Channel, channel))
+    disagg_pb2_grpc.DecodeWorkerStub(cast(grpc.Channel, channel))
     assert channel.calls == [("unary_stream", name) for name in SEED_METHODS]
