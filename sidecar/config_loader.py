@@ -189,6 +189,7 @@ class _Resolver:
         self.values = values
         self.sources = sources
         self.warnings: list[str] = []
+        self.pod_read = True
 
     def get(self, name: str) -> Any:
         return self.values[name] if name in self.values else _default(name)
@@ -204,7 +205,11 @@ class _Resolver:
         mapping = pod.labels if kind == "label" else pod.annotations
         return mapping.get(key), f"{kind} {key}"
 
-    def apply_pod(self, pod: PodInfo) -> None:
+    def apply_pod(self, pod: PodInfo | None) -> None:
+        """Fill what flags and env left open from the pod (None: no pod info configured)."""
+        if pod is None:
+            pod = PodInfo()
+            self.pod_read = False
         if "engine" not in self.values:
             label, source = self.pod_value(pod, "engine")
             if label is not None and label.strip():
@@ -250,8 +255,9 @@ class _Resolver:
             fallback,
             SOURCE_DEFAULT if via == SOURCE_DEFAULT else f"default_kv_connector ({via})",
         )
-        # Connectors are a vLLM notion: other engines ignore the label, so say nothing.
-        if engine != "vllm":
+        # Connectors are a vLLM notion: other engines ignore the label, so say nothing; and
+        # without pod info there is no label to miss.
+        if engine != "vllm" or not self.pod_read:
             return
         if label is None:
             why = f"no {source}"
@@ -324,23 +330,29 @@ def _check_connector_engine(settings: Settings, res: _Resolver) -> None:
         )
 
 
+def _read_pod(res: _Resolver) -> PodInfo | None:
+    """The pod's labels and annotations; None when no readable directory is configured."""
+    podinfo_dir = res.get("podinfo_dir")
+    if not podinfo_dir:
+        return None
+    if not os.path.isdir(podinfo_dir):  # noqa: PTH112 (a str from the user; stat only)
+        # Not fatal: a pod without the volume still runs on flags and env, but say so.
+        res.warnings.append(
+            f"podinfo_dir {podinfo_dir!r} (from {res.source_of('podinfo_dir')}) is not a "
+            "directory; no labels or annotations read"
+        )
+        return None
+    try:
+        return read_podinfo(podinfo_dir)
+    except PodInfoError as exc:
+        raise ConfigError(f"pod info: {exc}") from None
+
+
 def load_settings(args: argparse.Namespace, environ: Mapping[str, str]) -> LoadedSettings:
     """Build the settings; ``ConfigError`` names any bad value and where it came from."""
     values, sources = _explicit(args, environ)
     res = _Resolver(values, sources)
-    podinfo_dir = res.get("podinfo_dir")
-    pod = PodInfo()
-    if podinfo_dir:
-        if not os.path.isdir(podinfo_dir):  # noqa: PTH112 (str path from the user, stat only)
-            res.warnings.append(
-                f"podinfo_dir {podinfo_dir!r} (from {res.source_of('podinfo_dir')}) is not a "
-                "directory; no labels or annotations read"
-            )
-        else:
-            try:
-                pod = read_podinfo(podinfo_dir)
-            except PodInfoError as exc:
-                raise ConfigError(f"pod info: {exc}") from None
+    pod = _read_pod(res)
     res.apply_pod(pod)
     try:
         settings = Settings(**res.values)

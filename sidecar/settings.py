@@ -102,7 +102,7 @@ class Settings(BaseModel):
     engine_url: str = Field(
         default="http://127.0.0.1:8000",
         description="Base URL of the local engine (http or https, no query). From the port "
-        "label it is http://127.0.0.1:<port>.",
+        "label it is http://127.0.0.1:PORT.",
     )
     role: Role = Field(
         default=Role.BOTH,
@@ -199,8 +199,8 @@ class Settings(BaseModel):
     )
     trusted_router: bool = Field(
         default=False,
-        description="Trust the router's prefill target without the allowlist (only behind a "
-        "router you control).",
+        description="Accept hand-off fields (e.g. kv_transfer_params) in client bodies: only "
+        "when the sole caller is a router that computes them itself.",
     )
     max_body_bytes: int = Field(
         default=32 * 1024 * 1024, ge=1024, description="Largest client request body."

@@ -1,0 +1,114 @@
+"""The configuration reference, generated from the Settings definition so it cannot drift.
+
+    Settings fields + descriptions + config_loader naming  ->  Markdown table
+
+``python -m sidecar.config_docs`` prints it; README.md carries the same text between
+``<!-- config-reference:start -->`` and ``<!-- config-reference:end -->``, and a test fails
+when the two differ or when a field has no description.
+
+Deliberate limits: Markdown only; the flags' ``--help`` text comes from the same descriptions
+but is rendered by argparse.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Any
+
+from sidecar.config_loader import (
+    LIST_FIELDS,
+    REPEATABLE_FIELDS,
+    env_for,
+    field_names,
+    flag_for,
+    is_bool_field,
+)
+from sidecar.settings import EXTRA_ENV, POD_SOURCES, Settings
+
+START_MARKER = "<!-- config-reference:start -->"
+END_MARKER = "<!-- config-reference:end -->"
+
+PRECEDENCE = (
+    "Precedence, highest first: command-line flag > environment variable `DISAGG_*` > the pod's "
+    "label or annotation (downward-API files `labels` and `annotations` under `--podinfo-dir`) "
+    "> default. Lists are comma-separated in the environment; booleans read "
+    "true/false/1/0/yes/no; an empty variable counts as unset. "
+    "`disagg-sidecar config [flags]` prints the resolved values and their sources as JSON."
+)
+
+
+class UndocumentedSetting(ValueError):
+    """A Settings field without a description."""
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _default_text(value: Any) -> str:
+    if value is None:
+        return "(unset)"
+    if isinstance(value, tuple):
+        return "(empty)" if not value else ", ".join(f"`{item}`" for item in value)
+    if isinstance(value, bool):
+        return "`true`" if value else "`false`"
+    if isinstance(value, Enum):
+        return f"`{value.value}`"
+    return f"`{value}`"
+
+
+def _flag_text(name: str) -> str:
+    flag = flag_for(name)
+    if is_bool_field(name):
+        return f"`{flag}` / `--no-{flag[2:]}`"
+    if name in REPEATABLE_FIELDS:
+        return f"`{flag}` (repeatable)"
+    if name in LIST_FIELDS:
+        return f"`{flag}` (comma-separated)"
+    return f"`{flag}`"
+
+
+def _env_text(name: str) -> str:
+    names = [env_for(name), *EXTRA_ENV.get(name, ())]
+    return ", then ".join(f"`{env}`" for env in names)
+
+
+def _pod_text(name: str) -> str:
+    pod = POD_SOURCES.get(name)
+    if pod is None:
+        return ""
+    key = Settings.model_fields[pod.key_field].default
+    return f"{pod.kind} `{key}` (key: `{flag_for(pod.key_field)}`)"
+
+
+def configuration_reference_markdown() -> str:
+    """The reference: a precedence line, then one table row per setting."""
+    rows = [
+        PRECEDENCE,
+        "",
+        "| Setting | Flag | Environment | Pod label / annotation | Default | Description |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name in field_names():
+        info = Settings.model_fields[name]
+        if not info.description:
+            raise UndocumentedSetting(f"setting {name!r} has no description")
+        default = info.get_default(call_default_factory=True)
+        cells = [
+            f"`{name}`",
+            _flag_text(name),
+            _env_text(name),
+            _pod_text(name),
+            _default_text(default),
+            info.description,
+        ]
+        rows.append("| " + " | ".join(_cell(cell) for cell in cells) + " |")
+    return "\n".join(rows) + "\n"
+
+
+def main() -> None:
+    print(configuration_reference_markdown(), end="")
+
+
+if __name__ == "__main__":
+    main()
