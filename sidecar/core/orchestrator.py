@@ -77,7 +77,9 @@ class PDExchange:
     timings: Timings = field(default_factory=Timings)
     prefill_task: asyncio.Task[dict[str, Any]] | None = None
     prefill_error: SidecarError | None = None
+    completed: bool = False
     _release: Callable[[], None] | None = None
+    _abort: Callable[[], None] | None = None
     _closed: bool = False
 
     def watch_prefill(self) -> None:
@@ -114,6 +116,7 @@ class PDExchange:
             raise self._stream_error(exc) from None
         if self.prefill_error is not None:
             raise self.prefill_error
+        self.completed = True
 
     async def read_all(self, max_bytes: int) -> bytes:
         """The whole decode body (JSON answers), capped."""
@@ -133,6 +136,8 @@ class PDExchange:
             self.decode.close()
         if self.prefill_task is not None:
             await _cancel(self.prefill_task)
+        if not self.completed and self.decode is not None and self._abort is not None:
+            self._abort()
         if self._release is not None:
             self._release()
 
@@ -190,6 +195,7 @@ class Orchestrator:
         self.concurrent = handler.concurrent(agent)
         self._on_fallback = on_fallback
         self._engine_url = settings.engine_url.rstrip("/")
+        self._aborts: set[asyncio.Task[None]] = set()
 
     def engine_url(self, route: Route | str) -> str:
         return self._engine_url + str(route)
@@ -227,10 +233,33 @@ class Orchestrator:
             else:
                 exchange = await self._start_sequential(request, ctx)
         except BaseException:
+            self.abort(ctx, request.target)
             self.release(ctx)
             raise
         exchange._release = lambda: self.release(ctx)
+        exchange._abort = lambda: self.abort(ctx, request.target)
         return exchange
+
+    def abort(self, ctx: HandoffContext, target: PrefillTarget) -> None:
+        """Tell both engines to drop this request's legs, where the engine has an abort call.
+
+        Closing a connection is not enough for engines that notice a gone client only when
+        they next write (SGLang checks every few seconds). Runs in the background, bounded.
+        """
+        call = self.handler.abort_call(ctx)
+        if call is None:
+            return
+        path, body = call
+        for base in (self._engine_url, target.base_url):
+            task = asyncio.ensure_future(self._post_abort(base + path, body))
+            self._aborts.add(task)
+            task.add_done_callback(self._aborts.discard)
+
+    async def _post_abort(self, url: str, body: Mapping[str, Any]) -> None:
+        with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+            async with asyncio.timeout(self.settings.connect_timeout_s):
+                async with self.session.post(url, json=body, allow_redirects=False) as response:
+                    await response.read()
 
     async def _prefill(self, request: PDRequest, body: Mapping[str, Any]) -> dict[str, Any]:
         return await post_prefill(

@@ -70,6 +70,10 @@ class EngineHandler(ABC):
     ) -> dict[str, Any]:
         """Top-level fields the decode body gets; raises ``InvalidHandoff`` when unusable."""
 
+    def abort_call(self, ctx: HandoffContext) -> tuple[str, dict[str, Any]] | None:
+        """The engine's abort endpoint and body for this request's legs, if it has one."""
+        return None
+
     def answered_by_prefill(self, prefill_response: Mapping[str, Any]) -> bool:
         """True when the prefill response already is the whole answer (TRT-LLM)."""
         return False

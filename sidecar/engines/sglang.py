@@ -8,8 +8,9 @@ at the same time.
     assign_ids: room := ids.rooms.allocate()   (the orchestrator releases ctx.sglang_room)
     prefill fields == decode fields == {bootstrap_host, bootstrap_port, bootstrap_room}
 
-The fields are set after the client's keys, so client-supplied bootstrap values are always
-overwritten. Deliberate limits: one room per request; batches (one room per item) are refused
+Both legs also carry ``rid`` (SGLang's request id field), so the sidecar can name the request
+in ``POST /abort_request`` when the client goes away or the prefill fails. The fields are set
+after the client's keys, so client-supplied bootstrap values are always overwritten. Deliberate limits: one room per request; batches (one room per item) are refused
 earlier by ``sidecar.protocol.request``.
 """
 
@@ -27,6 +28,9 @@ from sidecar.protocol.context import HandoffContext
 BOOTSTRAP_HOST = "bootstrap_host"
 BOOTSTRAP_PORT = "bootstrap_port"
 BOOTSTRAP_ROOM = "bootstrap_room"
+#: SGLang's request id field on its OpenAI routes; ``POST /abort_request {"rid"}`` names it.
+RID = "rid"
+ABORT_PATH = "/abort_request"
 
 
 class SGLangHandler(EngineHandler):
@@ -65,4 +69,16 @@ class SGLangHandler(EngineHandler):
             BOOTSTRAP_HOST: ctx.advertise_host,
             BOOTSTRAP_PORT: ctx.sglang_bootstrap_port,
             BOOTSTRAP_ROOM: ctx.sglang_room,
+            RID: request_rid(ctx),
         }
+
+    def abort_call(self, ctx: HandoffContext) -> tuple[str, dict[str, Any]] | None:
+        if ctx.sglang_room is None:
+            return None
+        return ABORT_PATH, {RID: request_rid(ctx)}
+
+
+def request_rid(ctx: HandoffContext) -> str:
+    """The engine-side id of this request's legs: unique among requests in flight (the room
+    is), and carrying the client's request id for log correlation."""
+    return f"{ctx.request_id}-{ctx.sglang_room}"

@@ -37,6 +37,7 @@ ENGINE_KEYS = {
     "bootstrap_host",
     "bootstrap_port",
     "bootstrap_room",
+    "rid",
     "disagg_prefill_resp",
 }
 

@@ -38,7 +38,12 @@ def test_golden_both_legs_same_room(route: Route) -> None:
     prefill = HANDLER.prefill_body(client, ctx, None)
     decode = HANDLER.decode_body(client, HANDLER.handoff(None, ctx, None))
 
-    fields = {"bootstrap_host": "10.1.2.3", "bootstrap_port": 9001, "bootstrap_room": room}
+    fields = {
+        "bootstrap_host": "10.1.2.3",
+        "bootstrap_port": 9001,
+        "bootstrap_room": room,
+        "rid": f"{ctx.request_id}-{room}",
+    }
     if route is Route.COMPLETIONS:
         assert prefill == {
             "model": "m",
@@ -67,14 +72,22 @@ def test_golden_both_legs_same_room(route: Route) -> None:
 def test_client_bootstrap_values_are_overwritten(route: Route) -> None:
     ctx = make_ctx(route, host="10.1.2.3", sglang_room=42)
     base = completions_body() if route is Route.COMPLETIONS else chat_body()
-    client = {**base, "bootstrap_host": "evil", "bootstrap_port": 1, "bootstrap_room": 7}
+    client = {**base, "bootstrap_host": "evil", "bootstrap_port": 1, "bootstrap_room": 7,
+              "rid": "client-chosen"}
     prefill = HANDLER.prefill_body(client, ctx, None)
     decode = HANDLER.decode_body(client, HANDLER.handoff({"ignored": True}, ctx, None))
     for body in (prefill, decode):
         assert body["bootstrap_host"] == "10.1.2.3"
         assert body["bootstrap_port"] == 8998
         assert body["bootstrap_room"] == 42
+        assert body["rid"] == f"{ctx.request_id}-42"
     assert client["bootstrap_room"] == 7
+
+
+def test_abort_call_names_the_legs_rid() -> None:
+    ctx = make_ctx(sglang_room=9)
+    assert HANDLER.abort_call(ctx) == ("/abort_request", {"rid": f"{ctx.request_id}-9"})
+    assert HANDLER.abort_call(make_ctx()) is None
 
 
 def test_ipv6_host_is_sent_bare() -> None:
