@@ -144,7 +144,8 @@ def test_boolean_flag_and_env(argv: list[str], env: dict[str, str], expected: bo
 def test_trusted_router_boolean() -> None:
     assert load(["--trusted-router"]).settings.trusted_router is True
     assert load(env={"DISAGG_TRUSTED_ROUTER": "1"}).settings.trusted_router is True
-    assert load(["--no-trusted-router"], {"DISAGG_TRUSTED_ROUTER": "1"}).settings.trusted_router is False
+    loaded = load(["--no-trusted-router"], {"DISAGG_TRUSTED_ROUTER": "1"})
+    assert loaded.settings.trusted_router is False
 
 
 def test_list_fields() -> None:

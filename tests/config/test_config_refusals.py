@@ -24,7 +24,7 @@ def refused(argv: list[str] | None = None, env: dict[str, str] | None = None,
     return str(info.value)
 
 
-@pytest.mark.parametrize("port", ["http", "0", "65536", "-1", "80.0", "８０"])
+@pytest.mark.parametrize("port", ["http", "0", "65536", "-1", "80.0", "\uff18\uff10"])
 def test_bad_port_label(tmp_path: Path, port: str) -> None:
     pod = write_podinfo(tmp_path, labels={"model.aibrix.ai/port": port})
     message = refused(podinfo=pod)
