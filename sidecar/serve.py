@@ -15,7 +15,6 @@ import logging
 import signal
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
 
 from aiohttp import web
 
@@ -39,7 +38,7 @@ def _bound_port(runner: web.AppRunner) -> int:
     raise RuntimeError("HTTP server has no bound address")
 
 
-def _write_ports_file(path: str, ports: dict[str, Any]) -> None:
+def _write_ports_file(path: str, ports: dict[str, int]) -> None:
     """Write atomically, so a reader never sees a half-written file."""
     target = Path(path)
     partial = target.with_name(target.name + ".partial")
@@ -62,11 +61,18 @@ async def _start_site(app: web.Application, host: str, port: int) -> web.AppRunn
     return runner
 
 
-async def run_server(settings: Settings, stop: asyncio.Event) -> int:
-    """Serve until ``stop`` is set, then drain and return the exit code."""
+async def run_server(
+    settings: Settings,
+    stop: asyncio.Event,
+    on_listening: Callable[[dict[str, int]], None] | None = None,
+) -> int:
+    """Serve until ``stop`` is set, then drain and return the exit code.
+
+    ``on_listening`` gets the bound ports (``http``, ``grpc``, ``metrics``) once all listen.
+    """
     async with open_runtime(settings) as runtime:
         http_runner = await _start_site(build_http_app(runtime), settings.host, settings.port)
-        ports: dict[str, Any] = {"http": _bound_port(http_runner)}
+        ports: dict[str, int] = {"http": _bound_port(http_runner)}
         metrics_runner: web.AppRunner | None = None
         if settings.metrics_port is not None:
             metrics_app = web.Application()
@@ -81,6 +87,8 @@ async def run_server(settings: Settings, stop: asyncio.Event) -> int:
         watcher = asyncio.ensure_future(runtime.health.watch())
         if settings.ports_file:
             _write_ports_file(settings.ports_file, ports)
+        if on_listening is not None:
+            on_listening(dict(ports))
         logger.info("listening: %s", " ".join(f"{k}={settings.host}:{v}" for k, v in ports.items()))
         try:
             await stop.wait()

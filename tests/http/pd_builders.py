@@ -1,0 +1,125 @@
+"""Builders for the HTTP front door tests: a stub prefill/decode pair and the sidecar before it.
+
+    async with pd_pair("sglang") as pair:
+        status, headers, text = await pair.send(stream=True)
+        pair.prefill.recorder / pair.decode.recorder / await pair.sidecar.metric(...)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from multidict import CIMultiDict
+from sidecar_harness import RunningSidecar, running_sidecar
+
+from sidecar.protocol.context import Route
+from sidecar.stubs.config import StubConfig
+from sidecar.stubs.server import run_stub
+from sidecar.stubs.server import Stub
+
+#: Every engine/connector pair the sidecar supports.
+PAIRS: list[tuple[str, str]] = [
+    ("vllm", "shfs"),
+    ("vllm", "nixl"),
+    ("vllm", "mooncake"),
+    ("sglang", "shfs"),
+    ("trtllm", "shfs"),
+]
+
+PROMPT = "Disaggregated serving splits prefill and decode."
+
+
+def client_body(route: Route, *, stream: bool, max_tokens: int = 6, **extra: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": "stub-model", "max_tokens": max_tokens, "stream": stream}
+    if route is Route.COMPLETIONS:
+        body["prompt"] = PROMPT
+    else:
+        body["messages"] = [{"role": "user", "content": PROMPT}]
+    body.update(extra)
+    return body
+
+
+@dataclass
+class PDPair:
+    engine: str
+    connector: str
+    prefill: Stub
+    decode: Stub
+    sidecar: RunningSidecar
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.prefill.port}"
+
+    async def send(
+        self,
+        route: Route = Route.COMPLETIONS,
+        *,
+        stream: bool = False,
+        body: dict[str, Any] | None = None,
+        headers: dict[str, str] | None = None,
+        with_target: bool = True,
+    ) -> tuple[int, CIMultiDict[str], str]:
+        payload = body if body is not None else client_body(route, stream=stream)
+        sent_headers = {"x-prefiller-host-port": self.target} if with_target else {}
+        sent_headers.update(headers or {})
+        async with aiohttp.ClientSession() as session:
+            async with session.post(
+                self.sidecar.url + route.value, json=payload, headers=sent_headers
+            ) as response:
+                return response.status, CIMultiDict(response.headers), await response.text()
+
+
+@contextlib.asynccontextmanager
+async def pd_pair(
+    engine: str,
+    connector: str = "shfs",
+    *,
+    prefill_overrides: dict[str, Any] | None = None,
+    decode_overrides: dict[str, Any] | None = None,
+    **sidecar_overrides: Any,
+) -> AsyncIterator[PDPair]:
+    async with (
+        run_stub(StubConfig(engine=engine, role="prefill", kv_connector=connector,
+                            **(prefill_overrides or {}))) as prefill,
+        run_stub(StubConfig(engine=engine, role="decode", kv_connector=connector,
+                            **(decode_overrides or {}))) as decode,
+    ):
+        settings: dict[str, Any] = {
+            "engine": engine,
+            "kv_connector": connector,
+            "engine_url": decode.url,
+            "prefill_allowlist": (f"127.0.0.1:{prefill.port}",),
+            "grpc_enabled": False,
+        }
+        if prefill.bootstrap_port:
+            settings["sglang_bootstrap_port"] = prefill.bootstrap_port
+            settings["mooncake_bootstrap_port"] = prefill.bootstrap_port
+        settings.update(sidecar_overrides)
+        async with running_sidecar(**settings) as sidecar:
+            yield PDPair(engine, connector, prefill, decode, sidecar)
+
+
+def sse_events(text: str) -> list[str]:
+    """The ``data:`` payloads of an SSE body, in order."""
+    return [line[6:] for line in text.split("\n") if line.startswith("data: ")]
+
+
+def streamed_text(text: str) -> str:
+    pieces = []
+    for event in sse_events(text):
+        if event == "[DONE]":
+            continue
+        for choice in json.loads(event).get("choices", []):
+            pieces.append(choice.get("text") or (choice.get("delta") or {}).get("content") or "")
+    return "".join(pieces)
+
+
+def json_text(text: str) -> str:
+    choice = json.loads(text)["choices"][0]
+    return str(choice.get("text") or (choice.get("message") or {}).get("content") or "")

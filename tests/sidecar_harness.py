@@ -1,0 +1,83 @@
+"""Test harness: the real sidecar (``serve.run_server``) in-process on OS-chosen loopback ports.
+
+    async with running_sidecar(engine="vllm", engine_url=decode.url, ...) as sidecar:
+        sidecar.url, sidecar.grpc_port, await sidecar.metric("disagg_requests_total", ...)
+
+It runs exactly what ``disagg-sidecar serve`` runs (both front doors, draining on stop), only
+without signal handlers, so tests see the real app from the real factory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from sidecar.serve import run_server
+from sidecar.settings import Settings
+
+
+@dataclass
+class RunningSidecar:
+    settings: Settings
+    ports: dict[str, int]
+    stop: asyncio.Event
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.ports['http']}"
+
+    @property
+    def grpc_port(self) -> int:
+        return self.ports["grpc"]
+
+    async def scrape(self) -> str:
+        async with aiohttp.ClientSession() as session:
+            async with session.get(self.url + "/metrics") as response:
+                return await response.text()
+
+    async def metric(self, name: str, **labels: str) -> float:
+        """The sum of samples ``name`` whose labels include ``labels`` (0 when absent)."""
+        text = await self.scrape()
+        total = 0.0
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == name and all(
+                    sample.labels.get(k) == v for k, v in labels.items()
+                ):
+                    total += sample.value
+        return total
+
+
+def sidecar_settings(**overrides: Any) -> Settings:
+    base: dict[str, Any] = {
+        "host": "127.0.0.1",
+        "port": 0,
+        "grpc_port": 0,
+        "log_level": "warning",
+        "drain_grace_s": 5.0,
+    }
+    base.update(overrides)
+    return Settings(**base)
+
+
+@contextlib.asynccontextmanager
+async def running_sidecar(**overrides: Any) -> AsyncIterator[RunningSidecar]:
+    settings = sidecar_settings(**overrides)
+    stop = asyncio.Event()
+    listening: asyncio.Future[dict[str, int]] = asyncio.get_running_loop().create_future()
+    server = asyncio.ensure_future(run_server(settings, stop, listening.set_result))
+    await asyncio.wait({server, listening}, return_when=asyncio.FIRST_COMPLETED)
+    if server.done():
+        server.result()  # raises the start-up error
+        raise RuntimeError("sidecar stopped before listening")
+    try:
+        yield RunningSidecar(settings=settings, ports=listening.result(), stop=stop)
+    finally:
+        stop.set()
+        await server
