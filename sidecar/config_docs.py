@@ -62,7 +62,7 @@ def _flag_text(name: str) -> str:
     if is_bool_field(name):
         return f"`{flag}` / `--no-{flag[2:]}`"
     if name in REPEATABLE_FIELDS:
-        return f"`{flag}` (repeatable)"
+        return f"`{flag}` (repeatable, comma-separated)"
     if name in LIST_FIELDS:
         return f"`{flag}` (comma-separated)"
     return f"`{flag}`"

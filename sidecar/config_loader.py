@@ -3,9 +3,10 @@
     flags (--engine) > env (DISAGG_ENGINE, then extras such as POD_IP) > pod label/annotation
     (--podinfo-dir) > default                      ->  LoadedSettings(settings, sources, warnings)
 
-Every field gets one flag (``--`` + the field name with dashes; ``--grpc/--no-grpc`` and the
-repeatable ``--prefill-url`` are the exceptions) and one variable ``DISAGG_<FIELD>``. Lists are
-comma-separated in env; booleans read true/false/1/0/yes/no; an empty variable counts as unset.
+Every field gets one flag (``--`` + the field name with dashes; ``--grpc/--no-grpc`` is the
+exception, and list flags are singular and repeatable: ``--prefill-url``) and one variable
+``DISAGG_<FIELD>``. Lists are comma-separated; booleans read true/false/1/0/yes/no; an empty
+variable counts as unset.
 The label rules are the seed's: a missing engine label means vllm; a missing or unknown
 connector label falls back to ``default_kv_connector`` with one warning (vLLM only); the port
 label gives ``http://127.0.0.1:<port>``; a role other than prefill or decode means both.
@@ -48,7 +49,7 @@ FLAG_OVERRIDES: Mapping[str, str] = MappingProxyType(
 #: Fields given as a list: repeatable or comma-separated flags, comma-separated env.
 LIST_FIELDS = frozenset({"prefill_urls", "prefill_allowlist"})
 #: Fields whose flag may be repeated (each occurrence may also hold commas).
-REPEATABLE_FIELDS = frozenset({"prefill_urls"})
+REPEATABLE_FIELDS = frozenset({"prefill_urls", "prefill_allowlist"})
 
 _TRUE = frozenset({"true", "1", "yes"})
 _FALSE = frozenset({"false", "0", "no"})
@@ -108,7 +109,8 @@ def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
             )
         elif name in REPEATABLE_FIELDS:
             group.add_argument(
-                flag, dest=name, action="append", default=None, metavar="URL", help=help_text
+                flag, dest=name, action="append", default=None, metavar=name.upper(),
+                help=help_text,
             )
         else:
             group.add_argument(

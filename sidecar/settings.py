@@ -188,7 +188,8 @@ class Settings(BaseModel):
     prefill_allowlist: tuple[str, ...] = Field(
         default=(),
         description="Prefill targets a router may name: HOST:PORT, HOST:*, CIDR:PORT, CIDR:* "
-        "(IPv6 in brackets); comma-separated. Empty: only the static pool.",
+        "(IPv6 in brackets); comma-separated, the flag repeatable. Empty: only the static "
+        "pool.",
     )
 
     # Behaviour and limits.

@@ -157,10 +157,10 @@ def test_list_fields() -> None:
     assert loaded.settings.prefill_urls == ("http://p0:8000", "http://p1:8000")
     assert loaded.settings.prefill_allowlist == ("10.0.0.0/8:*", "prefill.svc:8000")
     argv = ["--prefill-url", "http://a:1", "--prefill-url", "http://b:2,https://[fd00::1]:3",
-            "--prefill-allowlist", "[fd00::/8]:*"]
+            "--prefill-allowlist", "[fd00::/8]:*", "--prefill-allowlist", "p:1,q:2"]
     loaded = load(argv, env)
     assert loaded.settings.prefill_urls == ("http://a:1", "http://b:2", "https://[fd00::1]:3")
-    assert loaded.settings.prefill_allowlist == ("[fd00::/8]:*",)
+    assert loaded.settings.prefill_allowlist == ("[fd00::/8]:*", "p:1", "q:2")
     assert loaded.sources["prefill_urls"] == "flag --prefill-url"
 
 

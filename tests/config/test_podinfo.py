@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from config_builders import FIXTURES, format_map, go_quote, write_podinfo
 from hypothesis import given
+from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 
 from sidecar.podinfo import PodInfoError, parse_podinfo_text, read_podinfo, unquote_go
@@ -76,6 +77,7 @@ def test_unquote_refuses(quoted: str) -> None:
         unquote_go(quoted)
 
 
+@hypothesis_settings(derandomize=True, max_examples=200)
 @given(st.dictionaries(st.from_regex(r"[a-z0-9./-]{1,20}", fullmatch=True), st.text()))
 def test_round_trip_against_go_quote(values: dict[str, str]) -> None:
     assert parse_podinfo_text(format_map(values), "labels") == values
