@@ -48,9 +48,8 @@ def downward_file(mapping: dict[str, str]) -> str:
 
 
 def sidecar_of(deployment: Obj) -> Obj:
-    (ctr,) = [
-        c for c in deployment["spec"]["template"]["spec"]["containers"] if c["name"] == "sidecar"
-    ]
+    containers: list[Obj] = deployment["spec"]["template"]["spec"]["containers"]
+    (ctr,) = [c for c in containers if c["name"] == "sidecar"]
     return ctr
 
 
