@@ -1,0 +1,41 @@
+"""Stub engines that behave like vLLM, SGLang and TensorRT-LLM in prefill/decode roles.
+
+Used by the sidecar's end-to-end tests, its demo and its benchmarks: realistic wire shapes,
+deterministic outputs (``textgen``), a visible difference when a hand-off is broken, fault
+switches (``faults``) and a recorder tests can await (``recorder``).
+
+    from sidecar.stubs import StubConfig, run_stub
+    async with run_stub(StubConfig(engine="vllm", role="prefill", kv_connector="shfs")) as p:
+        ...
+
+Command line: ``python -m sidecar.stubs --engine vllm --role prefill --port 8100``
+(``add_stub_arguments`` / ``run_stub_command`` let the sidecar expose it as
+``disagg-sidecar stub-engine``).
+
+Module map: ``config`` (StubConfig), ``server`` (Stub, run_stub, control endpoints),
+``openai`` (request parsing, response shapes), ``replies`` (wire writing + faults),
+``vllm`` + ``vllm_connectors`` (NIXL pull, Neuron, Mooncake), ``sglang`` (bootstrap
+rendezvous, abort), ``trtllm`` (context_only / generation_only), ``cli``.
+"""
+
+from sidecar.stubs.config import StubConfig
+from sidecar.stubs.faults import Fault, FaultBook, FaultKind
+from sidecar.stubs.recorder import Decision, RecordedRequest, Recorder
+from sidecar.stubs.server import Stub, run_stub
+from sidecar.stubs.textgen import PrefillKind, expected_text, is_local_text, is_remote_text
+
+__all__ = [
+    "Decision",
+    "Fault",
+    "FaultBook",
+    "FaultKind",
+    "PrefillKind",
+    "RecordedRequest",
+    "Recorder",
+    "Stub",
+    "StubConfig",
+    "expected_text",
+    "is_local_text",
+    "is_remote_text",
+    "run_stub",
+]

@@ -1,0 +1,189 @@
+"""The vLLM stub engine: OpenAI routes shaped like vLLM's, with a KV connector.
+
+    POST /v1/completions, /v1/chat/completions
+      parse (vLLM-like 400s) -> decode side: connector.check_handoff -> remote | local
+      -> generate -> prefill side: connector.after_prefill -> kv_transfer_params
+      -> JSON (kv_transfer_params at top level) or SSE (no params, as vLLM)
+    GET /health (200, empty), /v1/models, /metrics (vllm:* lines)
+
+Ids as vLLM makes them: ``cmpl-<X-Request-Id or uuid hex>`` (chat: ``chatcmpl-``); the
+internal request id (``remote_request_id``) adds ``-0-<suffix>``, so prefill and decode
+never share an internal id. Errors: ``{"error": {"message", "type", "param", "code"}}``.
+
+Roles: a prefill stub never acts on ``do_remote_prefill``, a decode stub never holds KV for
+``do_remote_decode``; ``both`` does either, as ``kv_both``. A decode stub records a verdict
+for every generation request (``no_handoff`` when none came).
+
+Deliberate limits: see ``openai`` (one prompt, n=1) and ``vllm_connectors``.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import TYPE_CHECKING, Any, Final
+
+from aiohttp import web
+
+from sidecar.stubs import openai, textgen
+from sidecar.stubs.faults import FaultKind
+from sidecar.stubs.openai import BadRequest, GenRequest
+from sidecar.stubs.replies import JsonReply, Reply, StreamReply
+from sidecar.stubs.server import request_fault, request_json
+from sidecar.stubs.textgen import PrefillKind
+from sidecar.stubs.vllm_connectors import Verdict, make_connector
+
+if TYPE_CHECKING:
+    from sidecar.stubs.server import Stub
+
+COMPLETIONS: Final = "/v1/completions"
+CHAT: Final = "/v1/chat/completions"
+
+_ERROR_TYPES: Final = {
+    400: "BadRequestError",
+    404: "NotFoundError",
+    408: "RequestTimeoutError",
+    413: "RequestEntityTooLargeError",
+    429: "TooManyRequestsError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
+
+
+def error_type(status: int) -> str:
+    return _ERROR_TYPES.get(status, "InternalServerError" if status >= 500 else "BadRequestError")
+
+
+def base_request_id(request: web.Request) -> str:
+    return request.headers.get("X-Request-Id") or uuid.uuid4().hex
+
+
+class VllmEngine:
+    inference_paths: frozenset[str] = frozenset({COMPLETIONS, CHAT})
+
+    def __init__(self, stub: Stub) -> None:
+        self.stub = stub
+        self.config = stub.config
+        self.connector = make_connector(stub)
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.running = 0
+
+    def add_routes(self, app: web.Application) -> None:
+        app.router.add_post(COMPLETIONS, self.stub.route(self._completions))
+        app.router.add_post(CHAT, self.stub.route(self._chat))
+        app.router.add_get("/v1/models", self.stub.route(self._models))
+        self.connector.add_routes(app)
+
+    def add_bootstrap_routes(self, app: web.Application) -> None:
+        self.connector.add_bootstrap_routes(app)
+
+    def error_body(self, status: int, message: str, path: str) -> Any:
+        return {
+            "error": {"message": message, "type": error_type(status), "param": None, "code": status}
+        }
+
+    def metrics(self) -> list[str]:
+        label = f'model_name="{self.config.model}"'
+        return [
+            "# TYPE vllm:num_requests_running gauge",
+            f"vllm:num_requests_running{{{label}}} {self.running}",
+            "# TYPE vllm:num_requests_waiting gauge",
+            f"vllm:num_requests_waiting{{{label}}} 0",
+            "# TYPE vllm:prompt_tokens_total counter",
+            f"vllm:prompt_tokens_total{{{label}}} {self.prompt_tokens}",
+            "# TYPE vllm:generation_tokens_total counter",
+            f"vllm:generation_tokens_total{{{label}}} {self.generation_tokens}",
+            "# TYPE stub_kv_blocks_held gauge",
+            f"stub_kv_blocks_held {self.connector.held()}",
+        ]
+
+    def close(self) -> None:
+        self.connector.close()
+
+    async def _models(self, request: web.Request) -> Reply:
+        created = int(time.time())
+        model = self.config.model
+        return JsonReply(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": model,
+                        "object": "model",
+                        "created": created,
+                        "owned_by": "vllm",
+                        "root": model,
+                        "parent": None,
+                        "max_model_len": self.config.max_model_len,
+                        "permission": [],
+                    }
+                ],
+            }
+        )
+
+    async def _completions(self, request: web.Request) -> Reply:
+        return await self._generate(request, "completion")
+
+    async def _chat(self, request: web.Request) -> Reply:
+        return await self._generate(request, "chat")
+
+    async def _generate(self, request: web.Request, kind: str) -> Reply:
+        body = request_json(request)
+        gen = openai.parse(body, kind, self.config)
+        params = gen.body.get("kv_transfer_params")
+        if params is not None and not isinstance(params, dict):
+            raise BadRequest("kv_transfer_params must be an object or null")
+        base = base_request_id(request)
+        response_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{base}"
+        internal_id = f"{response_id}-0-{self.stub.next_id():08x}"
+        verdict = await self._decode_side(request, gen, internal_id)
+        tokens, finish = textgen.generate(
+            gen.digest,
+            gen.max_tokens,
+            verdict.kind,
+            eos_rate=self.config.eos_rate,
+            ignore_eos=gen.ignore_eos,
+        )
+        fault = request_fault(request)
+        kv_params = None
+        if self.config.role != "decode":
+            kv_params = self.connector.after_prefill(gen, internal_id, finish, fault)
+        self.prompt_tokens += len(gen.prompt_ids)
+        self.generation_tokens += len(tokens)
+        rendering = openai.new_rendering(response_id, gen.model)
+        rendering.vllm_token_ids = True
+        rendering.top_extra = {"service_tier": None, "system_fingerprint": None}
+        if gen.stream:
+            self.running += 1
+            return StreamReply(
+                openai.render_events(
+                    gen, rendering, tokens, finish, self.config, on_done=self._done
+                )
+            )
+        rendering.top_extra["kv_transfer_params"] = kv_params
+        if fault is not None and fault.kind is FaultKind.NO_HANDOFF:
+            rendering.top_extra["kv_transfer_params"] = None
+        await openai.wait_tokens(self.config, len(tokens))
+        return JsonReply(openai.render_body(gen, rendering, tokens, finish))
+
+    def _done(self) -> None:
+        self.running -= 1
+
+    async def _decode_side(self, request: web.Request, gen: GenRequest, request_id: str) -> Verdict:
+        params = gen.body.get("kv_transfer_params")
+        prefill_leg = isinstance(params, dict) and bool(params.get("do_remote_decode"))
+        if self.config.role == "prefill":
+            # A prefill computes the KV a decode continues from: the "remote" generation.
+            if prefill_leg or self.config.kv_connector == "nixl":
+                return Verdict(PrefillKind.REMOTE, "prefill")
+            return Verdict(PrefillKind.LOCAL, "prefill_role")
+        if prefill_leg and self.config.role == "both":
+            return Verdict(PrefillKind.REMOTE, "prefill")
+        verdict = await self.connector.check_handoff(gen)
+        if verdict is None:
+            verdict = Verdict(PrefillKind.LOCAL, "no_handoff")
+            if self.config.role != "decode":
+                return verdict  # a plain request on a kv_both engine: nothing to judge
+        self.stub.recorder.decide(request.path, request_id, verdict.kind.value, verdict.reason)
+        return verdict
