@@ -45,12 +45,16 @@ async def read_capped(response: aiohttp.ClientResponse, max_bytes: int) -> bytes
     return bytes(buffer)
 
 
+#: Engine statuses that mean "this request is invalid": the client must change it.
+_CLIENT_FAULT_STATUSES = frozenset({400, 413, 422})
+
+
 def _status_error(status: int, stage: Stage) -> SidecarError:
     name = stage.value
-    if status in (408, 429) or status >= 500 or status < 400:
-        failed: type[SidecarError] = PrefillFailed if stage is Stage.PREFILL else DecodeFailed
-        return failed(f"{name} engine answered HTTP {status}", stage=stage)
-    return EngineRejected(f"{name} engine rejected the request (HTTP {status})", stage=stage)
+    if status in _CLIENT_FAULT_STATUSES:
+        return EngineRejected(f"{name} engine rejected the request (HTTP {status})", stage=stage)
+    failed: type[SidecarError] = PrefillFailed if stage is Stage.PREFILL else DecodeFailed
+    return failed(f"{name} engine answered HTTP {status}", stage=stage)
 
 
 async def post_prefill(
