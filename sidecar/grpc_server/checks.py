@@ -1,0 +1,73 @@
+"""Checks on the seed's request messages before anything is sent to an engine.
+
+    PreFillRequest / DecodeRequest ─check_*()─▶ plain values | InvalidRequest (INVALID_ARGUMENT)
+
+- ``token_ids``: non-empty, every id >= 0 (engines reject negative ids).
+- ``max_new_tokens``: Decode needs ``1..MAX_NEW_TOKENS``. Prefill computes one token whatever
+  it says, so there 0 means "unset" (the seed's routers may leave it out) and only negative
+  or too large values are refused. The seed's origin project turned ``<= 0`` into 1; this
+  sidecar refuses instead, since a silent rewrite hides a router bug.
+- ``temperature``: finite and ``>= 0``; sent as the shortest decimal that reads back as the
+  same float32, so engine logs show ``0.7``, not ``0.699999988079071``.
+- ``request_id``: used as ``X-Request-Id`` when it is a sane header value, else a new one.
+
+Deliberate limits: no check against the engine's context length (the engine refuses, and its
+4xx maps to INVALID_ARGUMENT).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import struct
+import uuid
+from collections.abc import Sequence
+from typing import Final
+
+from sidecar.errors import InvalidRequest
+
+#: Upper bound of ``max_new_tokens``: far above any engine's context, below int32's end.
+MAX_NEW_TOKENS: Final = 1 << 20
+
+_SAFE_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,200}$")
+
+
+def check_token_ids(token_ids: Sequence[int]) -> list[int]:
+    if not token_ids:
+        raise InvalidRequest("token_ids must not be empty")
+    ids = list(token_ids)
+    if min(ids) < 0:
+        raise InvalidRequest("token_ids must be non-negative")
+    return ids
+
+
+def check_max_new_tokens(value: int, *, allow_unset: bool) -> int:
+    """``value`` when in range; 0 passes only with ``allow_unset`` (Prefill)."""
+    if value == 0 and allow_unset:
+        return value
+    if not 1 <= value <= MAX_NEW_TOKENS:
+        raise InvalidRequest(f"max_new_tokens must be in 1..{MAX_NEW_TOKENS}, got {value}")
+    return value
+
+
+def _float32(value: float) -> float:
+    return float(struct.unpack("<f", struct.pack("<f", value))[0])
+
+
+def check_temperature(value: float) -> float:
+    """The temperature as the shortest decimal with the same float32 value."""
+    if not math.isfinite(value) or value < 0:
+        raise InvalidRequest("temperature must be a finite number >= 0")
+    for digits in range(1, 10):
+        candidate = float(f"{value:.{digits}g}")
+        if _float32(candidate) == value:
+            return candidate
+    return value
+
+
+def request_id_or_new(*candidates: str) -> str:
+    """The first sane request id among ``candidates``, else a fresh one."""
+    for candidate in candidates:
+        if candidate and _SAFE_REQUEST_ID.match(candidate):
+            return candidate
+    return uuid.uuid4().hex

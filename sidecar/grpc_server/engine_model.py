@@ -1,0 +1,85 @@
+"""The local engine's served model name, for the bodies the gRPC front door builds.
+
+The gRPC contract carries no model name, but engine bodies need one: TensorRT-LLM's
+``CompletionRequest.model`` is required, and older vLLM builds required it too. The engine
+says what it serves at ``GET /v1/models`` (every OpenAI-compatible server has it):
+
+    {"object": "list", "data": [{"id": "<model>", ...}, ...]}
+
+The first entry is taken (an engine serving LoRA adapters lists the base model first) and
+cached for the life of the process: an engine does not change its model while it runs.
+
+Deliberate limits: a failed lookup is not cached (the next request asks again), and failures
+map to ``EngineNotReady`` (gRPC UNAVAILABLE): a router retries elsewhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from typing import Final
+
+import aiohttp
+
+from sidecar import jsonutil
+from sidecar.errors import EngineNotReady, Stage
+
+MODELS_PATH: Final = "/v1/models"
+_MAX_BYTES: Final = 1024 * 1024
+
+
+class EngineModel:
+    """Looks up (once) the model the local engine serves."""
+
+    def __init__(self, session: aiohttp.ClientSession, engine_url: str, *, timeout_s: float,
+                 stage: Stage = Stage.DECODE) -> None:
+        self._session = session
+        self._url = engine_url.rstrip("/") + MODELS_PATH
+        self._timeout_s = timeout_s
+        self._stage = stage
+        self._name: str | None = None
+        self._lock = asyncio.Lock()
+
+    async def name(self) -> str:
+        """The served model name; raises ``EngineNotReady`` when the engine cannot say."""
+        if self._name is not None:
+            return self._name
+        async with self._lock:
+            if self._name is None:
+                self._name = await self._fetch()
+            return self._name
+
+    async def _fetch(self) -> str:
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                async with self._session.get(self._url, allow_redirects=False) as response:
+                    raw = await response.content.read(_MAX_BYTES + 1)
+                    status = response.status
+        except (aiohttp.ClientError, TimeoutError):
+            raise EngineNotReady(
+                f"local engine did not answer {MODELS_PATH}", stage=self._stage
+            ) from None
+        if status != 200 or len(raw) > _MAX_BYTES:
+            raise EngineNotReady(
+                f"local engine answered {MODELS_PATH} with HTTP {status}", stage=self._stage
+            )
+        try:
+            payload = jsonutil.loads(raw)
+        except jsonutil.JSONDecodeError:
+            payload = None
+        name = _first_model(payload)
+        if name is None:
+            raise EngineNotReady(
+                f"local engine's {MODELS_PATH} lists no model", stage=self._stage
+            )
+        return name
+
+
+def _first_model(payload: object) -> str | None:
+    if not isinstance(payload, Mapping):
+        return None
+    data = payload.get("data")
+    if not isinstance(data, list) or not data or not isinstance(data[0], Mapping):
+        return None
+    model = data[0].get("id")
+    return model if isinstance(model, str) and model else None

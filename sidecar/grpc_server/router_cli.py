@@ -1,0 +1,178 @@
+"""``disagg-sidecar route``: the seed's gRPC router, for humans and tests.
+
+    disagg-sidecar route --prefill 10.0.0.7:50051 --decode 10.0.0.8:50051 \\
+        --tokens 1,2,3 --max-new-tokens 16 [--temperature 0] [--json]
+
+    Prefill(token_ids) on --prefill ─collect blocks until done─▶
+    Decode(token_ids, blocks) on --decode ─▶ prints the token ids and the finish reason
+
+The blocks are forwarded opaquely, as the seed's router does: the route client neither reads
+nor checks them. Output (stdout): the generated token ids, comma-separated, then
+``finish_reason: <reason>``; with ``--json`` one object ``{"request_id", "token_ids",
+"finish_reason", "blocks"}``. A gRPC error prints ``route: <method> failed: <STATUS>: <details>``
+on stderr and exits 1; bad arguments exit 2.
+
+Deliberate limits: one request per run, plaintext channels, no retries; proxies named in the
+environment are ignored (``grpc.enable_http_proxy`` off).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import uuid
+from dataclasses import dataclass, field
+
+import grpc
+
+from sidecar import jsonutil
+from sidecar.grpc_gen import disagg_pb2, disagg_pb2_grpc
+
+DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
+@dataclass
+class RouteResult:
+    """What one Prefill -> Decode round produced."""
+
+    request_id: str
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str = ""
+    blocks: int = 0
+
+
+class RouteError(Exception):
+    """A gRPC call of the route failed."""
+
+    def __init__(self, method: str, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{method} failed: {code.name}: {details}")
+        self.method = method
+        self.code = code
+        self.details = details
+
+
+def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    return [
+        ("grpc.enable_http_proxy", 0),
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+    ]
+
+
+async def route(
+    prefill: str,
+    decode: str,
+    token_ids: list[int],
+    max_new_tokens: int,
+    *,
+    temperature: float = 0.0,
+    request_id: str | None = None,
+    timeout_s: float | None = None,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+) -> RouteResult:
+    """Prefill on ``prefill`` (host:port), then Decode on ``decode`` with every block."""
+    result = RouteResult(request_id=request_id or uuid.uuid4().hex)
+    options = channel_options(max_message_bytes)
+    blocks: list[disagg_pb2.KVBlock] = []
+    async with grpc.aio.insecure_channel(prefill, options=options) as channel:
+        prefill_stub = disagg_pb2_grpc.PrefillWorkerStub(channel)
+        call = prefill_stub.Prefill(
+            disagg_pb2.PreFillRequest(
+                request_id=result.request_id,
+                token_ids=token_ids,
+                max_new_tokens=max_new_tokens,
+                temperature=temperature,
+            ),
+            timeout=timeout_s,
+        )
+        try:
+            async for message in call:
+                if message.HasField("block"):
+                    blocks.append(message.block)
+                if message.done:
+                    break
+        except grpc.aio.AioRpcError as exc:
+            raise RouteError("Prefill", exc.code(), exc.details() or "") from None
+    result.blocks = len(blocks)
+    async with grpc.aio.insecure_channel(decode, options=options) as channel:
+        decode_stub = disagg_pb2_grpc.DecodeWorkerStub(channel)
+        stream = decode_stub.Decode(
+            disagg_pb2.DecodeRequest(
+                request_id=result.request_id,
+                kv_blocks=blocks,
+                token_ids=token_ids,
+                max_new_tokens=max_new_tokens,
+                temperature=temperature,
+            ),
+            timeout=timeout_s,
+        )
+        try:
+            async for token in stream:
+                if token.done:
+                    result.finish_reason = token.finish_reason
+                    break
+                result.token_ids.append(token.token_id)
+        except grpc.aio.AioRpcError as exc:
+            raise RouteError("Decode", exc.code(), exc.details() or "") from None
+    return result
+
+
+def _token_list(text: str) -> list[int]:
+    try:
+        ids = [int(part) for part in text.replace(" ", "").split(",") if part]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--tokens must be comma-separated integers, got {text!r}"
+        ) from None
+    if not ids:
+        raise argparse.ArgumentTypeError("--tokens must name at least one token id")
+    return ids
+
+
+def add_route_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``route`` command's flags."""
+    parser.add_argument("--prefill", required=True, metavar="HOST:PORT",
+                        help="gRPC address of the prefill sidecar (PrefillWorker)")
+    parser.add_argument("--decode", required=True, metavar="HOST:PORT",
+                        help="gRPC address of the decode sidecar (DecodeWorker)")
+    parser.add_argument("--tokens", required=True, type=_token_list, metavar="IDS",
+                        help="prompt token ids, comma-separated (e.g. 1,2,3)")
+    parser.add_argument("--max-new-tokens", required=True, type=int, metavar="N",
+                        help="tokens to generate")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="sampling temperature (default 0: greedy)")
+    parser.add_argument("--request-id", default=None, help="request id (default: random)")
+    parser.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                        help="deadline of each call (default: none)")
+    parser.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES,
+                        help="largest gRPC message, each direction")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+async def run_route_command(args: argparse.Namespace) -> int:
+    """Run ``route`` from parsed arguments; the process exit code."""
+    try:
+        result = await route(
+            args.prefill,
+            args.decode,
+            args.tokens,
+            args.max_new_tokens,
+            temperature=args.temperature,
+            request_id=args.request_id,
+            timeout_s=args.timeout,
+            max_message_bytes=args.max_message_bytes,
+        )
+    except RouteError as exc:
+        print(f"route: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(jsonutil.dumps({
+            "request_id": result.request_id,
+            "token_ids": result.token_ids,
+            "finish_reason": result.finish_reason,
+            "blocks": result.blocks,
+        }).decode())
+    else:
+        print(",".join(str(token) for token in result.token_ids))
+        print(f"finish_reason: {result.finish_reason}")
+    return 0

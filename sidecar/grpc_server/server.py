@@ -1,0 +1,120 @@
+"""The gRPC front door: one grpc.aio server in the HTTP server's process and event loop.
+
+    start_grpc_server(runtime) ─▶ (bound port, stop(grace))
+      services: disagg.PrefillWorker, disagg.DecodeWorker   (every sidecar serves both; the
+                                                            router's choice decides the role)
+                grpc.health.v1.Health                       ("" and both services: SERVING
+                                                            only while the local engine is ready)
+                grpc.reflection.v1alpha.ServerReflection
+      options:  max send/receive message size = settings.grpc_max_message_bytes
+
+Health follows ``runtime.health`` (the engine watcher started by ``serve``): its change
+listener flips the statuses. ``stop(grace)`` first reports NOT_SERVING for good, then lets
+in-flight RPCs finish for ``grace`` seconds, then cancels the background prefills that are
+left (``serve`` has already drained admission, which includes them, before it calls stop).
+
+Deliberate limits: plaintext only (TLS belongs to the mesh, as for the HTTP port); the bind
+address is ``settings.host`` (an IPv6 literal is bracketed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Final
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from sidecar.errors import Stage
+from sidecar.grpc_gen import disagg_pb2, disagg_pb2_grpc
+from sidecar.grpc_server.decode import DecodeService
+from sidecar.grpc_server.engine_model import EngineModel
+from sidecar.grpc_server.prefill import PrefillService
+from sidecar.protocol.hostfmt import url_host
+from sidecar.runtime import Runtime
+
+logger = logging.getLogger(__name__)
+
+PREFILL_SERVICE: Final = disagg_pb2.DESCRIPTOR.services_by_name["PrefillWorker"].full_name
+DECODE_SERVICE: Final = disagg_pb2.DESCRIPTOR.services_by_name["DecodeWorker"].full_name
+#: Health is reported for the server as a whole ("") and for each disagg service.
+HEALTH_SERVICES: Final = ("", PREFILL_SERVICE, DECODE_SERVICE)
+
+StopFunction = Callable[[float], Awaitable[None]]
+
+
+def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    """Channel options of the server: message size limits (KV blocks are large)."""
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+    ]
+
+
+class _HealthMirror:
+    """Keeps the gRPC health statuses equal to the local engine's readiness."""
+
+    def __init__(self, servicer: health.aio.HealthServicer) -> None:
+        self._servicer = servicer
+        self._pending: set[asyncio.Task[None]] = set()
+
+    async def apply(self, ready: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if ready
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for service in HEALTH_SERVICES:
+            await self._servicer.set(service, status)
+
+    def on_change(self, ready: bool) -> None:
+        # The engine watcher calls listeners synchronously; the servicer's setter is async.
+        task = asyncio.get_running_loop().create_task(self.apply(ready))
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+    async def shutdown(self) -> None:
+        for task in list(self._pending):
+            await task
+        await self._servicer.enter_graceful_shutdown()
+
+
+async def start_grpc_server(runtime: Runtime) -> tuple[int, StopFunction]:
+    """Start serving; returns the bound port and an async ``stop(grace_seconds)``."""
+    settings = runtime.settings
+    server = grpc.aio.server(options=server_options(settings.grpc_max_message_bytes))
+    prefill_model = EngineModel(runtime.session, settings.engine_url,
+                                timeout_s=settings.connect_timeout_s, stage=Stage.PREFILL)
+    decode_model = EngineModel(runtime.session, settings.engine_url,
+                               timeout_s=settings.connect_timeout_s, stage=Stage.DECODE)
+    prefill = PrefillService(runtime, prefill_model)
+    disagg_pb2_grpc.add_PrefillWorkerServicer_to_server(prefill, server)
+    disagg_pb2_grpc.add_DecodeWorkerServicer_to_server(DecodeService(runtime, decode_model), server)
+
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    mirror = _HealthMirror(health_servicer)
+    await mirror.apply(runtime.health.ready)
+    runtime.health.on_change(mirror.on_change)
+
+    reflection.enable_server_reflection(
+        (PREFILL_SERVICE, DECODE_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    )
+
+    address = f"{url_host(settings.host)}:{settings.grpc_port}"
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise RuntimeError(f"gRPC server could not bind {address}")
+    await server.start()
+    logger.info("gRPC listening on %s:%d (max message %d bytes)", url_host(settings.host), port,
+                settings.grpc_max_message_bytes)
+
+    async def stop(grace: float) -> None:
+        await mirror.shutdown()
+        await server.stop(grace)
+        await prefill.close()
+
+    return port, stop
