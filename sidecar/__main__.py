@@ -66,7 +66,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _stub(args: argparse.Namespace) -> int:
-    from sidecar.stubs import run_stub_command
+    from sidecar.stubs.cli import run_stub_command
 
     configure_logging("info", "text")
     return run_async(run_stub_command(args))
@@ -103,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(run=_demo)
 
     stub = commands.add_parser("stub-engine", help="run a stub engine (for tests and demos)")
-    from sidecar.stubs import add_stub_arguments
+    from sidecar.stubs.cli import add_stub_arguments
 
     add_stub_arguments(stub)
     stub.set_defaults(run=_stub)
