@@ -26,7 +26,7 @@ from sidecar import jsonutil
 from sidecar.core.orchestrator import PDExchange, PDRequest
 from sidecar.core.targets import PREFILL_TARGET_HEADER
 from sidecar.core.upstream import forwardable_headers
-from sidecar.errors import BodyTooLarge, ClientCancelled, SidecarError
+from sidecar.errors import BodyTooLarge, ClientCancelled, DecodeFailed, SidecarError, Stage
 from sidecar.http_server.errors import REQUEST_ID, error_response, sse_error_event
 from sidecar.http_server.keys import RUNTIME
 from sidecar.http_server.proxy import proxy_to_engine
@@ -40,6 +40,9 @@ logger = logging.getLogger(__name__)
 FRONT_DOOR = "http"
 _SAFE_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,200}$")
 _RELAYED_HEADERS = ("Content-Type", "Cache-Control")
+#: Every engine ends a finished stream with this event; its absence means a cut stream.
+_SSE_DONE = b"data: [DONE]"
+_TAIL_BYTES = 32
 
 
 def request_id_of(request: web.Request) -> str:
@@ -169,20 +172,34 @@ async def _relay(
     headers[REQUEST_ID] = request_id
     if not stream:
         body = await exchange.read_all(runtime.settings.max_body_bytes)
+        try:
+            # A cut or garbled answer must not reach the client as a 200.
+            jsonutil.loads(body)
+        except jsonutil.JSONDecodeError:
+            raise DecodeFailed("decode engine answered malformed JSON",
+                               stage=Stage.DECODE) from None
         relayed.inc(len(body))
         return web.Response(body=body, headers=headers)
     response = web.StreamResponse(status=200, headers=headers)
     await response.prepare(request)
     total = 0
+    tail = b""
     try:
         async for chunk in exchange.chunks():
             await response.write(chunk)
             total += len(chunk)
+            tail = (tail + chunk)[-_TAIL_BYTES:]
+        if not tail.rstrip().endswith(_SSE_DONE):
+            # The engine closed cleanly mid-event: a cut stream, not a finished one.
+            raise DecodeFailed("decode stream ended without its [DONE] event",
+                               stage=Stage.DECODE)
     except SidecarError as error:
         relayed.inc(total)
         _count_error(runtime, error, route, "broken_stream")
         logger.warning("request %s: stream broke after %d bytes: %s", request_id, total, error.code)
-        await response.write(sse_error_event(error))
+        # A break mid-event would glue the error event onto the cut one: end that first.
+        separator = b"" if not tail or tail.endswith(b"\n\n") else b"\n\n"
+        await response.write(separator + sse_error_event(error))
         if request.transport is not None:
             request.transport.close()
         return response
