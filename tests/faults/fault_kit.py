@@ -1,0 +1,274 @@
+"""Builders and checks shared by the fault-injection suite.
+
+    async with rig("sglang", prefill_faults=[...], prefill_timeout_s=0.5) as r:
+        reply = await r.post(stream=True)
+        reply.expect_error(502, "prefill_failed")       # or reply.expect_broken_stream(code)
+        await r.check_recovered()                        # the four after-conditions
+
+``check_recovered`` is the contract every scenario ends with: both stub engines have nothing
+in flight (every upstream call the sidecar made was closed), the sidecar's in-flight gauge is
+back to zero, and, with the faults cleared, the same sidecar serves a streamed and a JSON
+request. The rig owns its stubs and sidecar, on OS-chosen loopback ports; a stub can be
+stopped and started again on the same port (an engine restart).
+
+Deliberate limits: an engine flavour whose stub module is not installed is skipped, not
+failed (``engine_param``); waits are bounded so a broken scenario fails instead of hanging.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.util
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import aiohttp
+import pytest
+from multidict import CIMultiDict
+from sidecar_harness import RunningSidecar, running_sidecar
+
+from sidecar.protocol.context import Route
+from sidecar.stubs.config import StubConfig
+from sidecar.stubs.faults import Fault, FaultKind
+from sidecar.stubs.server import Stub
+
+PROMPT = "Faults must never hang a request."
+WAIT_S = 10.0
+
+#: Every engine/connector pair; concurrent ones run both legs at the same time.
+PAIRS: tuple[tuple[str, str], ...] = (
+    ("vllm", "shfs"),
+    ("vllm", "nixl"),
+    ("vllm", "mooncake"),
+    ("sglang", "shfs"),
+    ("trtllm", "shfs"),
+)
+CONCURRENT: frozenset[tuple[str, str]] = frozenset({("vllm", "mooncake"), ("sglang", "shfs")})
+SEQUENTIAL: tuple[tuple[str, str], ...] = tuple(p for p in PAIRS if p not in CONCURRENT)
+
+
+def stub_available(engine: str) -> bool:
+    return importlib.util.find_spec(f"sidecar.stubs.{engine}") is not None
+
+
+def engine_param(engine: str, connector: str, *rest: Any) -> Any:
+    """A pytest param for one pair, skipped while its stub engine is not installed."""
+    return pytest.param(
+        engine, connector, *rest,
+        id="-".join([engine, connector, *(str(x) for x in rest if isinstance(x, str))]),
+        marks=pytest.mark.skipif(not stub_available(engine), reason=f"no {engine} stub yet"),
+    )
+
+
+def client_body(route: Route = Route.COMPLETIONS, *, stream: bool = False,
+                max_tokens: int = 6, **extra: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": "stub-model", "max_tokens": max_tokens, "stream": stream}
+    if route is Route.COMPLETIONS:
+        body["prompt"] = PROMPT
+    else:
+        body["messages"] = [{"role": "user", "content": PROMPT}]
+    body.update(extra)
+    return body
+
+
+@dataclass
+class Reply:
+    """What a client got: status, headers, the body bytes it read, whether the body broke."""
+
+    status: int
+    headers: CIMultiDict[str]
+    body: bytes
+    broken: bool = False
+
+    @property
+    def text(self) -> str:
+        return self.body.decode("utf-8", "replace")
+
+    def events(self) -> list[str]:
+        return [line[6:] for line in self.text.split("\n") if line.startswith("data: ")]
+
+    def expect_ok(self, *, stream: bool) -> None:
+        assert self.status == 200, (self.status, self.text[:300])
+        assert not self.broken
+        if stream:
+            events = self.events()
+            assert events and events[-1] == "[DONE]", self.text[-300:]
+        else:
+            assert json.loads(self.body)["choices"], self.text[:300]
+
+    def expect_error(self, status: int, code: str) -> None:
+        """An OpenAI-shaped error with ``status`` and ``code``, nothing of the engine's body."""
+        assert self.status == status, (self.status, self.text[:300])
+        payload = json.loads(self.body)
+        assert set(payload) == {"error"}, payload
+        assert payload["error"]["code"] == code, payload
+        assert "stub fault" not in self.text  # engine error bodies are never relayed
+
+    def expect_broken_stream(self, code: str) -> None:
+        """A stream that began (200) and ended with one error event and no ``[DONE]``."""
+        assert self.status == 200, (self.status, self.text[:300])
+        events = self.events()
+        assert events, self.text
+        assert "[DONE]" not in events, self.text[-300:]
+        last = json.loads(events[-1])
+        assert last.get("error", {}).get("code") == code, last
+
+
+async def read_reply(response: aiohttp.ClientResponse) -> Reply:
+    buffer = bytearray()
+    broken = False
+    try:
+        async for chunk in response.content.iter_any():
+            buffer += chunk
+    except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError,
+            aiohttp.ClientOSError):
+        broken = True
+    return Reply(response.status, CIMultiDict(response.headers), bytes(buffer), broken)
+
+
+async def eventually(check: Callable[[], Awaitable[bool]], *, timeout_s: float = WAIT_S) -> None:
+    """Poll ``check`` until it holds; fail after ``timeout_s`` (state, not timing, decides)."""
+    async with asyncio.timeout(timeout_s):
+        # The gauge is only observable by scraping /metrics: there is no event to wait on.
+        while not await check():  # noqa: ASYNC110
+            await asyncio.sleep(0.01)
+
+
+@dataclass
+class Rig:
+    """A prefill stub, a decode stub and the sidecar in front of them."""
+
+    engine: str
+    connector: str
+    prefill: Stub
+    decode: Stub
+    sidecar: RunningSidecar
+    _client: aiohttp.ClientSession = field(repr=False)
+    _stack: contextlib.AsyncExitStack = field(repr=False)
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.prefill.port}"
+
+    @property
+    def concurrent(self) -> bool:
+        return (self.engine, self.connector) in CONCURRENT
+
+    async def post(
+        self,
+        route: Route = Route.COMPLETIONS,
+        *,
+        stream: bool = False,
+        body: dict[str, Any] | bytes | None = None,
+        headers: dict[str, str] | None = None,
+        with_target: bool = True,
+    ) -> Reply:
+        sent_headers = {"x-prefiller-host-port": self.target} if with_target else {}
+        sent_headers.update(headers or {})
+        payload = body if body is not None else client_body(route, stream=stream)
+        kwargs: dict[str, Any] = (
+            {"data": payload} if isinstance(payload, bytes) else {"json": payload}
+        )
+        async with self._client.post(
+            self.sidecar.url + route.value, headers=sent_headers, **kwargs
+        ) as response:
+            return await read_reply(response)
+
+    async def inflight(self) -> float:
+        return await self.sidecar.metric("disagg_inflight_requests", front_door="http")
+
+    async def wait_upstreams_closed(self) -> None:
+        """Every call the sidecar made to either engine has ended (no leaked upstream call)."""
+        await self.prefill.wait_idle(timeout_s=WAIT_S)
+        await self.decode.wait_idle(timeout_s=WAIT_S)
+
+    async def wait_gauge_zero(self) -> None:
+        async def zero() -> bool:
+            return await self.inflight() == 0
+
+        await eventually(zero)
+
+    async def stop_engine(self, role: str) -> None:
+        """The engine process dies: its listening socket and connections close."""
+        await (self.prefill if role == "prefill" else self.decode).stop()
+
+    async def start_engine(self, role: str) -> Stub:
+        """A fresh engine of the same kind comes back on the same ports (a restart)."""
+        old = self.prefill if role == "prefill" else self.decode
+        config = replace(old.config, port=old.port, bootstrap_port=old.bootstrap_port or 0)
+        fresh = await self._stack.enter_async_context(started_stub(config))
+        if role == "prefill":
+            self.prefill = fresh
+        else:
+            self.decode = fresh
+        return fresh
+
+    async def check_recovered(self) -> None:
+        """Upstreams closed, gauge at zero, and the sidecar still serves both reply kinds."""
+        await self.wait_upstreams_closed()
+        await self.wait_gauge_zero()
+        self.prefill.faults.clear()
+        self.decode.faults.clear()
+        (await self.post(stream=True)).expect_ok(stream=True)
+        (await self.post(Route.CHAT, stream=False)).expect_ok(stream=False)
+        await self.wait_upstreams_closed()
+        assert await self.inflight() == 0
+
+
+def stub_config(engine: str, role: str, connector: str, **overrides: Any) -> StubConfig:
+    return StubConfig(engine=engine, role=role, kv_connector=connector, **overrides)
+
+
+def faults(*items: dict[str, Any]) -> tuple[Fault, ...]:
+    return tuple(Fault(kind=FaultKind(item["kind"]),
+                       **{k: v for k, v in item.items() if k != "kind"}) for item in items)
+
+
+def sidecar_settings_for(engine: str, connector: str, prefill: Stub, decode: Stub,
+                         **overrides: Any) -> dict[str, Any]:
+    settings: dict[str, Any] = {
+        "engine": engine,
+        "kv_connector": connector,
+        "engine_url": decode.url,
+        "prefill_allowlist": (f"127.0.0.1:{prefill.port}",),
+        "grpc_enabled": False,
+    }
+    if prefill.bootstrap_port:
+        settings["sglang_bootstrap_port"] = prefill.bootstrap_port
+        settings["mooncake_bootstrap_port"] = prefill.bootstrap_port
+    settings.update(overrides)
+    return settings
+
+
+@contextlib.asynccontextmanager
+async def started_stub(config: StubConfig) -> AsyncIterator[Stub]:
+    stub = Stub(config)
+    try:
+        await stub.start()
+        yield stub
+    finally:
+        await stub.stop()
+
+
+@contextlib.asynccontextmanager
+async def rig(
+    engine: str = "vllm",
+    connector: str = "shfs",
+    *,
+    prefill: dict[str, Any] | None = None,
+    decode: dict[str, Any] | None = None,
+    **settings: Any,
+) -> AsyncIterator[Rig]:
+    """The stubs and the sidecar; stub config overrides in ``prefill``/``decode``."""
+    async with contextlib.AsyncExitStack() as stack:
+        p = await stack.enter_async_context(
+            started_stub(stub_config(engine, "prefill", connector, **(prefill or {}))))
+        d = await stack.enter_async_context(
+            started_stub(stub_config(engine, "decode", connector, **(decode or {}))))
+        sc = await stack.enter_async_context(
+            running_sidecar(**sidecar_settings_for(engine, connector, p, d, **settings)))
+        client = await stack.enter_async_context(aiohttp.ClientSession())
+        yield Rig(engine, connector, p, d, sc, client, stack)
