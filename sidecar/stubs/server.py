@@ -226,9 +226,7 @@ class Stub:
             self.recorder.finish(cancelled=cancelled)
 
     @web.middleware
-    async def _bootstrap_middleware(
-        self, request: web.Request, handler: Any
-    ) -> web.StreamResponse:
+    async def _bootstrap_middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
         entry = None
         if self.bootstrap_recorder.limit > 0:
             entry = RecordedRequest(

@@ -1,0 +1,474 @@
+"""The SGLang stub engine: ``/generate`` and OpenAI routes with the bootstrap rendezvous.
+
+The same body (with ``bootstrap_host``, ``bootstrap_port``, ``bootstrap_room``) goes to
+prefill and decode at the same time; they meet on the prefill's bootstrap server:
+
+    prefill (room R): wait until a decode reaches room R        (bootstrap_timeout_s)
+                      -> hand over the prompt digest -> answer with 1 token
+    decode  (room R): GET http://bootstrap_host:bootstrap_port/_stub/sglang/rooms/R
+                      (parks until the prefill of R hands over)  (waiting_timeout_s)
+                      -> same prompt: remote output; other prompt: local output (recorded)
+
+Either side may arrive first. A timeout answers 500 with SGLang's wording
+(``KVTransferError(bootstrap_room=R): Request R timed out after 30.0s in
+KVPoll.Bootstrapping`` / ``KVPoll.WaitingForInput``). A prefill that fails before the
+rendezvous (a fault switch, ``no_handoff``) leaves its decode waiting until the timeout,
+as the real engines do. ``POST /abort_request {"rid", "abort_all"}`` (200, empty body)
+ends a waiting request with finish_reason ``abort``.
+
+``/generate`` shapes: ``{"text", "output_ids", "meta_info": {"id", "finish_reason":
+{"type": "length", "length": n}, "prompt_tokens", "completion_tokens", "cached_tokens",
+"e2e_latency"}}``; streamed as ``data:`` events with cumulative text and ids, then
+``data: [DONE]``. Errors: ``/generate`` ``{"error": {"message"}}``, OpenAI routes
+``{"object": "error", "message", "type", "param", "code"}``.
+
+Deliberate limits: one prompt per request, no data parallelism (one bootstrap server, room
+not mapped to a DP rank), the rid comes from the body's ``rid``, else ``X-Request-Id``,
+else a fresh uuid.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Final, TypeVar
+
+import aiohttp
+from aiohttp import web
+
+from sidecar.stubs import openai, textgen
+from sidecar.stubs.faults import FaultKind
+from sidecar.stubs.openai import BadRequest
+from sidecar.stubs.replies import SSE_DONE, JsonReply, Reply, StreamReply, json_response, sse
+from sidecar.stubs.server import request_fault, request_json
+from sidecar.stubs.textgen import PrefillKind
+
+if TYPE_CHECKING:
+    from sidecar.stubs.server import Stub
+
+GENERATE: Final = "/generate"
+COMPLETIONS: Final = "/v1/completions"
+CHAT: Final = "/v1/chat/completions"
+ROOM_PATH: Final = "/_stub/sglang/rooms/{room}"
+
+T = TypeVar("T")
+
+
+class _Aborted(Exception):
+    pass
+
+
+class _Failed(Exception):
+    def __init__(self, message: str, status: int = 500) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+
+
+@dataclass
+class _Room:
+    decode_arrived: asyncio.Event = field(default_factory=asyncio.Event)
+    handed_over: asyncio.Future[dict[str, Any]] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future()
+    )
+
+
+@dataclass
+class _Prompt:
+    ids: list[int]
+    digest: int
+    max_tokens: int
+    ignore_eos: bool
+    stream: bool
+
+
+class SglangEngine:
+    inference_paths: frozenset[str] = frozenset({GENERATE, COMPLETIONS, CHAT})
+
+    def __init__(self, stub: Stub) -> None:
+        self.stub = stub
+        self.config = stub.config
+        self.rooms: dict[int, _Room] = {}
+        self.aborts: dict[str, asyncio.Event] = {}
+        self.running = 0
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+
+    # -- plumbing ----------------------------------------------------------------------
+
+    def add_routes(self, app: web.Application) -> None:
+        app.router.add_post(GENERATE, self.stub.route(self._generate))
+        app.router.add_post(COMPLETIONS, self.stub.route(self._completions))
+        app.router.add_post(CHAT, self.stub.route(self._chat))
+        app.router.add_post("/abort_request", self._abort_request)
+        app.router.add_get("/health_generate", self._health_generate)
+        app.router.add_get("/v1/models", self.stub.route(self._models))
+
+    def add_bootstrap_routes(self, app: web.Application) -> None:
+        app.router.add_get(ROOM_PATH, self._room_handler)
+        app.router.add_get("/health", self._health_generate)
+
+    def error_body(self, status: int, message: str, path: str) -> Any:
+        if path == GENERATE:
+            return {"error": {"message": message}}
+        kind = "BadRequestError" if status < 500 else "InternalServerError"
+        return {"object": "error", "message": message, "type": kind, "param": None, "code": status}
+
+    def metrics(self) -> list[str]:
+        label = f'model_name="{self.config.model}"'
+        return [
+            "# TYPE sglang:num_running_reqs gauge",
+            f"sglang:num_running_reqs{{{label}}} {self.running}",
+            "# TYPE sglang:num_queue_reqs gauge",
+            f"sglang:num_queue_reqs{{{label}}} 0",
+            "# TYPE sglang:prompt_tokens_total counter",
+            f"sglang:prompt_tokens_total{{{label}}} {self.prompt_tokens}",
+            "# TYPE sglang:generation_tokens_total counter",
+            f"sglang:generation_tokens_total{{{label}}} {self.generation_tokens}",
+            "# TYPE stub_bootstrap_rooms gauge",
+            f"stub_bootstrap_rooms {len(self.rooms)}",
+        ]
+
+    def close(self) -> None:
+        for event in self.aborts.values():
+            event.set()
+
+    def _room(self, room_id: int) -> _Room:
+        room = self.rooms.get(room_id)
+        if room is None:
+            room = self.rooms[room_id] = _Room()
+        return room
+
+    def _forget(self, room_id: int, room: _Room) -> None:
+        if self.rooms.get(room_id) is room:
+            del self.rooms[room_id]
+
+    async def _health_generate(self, request: web.Request) -> web.StreamResponse:
+        return web.Response(status=200)
+
+    async def _models(self, request: web.Request) -> Reply:
+        model = self.config.model
+        return JsonReply(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": model,
+                        "object": "model",
+                        "created": int(time.time()),
+                        "owned_by": "sglang",
+                        "root": model,
+                        "max_model_len": self.config.max_model_len,
+                    }
+                ],
+            }
+        )
+
+    async def _abort_request(self, request: web.Request) -> web.StreamResponse:
+        try:
+            body = request_json(request)
+        except BadRequest:
+            body = None
+        if not isinstance(body, dict):
+            return json_response({"error": {"message": "body must be a JSON object"}}, 400)
+        if body.get("abort_all"):
+            for event in self.aborts.values():
+                event.set()
+        else:
+            event = self.aborts.get(str(body.get("rid", "")))
+            if event is not None:
+                event.set()
+        return web.Response(status=200)
+
+    async def _wait(self, aw: Awaitable[T], abort: asyncio.Event, timeout_s: float) -> T:
+        """``aw``'s result; raises TimeoutError at the deadline, _Aborted on abort."""
+        work = asyncio.ensure_future(aw)
+        aborted = asyncio.ensure_future(abort.wait())
+        try:
+            done, _ = await asyncio.wait(
+                {work, aborted}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED
+            )
+            if work in done:
+                return work.result()
+            if aborted in done:
+                raise _Aborted
+            raise TimeoutError
+        finally:
+            for task in (work, aborted):
+                if not task.done():
+                    task.cancel()
+
+    # -- the bootstrap server (prefill side) -------------------------------------------
+
+    async def _room_handler(self, request: web.Request) -> web.StreamResponse:
+        try:
+            room_id = int(request.match_info["room"])
+            timeout_s = float(request.query.get("timeout", self.config.waiting_timeout_s))
+        except ValueError:
+            return json_response({"error": "bad room or timeout"}, 400)
+        room = self._room(room_id)
+        room.decode_arrived.set()
+        try:
+            async with asyncio.timeout(timeout_s):
+                payload = await asyncio.shield(room.handed_over)
+        except TimeoutError:
+            self._forget(room_id, room)
+            return json_response({"error": "prefill did not hand over in time"}, 408)
+        except asyncio.CancelledError:
+            # The decode went away: the room is free again, the prefill keeps waiting.
+            if not room.handed_over.done():
+                room.decode_arrived.clear()
+            raise
+        self._forget(room_id, room)
+        return json_response(payload)
+
+    # -- request handling --------------------------------------------------------------
+
+    def _rid(self, request: web.Request, body: dict[str, Any]) -> str:
+        rid = body.get("rid")
+        if isinstance(rid, str) and rid:
+            return rid
+        return request.headers.get("X-Request-Id") or uuid.uuid4().hex
+
+    async def _handoff(
+        self, request: web.Request, body: dict[str, Any], rid: str, prompt: _Prompt
+    ) -> tuple[PrefillKind, bool]:
+        """Run this request's side of the rendezvous: (kind, is_prefill)."""
+        room_id = body.get("bootstrap_room")
+        if room_id is not None and (isinstance(room_id, bool) or not isinstance(room_id, int)):
+            raise BadRequest("bootstrap_room must be an integer")
+        abort = self.aborts[rid]
+        if self.config.role == "prefill":
+            if room_id is None:
+                return PrefillKind.LOCAL, False
+            fault = request_fault(request)
+            if fault is not None and fault.kind is FaultKind.NO_HANDOFF:
+                return PrefillKind.REMOTE, True  # answers, never meets its decode
+            await self._prefill_rendezvous(room_id, rid, prompt, abort)
+            return PrefillKind.REMOTE, True
+        if room_id is None:
+            self.stub.recorder.decide(request.path, rid, "local", "no_handoff")
+            return PrefillKind.LOCAL, False
+        host = body.get("bootstrap_host")
+        port = body.get("bootstrap_port")
+        if (
+            not isinstance(host, str)
+            or not host
+            or isinstance(port, bool)
+            or not isinstance(port, int)
+        ):
+            self.stub.recorder.decide(request.path, rid, "local", "missing_params")
+            return PrefillKind.LOCAL, False
+        payload = await self._decode_rendezvous(host, port, room_id, rid, abort)
+        if payload.get("prompt_digest") != f"{prompt.digest:016x}":
+            self.stub.recorder.decide(request.path, rid, "local", "prompt_mismatch")
+            return PrefillKind.LOCAL, False
+        self.stub.recorder.decide(request.path, rid, "remote", "ok")
+        return PrefillKind.REMOTE, False
+
+    async def _prefill_rendezvous(
+        self, room_id: int, rid: str, prompt: _Prompt, abort: asyncio.Event
+    ) -> None:
+        room = self._room(room_id)
+        timeout_s = self.config.bootstrap_timeout_s
+        try:
+            await self._wait(room.decode_arrived.wait(), abort, timeout_s)
+        except TimeoutError:
+            self._forget(room_id, room)
+            raise _Failed(
+                f"Prefill bootstrap failed for request rank=0 req.rid='{rid}' "
+                f"req.bootstrap_room={room_id} with exception KVTransferError("
+                f"bootstrap_room={room_id}): Request {room_id} timed out after "
+                f"{timeout_s}s in KVPoll.Bootstrapping"
+            ) from None
+        except (_Aborted, asyncio.CancelledError):
+            self._forget(room_id, room)
+            raise
+        if not room.handed_over.done():
+            room.handed_over.set_result(
+                {"prompt_digest": f"{prompt.digest:016x}", "prompt_tokens": len(prompt.ids)}
+            )
+
+    async def _decode_rendezvous(
+        self, host: str, port: int, room_id: int, rid: str, abort: asyncio.Event
+    ) -> dict[str, Any]:
+        timeout_s = self.config.waiting_timeout_s
+        host_part = f"[{host}]" if ":" in host and not host.startswith("[") else host
+        url = f"http://{host_part}:{port}/_stub/sglang/rooms/{room_id}?timeout={timeout_s}"
+        prefix = (
+            f"Decode transfer failed for request rank=0 decode_req.req.rid='{rid}' "
+            f"decode_req.req.bootstrap_room={room_id} with exception "
+            f"KVTransferError(bootstrap_room={room_id}): "
+        )
+        try:
+            status, payload = await self._wait(
+                self._get(url, timeout_s + self.config.pull_timeout_s), abort, timeout_s + 1.0
+            )
+        except TimeoutError:
+            status, payload = 408, None
+        except (aiohttp.ClientError, ValueError):
+            raise _Failed(prefix + "Failed to fetch bootstrap info from prefill server") from None
+        if status == 408:
+            raise _Failed(
+                prefix + f"Request {room_id} timed out after {timeout_s}s in KVPoll.WaitingForInput"
+            )
+        if status != 200 or not isinstance(payload, dict):
+            raise _Failed(prefix + "Failed to get kvcache from prefill instance, it might be dead")
+        return payload
+
+    async def _get(self, url: str, timeout_s: float) -> tuple[int, Any]:
+        timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=self.config.pull_timeout_s)
+        async with self.stub.session.get(url, timeout=timeout) as resp:
+            data = await resp.json(content_type=None) if resp.status == 200 else None
+            return resp.status, data
+
+    # -- /generate -----------------------------------------------------------------------
+
+    def _parse_generate(self, body: Any) -> _Prompt:
+        if not isinstance(body, dict):
+            raise BadRequest("request body must be a JSON object")
+        text, input_ids = body.get("text"), body.get("input_ids")
+        if (
+            isinstance(input_ids, list)
+            and input_ids
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in input_ids)
+        ):
+            ids = list(input_ids)
+        elif isinstance(text, str) and text:
+            ids = textgen.encode_text(text)
+        else:
+            raise BadRequest("Either text or input_ids should be provided (one prompt).")
+        params = body.get("sampling_params") or {}
+        if not isinstance(params, dict):
+            raise BadRequest("sampling_params must be an object")
+        max_new = params.get("max_new_tokens", self.config.default_max_tokens)
+        if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 0:
+            raise BadRequest("max_new_tokens must be a non-negative integer")
+        return _Prompt(
+            ids=ids,
+            digest=textgen.prompt_digest(ids),
+            max_tokens=max_new,
+            ignore_eos=params.get("ignore_eos") is True,
+            stream=body.get("stream") is True,
+        )
+
+    async def _generate(self, request: web.Request) -> Reply:
+        body = request_json(request)
+        prompt = self._parse_generate(body)
+        rid = self._rid(request, body)
+        result = await self._run(request, body, rid, prompt)
+        if isinstance(result, JsonReply):
+            return result
+        tokens, finish = result
+        meta_finish: dict[str, Any] | None
+        if finish == "abort":
+            meta_finish = {"type": "abort", "message": "Abort in waiting queue"}
+        elif finish == "length":
+            meta_finish = {"type": "length", "length": len(tokens)}
+        else:
+            meta_finish = {"type": "stop", "matched": textgen.EOS_TOKEN_ID}
+        started = time.monotonic()
+
+        def meta(done: int, fin: dict[str, Any] | None) -> dict[str, Any]:
+            return {
+                "id": rid,
+                "finish_reason": fin,
+                "prompt_tokens": len(prompt.ids),
+                "weight_version": "default",
+                "completion_tokens": done,
+                "cached_tokens": 0,
+                "e2e_latency": round(time.monotonic() - started, 6),
+            }
+
+        if not prompt.stream:
+            await openai.wait_tokens(self.config, len(tokens))
+            return JsonReply(
+                {
+                    "text": textgen.decode_tokens(tokens),
+                    "output_ids": tokens,
+                    "meta_info": meta(len(tokens), meta_finish),
+                }
+            )
+
+        async def events() -> AsyncIterator[bytes]:
+            self.running += 1
+            try:
+                for i in range(len(tokens)):
+                    await openai.pace(self.config, i)
+                    last = i == len(tokens) - 1
+                    yield sse(
+                        {
+                            "text": textgen.decode_tokens(tokens[: i + 1]),
+                            "output_ids": tokens[: i + 1],
+                            "meta_info": meta(i + 1, meta_finish if last else None),
+                        }
+                    )
+                if not tokens:
+                    yield sse({"text": "", "output_ids": [], "meta_info": meta(0, meta_finish)})
+                yield SSE_DONE
+            finally:
+                self.running -= 1
+
+        return StreamReply(events())
+
+    async def _run(
+        self, request: web.Request, body: dict[str, Any], rid: str, prompt: _Prompt
+    ) -> tuple[list[int], str] | JsonReply:
+        """Rendezvous then generate: (tokens, finish_reason) or an error reply."""
+        self.aborts[rid] = abort = asyncio.Event()
+        try:
+            kind, is_prefill = await self._handoff(request, body, rid, prompt)
+        except _Aborted:
+            return [], "abort"
+        except _Failed as exc:
+            return JsonReply(self.error_body(exc.status, exc.message, request.path), exc.status)
+        finally:
+            if self.aborts.get(rid) is abort:
+                del self.aborts[rid]
+        # SGLang's prefill server caps the prefill at one token.
+        max_tokens = min(prompt.max_tokens, 1) if is_prefill else prompt.max_tokens
+        tokens, finish = textgen.generate(
+            prompt.digest,
+            max_tokens,
+            kind,
+            eos_rate=self.config.eos_rate,
+            ignore_eos=prompt.ignore_eos,
+        )
+        self.prompt_tokens += len(prompt.ids)
+        self.generation_tokens += len(tokens)
+        return tokens, finish
+
+    # -- OpenAI routes -------------------------------------------------------------------
+
+    async def _completions(self, request: web.Request) -> Reply:
+        return await self._openai(request, "completion")
+
+    async def _chat(self, request: web.Request) -> Reply:
+        return await self._openai(request, "chat")
+
+    async def _openai(self, request: web.Request, kind: str) -> Reply:
+        body = request_json(request)
+        gen = openai.parse(body, kind, self.config)
+        rid = self._rid(request, gen.body)
+        prompt = _Prompt(gen.prompt_ids, gen.digest, gen.max_tokens, gen.ignore_eos, gen.stream)
+        result = await self._run(request, gen.body, rid, prompt)
+        if isinstance(result, JsonReply):
+            return result
+        tokens, finish = result
+        rendering = openai.new_rendering(rid, gen.model)
+        rendering.choice_extra = {"matched_stop": None}
+        if gen.stream:
+            self.running += 1
+            return StreamReply(
+                openai.render_events(
+                    gen, rendering, tokens, finish, self.config, on_done=self._done
+                )
+            )
+        await openai.wait_tokens(self.config, len(tokens))
+        return JsonReply(openai.render_body(gen, rendering, tokens, finish))
+
+    def _done(self) -> None:
+        self.running -= 1
