@@ -94,7 +94,9 @@ async def run_demo(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
             handoff = {k: decode_seen.json[k] for k in _HANDOFF_KEYS if k in decode_seen.json}
             _show(out, "hand-off: what the decode leg carried besides the client body", handoff)
             decision = await decode.recorder.next_decision()
-            out.write(f"\n== decode engine: KV from {decision.outcome} prefill ({decision.reason})\n")
+            out.write(
+                f"\n== decode engine: KV from {decision.outcome} prefill ({decision.reason})\n"
+            )
             out.write(f"\n== answer streamed to the client\n{answer}\n")
         finally:
             stop.set()

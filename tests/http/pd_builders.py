@@ -19,8 +19,7 @@ from sidecar_harness import RunningSidecar, running_sidecar
 
 from sidecar.protocol.context import Route
 from sidecar.stubs.config import StubConfig
-from sidecar.stubs.server import run_stub
-from sidecar.stubs.server import Stub
+from sidecar.stubs.server import Stub, run_stub
 
 #: Every engine/connector pair the sidecar supports.
 PAIRS: list[tuple[str, str]] = [

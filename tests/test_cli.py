@@ -1,0 +1,77 @@
+"""Proves the command line as an operator uses it: ``disagg-sidecar serve`` in its own process
+listens on OS-chosen ports, answers /health, and exits 0 on SIGTERM; an invalid configuration
+refuses to start with exit code 2 and a message naming the bad value; ``demo`` exits 0.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+SIDECAR = [sys.executable, "-m", "sidecar"]
+
+
+def _wait_for_file(process: subprocess.Popen[str], path: Path) -> dict[str, int]:
+    # The server writes the ports file atomically once listening; reading its stderr line by
+    # line waits on the process itself, never on a clock.
+    assert process.stderr is not None
+    for line in process.stderr:
+        if "listening:" in line:
+            break
+    else:
+        raise AssertionError(f"sidecar exited with {process.wait()} before listening")
+    ports: dict[str, int] = json.loads(path.read_text())
+    return ports
+
+
+def test_serve_listens_and_exits_zero_on_sigterm(tmp_path: Path) -> None:
+    ports_file = tmp_path / "ports.json"
+    process = subprocess.Popen(
+        [*SIDECAR, "serve", "--host", "127.0.0.1", "--port", "0", "--grpc-port", "0",
+         "--engine-url", "http://127.0.0.1:9", "--ports-file", str(ports_file)],
+        stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        ports = _wait_for_file(process, ports_file)
+        with urllib.request.urlopen(f"http://127.0.0.1:{ports['http']}/health", timeout=10) as r:
+            assert r.status == 200
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{ports['http']}/ready", timeout=10)
+        except urllib.error.HTTPError as error:
+            assert error.code == 503  # the engine at port 9 does not answer
+        else:
+            raise AssertionError("/ready must be 503 without an engine")
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (["--trtllm-machine-id", "5000"], "5000"),
+        (["--kv-connector", "bogus"], "bogus"),
+        (["--prefill-allowlist", "http://x:1"], "http://x:1"),
+    ],
+)
+def test_invalid_configuration_refuses_to_start(args: list[str], named: str) -> None:
+    result = subprocess.run([*SIDECAR, "serve", *args], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 2
+    assert named in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_demo_exits_zero() -> None:
+    result = subprocess.run([*SIDECAR, "demo"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "PD flow OK" in result.stdout
