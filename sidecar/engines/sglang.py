@@ -6,12 +6,14 @@ both bodies carry the same ``bootstrap_host``, ``bootstrap_port`` and ``bootstra
 at the same time.
 
     assign_ids: room := ids.rooms.allocate()   (the orchestrator releases ctx.sglang_room)
-    prefill fields == decode fields == {bootstrap_host, bootstrap_port, bootstrap_room}
+    prefill fields == decode fields == {bootstrap_host, bootstrap_port, bootstrap_room, rid}
 
 Both legs also carry ``rid`` (SGLang's request id field), so the sidecar can name the request
 in ``POST /abort_request`` when the client goes away or the prefill fails. The fields are set
-after the client's keys, so client-supplied bootstrap values are always overwritten. Deliberate limits: one room per request; batches (one room per item) are refused
-earlier by ``sidecar.protocol.request``.
+after the client's keys, so client-supplied bootstrap values are always overwritten.
+
+Deliberate limits: one room per request; batches (one room per item) are refused earlier by
+``sidecar.protocol.request``.
 """
 
 from __future__ import annotations
