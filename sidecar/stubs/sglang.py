@@ -460,6 +460,9 @@ class SglangEngine:
         tokens, finish = result
         rendering = openai.new_rendering(rid, gen.model)
         rendering.choice_extra = {"matched_stop": None}
+        # SGLang's completions carry token_ids (the delta, per streamed chunk) and
+        # prompt_token_ids only when asked (return_token_ids), where vLLM puts them.
+        rendering.vllm_token_ids = kind == "completion" and gen.return_token_ids
         if gen.stream:
             self.running += 1
             return StreamReply(
