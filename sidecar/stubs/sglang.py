@@ -178,9 +178,9 @@ class SglangEngine:
             for event in self.aborts.values():
                 event.set()
         else:
-            event = self.aborts.get(str(body.get("rid", "")))
-            if event is not None:
-                event.set()
+            target = self.aborts.get(str(body.get("rid", "")))
+            if target is not None:
+                target.set()
         return web.Response(status=200)
 
     async def _wait(self, aw: Awaitable[T], abort: asyncio.Event, timeout_s: float) -> T:
