@@ -330,7 +330,7 @@ class Stub:
                 "seq": r.seq,
                 "method": r.method,
                 "path": r.path,
-                "headers": dict(r.headers),
+                "headers": {str(k): v for k, v in r.headers.items()},
                 "json": r.json,
             }
             for r in self.recorder.requests

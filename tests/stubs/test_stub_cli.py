@@ -1,0 +1,93 @@
+"""The stub engine as a process: ``python -m sidecar.stubs`` and the argparse helpers.
+
+Proves: the module runs on its own, prints one JSON line with its ports once listening
+(OS-chosen ports, a bootstrap port for an SGLang prefill), serves requests, accepts faults
+on the command line, and exits 0 on SIGTERM; bad flags exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import aiohttp
+
+from sidecar.stubs.cli import add_stub_arguments, config_from_args
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_arguments_build_the_config() -> None:
+    parser = argparse.ArgumentParser()
+    add_stub_arguments(parser)
+    args = parser.parse_args(
+        [
+            "--engine",
+            "sglang",
+            "--role",
+            "prefill",
+            "--bootstrap-port",
+            "0",
+            "--fault",
+            '{"kind": "status", "status": 503, "times": 1}',
+            "--waiting-timeout",
+            "2",
+        ]
+    )
+    config = config_from_args(args)
+    assert config.engine == "sglang" and config.role == "prefill"
+    assert config.waiting_timeout_s == 2.0
+    assert config.faults[0].status == 503 and config.has_bootstrap_server
+
+
+async def test_module_runs_until_sigterm(session: aiohttp.ClientSession) -> None:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "sidecar.stubs",
+        "--engine",
+        "sglang",
+        "--role",
+        "prefill",
+        "--fault",
+        '{"kind": "status", "status": 503, "times": 1, "path": "/health"}',
+        stdout=asyncio.subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        cwd=ROOT,
+    )
+    try:
+        assert proc.stdout is not None
+        line = json.loads(await asyncio.wait_for(proc.stdout.readline(), 60))
+        assert line["event"] == "listening" and line["engine"] == "sglang"
+        assert line["port"] > 0 and line["bootstrap_port"] > 0
+        async with session.get(line["url"] + "/health") as resp:
+            assert resp.status == 503
+        async with session.get(line["url"] + "/health") as resp:
+            assert resp.status == 200
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 30) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+async def test_bad_flags_exit_2() -> None:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "sidecar.stubs",
+        "--fault",
+        "{not json",
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        cwd=ROOT,
+    )
+    _, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 2 and b"stub-engine" in err
