@@ -55,7 +55,9 @@ def _grpc_starter() -> GrpcStarter | None:
 
 
 async def _start_site(app: web.Application, host: str, port: int) -> web.AppRunner:
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
+    # The drain (drain_grace_s) has already waited for requests; what is left is cut now
+    # (with 5 s here aiohttp 3.14 took 10 s more, past Kubernetes' default grace period).
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=0.1)
     await runner.setup()
     await web.TCPSite(runner, host, port, reuse_address=True).start()
     return runner
