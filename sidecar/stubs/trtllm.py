@@ -256,6 +256,11 @@ class TrtllmEngine:
         fault = request_fault(request)
         response_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         rendering = openai.new_rendering(response_id, gen.model)
+        if kind == "completion" and getattr(req, "detokenize", True) is False:
+            # detokenize=false: TRT-LLM returns the choice's token_ids (per streamed chunk, the
+            # delta); the stub renders them where vLLM puts its return_token_ids.
+            gen.return_token_ids = True
+            rendering.vllm_token_ids = True
         if request_type == CONTEXT_ONLY and params is not None:
             if gen.stream:
                 raise BadRequest("Context-only requests do not support streaming.")
