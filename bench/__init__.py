@@ -1,0 +1,1 @@
+"""The sidecar benchmark (see bench/README.md)."""

@@ -1,0 +1,167 @@
+"""The benchmark's processes: stub engines and the sidecar, each its own OS process.
+
+    start_stub(...)    ─▶ python -m sidecar.stubs ...      (reads its "listening" JSON line)
+    start_sidecar(...) ─▶ python -m bench.sidecar_proc ... (reads its --ports-file)
+    cpu_seconds(pid)   ─▶ user + system CPU of that process, from /proc
+
+Separate processes so that ``/proc/<pid>`` gives the sidecar's CPU alone. Every process is
+bound to 127.0.0.1 on OS-chosen ports, started with a deadline and stopped (SIGTERM, then
+SIGKILL) by the pid this module started; nothing else is ever signalled.
+
+Deliberate limits: Linux only (``/proc``); no CPU pinning (the machine has two cores and
+everything shares them, as a pod's containers would).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import select
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+_START_TIMEOUT_S = 30.0
+
+
+@dataclass
+class Proc:
+    """One started process and what it told us about itself."""
+
+    name: str
+    popen: subprocess.Popen[bytes]
+    port: int
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+def child_env() -> dict[str, str]:
+    """The environment of every child: the repository importable, no proxies, no buffering."""
+    env = {k: v for k, v in os.environ.items() if not k.lower().endswith("_proxy")}
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p
+    )
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def _read_line(popen: subprocess.Popen[bytes], deadline: float) -> bytes:
+    assert popen.stdout is not None
+    while time.monotonic() < deadline:
+        if popen.poll() is not None:
+            break
+        ready, _, _ = select.select([popen.stdout], [], [], 0.1)
+        if ready:
+            return popen.stdout.readline()
+    raise RuntimeError(f"process {popen.args!r} did not report listening in time")
+
+
+def start_stub(
+    name: str, engine: str, role: str, kv_connector: str, *extra: str, log_dir: Path
+) -> Proc:
+    """A stub engine in zero-latency mode, recording nothing (``--record-limit 0``)."""
+    args = [
+        sys.executable, "-m", "sidecar.stubs",
+        "--engine", engine, "--role", role, "--kv-connector", kv_connector,
+        "--host", "127.0.0.1", "--port", "0", "--bootstrap-port", "0",
+        "--record-limit", "0", "--ttft", "0", "--itl", "0", *extra,
+    ]
+    stderr = (log_dir / f"{name}.log").open("wb")
+    popen = subprocess.Popen(
+        args, stdout=subprocess.PIPE, stderr=stderr, env=child_env(), cwd=REPO_ROOT
+    )
+    stderr.close()
+    try:
+        line = _read_line(popen, time.monotonic() + _START_TIMEOUT_S)
+        info: dict[str, Any] = json.loads(line)
+    except (RuntimeError, ValueError):
+        stop(Proc(name, popen, 0))
+        raise RuntimeError(
+            f"stub {name} failed to start; see {log_dir / (name + '.log')}"
+        ) from None
+    return Proc(name, popen, int(info["port"]), info)
+
+
+def start_sidecar(name: str, flags: list[str], *, log_dir: Path, prefix: list[str]) -> Proc:
+    """The sidecar's ``serve`` path with ``flags``; ``prefix`` wraps it (e.g. a profiler)."""
+    ports_file = log_dir / f"{name}.ports.json"
+    with contextlib.suppress(FileNotFoundError):
+        ports_file.unlink()
+    args = [
+        *prefix, sys.executable, "-m", "bench.sidecar_proc",
+        "--host", "127.0.0.1", "--port", "0", "--no-grpc", "--ports-file", str(ports_file),
+        "--log-level", "warning", *flags,
+    ]
+    log = (log_dir / f"{name}.log").open("wb")
+    popen = subprocess.Popen(
+        args, stdout=log, stderr=subprocess.STDOUT, env=child_env(), cwd=REPO_ROOT
+    )
+    log.close()
+    deadline = time.monotonic() + _START_TIMEOUT_S
+    while time.monotonic() < deadline and popen.poll() is None:
+        if ports_file.exists():
+            ports: dict[str, int] = json.loads(ports_file.read_bytes())
+            return Proc(name, popen, int(ports["http"]), {"ports": ports})
+        time.sleep(0.05)
+    stop(Proc(name, popen, 0))
+    raise RuntimeError(f"sidecar failed to start; see {log_dir / (name + '.log')}")
+
+
+def server_pid(proc: Proc) -> int:
+    """The pid that serves: the wrapped Python child when a profiler prefix started it."""
+    children_file = Path(f"/proc/{proc.pid}/task/{proc.pid}/children")
+    with contextlib.suppress(OSError, ValueError):
+        children = children_file.read_text().split()
+        if children and proc.popen.args[0] != sys.executable:  # type: ignore[index]
+            return int(children[0])
+    return proc.pid
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU seconds of process ``pid``, to the nanosecond where the kernel keeps schedstats.
+
+    ``/proc/<pid>/task/*/schedstat`` (time on CPU, ns, per living thread) first; else
+    ``/proc/<pid>/stat`` user + system time (clock ticks, all threads, living and exited).
+    """
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        total_ns = 0
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            total_ns += int((task / "schedstat").read_text().split()[0])
+        if total_ns:
+            return total_ns / 1e9
+    return _stat_cpu_seconds(pid)
+
+
+def _stat_cpu_seconds(pid: int) -> float:
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    # Field 2 (comm) may hold spaces: split after its closing parenthesis.
+    fields = stat[stat.rindex(")") + 2 :].split()
+    utime, stime = int(fields[11]), int(fields[12])
+    return (utime + stime) / _CLK_TCK
+
+
+def stop(proc: Proc, timeout_s: float = 10.0) -> None:
+    """SIGTERM the process we started, then SIGKILL it if it lingers."""
+    popen = proc.popen
+    if popen.poll() is None:
+        popen.terminate()
+        try:
+            popen.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            popen.kill()
+            popen.wait(timeout_s)
+    if popen.stdout is not None:
+        popen.stdout.close()

@@ -1,0 +1,339 @@
+"""The benchmark: stub engines + the sidecar on loopback, direct versus through the sidecar.
+
+    python -m bench.run                 # full run (~2-3 minutes), table + bench/results/*.json
+    python -m bench.run --quick         # a few requests per phase (the CI smoke test)
+
+For each flow (``seq``: vLLM NixlConnector, prefill then decode; ``conc``: SGLang, or vLLM
+Mooncake where the SGLang stub is absent, both legs at once) it starts a prefill stub, a
+decode stub and a sidecar in front of the decode stub, each its own process, then measures,
+for JSON and streamed answers, direct (the load generator runs both legs itself, as vLLM's
+reference proxy or SGLang's mini load balancer would) and through the sidecar:
+
+    serial      one request at a time: p50/p99 latency, time to first byte (streams)
+    c32, c128   closed loop at that concurrency: requests/s, p50/p99 latency
+    tokens      256-token streams at concurrency 32: tokens/s
+
+and the sidecar process's CPU (``/proc/<pid>/stat``) per request and per relayed token.
+The load generator is this process; it shares the machine's cores with the stubs and the
+sidecar, and the JSON records every process's CPU so a reader can see who used them.
+
+Deliberate limits: loopback only, stubs in zero-latency mode (``--ttft 0 --itl 0``, no
+request recording), so the figures are the software's cost, not an engine's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import importlib.util
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from bench import flows, load, procs, report
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+MODES = ("direct", "sidecar")
+
+
+@dataclass(frozen=True)
+class Plan:
+    serial_n: int = 300
+    loop_s: float = 3.0
+    warmup_s: float = 0.5
+    concurrencies: tuple[int, ...] = (32, 128)
+    short_tokens: int = 16
+    stream_tokens: int = 256
+    stream_concurrency: int = 32
+    serial_warmup: int = 30
+    min_requests: int = 1
+
+
+QUICK = Plan(serial_n=3, loop_s=0.2, warmup_s=0.05, concurrencies=(4,), short_tokens=4,
+             stream_tokens=8, stream_concurrency=4, serial_warmup=1, min_requests=4)
+
+
+@dataclass
+class Stack:
+    """The processes of one flow and how the load generator reaches them."""
+
+    flow: str
+    engine: str
+    connector: str
+    prefill: procs.Proc
+    decode: procs.Proc
+    sidecar: procs.Proc
+    engine_id: str = ""
+
+    @property
+    def pids(self) -> dict[str, int]:
+        return {
+            "sidecar": procs.server_pid(self.sidecar),
+            "prefill_stub": self.prefill.pid,
+            "decode_stub": self.decode.pid,
+        }
+
+    def make(self, mode: str, max_tokens: int, stream: bool) -> flows.Flow:
+        if mode == "sidecar":
+            return flows.Sidecar(self.sidecar.url, self.prefill.port, max_tokens, stream)
+        if self.flow == "seq":
+            return flows.DirectSeq(self.prefill.url, self.decode.url, max_tokens, stream)
+        bootstrap = int(self.prefill.info["bootstrap_port"])
+        if self.engine == "sglang":
+            return flows.DirectSGLang(
+                self.prefill.url, self.decode.url, bootstrap, max_tokens, stream
+            )
+        return flows.DirectMooncake(
+            self.prefill.url, self.decode.url, bootstrap, self.engine_id, max_tokens, stream
+        )
+
+
+def sglang_stub_available() -> bool:
+    with contextlib.suppress(ImportError):
+        return importlib.util.find_spec("sidecar.stubs.sglang") is not None
+    return False
+
+
+def _flow_parts(flow: str, conc_engine: str) -> tuple[str, str]:
+    if flow == "seq":
+        return "vllm", "shfs"
+    if conc_engine == "auto":
+        conc_engine = "sglang" if sglang_stub_available() else "mooncake"
+    return ("sglang", "shfs") if conc_engine == "sglang" else ("vllm", "mooncake")
+
+
+@contextlib.contextmanager
+def stack(flow: str, conc_engine: str, log_dir: Path, max_connections: int,
+          sidecar_prefix: list[str]) -> Iterator[Stack]:
+    engine, connector = _flow_parts(flow, conc_engine)
+    started: list[procs.Proc] = []
+    try:
+        prefill = procs.start_stub(f"{flow}-prefill", engine, "prefill", connector,
+                                   log_dir=log_dir)
+        started.append(prefill)
+        decode = procs.start_stub(f"{flow}-decode", engine, "decode", connector,
+                                  log_dir=log_dir)
+        started.append(decode)
+        flags = [
+            "--engine", engine, "--engine-url", decode.url,
+            "--prefill-allowlist", f"127.0.0.1:{prefill.port}",
+            "--max-connections", str(max_connections),
+        ]
+        if engine == "vllm":
+            flags += ["--kv-connector", connector]
+        bootstrap = prefill.info.get("bootstrap_port")
+        if bootstrap:
+            flags += ["--sglang-bootstrap-port", str(bootstrap),
+                      "--mooncake-bootstrap-port", str(bootstrap)]
+        sidecar = procs.start_sidecar(f"{flow}-sidecar", flags, log_dir=log_dir,
+                                      prefix=sidecar_prefix)
+        started.append(sidecar)
+        yield Stack(flow, engine, connector, prefill, decode, sidecar)
+    finally:
+        for proc in reversed(started):
+            procs.stop(proc)
+
+
+async def _engine_id(bootstrap_port: int) -> str:
+    """vLLM Mooncake: the prefill engine's id from its bootstrap server's ``/query``."""
+    async with aiohttp.ClientSession(trust_env=False) as session:
+        async with session.get(f"http://127.0.0.1:{bootstrap_port}/query") as response:
+            data: dict[str, Any] = await response.json()
+    for key, value in data.items():
+        if isinstance(value, dict) and "engine_id" in value:
+            return str(value["engine_id"])
+        return str(key)
+    raise RuntimeError("empty /query answer")
+
+
+async def _handoff_counts(decode_url: str) -> dict[str, int]:
+    """The decode stub's hand-off verdicts (remote = it used the prefill's KV)."""
+    async with aiohttp.ClientSession(trust_env=False) as session:
+        async with session.get(decode_url + "/metrics") as response:
+            text = await response.text()
+    counts: dict[str, int] = {}
+    for line in text.splitlines():
+        if line.startswith("stub_handoff_total{"):
+            labels, value = line.rsplit(" ", 1)
+            outcome = labels.split('outcome="', 1)[1].split('"', 1)[0]
+            counts[outcome] = counts.get(outcome, 0) + int(float(value))
+    return counts
+
+
+async def measure_flow(
+    st: Stack, plan: Plan, log: Any, only: set[str] | None = None, modes: tuple[str, ...] = MODES
+) -> dict[str, Any]:
+    """Every phase of one flow (or those in ``only``), direct and through the sidecar."""
+
+    def wanted(name: str) -> bool:
+        return only is None or name in only
+
+    if st.engine == "vllm" and st.connector == "mooncake":
+        st.engine_id = await _engine_id(int(st.prefill.info["bootstrap_port"]))
+    meter = load.CpuMeter(st.pids)
+    out: dict[str, Any] = {
+        "engine": st.engine, "connector": st.connector, "phases": {},
+    }
+    phases: dict[str, Any] = out["phases"]
+    for fmt, stream in (("json", False), ("stream", True)):
+        for mode in modes:
+            if not wanted(f"{fmt}/serial"):
+                break
+            flow = st.make(mode, plan.short_tokens, stream)
+            phase = await load.serial(flow, plan.serial_n, meter, warmup=plan.serial_warmup)
+            phases.setdefault(f"{fmt}/serial", {})[mode] = phase.summary()
+            log(f"  {st.flow} {fmt} serial {mode}: {_brief(phase.summary())}")
+        for concurrency in plan.concurrencies:
+            for mode in modes:
+                if not wanted(f"{fmt}/c{concurrency}"):
+                    break
+                flow = st.make(mode, plan.short_tokens, stream)
+                phase = await load.closed_loop(flow, concurrency, plan.loop_s, meter,
+                                               warmup_s=plan.warmup_s,
+                                               min_requests=plan.min_requests)
+                phases.setdefault(f"{fmt}/c{concurrency}", {})[mode] = phase.summary()
+                log(f"  {st.flow} {fmt} c{concurrency} {mode}: {_brief(phase.summary())}")
+    for mode in modes:
+        if not wanted("tokens"):
+            break
+        flow = st.make(mode, plan.stream_tokens, True)
+        phase = await load.closed_loop(flow, plan.stream_concurrency, plan.loop_s, meter,
+                                       warmup_s=plan.warmup_s, min_requests=plan.min_requests)
+        phases.setdefault("tokens", {})[mode] = phase.summary()
+        log(f"  {st.flow} tokens c{plan.stream_concurrency} {mode}: {_brief(phase.summary())}")
+    out["handoffs"] = await _handoff_counts(st.decode.url)
+    return out
+
+
+def _brief(summary: dict[str, Any]) -> str:
+    return (f"{summary['rps']} req/s p50 {summary['p50_ms']} ms p99 {summary['p99_ms']} ms "
+            f"errors {summary['errors']} cpu/req {summary.get('sidecar_cpu_us_per_req', '-')} us")
+
+
+def machine() -> dict[str, Any]:
+    model = ""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    versions = {}
+    for name in ("aiohttp", "uvloop", "orjson", "multidict", "yarl"):
+        with contextlib.suppress(Exception):
+            from importlib.metadata import version
+
+            versions[name] = version(name)
+    return {
+        "cores": os.cpu_count(),
+        "cpu": model,
+        "python": platform.python_version(),
+        "kernel": platform.release(),
+        "packages": versions,
+    }
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a few requests per phase (smoke)")
+    parser.add_argument("--flows", default="seq,conc", help="comma-separated: seq, conc")
+    parser.add_argument("--conc-engine", choices=("auto", "sglang", "mooncake"), default="auto",
+                        help="the concurrent flow's stubs (auto: SGLang when its stub exists)")
+    parser.add_argument("--serial-n", type=int, help="requests per serial phase")
+    parser.add_argument("--seconds", type=float, help="measured seconds per closed-loop phase")
+    parser.add_argument("--concurrency", help="comma-separated closed-loop concurrencies")
+    parser.add_argument("--max-connections", type=int, default=1024,
+                        help="the sidecar's upstream pool size (--max-connections)")
+    parser.add_argument("--sidecar-prefix", default="",
+                        help="command that wraps the sidecar, e.g. 'py-spy record -o x.svg --'")
+    parser.add_argument("--phases", help="only these phases, e.g. json/c32,tokens (profiling)")
+    parser.add_argument("--modes", default="direct,sidecar",
+                        help="direct, sidecar or both (profiling: sidecar)")
+    parser.add_argument("--out", type=Path, help="JSON output (default bench/results/<time>.json)")
+    parser.add_argument("--markdown", type=Path, help="also write the table here")
+    args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    return args
+
+
+def plan_of(args: argparse.Namespace) -> Plan:
+    base = QUICK if args.quick else Plan()
+    changes: dict[str, Any] = {}
+    if args.serial_n is not None:
+        changes["serial_n"] = args.serial_n
+    if args.seconds is not None:
+        changes["loop_s"] = args.seconds
+    if args.concurrency:
+        changes["concurrencies"] = tuple(int(c) for c in args.concurrency.split(","))
+    return Plan(**{**base.__dict__, **changes})
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    plan = plan_of(args)
+    stamp = time.strftime("%Y%m%dT%H%M%S")
+    log_dir = (args.out.parent if args.out else RESULTS_DIR) / f"logs-{stamp}"
+    log_dir.mkdir(parents=True, exist_ok=True)
+
+    def log(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    result: dict[str, Any] = {
+        "command": " ".join(["python -m bench.run", *args.argv]),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "machine": machine(),
+        "plan": plan.__dict__,
+        "flows": {},
+    }
+    prefix = args.sidecar_prefix.split() if args.sidecar_prefix else []
+    for flow in [f.strip() for f in args.flows.split(",") if f.strip()]:
+        with stack(flow, args.conc_engine, log_dir, args.max_connections, prefix) as st:
+            log(f"{flow}: {st.engine}/{st.connector}  prefill {st.prefill.url}  "
+                f"decode {st.decode.url}  sidecar {st.sidecar.url}")
+            only = set(args.phases.split(",")) if args.phases else None
+            modes = tuple(m for m in MODES if m in args.modes.split(","))
+            result["flows"][flow] = await measure_flow(st, plan, log, only, modes)
+    result["targets"] = report.targets(result)
+    return result
+
+
+def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop for the load generator too: it shares the cores, so it should cost little."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    factory: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
+    return factory
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+        result = runner.run(run(args))
+    out = args.out or RESULTS_DIR / f"{time.strftime('%Y%m%dT%H%M%S')}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    table = report.markdown(result)
+    print(table)
+    if args.markdown:
+        args.markdown.write_text(table)
+    print(f"JSON: {out}", file=sys.stderr)
+    errors = sum(
+        side.get("errors", 0)
+        for flow in result["flows"].values()
+        for phase in flow["phases"].values()
+        for side in phase.values()
+    )
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

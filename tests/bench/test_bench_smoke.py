@@ -1,0 +1,42 @@
+"""The benchmark still runs: ``python -m bench.run --quick`` end to end, as CI would.
+
+Proves: the stubs and the sidecar start as separate processes, every phase of both flows
+(vLLM NIXL sequential, SGLang or vLLM Mooncake concurrent) completes without errors through
+the sidecar and directly, the decode stubs used the prefill's hand-off, and the JSON and the
+table carry the figures the README shows. Does not prove anything about speed: the run is a
+few requests per phase on a shared machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_quick_run_produces_table_and_json(tmp_path: Path) -> None:
+    out = tmp_path / "result.json"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.run", "--quick", "--out", str(out)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=90, check=False,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(out.read_text())
+    assert set(result["flows"]) == {"seq", "conc"}
+    for flow in result["flows"].values():
+        assert flow["handoffs"].get("remote", 0) > 0
+        assert set(flow.get("handoffs", {})) == {"remote"}
+        for sides in flow["phases"].values():
+            for mode in ("direct", "sidecar"):
+                assert sides[mode]["errors"] == 0
+                assert sides[mode]["requests"] > 0
+            assert sides["sidecar"]["sidecar_cpu_us_per_req"] >= 0
+    tokens = result["flows"]["seq"]["phases"]["tokens"]["sidecar"]
+    assert tokens["tokens_per_s"] > 0
+    assert [t["target"] for t in result["targets"]]
+    assert "| flow |" in done.stdout and "Targets" in done.stdout
