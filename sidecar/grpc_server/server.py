@@ -9,9 +9,10 @@
       options:  max send/receive message size = settings.grpc_max_message_bytes
 
 Health follows ``runtime.health`` (the engine watcher started by ``serve``): its change
-listener flips the statuses. ``stop(grace)`` first reports NOT_SERVING for good, then lets
-in-flight RPCs finish for ``grace`` seconds, then cancels the background prefills that are
-left (``serve`` has already drained admission, which includes them, before it calls stop).
+listener flips the statuses; once draining starts (SIGTERM), Check answers NOT_SERVING.
+``stop(grace)`` reports NOT_SERVING for good, lets in-flight RPCs finish for ``grace``
+seconds, then cancels the background prefills left (``serve`` has already drained admission,
+which includes them, before it calls stop).
 
 Deliberate limits: plaintext only (TLS belongs to the mesh, as for the HTTP port); the bind
 address is ``settings.host`` (an IPv6 literal is bracketed).
@@ -22,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Final
+from typing import Any, Final
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -52,6 +53,25 @@ def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
     ]
+
+
+class _DrainAwareHealth(health.aio.HealthServicer):  # type: ignore[misc]
+    """The standard health servicer, answering NOT_SERVING to Check once draining started."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        super().__init__()
+        self._runtime = runtime
+
+    async def Check(
+        self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> health_pb2.HealthCheckResponse:
+        response = await super().Check(request, context)
+        if self._runtime.admission.draining:
+            # SIGTERM: routers should stop picking this pod before the server goes away.
+            return health_pb2.HealthCheckResponse(
+                status=health_pb2.HealthCheckResponse.NOT_SERVING
+            )
+        return response
 
 
 class _HealthMirror:
@@ -94,7 +114,7 @@ async def start_grpc_server(runtime: Runtime) -> tuple[int, StopFunction]:
     disagg_pb2_grpc.add_PrefillWorkerServicer_to_server(prefill, server)
     disagg_pb2_grpc.add_DecodeWorkerServicer_to_server(DecodeService(runtime, decode_model), server)
 
-    health_servicer = health.aio.HealthServicer()
+    health_servicer = _DrainAwareHealth(runtime)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     mirror = _HealthMirror(health_servicer)
     await mirror.apply(runtime.health.ready)

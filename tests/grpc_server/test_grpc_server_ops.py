@@ -1,5 +1,7 @@
 """Proves the gRPC server's operations surface: the standard health service reports SERVING
-only while the local engine answers its health check (and follows it both ways), reflection
+only while the local engine answers its health check (and follows it both ways; draining
+reports NOT_SERVING), ``serve`` runs the gRPC front door next to HTTP (a route through two
+served sidecars works, and stopping them drains), reflection
 lists both disagg services, the configured message size limit is enforced, and stop ends the
 background prefills that are still running.
 
@@ -42,6 +44,8 @@ async def test_health_follows_the_local_engine() -> None:
             stub.faults.clear()
             assert await sidecar.runtime.health.check() is True
             assert await _health(sidecar.address) == SERVING
+            sidecar.runtime.admission.start_draining()
+            assert await _health(sidecar.address, DECODE_SERVICE) == NOT_SERVING
 
 
 async def test_health_is_not_serving_without_an_engine() -> None:
@@ -102,3 +106,23 @@ async def test_metrics_are_labelled_grpc() -> None:
                                  stage="prefill") == 1
         assert pd.prefill.metric("disagg_kv_bytes_total", direction="out") > 0
         assert pd.prefill.metric("disagg_requests_total", front_door="http") == 0
+
+
+async def test_serve_runs_the_grpc_front_door_next_to_http() -> None:
+    from grpc_builders import expected_tokens
+    from sidecar_harness import running_sidecar
+
+    from sidecar.grpc_server.router_cli import route
+
+    async with (
+        run_stub(engine="vllm", role="prefill") as p_stub,
+        run_stub(engine="vllm", role="decode") as d_stub,
+        running_sidecar(engine="vllm", engine_url=p_stub.url, role="prefill",
+                        advertise_host="127.0.0.1") as prefill,
+        running_sidecar(engine="vllm", engine_url=d_stub.url, role="decode") as decode,
+    ):
+        assert "grpc" in prefill.ports and "http" in prefill.ports
+        result = await route(f"127.0.0.1:{prefill.grpc_port}", f"127.0.0.1:{decode.grpc_port}",
+                             PROMPT_IDS, 4)
+        assert result.token_ids == expected_tokens(PROMPT_IDS, 4)
+        assert await decode.metric("disagg_requests_total", front_door="grpc", outcome="ok") == 1
