@@ -1,0 +1,181 @@
+"""The inline-KV byte layout and the files that carry it between an engine and its sidecar.
+
+Pure Python (no torch, no vLLM): both the KV connector inside the engine
+(``connectors.sidecar_kv``) and the sidecar (``sidecar.inline_kv``) import it, so the two
+sides agree on one definition.
+
+Directory of one request, ``<staging_root>/<key>/``:
+
+- ``layer-NNNN.kv`` per layer ``NNNN`` (0-based, 4 digits): ``num_blocks`` records back to
+  back; record ``j`` is block ``j`` of the request (token ``j*block_size`` onwards): its K
+  tile then its V tile. A tile is ``[num_kv_heads, block_size, head_size]`` of ``dtype``,
+  C order, little-endian (layout name ``"HNC"``). ``tile_bytes`` is the size of one tile.
+- ``meta.json``: the ``InlineMeta`` document, written last (atomically): its presence says
+  every layer file is complete.
+
+The staging root also holds ``engine.json`` (an ``InlineLayout`` document), written by the
+connector of the engine at start-up: a sidecar validates incoming KV against it.
+
+Deliberate limits: one KV-cache group (plain decoder attention, no MLA, no hybrid models);
+the key is restricted to ``[A-Za-z0-9._-]`` so that it can never escape the staging root.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+LAYOUT_NAME = "HNC"
+META_FILE = "meta.json"
+ENGINE_FILE = "engine.json"
+ITEMSIZE: Mapping[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "uint8": 1}
+_KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+class LayoutError(ValueError):
+    """A layout or metadata document is malformed."""
+
+
+def check_key(key: str) -> str:
+    """Return ``key`` if it is a safe directory name, else raise ``LayoutError``."""
+    if not isinstance(key, str) or not _KEY_RE.match(key) or key in (".", ".."):
+        raise LayoutError(f"bad inline KV key {key!r}")
+    return key
+
+
+def layer_file(layer_idx: int) -> str:
+    return f"layer-{layer_idx:04d}.kv"
+
+
+def fingerprint(essentials: Mapping[str, Any]) -> str:
+    """A stable hash of the model/config facts that decide whether KV is reusable."""
+    canon = json.dumps(dict(essentials), sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(canon.encode()).hexdigest()[:32]
+
+
+@dataclass(frozen=True)
+class InlineLayout:
+    """What one engine's KV cache looks like on the wire."""
+
+    dtype: str
+    block_size: int
+    num_kv_heads: int
+    head_size: int
+    num_layers: int
+    fingerprint: str
+    layout: str = LAYOUT_NAME
+
+    @property
+    def tile_bytes(self) -> int:
+        return self.num_kv_heads * self.block_size * self.head_size * ITEMSIZE[self.dtype]
+
+    @property
+    def block_bytes(self) -> int:
+        return 2 * self.tile_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, doc: Mapping[str, Any]) -> InlineLayout:
+        try:
+            out = cls(
+                dtype=str(doc["dtype"]),
+                block_size=_pos_int(doc["block_size"]),
+                num_kv_heads=_pos_int(doc["num_kv_heads"]),
+                head_size=_pos_int(doc["head_size"]),
+                num_layers=_pos_int(doc["num_layers"]),
+                fingerprint=str(doc["fingerprint"]),
+                layout=str(doc.get("layout", LAYOUT_NAME)),
+            )
+        except (KeyError, TypeError) as exc:
+            raise LayoutError(f"bad inline KV layout: {exc}") from exc
+        if out.dtype not in ITEMSIZE:
+            raise LayoutError(f"unknown KV dtype {out.dtype!r}")
+        if out.layout != LAYOUT_NAME:
+            raise LayoutError(f"unknown KV layout {out.layout!r}")
+        return out
+
+
+@dataclass(frozen=True)
+class InlineMeta:
+    """One request's KV: its layout, how many tokens and blocks it covers, its key."""
+
+    layout: InlineLayout
+    num_tokens: int
+    num_blocks: int
+    key: str
+    version: int = 1
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "version": self.version,
+            "kind": "inline_kv",
+            "key": self.key,
+            "num_tokens": self.num_tokens,
+            "num_blocks": self.num_blocks,
+            **self.layout.to_dict(),
+        }
+
+    def to_json(self) -> bytes:
+        return json.dumps(self.to_dict(), sort_keys=True).encode()
+
+    @classmethod
+    def from_dict(cls, doc: Mapping[str, Any]) -> InlineMeta:
+        if not isinstance(doc, Mapping):
+            raise LayoutError("inline KV metadata is not an object")
+        if doc.get("version") != 1 or doc.get("kind") != "inline_kv":
+            raise LayoutError("inline KV metadata: wrong version or kind")
+        layout = InlineLayout.from_dict(doc)
+        try:
+            num_tokens = _pos_int(doc["num_tokens"])
+            num_blocks = _pos_int(doc["num_blocks"])
+            key = check_key(str(doc["key"]))
+        except (KeyError, TypeError) as exc:
+            raise LayoutError(f"bad inline KV metadata: {exc}") from exc
+        if num_blocks != -(-num_tokens // layout.block_size):
+            raise LayoutError(
+                f"inline KV metadata: {num_blocks} blocks do not cover {num_tokens} tokens "
+                f"at block size {layout.block_size}"
+            )
+        return cls(layout=layout, num_tokens=num_tokens, num_blocks=num_blocks, key=key)
+
+    @classmethod
+    def from_json(cls, data: bytes) -> InlineMeta:
+        try:
+            doc = json.loads(data)
+        except ValueError as exc:
+            raise LayoutError(f"inline KV metadata is not JSON: {exc}") from exc
+        return cls.from_dict(doc)
+
+
+def _pos_int(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise LayoutError(f"expected a positive integer, got {value!r}")
+    return value
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that a reader sees either nothing or all of it."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with tmp.open("wb") as fh:
+        fh.write(data)
+    tmp.replace(path)
+
+
+def read_engine_layout(root: Path) -> InlineLayout | None:
+    """The layout the local engine's connector published, or None if none yet."""
+    try:
+        data = (root / ENGINE_FILE).read_bytes()
+    except FileNotFoundError:
+        return None
+    try:
+        return InlineLayout.from_dict(json.loads(data))
+    except ValueError as exc:
+        raise LayoutError(f"bad {ENGINE_FILE}: {exc}") from exc
