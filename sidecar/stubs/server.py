@@ -121,7 +121,21 @@ class Stub:
         return self._session
 
     async def wait_idle(self, *, timeout_s: float = 10.0) -> None:
+        """Return once no request is in flight on the stub's engine port."""
         await self.recorder.wait_idle(timeout_s=timeout_s)
+
+    @property
+    def open_connections(self) -> int:
+        """TCP connections currently open on the engine port (keep-alive ones included)."""
+        if not self._runners or self._runners[0].server is None:
+            return 0
+        # A lost connection leaves the server's list only when its task ends: look at the
+        # transport instead.
+        return sum(
+            1
+            for handler in self._runners[0].server.connections
+            if handler.transport is not None and not handler.transport.is_closing()
+        )
 
     def info(self) -> dict[str, Any]:
         return {
@@ -303,7 +317,13 @@ class Stub:
         return json_response(self.info())
 
     async def _stats(self, request: web.Request) -> web.StreamResponse:
-        return json_response({**self.recorder.stats(), "faults_fired": self.faults.fired})
+        return json_response(
+            {
+                **self.recorder.stats(),
+                "faults_fired": self.faults.fired,
+                "open_connections": self.open_connections,
+            }
+        )
 
     async def _get_faults(self, request: web.Request) -> web.StreamResponse:
         return json_response([f.to_json() for f in self.faults.active()])

@@ -239,3 +239,4 @@ async def test_client_gone_mid_stream_cancels_handler(session: aiohttp.ClientSes
         await s.wait_idle()
         assert s.recorder.cancelled == 1
         assert s.engine.running == 0  # type: ignore[attr-defined]
+        assert s.open_connections == 0  # the client closed its connection, not pooled it
