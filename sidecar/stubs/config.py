@@ -48,7 +48,9 @@ class StubConfig:
     bootstrap_timeout_s: float = 30.0
     waiting_timeout_s: float = 30.0
     mooncake_query_shape: str = "dp_rank"
-    # vLLM NIXL: the host a prefill names in its hand-off (VLLM_NIXL_SIDE_CHANNEL_HOST).
+    # vLLM NIXL: the host a prefill names in its hand-off (VLLM_NIXL_SIDE_CHANNEL_HOST,
+    # default "localhost"). Set e.g. "127.0.0.2" (nothing listens) to model the cross-pod
+    # case, where only a sidecar that rewrites remote_host gets a working pull.
     side_channel_host: str = "localhost"
     # vLLM's uvicorn keeps idle connections 5 s; a pool that keeps them longer gets resets.
     keepalive_s: float = 5.0

@@ -357,3 +357,26 @@ async def test_mooncake_broken_handoffs(session: aiohttp.ClientSession) -> None:
         pre, dec = mooncake_bodies(f"http://127.0.0.1:{d.port}", p.engine_id, "xfer-4", "p")
         await post(session, d.url + "/v1/completions", dec)
         assert (await d.recorder.next_decision()).reason == "bootstrap_failed"
+
+
+async def test_side_channel_host_must_be_rewritten(session: aiohttp.ClientSession) -> None:
+    """Across pods vLLM's default side-channel host is wrong; only a rewritten one works."""
+    async with (
+        run_stub(engine="vllm", role="prefill", side_channel_host="127.0.0.2") as p,
+        run_stub(engine="vllm", role="decode") as d,
+    ):
+        body = completion("cross pod")
+        params = (await nixl_prefill(session, p.url, body))["kv_transfer_params"]
+        assert params["remote_host"] == "127.0.0.2"  # nothing listens there (stubs bind .1)
+        _, out = await post(
+            session, d.url + "/v1/completions", {**body, "kv_transfer_params": params}
+        )
+        assert is_local_text(out["choices"][0]["text"])
+        assert (await d.recorder.next_decision()).reason == "pull_failed"
+
+        params = (await nixl_prefill(session, p.url, body))["kv_transfer_params"]
+        rewritten = {**params, "remote_host": "127.0.0.1"}
+        _, out = await post(
+            session, d.url + "/v1/completions", {**body, "kv_transfer_params": rewritten}
+        )
+        assert is_remote_text(out["choices"][0]["text"])
