@@ -1,0 +1,180 @@
+"""Inline KV blocks: the metadata control block (``layer_idx == -2``) and the data blocks.
+
+Prefill side: ``read_staged_meta`` + ``iter_blocks`` turn the files the engine's connector
+wrote (``connectors.inline_layout``) into ``KVBlock`` messages: the metadata block first,
+then one data block per layer and block, layer by layer.
+
+Decode side: ``parse_blocks`` reassembles a ``DecodeRequest``'s blocks and checks them:
+a missing, duplicated or malformed metadata block, a data block outside the metadata's
+layers/blocks, a tile of the wrong size, a duplicated or missing block -> INVALID_ARGUMENT
+(``InvalidRequest``); ``check_compatible`` refuses KV of another model, dtype or shape than
+the local engine's -> FAILED_PRECONDITION.
+
+The ``-2`` block: ``block_idx`` 0, ``k_data`` the UTF-8 JSON of ``InlineMeta`` (keys
+``version`` 1, ``kind`` "inline_kv", ``dtype``, ``block_size``, ``num_kv_heads``,
+``head_size``, ``num_layers``, ``num_tokens``, ``num_blocks``, ``fingerprint``, ``layout``
+"HNC", ``key``), ``v_data`` empty. Deliberate limit: the metadata fits one block (it is a few
+hundred bytes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+from connectors.inline_layout import (
+    META_FILE,
+    InlineLayout,
+    InlineMeta,
+    LayoutError,
+    layer_file,
+)
+from sidecar.errors import FailedPrecondition, InvalidRequest, ResourceExhausted, Stage
+from sidecar.grpc_gen import disagg_pb2
+
+META_LAYER: Final = -2
+HANDOFF_LAYER: Final = -1
+
+
+def read_staged_meta(directory: Path) -> InlineMeta:
+    """The metadata the prefill engine's connector wrote; FAILED_PRECONDITION if none."""
+    try:
+        data = (directory / META_FILE).read_bytes()
+    except FileNotFoundError:
+        raise FailedPrecondition(
+            "the prefill engine wrote no inline KV (is it running SidecarKVConnector with the "
+            "sidecar's staging directory?)",
+            stage=Stage.PREFILL,
+        ) from None
+    try:
+        return InlineMeta.from_json(data)
+    except LayoutError as exc:
+        raise FailedPrecondition(
+            f"prefill engine's KV metadata: {exc}", stage=Stage.PREFILL
+        ) from None
+
+
+def meta_block(request_id: str, meta: InlineMeta) -> disagg_pb2.KVBlock:
+    return disagg_pb2.KVBlock(
+        request_id=request_id, layer_idx=META_LAYER, block_idx=0, k_data=meta.to_json()
+    )
+
+
+def iter_layer_blocks(
+    request_id: str, meta: InlineMeta, layer_idx: int, data: bytes
+) -> Iterator[disagg_pb2.KVBlock]:
+    """The data blocks of one layer file (``num_blocks`` records of K tile then V tile)."""
+    tile = meta.layout.tile_bytes
+    if len(data) != meta.num_blocks * 2 * tile:
+        raise FailedPrecondition(
+            f"layer {layer_idx} file has {len(data)} bytes, expected {meta.num_blocks * 2 * tile}",
+            stage=Stage.PREFILL,
+        )
+    view = memoryview(data)
+    for j in range(meta.num_blocks):
+        base = 2 * j * tile
+        yield disagg_pb2.KVBlock(
+            request_id=request_id,
+            layer_idx=layer_idx,
+            block_idx=j,
+            k_data=bytes(view[base : base + tile]),
+            v_data=bytes(view[base + tile : base + 2 * tile]),
+        )
+
+
+def read_layer(directory: Path, layer_idx: int) -> bytes:
+    try:
+        return (directory / layer_file(layer_idx)).read_bytes()
+    except FileNotFoundError:
+        raise FailedPrecondition(
+            f"the prefill engine wrote no KV for layer {layer_idx}", stage=Stage.PREFILL
+        ) from None
+
+
+@dataclass(frozen=True)
+class InlineKV:
+    """A request's KV as the decode side received it: ``tiles[layer][block] = (k, v)``."""
+
+    meta: InlineMeta
+    tiles: list[list[tuple[bytes, bytes]]]
+
+    @property
+    def nbytes(self) -> int:
+        return self.meta.layout.num_layers * self.meta.num_blocks * self.meta.layout.block_bytes
+
+    def layer_bytes(self, layer_idx: int) -> bytes:
+        """One layer in the file layout of ``connectors.inline_layout``."""
+        return b"".join(k + v for k, v in self.tiles[layer_idx])
+
+
+def _bad(message: str) -> InvalidRequest:
+    return InvalidRequest(f"inline KV: {message}", stage=Stage.HANDOFF)
+
+
+def parse_blocks(blocks: Sequence[disagg_pb2.KVBlock], *, max_blocks: int) -> InlineKV:
+    """Reassemble and check the inline KV of a DecodeRequest (see the module docstring)."""
+    metas = [b for b in blocks if b.layer_idx == META_LAYER]
+    if len(metas) != 1:
+        raise _bad(f"expected one metadata block (layer_idx -2), got {len(metas)}")
+    if metas[0].block_idx != 0 or metas[0].v_data:
+        raise _bad("the metadata block must have block_idx 0 and empty v_data")
+    try:
+        meta = InlineMeta.from_json(metas[0].k_data)
+    except LayoutError as exc:
+        raise _bad(str(exc)) from None
+    layout = meta.layout
+    expected = layout.num_layers * meta.num_blocks
+    if expected > max_blocks:
+        raise ResourceExhausted(
+            f"inline KV has {expected} blocks; this sidecar accepts {max_blocks} per request",
+            stage=Stage.HANDOFF,
+        )
+    tiles: list[list[tuple[bytes, bytes] | None]] = [
+        [None] * meta.num_blocks for _ in range(layout.num_layers)
+    ]
+    tile = layout.tile_bytes
+    for block in blocks:
+        if block.layer_idx == META_LAYER:
+            continue
+        if block.layer_idx < 0:
+            raise _bad(f"unexpected control block layer_idx {block.layer_idx}")
+        if block.layer_idx >= layout.num_layers or not 0 <= block.block_idx < meta.num_blocks:
+            raise _bad(f"block ({block.layer_idx}, {block.block_idx}) is outside the metadata")
+        if len(block.k_data) != tile or len(block.v_data) != tile:
+            raise _bad(
+                f"block ({block.layer_idx}, {block.block_idx}) has K/V of "
+                f"{len(block.k_data)}/{len(block.v_data)} bytes, expected {tile}"
+            )
+        row = tiles[block.layer_idx]
+        if row[block.block_idx] is not None:
+            raise _bad(f"block ({block.layer_idx}, {block.block_idx}) is duplicated")
+        row[block.block_idx] = (block.k_data, block.v_data)
+    missing = [(li, bi) for li, row in enumerate(tiles) for bi, t in enumerate(row) if t is None]
+    if missing:
+        raise _bad(f"{len(missing)} of {expected} blocks are missing, first {missing[0]}")
+    full = [[t for t in row if t is not None] for row in tiles]
+    return InlineKV(meta=meta, tiles=full)
+
+
+def check_compatible(meta: InlineMeta, engine: InlineLayout | None) -> None:
+    """FAILED_PRECONDITION unless the KV fits the local engine exactly."""
+    if engine is None:
+        raise FailedPrecondition(
+            "the local engine has not published its KV layout (engine.json in the staging "
+            "directory): is it running SidecarKVConnector?",
+            stage=Stage.HANDOFF,
+        )
+    got = meta.layout
+    if got.fingerprint != engine.fingerprint:
+        raise FailedPrecondition(
+            f"inline KV comes from another model/config (fingerprint {got.fingerprint}, "
+            f"local engine {engine.fingerprint})",
+            stage=Stage.HANDOFF,
+        )
+    if got != engine:
+        raise FailedPrecondition(
+            f"inline KV layout {got} does not match the local engine's {engine}",
+            stage=Stage.HANDOFF,
+        )

@@ -1,0 +1,176 @@
+"""Proves the inline-KV codec and staging area without vLLM: blocks round-trip to the
+connector's file layout, every malformed or foreign stream is refused with the right status,
+the staging bound is enforced with RESOURCE_EXHAUSTED, and nothing staged survives a request
+that ends, fails or is cancelled."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import grpc
+import pytest
+
+from connectors.inline_layout import META_FILE, InlineLayout, InlineMeta, layer_file
+from sidecar.errors import SidecarError
+from sidecar.grpc_gen import disagg_pb2
+from sidecar.inline_kv.codec import (
+    check_compatible,
+    iter_layer_blocks,
+    meta_block,
+    parse_blocks,
+    read_layer,
+    read_staged_meta,
+)
+from sidecar.inline_kv.staging import StagingArea
+
+LAYOUT = InlineLayout(
+    dtype="float32", block_size=4, num_kv_heads=2, head_size=8, num_layers=3, fingerprint="f0"
+)
+META = InlineMeta(LAYOUT, num_tokens=10, num_blocks=3, key="p-1")
+
+
+def layer_data(layer: int) -> bytes:
+    size = META.num_blocks * LAYOUT.block_bytes
+    return bytes((layer * 31 + i) % 251 for i in range(size))
+
+
+def stream() -> list[disagg_pb2.KVBlock]:
+    blocks = [meta_block("r", META)]
+    for layer in range(LAYOUT.num_layers):
+        blocks += list(iter_layer_blocks("r", META, layer, layer_data(layer)))
+    return blocks
+
+
+def status_of(exc: pytest.ExceptionInfo[SidecarError]) -> grpc.StatusCode:
+    return exc.value.grpc_status
+
+
+def test_round_trip_to_file_layout() -> None:
+    blocks = stream()
+    assert len(blocks) == 1 + 3 * 3
+    kv = parse_blocks(list(reversed(blocks)), max_blocks=100)
+    assert kv.meta == META
+    for layer in range(3):
+        assert kv.layer_bytes(layer) == layer_data(layer)
+
+
+def test_prefill_side_reads_engine_files(tmp_path: Path) -> None:
+    (tmp_path / META_FILE).write_bytes(META.to_json())
+    (tmp_path / layer_file(0)).write_bytes(layer_data(0))
+    assert read_staged_meta(tmp_path) == META
+    assert read_layer(tmp_path, 0) == layer_data(0)
+    with pytest.raises(SidecarError) as exc:
+        read_layer(tmp_path, 1)
+    assert status_of(exc) == grpc.StatusCode.FAILED_PRECONDITION
+    with pytest.raises(SidecarError) as exc:
+        read_staged_meta(tmp_path / "nothing")
+    assert status_of(exc) == grpc.StatusCode.FAILED_PRECONDITION
+
+
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        pytest.param(lambda b: b[1:], id="no-metadata"),
+        pytest.param(lambda b: b[:-1], id="missing-block"),
+        pytest.param(lambda b: [x for x in b if x.layer_idx != 2], id="missing-layer"),
+        pytest.param(lambda b: [*b, b[3]], id="duplicate"),
+        pytest.param(lambda b: [*b, b[0]], id="two-metadata"),
+        pytest.param(
+            lambda b: [
+                *b[:-1],
+                disagg_pb2.KVBlock(layer_idx=2, block_idx=2, k_data=b"x", v_data=b"y"),
+            ],
+            id="short-tile",
+        ),
+        pytest.param(
+            lambda b: [*b, disagg_pb2.KVBlock(layer_idx=3, block_idx=0)], id="layer-outside"
+        ),
+        pytest.param(lambda b: [*b, disagg_pb2.KVBlock(layer_idx=-1)], id="handoff-block"),
+        pytest.param(
+            lambda b: [disagg_pb2.KVBlock(layer_idx=-2, k_data=b"{not json"), *b[1:]],
+            id="bad-json",
+        ),
+    ],
+)
+def test_malformed_streams_are_invalid_argument(mutate: object) -> None:
+    assert callable(mutate)
+    with pytest.raises(SidecarError) as exc:
+        parse_blocks(mutate(stream()), max_blocks=100)
+    assert status_of(exc) == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_too_many_blocks_is_resource_exhausted() -> None:
+    with pytest.raises(SidecarError) as exc:
+        parse_blocks(stream(), max_blocks=8)
+    assert status_of(exc) == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_foreign_config_is_failed_precondition() -> None:
+    check_compatible(META, LAYOUT)
+    foreign = [
+        None,
+        InlineLayout("float32", 4, 2, 8, 3, "other-model"),
+        InlineLayout("float32", 4, 2, 16, 3, "f0"),
+        InlineLayout("float16", 4, 2, 8, 3, "f0"),
+    ]
+    for engine in foreign:
+        with pytest.raises(SidecarError) as exc:
+            check_compatible(META, engine)
+        assert status_of(exc) == grpc.StatusCode.FAILED_PRECONDITION
+
+
+async def test_staging_writes_connector_layout_and_cleans_up(tmp_path: Path) -> None:
+    area = StagingArea(tmp_path, max_bytes=10**6)
+    kv = parse_blocks(stream(), max_blocks=100)
+    async with area.stage(kv) as key:
+        directory = tmp_path / key
+        staged = InlineMeta.from_json((directory / META_FILE).read_bytes())
+        assert staged.key == key and staged.num_tokens == 10
+        assert (directory / layer_file(1)).read_bytes() == layer_data(1)
+        assert area.reserved_bytes == kv.nbytes
+    assert area.staged_keys() == [] and area.reserved_bytes == 0
+
+
+async def test_staging_cleans_up_after_failure(tmp_path: Path) -> None:
+    area = StagingArea(tmp_path, max_bytes=10**6)
+    kv = parse_blocks(stream(), max_blocks=100)
+    with pytest.raises(RuntimeError):
+        async with area.stage(kv):
+            assert len(area.staged_keys()) == 1
+            raise RuntimeError("decode failed")
+    assert area.staged_keys() == [] and area.reserved_bytes == 0
+
+
+async def test_staging_cleans_up_after_cancel(tmp_path: Path) -> None:
+    area = StagingArea(tmp_path, max_bytes=10**6)
+    kv = parse_blocks(stream(), max_blocks=100)
+    entered = asyncio.Event()
+    never = asyncio.Event()
+
+    async def decode() -> None:
+        async with area.stage(kv):
+            entered.set()
+            await never.wait()
+
+    task = asyncio.ensure_future(decode())
+    await entered.wait()
+    assert len(area.staged_keys()) == 1
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert area.staged_keys() == [] and area.reserved_bytes == 0
+
+
+async def test_staging_bound_is_resource_exhausted(tmp_path: Path) -> None:
+    kv = parse_blocks(stream(), max_blocks=100)
+    area = StagingArea(tmp_path, max_bytes=kv.nbytes + kv.nbytes // 2)
+    async with area.stage(kv):
+        with pytest.raises(SidecarError) as exc:
+            async with area.stage(kv):
+                pass  # pragma: no cover
+        assert status_of(exc) == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert len(area.staged_keys()) == 1
+    async with area.stage(kv):
+        pass
+    assert area.staged_keys() == [] and area.reserved_bytes == 0
