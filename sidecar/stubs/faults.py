@@ -14,8 +14,9 @@ hands each engine request the first fault that matches its path, counting down `
     stall           headers (and ``after_chunks`` events), then silence
     content_type    the normal body labelled ``text/html``
     oversized       a valid body padded to ``size`` bytes (stream: one huge event)
-    no_handoff      a prefill answer without its hand-off (vLLM params null, TRT-LLM no
-                    disaggregated_params, Mooncake: no push)
+    no_handoff      a prefill answer without its hand-off (vLLM NIXL: params null; Mooncake:
+                    no push; SGLang: answers without meeting its decode; TRT-LLM: no
+                    disaggregated_params; Neuron: no effect, the answer is the hand-off)
 
 Deliberate limits: one fault per request (the first match); ``path`` None matches the
 engine's inference paths only (never ``/health``, ``/metrics`` or ``/_stub/*``).

@@ -59,6 +59,7 @@ class Recorder:
     _cursor: dict[str, int] = field(default_factory=dict)
     _cond: asyncio.Condition | None = None
     _waiting: int = 0
+    _dropped_decisions: int = 0
 
     def __post_init__(self) -> None:
         self.requests = deque(maxlen=max(self.limit, 1))
@@ -94,7 +95,9 @@ class Recorder:
         self.handoff_counts[(outcome, reason)] += 1
         if self.limit > 0:
             if len(self.decisions) >= self.limit:
-                del self.decisions[: len(self.decisions) // 2]
+                drop = len(self.decisions) // 2 or 1
+                del self.decisions[:drop]
+                self._dropped_decisions += drop
             self.decisions.append(Decision(path, request_id, outcome, reason))
         self._wake()
 
@@ -131,10 +134,14 @@ class Recorder:
 
     async def next_decision(self, *, timeout_s: float = DEFAULT_WAIT_S) -> Decision:
         """The next hand-off decision this method has not returned yet."""
-        index = self._cursor.get("\0decisions", 0)
-        await self._wait_for(lambda: len(self.decisions) > index, timeout_s)
+        # Absolute positions, so decisions dropped by the limit do not shift the cursor.
+        index = max(self._cursor.get("\0decisions", 0), self._dropped_decisions)
+        await self._wait_for(
+            lambda: len(self.decisions) + self._dropped_decisions > index, timeout_s
+        )
+        index = max(index, self._dropped_decisions)
         self._cursor["\0decisions"] = index + 1
-        return self.decisions[index]
+        return self.decisions[index - self._dropped_decisions]
 
     async def wait_idle(self, *, timeout_s: float = DEFAULT_WAIT_S) -> None:
         """Return once no request is in flight on the stub."""

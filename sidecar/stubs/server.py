@@ -233,6 +233,11 @@ class Stub:
                     return web.Response(status=503)
             response = await handler(request)
             return response
+        except web.HTTPException as exc:
+            # The engines are FastAPI apps: unknown paths and methods answer {"detail": ...}.
+            if exc.status in (404, 405):
+                return json_response({"detail": exc.reason}, exc.status)
+            raise
         except asyncio.CancelledError:
             cancelled = True
             raise

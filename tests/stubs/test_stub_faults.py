@@ -240,3 +240,18 @@ async def test_client_gone_mid_stream_cancels_handler(session: aiohttp.ClientSes
         assert s.recorder.cancelled == 1
         assert s.engine.running == 0  # type: ignore[attr-defined]
         assert s.open_connections == 0  # the client closed its connection, not pooled it
+
+
+async def test_recorder_limit_keeps_cursor_positions() -> None:
+    from sidecar.stubs import Recorder
+
+    rec = Recorder(limit=4)
+    for i in range(3):
+        rec.decide("/p", f"r{i}", "local", "x")
+    assert (await rec.next_decision()).request_id == "r0"
+    for i in range(3, 9):
+        rec.decide("/p", f"r{i}", "local", "x")
+    # r1.. were dropped by the limit; the cursor moves to the oldest kept one.
+    got = [(await rec.next_decision()).request_id for _ in range(len(rec.decisions))]
+    assert got == [d.request_id for d in rec.decisions]
+    assert got[-1] == "r8"

@@ -239,6 +239,10 @@ async def test_invalid_json_models_health(session: aiohttp.ClientSession) -> Non
             assert resp.status == 200 and await resp.read() == b""
         async with session.get(s.url + "/v1/models") as resp:
             assert (await resp.json())["data"][0]["id"] == "m1"
+        async with session.get(s.url + "/nowhere") as resp:
+            assert resp.status == 404 and await resp.json() == {"detail": "Not Found"}
+        async with session.get(s.url + "/v1/completions") as resp:
+            assert resp.status == 405 and await resp.json() == {"detail": "Method Not Allowed"}
 
 
 async def test_neuron_handoff(session: aiohttp.ClientSession) -> None:
