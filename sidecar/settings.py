@@ -245,6 +245,11 @@ class Settings(BaseModel):
     max_kv_blocks: int = Field(
         default=100_000, ge=1, description="Inline mode: KV blocks accepted per request."
     )
+    kv_staging_dir: str = Field(
+        default="/dev/shm/disagg-kv",
+        description="Inline mode: directory shared with the engine's SidecarKVConnector "
+        "(its staging_dir; a memory-backed volume) where KV is handed over.",
+    )
 
     # Logging.
     log_level: str = Field(
