@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any, Final
 
 import grpc
@@ -33,9 +34,13 @@ from sidecar.errors import Stage
 from sidecar.grpc_gen import disagg_pb2, disagg_pb2_grpc
 from sidecar.grpc_server.decode import DecodeService
 from sidecar.grpc_server.engine_model import EngineModel
+from sidecar.grpc_server.inline_decode import InlineDecodeService
+from sidecar.grpc_server.inline_prefill import InlinePrefillService
 from sidecar.grpc_server.prefill import PrefillService
+from sidecar.inline_kv.staging import StagingArea
 from sidecar.protocol.hostfmt import url_host
 from sidecar.runtime import Runtime
+from sidecar.settings import KVTransport
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +107,20 @@ class _HealthMirror:
         await self._servicer.enter_graceful_shutdown()
 
 
+def _services(
+    runtime: Runtime, prefill_model: EngineModel, decode_model: EngineModel
+) -> tuple[PrefillService, DecodeService]:
+    """The servicers of the configured KV transport (native hand-off or inline KV bytes)."""
+    settings = runtime.settings
+    if settings.kv_transport != KVTransport.INLINE:
+        return PrefillService(runtime, prefill_model), DecodeService(runtime, decode_model)
+    area = StagingArea(Path(settings.kv_staging_dir), settings.max_staged_bytes)
+    return (
+        InlinePrefillService(runtime, prefill_model),
+        InlineDecodeService(runtime, decode_model, area),
+    )
+
+
 async def start_grpc_server(runtime: Runtime) -> tuple[int, StopFunction]:
     """Start serving; returns the bound port and an async ``stop(grace_seconds)``."""
     settings = runtime.settings
@@ -110,9 +129,9 @@ async def start_grpc_server(runtime: Runtime) -> tuple[int, StopFunction]:
                                 timeout_s=settings.connect_timeout_s, stage=Stage.PREFILL)
     decode_model = EngineModel(runtime.session, settings.engine_url,
                                timeout_s=settings.connect_timeout_s, stage=Stage.DECODE)
-    prefill = PrefillService(runtime, prefill_model)
+    prefill, decode = _services(runtime, prefill_model, decode_model)
     disagg_pb2_grpc.add_PrefillWorkerServicer_to_server(prefill, server)
-    disagg_pb2_grpc.add_DecodeWorkerServicer_to_server(DecodeService(runtime, decode_model), server)
+    disagg_pb2_grpc.add_DecodeWorkerServicer_to_server(decode, server)
 
     health_servicer = _DrainAwareHealth(runtime)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
