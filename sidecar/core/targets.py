@@ -4,8 +4,10 @@
         ─TargetSelector.select()─▶ resolve once ─▶ every address allowed? ─▶ PrefillTarget(ip)
 
 The sidecar connects to the address it checked (never re-resolves), so DNS rebinding between
-check and connect cannot redirect a prompt. Targets from the static pool (``--prefill-url``)
-are trusted configuration and skip the allowlist.
+check and connect cannot redirect a prompt. Headers that name IP literals only are checked
+once and remembered (the allowlist is immutable and no name is resolved, so the verdict
+cannot change); names are resolved and checked on every request. Targets from the static
+pool (``--prefill-url``) are trusted configuration and skip the allowlist.
 
 Deliberate limits: one address per request is used (the first resolved); no health tracking
 of pool members (routers pick healthy prefill pods).
@@ -34,6 +36,8 @@ _HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-
                        r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?$")
 _PORT = re.compile(r"^[0-9]{1,5}$")
 _MAX_TARGETS = 16
+#: Checked literal-address selections kept (cleared whole when full: bounded memory).
+_MAX_REMEMBERED = 1024
 
 
 class AllowlistLike(Protocol):
@@ -110,6 +114,14 @@ class TargetSelector:
         self._pool = list(pool)
         self._pool_cycle = itertools.cycle(self._pool) if self._pool else None
         self._resolve_timeout_s = resolve_timeout_s
+        # Routers name the same few prefill pods again and again: a header naming IP
+        # literals only (no DNS, so nothing to rebind) checks the same way every time.
+        self._literal_selections: dict[tuple[str, ...], tuple[PrefillTarget, ...]] = {}
+
+    def _remember(self, key: tuple[str, ...], checked: tuple[PrefillTarget, ...]) -> None:
+        if len(self._literal_selections) >= _MAX_REMEMBERED:
+            self._literal_selections.clear()
+        self._literal_selections[key] = checked
 
     @property
     def has_pool(self) -> bool:
@@ -122,8 +134,13 @@ class TargetSelector:
         one of them is picked at random. Returns the target with its resolved address.
         """
         if header_values:
-            targets = parse_target_header(header_values)
-            checked = [await self._check(target) for target in targets]
+            key = tuple(header_values)
+            checked = self._literal_selections.get(key)
+            if checked is None:
+                targets = parse_target_header(header_values)
+                checked = tuple([await self._check(target) for target in targets])
+                if all(_literal(target.host) is not None for target in targets):
+                    self._remember(key, checked)
             return random.choice(checked) if len(checked) > 1 else checked[0]
         if self._pool_cycle is not None:
             target = next(self._pool_cycle)
