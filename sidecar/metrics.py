@@ -4,13 +4,19 @@ Every metric carries ``front_door`` (http | grpc). Names and labels are the publ
 documented in README's metrics table; ``tests`` read them through the real exposition.
 
 Deliberate limits: label values come from closed sets (routes, engines, connectors, error
-codes, stages), never from client input, so cardinality stays bounded.
+codes, stages), never from client input, so cardinality stays bounded; that also bounds
+``Metrics.labelled``'s cache of labelled children (the hot path's way to skip ``labels()``).
 """
 
 from __future__ import annotations
 
+from typing import TypeVar, cast
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.metrics import MetricWrapperBase
+
+_M = TypeVar("_M", bound=MetricWrapperBase)
 
 _LATENCY_BUCKETS = (
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
@@ -25,6 +31,7 @@ class Metrics:
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry(auto_describe=True)
+        self._children: dict[tuple[int, tuple[str, ...]], MetricWrapperBase] = {}
         r = self.registry
         self.requests = Counter(
             "disagg_requests",
@@ -79,6 +86,17 @@ class Metrics:
             "1 when the local engine answered its health check, else 0.",
             registry=r,
         )
+
+    def labelled(self, metric: _M, *values: str) -> _M:
+        """``metric.labels(*values)``, remembered: ``labels()`` validates and locks per call.
+
+        ``metric`` must be one of this object's families (the key is its identity).
+        """
+        key = (id(metric), values)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*values)
+        return cast(_M, child)
 
     def exposition(self) -> bytes:
         """The registry in Prometheus text format."""

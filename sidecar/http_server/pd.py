@@ -81,7 +81,8 @@ async def handle_pd(request: web.Request, route: Route) -> web.StreamResponse:
     except SidecarError as error:
         _count_error(runtime, error, route, "refused")
         return error_response(error, request_id)
-    metrics.inflight.labels(FRONT_DOOR).inc()
+    inflight = metrics.labelled(metrics.inflight, FRONT_DOOR)
+    inflight.inc()
     try:
         target = await runtime.selector.select(request.headers.getall(PREFILL_TARGET_HEADER, []))
         if target is None:
@@ -116,35 +117,43 @@ async def handle_pd(request: web.Request, route: Route) -> web.StreamResponse:
         return error_response(error, request_id)
     except asyncio.CancelledError:
         outcome = "cancelled"
-        metrics.errors.labels(FRONT_DOOR, ClientCancelled.default_stage.value,
-                              ClientCancelled.code).inc()
+        metrics.labelled(metrics.errors, FRONT_DOOR, ClientCancelled.default_stage.value,
+                         ClientCancelled.code).inc()
         raise
     finally:
         runtime.admission.leave()
-        metrics.inflight.labels(FRONT_DOOR).dec()
+        inflight.dec()
         if outcome != "error":
-            metrics.requests.labels(
-                FRONT_DOOR, route.value, runtime.engine_name, runtime.connector_name, outcome
+            metrics.labelled(
+                metrics.requests,
+                FRONT_DOOR, route.value, runtime.engine_name, runtime.connector_name, outcome,
             ).inc()
-        metrics.stage_seconds.labels(FRONT_DOOR, "total").observe(time.perf_counter() - started)
+        metrics.labelled(metrics.stage_seconds, FRONT_DOOR, "total").observe(
+            time.perf_counter() - started
+        )
 
 
 def _count_error(runtime: Runtime, error: SidecarError, route: Route, outcome: str) -> None:
-    runtime.metrics.errors.labels(FRONT_DOOR, error.stage.value, error.code).inc()
-    runtime.metrics.requests.labels(
-        FRONT_DOOR, route.value, runtime.engine_name, runtime.connector_name, outcome
+    metrics = runtime.metrics
+    metrics.labelled(metrics.errors, FRONT_DOOR, error.stage.value, error.code).inc()
+    metrics.labelled(
+        metrics.requests,
+        FRONT_DOOR, route.value, runtime.engine_name, runtime.connector_name, outcome,
     ).inc()
 
 
 def _observe_stages(runtime: Runtime, exchange: PDExchange) -> None:
-    histogram = runtime.metrics.stage_seconds
+    metrics = runtime.metrics
+    histogram = metrics.stage_seconds
     timings = exchange.timings
     if timings.prefill is not None:
-        histogram.labels(FRONT_DOOR, "prefill").observe(timings.prefill)
+        metrics.labelled(histogram, FRONT_DOOR, "prefill").observe(timings.prefill)
     if timings.handoff is not None:
-        histogram.labels(FRONT_DOOR, "handoff").observe(timings.handoff)
+        metrics.labelled(histogram, FRONT_DOOR, "handoff").observe(timings.handoff)
     if timings.decode_first_byte is not None:
-        histogram.labels(FRONT_DOOR, "decode_first_byte").observe(timings.decode_first_byte)
+        metrics.labelled(histogram, FRONT_DOOR, "decode_first_byte").observe(
+            timings.decode_first_byte
+        )
 
 
 async def _relay(
@@ -155,7 +164,7 @@ async def _relay(
     route: Route,
     request_id: str,
 ) -> web.StreamResponse:
-    relayed = runtime.metrics.relayed_bytes.labels(FRONT_DOOR)
+    relayed = runtime.metrics.labelled(runtime.metrics.relayed_bytes, FRONT_DOOR)
     if exchange.decode is None:
         answer = exchange.answer or {}
         if stream:
