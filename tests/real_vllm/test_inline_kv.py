@@ -35,7 +35,7 @@ from real_vllm.harness import SERVED_MODEL_NAME, EngineEnv, EngineGroup, EngineS
 from sidecar.grpc_gen import disagg_pb2, disagg_pb2_grpc
 from sidecar.grpc_server.server import start_grpc_server
 from sidecar.runtime import open_runtime
-from sidecar.settings import Settings
+from sidecar.settings import KVTransport, Role, Settings
 
 REPO = Path(__file__).resolve().parents[2]
 MAX_NEW_TOKENS = 12
@@ -104,13 +104,13 @@ async def sidecar(
         engine="vllm",
         kv_connector="shfs",
         engine_url=engine_url,
-        role=role,
+        role=Role(role),
         host="127.0.0.1",
         port=0,
         grpc_port=0,
         advertise_host="127.0.0.1",
         log_level="warning",
-        kv_transport="inline",
+        kv_transport=KVTransport.INLINE,
         kv_staging_dir=str(staging),
         max_staged_bytes=max_staged_bytes,
     )
