@@ -13,6 +13,8 @@
 #   demo   run `disagg-sidecar demo` in the image (stub engines + sidecar in-process)
 #   pd     one prefill/decode request through a published port: two stub engines and the
 #          sidecar in one container (as in a pod), the request sent from the host
+#   pods   the same across two containers (prefill "pod", decode "pod") on podman's network,
+#          plus a prefill target off the allowlist refused with 403
 #
 # Exit status: 0 all requested steps passed, 1 a step failed, 77 a step was skipped because
 # the image's CLI does not have the subcommand yet (nothing failed).
@@ -265,15 +267,55 @@ step_pd() {
   log "pd: one prefill/decode request served through the published port; HEALTHCHECK passes"
 }
 
+# Two containers on podman's default network stand for two pods: the prefill engine alone in
+# one, the decode engine and the sidecar in the other. The decode engine pulls the KV from the
+# prefill engine's address as the sidecar rewrites it (remote_host), so this passes only if the
+# hand-off crosses a real network hop; a target off the allowlist must be refused with 403.
+step_pods() {
+  ensure_image
+  has_subcommand stub-engine || { skip "pods: the image's CLI has no 'stub-engine' yet"; return 0; }
+  local prefill="disagg-smoke-p-$$" decode="disagg-smoke-d-$$" prefill_ip subnet
+  local hostport prefill_hostport
+  CONTAINERS+=("$prefill" "$decode")
+  podman run -d --name "$prefill" -p 127.0.0.1::8100 --no-healthcheck "$IMAGE" \
+    stub-engine --engine vllm --role prefill --kv-connector shfs --host 0.0.0.0 --port 8100 \
+    >/dev/null 2>"$WORK_DIR/pods-run.log" \
+    || { cat "$WORK_DIR/pods-run.log" >&2; die "could not start the prefill container"; }
+  prefill_ip=$(podman inspect --format '{{.NetworkSettings.IPAddress}}' "$prefill")
+  [ -n "$prefill_ip" ] || die "the prefill container has no IP address"
+  # The allowlist names the network and the prefill engine's port, as deploy/ does.
+  subnet=$(podman network inspect podman --format '{{range .Subnets}}{{.Subnet}}{{end}}')
+  [ -n "$subnet" ] || die "cannot read podman's default network"
+  podman run -d --name "$decode" -p 127.0.0.1::8080 --no-healthcheck --entrypoint sh "$IMAGE" -c "
+    disagg-sidecar stub-engine --engine vllm --role decode --kv-connector shfs --port 8200 &
+    exec disagg-sidecar serve --engine-url http://127.0.0.1:8200 \
+      --prefill-allowlist $subnet:8100" \
+    >/dev/null 2>"$WORK_DIR/pods-run.log" \
+    || { cat "$WORK_DIR/pods-run.log" >&2; die "could not start the decode container"; }
+  hostport=$(podman port "$decode" 8080/tcp | head -n 1)
+  prefill_hostport=$(podman port "$prefill" 8100/tcp | head -n 1)
+  if [ -z "$hostport" ] || [ -z "$prefill_hostport" ]; then die "no published ports"; fi
+  log "pods: prefill at $prefill_ip:8100, decode sidecar published at $hostport"
+  python3 "$ROOT/tests/container/pd_request.py" --base "http://$hostport" \
+    --prefiller "$prefill_ip:8100" --wait "http://$prefill_hostport/health" \
+    --forbidden "$prefill_ip:8101" \
+    || {
+      podman logs "$decode" 2>&1 | tail -n 30 >&2
+      podman logs "$prefill" 2>&1 | tail -n 10 >&2
+      die "PD request across two containers failed"
+    }
+  log "pods: PD across two containers (KV pulled from the prefill container); off-list target refused"
+}
+
 # --- main -----------------------------------------------------------------------------------
 
 write_containers_conf
 STEPS=("$@")
-[ "${#STEPS[@]}" -gt 0 ] || STEPS=(lint tools base build help config demo pd)
+[ "${#STEPS[@]}" -gt 0 ] || STEPS=(lint tools base build help config demo pd pods)
 for s in "${STEPS[@]}"; do
   case "$s" in
-    lint|tools|base|build|help|config|demo|pd) "step_$s" ;;
-    *) die "unknown step '$s' (lint tools base build help config demo pd)" ;;
+    lint|tools|base|build|help|config|demo|pd|pods) "step_$s" ;;
+    *) die "unknown step '$s' (lint tools base build help config demo pd pods)" ;;
   esac
 done
 [ "$SKIPPED" -eq 0 ] || exit 77

@@ -7,7 +7,8 @@ Waits (bounded) for the sidecar's /ready and any ``--wait`` URL (the prefill stu
 non-streamed ``/v1/completions`` naming the prefill engine in ``x-prefiller-host-port``,
 checks the answer is an OpenAI completion made from a remote hand-off, sends the same request
 without the header and checks the decode engine then computed the prompt itself, and checks
-/health and /metrics answer on the same port. Exit status 0 on success, 1 with a message
+/health and /metrics answer on the same port; with ``--forbidden``, that a prefill target
+off the sidecar's allowlist is refused with 403. Exit status 0 on success, 1 with a message
 otherwise. Standard library only, so it runs with any host Python.
 
 The stub engines' text says where the prompt's KV came from (sidecar/stubs/textgen.py):
@@ -67,8 +68,8 @@ def letters_case(text: str) -> str:
     return "mixed"
 
 
-def completion(base: str, prefiller: str | None, request_id: str) -> str:
-    """The text of one completion; ``prefiller`` None sends no PD header."""
+def post_completion(base: str, prefiller: str | None, request_id: str) -> tuple[int, bytes]:
+    """Status and body of one completion request; ``prefiller`` None sends no PD header."""
     body = {"model": "stub", "prompt": "The capital of France is", "max_tokens": 8}
     headers = {"content-type": "application/json", "x-request-id": request_id}
     if prefiller is not None:
@@ -78,9 +79,14 @@ def completion(base: str, prefiller: str | None, request_id: str) -> str:
     )
     try:
         with _OPENER.open(request, timeout=30.0) as resp:
-            status, raw = int(resp.status), resp.read()
+            return int(resp.status), bytes(resp.read())
     except urllib.error.HTTPError as exc:
-        status, raw = int(exc.code), exc.read()
+        return int(exc.code), exc.read()
+
+
+def completion(base: str, prefiller: str | None, request_id: str) -> str:
+    """The text of one successful completion; anything else exits with a message."""
+    status, raw = post_completion(base, prefiller, request_id)
     if status != 200:
         raise SystemExit(f"FAIL: PD completion answered {status}: {raw[:500]!r}")
     doc: dict[str, Any] = json.loads(raw)
@@ -99,6 +105,9 @@ def main() -> int:
     parser.add_argument(
         "--wait", action="append", default=[], metavar="URL", help="also wait for URL to be 200"
     )
+    parser.add_argument(
+        "--forbidden", metavar="HOST:PORT", help="a prefill target the sidecar must refuse (403)"
+    )
     args = parser.parse_args()
     base = args.base.rstrip("/")
     for url in [base + "/ready", *args.wait]:
@@ -113,6 +122,11 @@ def main() -> int:
         raise SystemExit(
             f"FAIL: without the header the decode engine should prefill: {local_text!r}"
         )
+    if args.forbidden:
+        status, raw = post_completion(base, args.forbidden, "container-smoke-forbidden")
+        if status != 403:
+            raise SystemExit(f"FAIL: off-allowlist target answered {status}: {raw[:300]!r}")
+        print(f"off-allowlist prefill target {args.forbidden}: 403")
     for path in ("/health", "/metrics"):
         status, body = get(base + path)
         if status != 200:

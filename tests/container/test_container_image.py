@@ -4,8 +4,9 @@ Proves: hadolint finds nothing in the Dockerfile; podman builds the image from a
 stand-in base; the final image runs as UID 10001 with no compiler and no pip in its venv; in
 the built image ``disagg-sidecar --help`` works, ``config`` resolves a mounted downward-API
 directory, ``demo`` exits 0, and one prefill/decode request against stub engines succeeds
-through a published port. Build time and image size are printed by the build step (and kept in
-$WORK_DIR/build-report.txt).
+through a published port, both inside one container and across two containers (the KV pulled
+over podman's network, a prefill target off the allowlist refused with 403). Build time and
+image size are printed by the build step (and kept in $WORK_DIR/build-report.txt).
 
 Does not prove: anything about a real engine or a real cluster; the base is a Debian
 bookworm stand-in for python:3.11-slim (no registry is reachable), so the size differs from
@@ -89,6 +90,6 @@ def test_image_builds(built_image: None) -> None:
 @needs_root
 @opted_out
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("step", ["help", "config", "demo", "pd"])
+@pytest.mark.parametrize("step", ["help", "config", "demo", "pd", "pods"])
 def test_image_runs(built_image: None, step: str) -> None:
     check(run_step(step, timeout=240))
