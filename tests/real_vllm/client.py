@@ -178,3 +178,12 @@ def chat_body(prompt: str, max_tokens: int = 12, **extra: Any) -> dict[str, Any]
     }
     body.update(extra)
     return body
+
+
+def post_stream_raw(url: str, body: dict[str, Any], timeout: float = TIMEOUT_S) -> str:
+    """POST a streaming body and return the SSE body exactly as the engine sent it."""
+    try:
+        with urllib.request.urlopen(_request(url, body), timeout=timeout) as resp:
+            return str(resp.read().decode())
+    except urllib.error.HTTPError as exc:
+        raise EngineHTTPError(exc.code, exc.read().decode(errors="replace")) from exc
