@@ -1,0 +1,270 @@
+"""Inline KV throughput: the gRPC path through two sidecars vs raw loopback TCP.
+
+    python -m bench.kv_throughput [--layers 32 --blocks 16 --requests 5 --max-staged-mib 256]
+
+What runs: a stub engine (in this process, aiohttp on loopback) that plays the
+SidecarKVConnector's part on the shared volume: a prefill with ``action: save`` writes the
+layer files and ``meta.json`` into the prefill sidecar's staging dir, a decode with ``action:
+load`` reads every staged layer file back and streams one token. Two real sidecars run as
+their own processes (``bench.sidecar_proc``, ``--kv-transport inline``, staging dirs on
+``/dev/shm``). This process is the router: Prefill on one, collect the blocks, Decode on the
+other. The KV crosses loopback twice (prefill sidecar -> router -> decode sidecar) and passes
+through tmpfs on both sides, as in a pod.
+
+Raw loopback reference: the same number of bytes sent twice over a loopback TCP socket
+(1 MiB ``sendall`` chunks to a reader thread), best of three. Reported: MB/s of both, their
+ratio (the goal is the gRPC path within a factor of 3), per-request Prefill / Decode times,
+and each sidecar's peak resident memory (``VmHWM``) next to the staging limit and the
+per-request KV size.
+
+Deliberate limits: the stub engine's file writes and reads are inside the measured time
+(they are part of the real path too, done by the connector); requests run one after another.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shutil
+import socket
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+from aiohttp import web
+
+from bench import procs
+from connectors.inline_layout import (
+    ENGINE_FILE,
+    META_FILE,
+    InlineLayout,
+    InlineMeta,
+    layer_file,
+    write_atomic,
+)
+from sidecar.grpc_gen import disagg_pb2, disagg_pb2_grpc
+
+MODEL = "bench-kv"
+
+
+def make_stub(
+    prefill_dir: Path, decode_dir: Path, layout: InlineLayout, blocks: int
+) -> web.Application:
+    layer_blob = bytes(range(256)) * (blocks * layout.block_bytes // 256)
+
+    async def models(_: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+
+    async def health(_: web.Request) -> web.Response:
+        return web.Response(text="")
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        body: dict[str, Any] = await request.json()
+        inline = body.get("kv_transfer_params", {}).get("disagg_inline", {})
+        tokens = len(body["prompt"])
+        if inline.get("action") == "save":
+            directory = prefill_dir / inline["key"]
+            directory.mkdir()
+            for layer in range(layout.num_layers):
+                (directory / layer_file(layer)).write_bytes(layer_blob)
+            meta = InlineMeta(layout, tokens, blocks, inline["key"])
+            write_atomic(directory / META_FILE, meta.to_json())
+            return web.json_response(
+                {
+                    "id": "x",
+                    "choices": [
+                        {"index": 0, "text": "a", "token_ids": [7], "finish_reason": "length"}
+                    ],
+                }
+            )
+        directory = decode_dir / inline["key"]
+        loaded = sum(
+            len((directory / layer_file(i)).read_bytes()) for i in range(layout.num_layers)
+        )
+        assert loaded == layout.num_layers * blocks * layout.block_bytes
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for chunk in (
+            {"choices": [{"index": 0, "text": "a", "token_ids": [7], "finish_reason": None}]},
+            {"choices": [{"index": 0, "text": "", "token_ids": [], "finish_reason": "length"}]},
+        ):
+            await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    app = web.Application(client_max_size=1 << 20)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_post("/v1/completions", completions)
+    return app
+
+
+def raw_loopback_mb_s(nbytes: int) -> float:
+    """Best of three: ``nbytes`` sent twice over loopback TCP (two hops, like the router)."""
+    chunk = b"\x01" * (1 << 20)
+    best = float("inf")
+    for _ in range(3):
+        with socket.socket() as server:
+            server.bind(("127.0.0.1", 0))
+            server.listen(1)
+            port = server.getsockname()[1]
+
+            def drain() -> None:
+                conn, _ = server.accept()
+                with conn:
+                    while conn.recv(1 << 20):
+                        pass
+
+            reader = threading.Thread(target=drain)
+            reader.start()
+            started = time.perf_counter()
+            with socket.create_connection(("127.0.0.1", port)) as client:
+                sent = 0
+                while sent < 2 * nbytes:
+                    client.sendall(chunk)
+                    sent += len(chunk)
+            reader.join()
+            best = min(best, time.perf_counter() - started)
+    return 2 * nbytes / best / 1e6
+
+
+def make_root() -> Path:
+    shm = Path("/dev/shm")
+    return Path(tempfile.mkdtemp(prefix="bench-kv-", dir=shm if shm.is_dir() else None))
+
+
+def vm_hwm_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return -1
+
+
+async def route_once(
+    pre: str, dec: str, rid: str, prompt: list[int], options: list[Any]
+) -> tuple[float, float, int]:
+    async with grpc.aio.insecure_channel(pre, options=options) as ch:
+        started = time.perf_counter()
+        call = disagg_pb2_grpc.PrefillWorkerStub(ch).Prefill(
+            disagg_pb2.PreFillRequest(request_id=rid, token_ids=prompt, max_new_tokens=1)
+        )
+        blocks = [m.block async for m in call if m.HasField("block")]
+        prefill_s = time.perf_counter() - started
+    async with grpc.aio.insecure_channel(dec, options=options) as ch:
+        started = time.perf_counter()
+        call2 = disagg_pb2_grpc.DecodeWorkerStub(ch).Decode(
+            disagg_pb2.DecodeRequest(
+                request_id=rid, kv_blocks=blocks, token_ids=prompt, max_new_tokens=1
+            )
+        )
+        tokens = [m.token_id async for m in call2 if not m.done]
+        decode_s = time.perf_counter() - started
+    assert tokens == [7], tokens
+    return prefill_s, decode_s, sum(len(b.k_data) + len(b.v_data) for b in blocks)
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    layout = InlineLayout(
+        dtype=args.dtype,
+        block_size=args.block_size,
+        num_kv_heads=args.heads,
+        head_size=args.head_size,
+        num_layers=args.layers,
+        fingerprint="bench",
+    )
+    kv_bytes = layout.num_layers * args.blocks * layout.block_bytes
+    max_staged = args.max_staged_mib << 20
+    max_message = kv_bytes + (16 << 20)
+    root = make_root()
+    prefill_dir, decode_dir, logs = root / "prefill", root / "decode", root / "logs"
+    for d in (prefill_dir, decode_dir, logs):
+        d.mkdir()
+    write_atomic(decode_dir / ENGINE_FILE, json.dumps(layout.to_dict()).encode())
+    runner = web.AppRunner(make_stub(prefill_dir, decode_dir, layout, args.blocks))
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    stub_port = runner.addresses[0][1]
+    sidecars: list[procs.Proc] = []
+    try:
+        for role, staging in (("prefill", prefill_dir), ("decode", decode_dir)):
+            flags = [
+                "--engine",
+                "vllm",
+                "--kv-connector",
+                "shfs",
+                "--role",
+                role,
+                "--engine-url",
+                f"http://127.0.0.1:{stub_port}",
+                "--advertise-host",
+                "127.0.0.1",
+                "--grpc",
+                "--grpc-port",
+                "0",
+                "--grpc-max-message-bytes",
+                str(max_message),
+                "--kv-transport",
+                "inline",
+                "--kv-staging-dir",
+                str(staging),
+                "--max-staged-bytes",
+                str(max_staged),
+            ]
+            sidecars.append(procs.start_sidecar(role, flags, log_dir=logs, prefix=[]))
+        pre = f"127.0.0.1:{sidecars[0].info['ports']['grpc']}"
+        dec = f"127.0.0.1:{sidecars[1].info['ports']['grpc']}"
+        options = [
+            ("grpc.max_receive_message_length", max_message),
+            ("grpc.max_send_message_length", max_message),
+        ]
+        prompt = list(range(1, args.blocks * layout.block_size + 1))
+        await route_once(pre, dec, "warmup", prompt, options)
+        runs = [await route_once(pre, dec, f"r{i}", prompt, options) for i in range(args.requests)]
+        leftovers = [p.name for d in (prefill_dir, decode_dir) for p in d.iterdir() if p.is_dir()]
+        hwm = {p.name: vm_hwm_bytes(p.pid) for p in sidecars}
+    finally:
+        for proc in sidecars:
+            procs.stop(proc)
+        await runner.cleanup()
+        shutil.rmtree(root, ignore_errors=True)
+    best = min(p + d for p, d, _ in runs)
+    grpc_mb_s = 2 * kv_bytes / best / 1e6  # two hops, as the raw reference
+    raw_mb_s = raw_loopback_mb_s(kv_bytes)
+    return {
+        "kv_bytes_per_request": kv_bytes,
+        "wire_bytes_per_request": runs[0][2],
+        "requests": args.requests,
+        "prefill_s": [round(p, 4) for p, _, _ in runs],
+        "decode_s": [round(d, 4) for _, d, _ in runs],
+        "grpc_path_mb_s": round(grpc_mb_s, 1),
+        "raw_loopback_mb_s": round(raw_mb_s, 1),
+        "raw_over_grpc": round(raw_mb_s / grpc_mb_s, 2),
+        "within_3x": raw_mb_s / grpc_mb_s <= 3.0,
+        "max_staged_bytes": max_staged,
+        "sidecar_peak_rss_bytes": hwm,
+        "staged_leftovers": leftovers,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--blocks", type=int, default=16)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--head-size", type=int, default=128)
+    parser.add_argument("--dtype", default="float16")
+    parser.add_argument("--requests", type=int, default=5)
+    parser.add_argument("--max-staged-mib", type=int, default=256)
+    args = parser.parse_args()
+    print(json.dumps(asyncio.run(run(args)), indent=2))
+
+
+if __name__ == "__main__":
+    main()
