@@ -18,6 +18,7 @@ import contextlib
 import json
 import os
 import select
+import signal
 import subprocess
 import sys
 import time
@@ -48,11 +49,11 @@ class Proc:
         return f"http://127.0.0.1:{self.port}"
 
 
-def child_env() -> dict[str, str]:
-    """The environment of every child: the repository importable, no proxies, no buffering."""
+def child_env(code_root: Path = REPO_ROOT) -> dict[str, str]:
+    """The environment of every child: the code importable, no proxies, no buffering."""
     env = {k: v for k, v in os.environ.items() if not k.lower().endswith("_proxy")}
     env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p
+        dict.fromkeys(p for p in (str(code_root), str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
     )
     env["PYTHONUNBUFFERED"] = "1"
     return env
@@ -95,8 +96,14 @@ def start_stub(
     return Proc(name, popen, int(info["port"]), info)
 
 
-def start_sidecar(name: str, flags: list[str], *, log_dir: Path, prefix: list[str]) -> Proc:
-    """The sidecar's ``serve`` path with ``flags``; ``prefix`` wraps it (e.g. a profiler)."""
+def start_sidecar(
+    name: str, flags: list[str], *, log_dir: Path, prefix: list[str], code_root: Path = REPO_ROOT
+) -> Proc:
+    """The sidecar's ``serve`` path with ``flags``; ``prefix`` wraps it (e.g. a profiler).
+
+    ``code_root``: the tree whose ``sidecar`` package runs (e.g. ``git archive`` of an older
+    commit, for a before/after comparison on the same machine state).
+    """
     ports_file = log_dir / f"{name}.ports.json"
     with contextlib.suppress(FileNotFoundError):
         ports_file.unlink()
@@ -107,10 +114,11 @@ def start_sidecar(name: str, flags: list[str], *, log_dir: Path, prefix: list[st
     ]
     log = (log_dir / f"{name}.log").open("wb")
     popen = subprocess.Popen(
-        args, stdout=log, stderr=subprocess.STDOUT, env=child_env(), cwd=REPO_ROOT
+        args, stdout=log, stderr=subprocess.STDOUT, env=child_env(code_root), cwd=code_root
     )
     log.close()
-    deadline = time.monotonic() + _START_TIMEOUT_S
+    # A wrapper (profiler, valgrind) can slow the start-up many times over.
+    deadline = time.monotonic() + _START_TIMEOUT_S * (10 if prefix else 1)
     while time.monotonic() < deadline and popen.poll() is None:
         if ports_file.exists():
             ports: dict[str, int] = json.loads(ports_file.read_bytes())
@@ -154,10 +162,12 @@ def _stat_cpu_seconds(pid: int) -> float:
 
 
 def stop(proc: Proc, timeout_s: float = 10.0) -> None:
-    """SIGTERM the process we started, then SIGKILL it if it lingers."""
+    """SIGTERM the process we started (SIGINT where it wraps a server, so a profiler
+    writes its output), then SIGKILL it if it lingers."""
     popen = proc.popen
     if popen.poll() is None:
-        popen.terminate()
+        wrapped = server_pid(proc) != proc.pid
+        popen.send_signal(signal.SIGINT if wrapped else signal.SIGTERM)
         try:
             popen.wait(timeout_s)
         except subprocess.TimeoutExpired:

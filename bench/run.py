@@ -113,7 +113,7 @@ def _flow_parts(flow: str, conc_engine: str) -> tuple[str, str]:
 
 @contextlib.contextmanager
 def stack(flow: str, conc_engine: str, log_dir: Path, max_connections: int,
-          sidecar_prefix: list[str]) -> Iterator[Stack]:
+          sidecar_prefix: list[str], code_root: Path = procs.REPO_ROOT) -> Iterator[Stack]:
     engine, connector = _flow_parts(flow, conc_engine)
     started: list[procs.Proc] = []
     try:
@@ -135,7 +135,7 @@ def stack(flow: str, conc_engine: str, log_dir: Path, max_connections: int,
             flags += ["--sglang-bootstrap-port", str(bootstrap),
                       "--mooncake-bootstrap-port", str(bootstrap)]
         sidecar = procs.start_sidecar(f"{flow}-sidecar", flags, log_dir=log_dir,
-                                      prefix=sidecar_prefix)
+                                      prefix=sidecar_prefix, code_root=code_root)
         started.append(sidecar)
         yield Stack(flow, engine, connector, prefill, decode, sidecar)
     finally:
@@ -257,6 +257,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--phases", help="only these phases, e.g. json/c32,tokens (profiling)")
     parser.add_argument("--modes", default="direct,sidecar",
                         help="direct, sidecar or both (profiling: sidecar)")
+    parser.add_argument("--sidecar-tree", type=Path,
+                        help="run the sidecar package from this tree (e.g. `git archive` of an "
+                             "older commit) for a before/after comparison")
     parser.add_argument("--out", type=Path, help="JSON output (default bench/results/<time>.json)")
     parser.add_argument("--markdown", type=Path, help="also write the table here")
     args = parser.parse_args(argv)
@@ -294,7 +297,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     prefix = args.sidecar_prefix.split() if args.sidecar_prefix else []
     for flow in [f.strip() for f in args.flows.split(",") if f.strip()]:
-        with stack(flow, args.conc_engine, log_dir, args.max_connections, prefix) as st:
+        with stack(flow, args.conc_engine, log_dir, args.max_connections, prefix,
+                   args.sidecar_tree or procs.REPO_ROOT) as st:
             log(f"{flow}: {st.engine}/{st.connector}  prefill {st.prefill.url}  "
                 f"decode {st.decode.url}  sidecar {st.sidecar.url}")
             only = set(args.phases.split(",")) if args.phases else None
