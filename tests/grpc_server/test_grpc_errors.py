@@ -274,3 +274,21 @@ async def test_over_max_inflight_is_resource_exhausted_and_draining_unavailable(
         assert error.code() is grpc.StatusCode.UNAVAILABLE
         assert pd.decode.metric("disagg_requests_total", front_door="grpc",
                                 outcome="refused") == 2
+
+
+@pytest.mark.parametrize(("engine", "connector"), [("sglang", "shfs"), ("vllm", "mooncake")],
+                         ids=["sglang", "vllm-mooncake"])
+async def test_failed_background_prefill_is_counted_and_releases_its_room(
+    engine: str, connector: str
+) -> None:
+    # Concurrent flows answer with the hand-off at once; the engine's failure comes later.
+    fault = Fault(FaultKind.STATUS, status=500, path=COMPLETIONS)
+    async with grpc_pd(engine, connector, prefill_stub={"faults": (fault,)}) as pd:
+        blocks = await prefill_blocks(pd.prefill.address, PROMPT_IDS)
+        assert blocks
+        runtime = pd.prefill.runtime
+        assert await runtime.admission.wait_idle(10.0)
+        assert runtime.grpc_orchestrator.ids.rooms.in_flight() == 0
+        assert pd.prefill.metric("disagg_errors_total", front_door="grpc", stage="prefill",
+                                 code="prefill_failed") == 1
+        assert pd.prefill.metric("disagg_requests_total", front_door="grpc", outcome="ok") == 1
