@@ -11,7 +11,9 @@
 - DEADLINE_EXCEEDED: the caller's deadline and the prefill leg's own deadline; either way the
   engine request ends;
 - a client that cancels mid-stream: the decode engine's request ends (the stub's in-flight
-  counter drops to zero and counts a cancellation), counted as ``cancelled``.
+  counter drops to zero and counts a cancellation), counted as ``cancelled``;
+- a concurrent flow's (SGLang, Mooncake) engine prefill that fails after the hand-off was
+  streamed: counted in ``disagg_errors_total``, its room and admission slot released.
 
 Does not prove what real engines answer to these bodies.
 """
