@@ -31,7 +31,7 @@ from sidecar.grpc_gen import disagg_pb2
 from sidecar.grpc_server.bookkeeping import RpcScope
 from sidecar.grpc_server.checks import check_temperature, check_token_ids, request_id_or_new
 from sidecar.grpc_server.prefill import REQUEST_ID_HEADER, PrefillService
-from sidecar.inline_kv.codec import iter_layer_blocks, meta_block, read_layer, read_staged_meta
+from sidecar.inline_kv.codec import meta_block, read_layer_blocks, read_staged_meta
 
 PARAMS_KEY = "disagg_inline"
 
@@ -80,8 +80,11 @@ class InlinePrefillService(PrefillService):
                 )
             blocks = [meta_block(request_id, meta)]
             for layer_idx in range(meta.layout.num_layers):
-                data = await asyncio.to_thread(read_layer, directory, layer_idx)
-                blocks.extend(iter_layer_blocks(request_id, meta, layer_idx, data))
+                blocks.extend(
+                    await asyncio.to_thread(
+                        read_layer_blocks, request_id, meta, directory, layer_idx
+                    )
+                )
             return blocks
         finally:
             # Synchronous on tmpfs: no cancellation can skip it.

@@ -84,6 +84,38 @@ def iter_layer_blocks(
         )
 
 
+def read_layer_blocks(
+    request_id: str, meta: InlineMeta, directory: Path, layer_idx: int
+) -> list[disagg_pb2.KVBlock]:
+    """One layer file's data blocks, each tile read straight from the file (one copy)."""
+    tile = meta.layout.tile_bytes
+    path = directory / layer_file(layer_idx)
+    try:
+        with path.open("rb", buffering=0) as fh:
+            size = fh.seek(0, 2)
+            if size != meta.num_blocks * 2 * tile:
+                raise FailedPrecondition(
+                    f"layer {layer_idx} file has {size} bytes, expected "
+                    f"{meta.num_blocks * 2 * tile}",
+                    stage=Stage.PREFILL,
+                )
+            fh.seek(0)
+            return [
+                disagg_pb2.KVBlock(
+                    request_id=request_id,
+                    layer_idx=layer_idx,
+                    block_idx=j,
+                    k_data=fh.read(tile),
+                    v_data=fh.read(tile),
+                )
+                for j in range(meta.num_blocks)
+            ]
+    except FileNotFoundError:
+        raise FailedPrecondition(
+            f"the prefill engine wrote no KV for layer {layer_idx}", stage=Stage.PREFILL
+        ) from None
+
+
 def read_layer(directory: Path, layer_idx: int) -> bytes:
     try:
         return (directory / layer_file(layer_idx)).read_bytes()
@@ -106,7 +138,11 @@ class InlineKV:
 
     def layer_bytes(self, layer_idx: int) -> bytes:
         """One layer in the file layout of ``connectors.inline_layout``."""
-        return b"".join(k + v for k, v in self.tiles[layer_idx])
+        return b"".join(self.layer_chunks(layer_idx))
+
+    def layer_chunks(self, layer_idx: int) -> list[bytes]:
+        """The same, as the tiles in file order (written without joining: no copy)."""
+        return [tile for pair in self.tiles[layer_idx] for tile in pair]
 
 
 def _bad(message: str) -> InvalidRequest:

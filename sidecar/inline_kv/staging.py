@@ -70,7 +70,8 @@ class StagingArea:
     def _write(directory: Path, kv: InlineKV, key: str) -> None:
         directory.mkdir()
         for layer_idx in range(kv.meta.layout.num_layers):
-            (directory / layer_file(layer_idx)).write_bytes(kv.layer_bytes(layer_idx))
+            with (directory / layer_file(layer_idx)).open("wb", buffering=0) as fh:
+                fh.writelines(kv.layer_chunks(layer_idx))
         meta = InlineMeta(kv.meta.layout, kv.meta.num_tokens, kv.meta.num_blocks, key)
         write_atomic(directory / META_FILE, meta.to_json())
 

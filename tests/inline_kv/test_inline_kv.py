@@ -20,6 +20,7 @@ from sidecar.inline_kv.codec import (
     meta_block,
     parse_blocks,
     read_layer,
+    read_layer_blocks,
     read_staged_meta,
 )
 from sidecar.inline_kv.staging import StagingArea
@@ -63,6 +64,14 @@ def test_prefill_side_reads_engine_files(tmp_path: Path) -> None:
     with pytest.raises(SidecarError) as exc:
         read_layer(tmp_path, 1)
     assert status_of(exc) == grpc.StatusCode.FAILED_PRECONDITION
+    assert read_layer_blocks("r", META, tmp_path, 0) == list(
+        iter_layer_blocks("r", META, 0, layer_data(0))
+    )
+    (tmp_path / layer_file(2)).write_bytes(layer_data(2)[:-1])
+    for layer in (1, 2):
+        with pytest.raises(SidecarError) as exc:
+            read_layer_blocks("r", META, tmp_path, layer)
+        assert status_of(exc) == grpc.StatusCode.FAILED_PRECONDITION
     with pytest.raises(SidecarError) as exc:
         read_staged_meta(tmp_path / "nothing")
     assert status_of(exc) == grpc.StatusCode.FAILED_PRECONDITION
