@@ -51,7 +51,11 @@ def check_max_new_tokens(value: int, *, allow_unset: bool) -> int:
 
 
 def _float32(value: float) -> float:
-    return float(struct.unpack("<f", struct.pack("<f", value))[0])
+    try:
+        return float(struct.unpack("<f", struct.pack("<f", value))[0])
+    except OverflowError:
+        # A shortened decimal of a value near float32's maximum can round past it.
+        return math.inf
 
 
 def check_temperature(value: float) -> float:
