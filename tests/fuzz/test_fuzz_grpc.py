@@ -35,7 +35,8 @@ from sidecar.handoff_codec import HANDOFF_LAYER, DecodedHandoff, decode_handoff,
 
 INT32 = st.integers(min_value=-(2**31), max_value=2**31 - 1)
 FLOATS = st.floats(width=32)
-JSON_SCALARS = (st.none() | st.booleans() | st.integers(min_value=-(2**64), max_value=2**64)
+# The widest integers JSON here carries: int64 and uint64 (what the engines write).
+JSON_SCALARS = (st.none() | st.booleans() | st.integers(min_value=-(2**63), max_value=2**64 - 1)
                 | st.text(max_size=12))
 JSON = st.recursive(JSON_SCALARS, lambda inner: st.lists(inner, max_size=3)
                     | st.dictionaries(st.text(max_size=6), inner, max_size=3), max_leaves=10)
