@@ -43,6 +43,8 @@ from sidecar.settings import PrefillFailurePolicy, Settings
 
 #: Prefill failures a local-prefill fallback may cover (never a client's own bad request).
 _FALLBACK_ERRORS = (PrefillFailed, InvalidHandoff, DeadlineExceeded)
+#: Prefill URLs remembered per (target, route); cleared whole when full (bounded memory).
+_MAX_REMEMBERED_URLS = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,6 +198,7 @@ class Orchestrator:
         self._on_fallback = on_fallback
         self._engine_url = settings.engine_url.rstrip("/")
         self._aborts: set[asyncio.Task[None]] = set()
+        self._prefill_urls: dict[tuple[PrefillTarget, Route], str] = {}
 
     def engine_url(self, route: Route | str) -> str:
         return self._engine_url + str(route)
@@ -261,10 +264,20 @@ class Orchestrator:
                 async with self.session.post(url, json=body, allow_redirects=False) as response:
                     await response.read()
 
+    def prefill_url(self, target: PrefillTarget, route: Route) -> str:
+        """The prefill leg's URL (remembered: formatting it parses the host each time)."""
+        key = (target, route)
+        url = self._prefill_urls.get(key)
+        if url is None:
+            if len(self._prefill_urls) >= _MAX_REMEMBERED_URLS:
+                self._prefill_urls.clear()
+            url = self._prefill_urls[key] = target.base_url + route.value
+        return url
+
     async def _prefill(self, request: PDRequest, body: Mapping[str, Any]) -> dict[str, Any]:
         return await post_prefill(
             self.session,
-            request.target.base_url + request.route.value,
+            self.prefill_url(request.target, request.route),
             body,
             request.headers,
             timeout_s=self.settings.prefill_timeout_s,
