@@ -59,6 +59,9 @@ def make_session(settings: Settings) -> aiohttp.ClientSession:
     return aiohttp.ClientSession(
         connector=connector,
         timeout=timeout,
+        # One session serves every client: a cookie an engine sets for one client must not
+        # ride along on the next client's requests (and the jar costs work per request).
+        cookie_jar=aiohttp.DummyCookieJar(),
         trust_env=False,
         auto_decompress=False,
         skip_auto_headers=("User-Agent",),
