@@ -9,6 +9,8 @@ Fixtures:
   ExampleConnector pairs (``.nixl.prefill``, ``.nixl.decode``, ...), the engine venv's python.
 - ``engine_env`` (session): the ``harness.EngineEnv`` alone (no engine started), for tests
   that only run scripts in the engine venv.
+- ``vllm_schema`` (session): an ``engine_schema.VllmSchema``; ``.validate(kind, body)``
+  checks a body against vLLM's own request models (None = accepted).
 - ``metric`` (function): ``metric(url, name, **labels) -> float`` reads /metrics.
 
 Cleanup: the engines are stopped by the fixture's finalizer, by an ``atexit`` hook if that
@@ -29,6 +31,7 @@ from types import FrameType
 import pytest
 
 from real_vllm.client import metric_value
+from real_vllm.engine_schema import VllmSchema
 from real_vllm.harness import EngineEnv, EngineEnvMissing, EngineGroup
 from real_vllm.stack import RealVllm, start_stack
 
@@ -70,6 +73,12 @@ def real_vllm(engine_env: EngineEnv) -> Iterator[RealVllm]:
     finally:
         if previous is signal.SIG_DFL:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+@pytest.fixture(scope="session")
+def vllm_schema(engine_env: EngineEnv) -> Iterator[VllmSchema]:
+    with VllmSchema(engine_env) as schema:
+        yield schema
 
 
 @pytest.fixture

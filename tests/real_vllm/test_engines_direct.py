@@ -30,7 +30,7 @@ from real_vllm.client import (
     text_of,
     text_of_stream,
 )
-from real_vllm.engine_schema import validate_bodies
+from real_vllm.engine_schema import VllmSchema
 from real_vllm.harness import BLOCK_SIZE
 from real_vllm.stack import RealVllm
 
@@ -111,7 +111,7 @@ def test_example_connector_pd_output_equals_baseline(real_vllm: RealVllm, kind: 
     assert metric_value(real_vllm.example.decode, EXTERNAL_HITS) > hits_before
 
 
-def test_pd_bodies_pass_vllm_request_models(real_vllm: RealVllm) -> None:
+def test_pd_bodies_pass_vllm_request_models(real_vllm: RealVllm, vllm_schema: VllmSchema) -> None:
     items: list[Any] = []
     for kind in ("completion", "chat"):
         body = _body(kind, f"schema-{kind}")
@@ -120,7 +120,7 @@ def test_pd_bodies_pass_vllm_request_models(real_vllm: RealVllm) -> None:
     bad = completion_body("x")
     bad["max_tokens"] = "many"
     items.append(("completion", bad))
-    verdicts = validate_bodies(real_vllm.env, items)
+    verdicts = vllm_schema.validate_many(items)
     assert verdicts[:-1] == [None] * (len(items) - 1)
     assert verdicts[-1] is not None
     assert "max_tokens" in verdicts[-1]

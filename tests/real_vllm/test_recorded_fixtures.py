@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 
 from real_vllm.client import decode_body, prefill_body
-from real_vllm.engine_schema import RequestKind, validate_bodies
-from real_vllm.harness import VLLM_VERSION, EngineEnv
+from real_vllm.engine_schema import RequestKind, VllmSchema
+from real_vllm.harness import VLLM_VERSION
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm" / VLLM_VERSION
 FILES = sorted(FIXTURES.glob("*.json"))
@@ -64,10 +64,10 @@ def test_fixture_is_consistent(path: Path) -> None:
         assert record["decode_response"]["choices"][0]["finish_reason"] == "length"
 
 
-def test_fixture_requests_pass_vllm_request_models(engine_env: EngineEnv) -> None:
+def test_fixture_requests_pass_vllm_request_models(vllm_schema: VllmSchema) -> None:
     items: list[tuple[RequestKind, dict[str, Any]]] = []
     for path in FILES:
         record = _load(path)
         for key in ("client_request", "prefill_request", "decode_request"):
             items.append((_kind(record), record[key]))
-    assert validate_bodies(engine_env, items) == [None] * len(items)
+    assert vllm_schema.validate_many(items) == [None] * len(items)
