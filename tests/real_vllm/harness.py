@@ -103,13 +103,18 @@ class EngineEnv:
 
 @dataclass(frozen=True)
 class EngineSpec:
-    """What to start: a name for logs, a KV connector config, the core to pin it to."""
+    """What to start: a name for logs, a KV connector config, the core to pin it to.
+
+    ``extra_env`` is applied last over the harness's environment (e.g. ``PYTHONPATH`` for an
+    out-of-tree KV connector); ``extra_args`` is appended to the server's command line.
+    """
 
     name: str
     kv_transfer_config: Mapping[str, Any] | None = None
     cpu: int = 0
     prefix_caching: bool = True
     extra_args: tuple[str, ...] = ()
+    extra_env: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def uses_nixl(self) -> bool:
@@ -216,6 +221,7 @@ def _engine_environ(
     if side_port is not None:
         environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
         environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(side_port)
+    environ.update(spec.extra_env)
     return environ
 
 

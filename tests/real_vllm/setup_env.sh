@@ -39,6 +39,9 @@ MODEL_MARKER="$ENV_DIR/.model-ready"
 start=$SECONDS
 did=""
 mkdir -p "$ENV_DIR"
+# One builder at a time: a second run waits here, then finds everything ready.
+exec 9>"$ENV_DIR/.lock"
+flock 9
 
 fail() {
   echo "real-vllm env: FAILED at: $1 (log: $LOG)" >&2
