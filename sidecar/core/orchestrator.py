@@ -111,8 +111,11 @@ class PDExchange:
     async def chunks(self) -> AsyncIterator[bytes]:
         """The decode body as the engine writes it; raises a ``SidecarError`` on a break."""
         assert self.decode is not None, "chunks() needs a decode leg"
+        # readany() directly (b"" at the end), not iter_any(): one iterator layer less per
+        # relayed chunk, which is per token on a streamed answer.
+        read = self.decode.content.readany
         try:
-            async for chunk in self.decode.content.iter_any():
+            while chunk := await read():
                 yield chunk
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise self._stream_error(exc) from None
