@@ -11,7 +11,14 @@ from pathlib import Path
 import grpc
 import pytest
 
-from connectors.inline_layout import META_FILE, InlineLayout, InlineMeta, layer_file
+from connectors.inline_layout import (
+    META_FILE,
+    InlineLayout,
+    InlineMeta,
+    LayoutError,
+    check_key,
+    layer_file,
+)
 from sidecar.errors import SidecarError
 from sidecar.grpc_gen import disagg_pb2
 from sidecar.inline_kv.codec import (
@@ -183,3 +190,24 @@ async def test_staging_bound_is_resource_exhausted(tmp_path: Path) -> None:
     async with area.stage(kv):
         pass
     assert area.staged_keys() == [] and area.reserved_bytes == 0
+
+
+@pytest.mark.parametrize("key", ["../x", "a/b", "", ".hidden", "x" * 129, "a b"])
+def test_unsafe_keys_are_refused(key: str) -> None:
+    with pytest.raises(LayoutError):
+        check_key(key)
+
+
+def test_metadata_must_be_consistent() -> None:
+    doc = META.to_dict()
+    assert InlineMeta.from_dict(doc) == META
+    for change in (
+        {"num_blocks": 2},
+        {"version": 2},
+        {"layout": "NHC"},
+        {"dtype": "int4"},
+        {"head_size": 0},
+        {"key": "../etc"},
+    ):
+        with pytest.raises(LayoutError):
+            InlineMeta.from_dict({**doc, **change})
