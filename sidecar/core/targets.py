@@ -117,6 +117,7 @@ class TargetSelector:
         # Routers name the same few prefill pods again and again: a header naming IP
         # literals only (no DNS, so nothing to rebind) checks the same way every time.
         self._literal_selections: dict[tuple[str, ...], tuple[PrefillTarget, ...]] = {}
+        self._allowlist_version: object = getattr(allowlist, "version", 0)
 
     def _remember(self, key: tuple[str, ...], checked: tuple[PrefillTarget, ...]) -> None:
         if len(self._literal_selections) >= _MAX_REMEMBERED:
@@ -134,6 +135,12 @@ class TargetSelector:
         one of them is picked at random. Returns the target with its resolved address.
         """
         if header_values:
+            # A live allowlist (Kubernetes mode) bumps ``version`` on every change: the
+            # remembered verdicts are only as current as the set they were checked against.
+            version = getattr(self._allowlist, "version", 0)
+            if version != self._allowlist_version:
+                self._literal_selections.clear()
+                self._allowlist_version = version
             key = tuple(header_values)
             checked = self._literal_selections.get(key)
             if checked is None:
