@@ -182,7 +182,7 @@ step_build() {
   user=$(podman image inspect --format '{{.Config.User}}' "$IMAGE")
   [ "$user" = "10001:10001" ] || die "image user is '$user', want 10001:10001"
   podman run --rm --no-healthcheck --entrypoint sh "$IMAGE" -c \
-    '! command -v gcc && ! command -v cc && [ ! -e /opt/venv/bin/pip ] && [ "$(id -u)" = 10001 ]' \
+    '! command -v gcc && ! command -v cc && ! command -v strip && [ ! -e /opt/venv/bin/pip ] && [ "$(id -u)" = 10001 ]' \
     >/dev/null || die "final stage has build tools, pip in the venv, or runs as root"
   log "build: $IMAGE built (non-root, no compiler, no pip in the venv)"
 }
