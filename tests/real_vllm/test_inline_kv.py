@@ -29,7 +29,6 @@ from typing import Any
 import grpc
 import pytest
 
-from real_vllm import harness
 from real_vllm.client import post_json
 from real_vllm.harness import SERVED_MODEL_NAME, EngineEnv, EngineGroup, EngineSpec
 from sidecar.grpc_gen import disagg_pb2, disagg_pb2_grpc
@@ -64,36 +63,28 @@ def inline_pair(engine_env: EngineEnv) -> Iterator[InlinePair]:
     shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
     with tempfile.TemporaryDirectory(prefix="inline-kv-", dir=shm) as tmp:
         prefill_dir, decode_dir = Path(tmp) / "prefill", Path(tmp) / "decode"
-        original = harness._engine_environ
-
-        def with_repo(*args: Any, **kwargs: Any) -> dict[str, str]:
-            environ = original(*args, **kwargs)
-            environ["PYTHONPATH"] = str(REPO)  # vLLM imports connectors.sidecar_kv
-            return environ
-
-        harness._engine_environ = with_repo
-        try:
-            with EngineGroup(engine_env) as group:
-                group.start(
-                    [
-                        EngineSpec("inline-prefill", connector_config(prefill_dir), cpu=0),
-                        EngineSpec(
-                            "inline-decode",
-                            connector_config(decode_dir),
-                            cpu=1,
-                            prefix_caching=False,
-                        ),
-                    ]
-                )
-                harness._engine_environ = original
-                yield InlinePair(
-                    group.engines["inline-prefill"].url,
-                    group.engines["inline-decode"].url,
-                    prefill_dir,
-                    decode_dir,
-                )
-        finally:
-            harness._engine_environ = original
+        repo_env = {"PYTHONPATH": str(REPO)}  # vLLM imports connectors.sidecar_kv
+        with EngineGroup(engine_env) as group:
+            group.start(
+                [
+                    EngineSpec(
+                        "inline-prefill", connector_config(prefill_dir), cpu=0, extra_env=repo_env
+                    ),
+                    EngineSpec(
+                        "inline-decode",
+                        connector_config(decode_dir),
+                        cpu=1,
+                        prefix_caching=False,
+                        extra_env=repo_env,
+                    ),
+                ]
+            )
+            yield InlinePair(
+                group.engines["inline-prefill"].url,
+                group.engines["inline-decode"].url,
+                prefill_dir,
+                decode_dir,
+            )
 
 
 @contextlib.asynccontextmanager
