@@ -55,7 +55,7 @@ from sidecar.grpc_server.token_stream import token_id_fields
 from sidecar.handoff_codec import encode_handoff
 from sidecar.protocol.context import HandoffContext, PrefillTarget, Route
 from sidecar.runtime import Runtime
-from sidecar.settings import Settings
+from sidecar.settings import Role, Settings
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ class PrefillService(disagg_pb2_grpc.PrefillWorkerServicer):
         self._advertise_host = resolve_advertise_host(runtime.settings)
         self._url = self._orchestrator.engine_url(Route.COMPLETIONS)
         self._background: set[asyncio.Task[None]] = set()
-        if self._advertise_host is None:
+        if self._advertise_host is None and runtime.settings.role is not Role.DECODE:
             logger.warning(
                 "gRPC Prefill is refused (FAILED_PRECONDITION) until --advertise-host (or "
                 "POD_IP) is set: the engine URL %s is loopback, which decode pods cannot reach",
