@@ -80,6 +80,15 @@ class BodyTooLarge(SidecarError):
     default_stage = Stage.REQUEST
 
 
+class RequestTimeout(SidecarError):
+    """The client did not send its whole request in time (slow or stalled upload; HTTP 408)."""
+
+    code = "request_timeout"
+    http_status = 408
+    grpc_status = grpc.StatusCode.DEADLINE_EXCEEDED
+    default_stage = Stage.REQUEST
+
+
 class PrefillFailed(SidecarError):
     """The prefill engine failed, was unreachable or answered garbage (HTTP 502)."""
 
@@ -183,6 +192,7 @@ ALL_ERRORS: tuple[type[SidecarError], ...] = (
     InvalidRequest,
     TargetNotAllowed,
     BodyTooLarge,
+    RequestTimeout,
     PrefillFailed,
     EngineRejected,
     InvalidHandoff,

@@ -23,6 +23,7 @@ network) are told apart by port only.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import logging
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
@@ -31,11 +32,14 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from sidecar.allowlist import Allowlist
+from sidecar.settings import Settings
 
 logger = logging.getLogger(__name__)
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
+#: The port of a selected pod without the port label (the seeds' default engine port).
+DEFAULT_POD_PORT = 8000
 #: The namespace file a pod's service account mounts.
 NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 _GONE = 410
@@ -257,3 +261,38 @@ class KubernetesPodSource:
             raise
         finally:
             stream.stop()
+
+
+@contextlib.asynccontextmanager
+async def watched_pod_allowlist(
+    settings: Settings, static: Allowlist, source: PodSource | None = None
+) -> AsyncIterator[PodAllowlist]:
+    """The Kubernetes-mode allowlist of ``settings``, watched until the context exits.
+
+    Waits up to ``connect_timeout_s`` for the first list so the first requests are not
+    refused for nothing; later, it serves whatever set it has (refusing when it has none).
+    """
+    selector = settings.prefill_pod_selector or ""
+    allowlist = PodAllowlist(port_label=settings.port_label, default_port=DEFAULT_POD_PORT,
+                             static=static)
+    owned: KubernetesPodSource | None = None
+    if source is None:
+        namespace = settings.prefill_pod_namespace or current_namespace()
+        owned = KubernetesPodSource(namespace, selector)
+        await owned.open()
+        source = owned
+    task = asyncio.ensure_future(watch_pods(allowlist, source))
+    try:
+        try:
+            async with asyncio.timeout(settings.connect_timeout_s):
+                await allowlist.synced.wait()
+        except TimeoutError:
+            logger.warning("no prefill pod list yet (selector %r): refusing pod targets until "
+                           "it arrives", selector)
+        yield allowlist
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        if owned is not None:
+            await owned.close()

@@ -20,7 +20,7 @@ from sidecar.admission import Admission
 from sidecar.allowlist import Allowlist
 from sidecar.core.engine_ids import EngineIdCache
 from sidecar.core.orchestrator import Orchestrator
-from sidecar.core.targets import TargetSelector, parse_prefill_url
+from sidecar.core.targets import AllowlistLike, TargetSelector, parse_prefill_url
 from sidecar.core.upstream import make_session
 from sidecar.engine_health import EngineHealth
 from sidecar.engines import EngineHandler, resolve_engine
@@ -71,6 +71,7 @@ async def open_runtime(
     metrics = metrics or Metrics()
     handler, agent = resolve_parts(settings)
     session = make_session(settings)
+    resources = contextlib.AsyncExitStack()
     try:
         engine_ids = None
         if agent is not None and agent.needs_engine_id:
@@ -94,8 +95,15 @@ async def open_runtime(
                 on_fallback=lambda reason: fallbacks.labels(front_door, reason).inc(),
             )
 
+        allowlist: AllowlistLike = Allowlist.parse(settings.prefill_allowlist)
+        if settings.prefill_pod_selector:
+            from sidecar.k8s_allowlist import watched_pod_allowlist
+
+            allowlist = await resources.enter_async_context(
+                watched_pod_allowlist(settings, Allowlist.parse(settings.prefill_allowlist))
+            )
         selector = TargetSelector(
-            Allowlist.parse(settings.prefill_allowlist),
+            allowlist,
             [parse_prefill_url(url) for url in settings.prefill_urls],
             resolve_timeout_s=settings.connect_timeout_s,
         )
@@ -117,4 +125,5 @@ async def open_runtime(
         runtime.health.on_change(lambda ready: metrics.engine_ready.set(1 if ready else 0))
         yield runtime
     finally:
+        await resources.aclose()
         await session.close()

@@ -192,6 +192,17 @@ class Settings(BaseModel):
         "pool.",
     )
 
+    prefill_pod_selector: str | None = Field(
+        default=None,
+        description="Kubernetes mode: label selector of the prefill pods a router may name "
+        "(e.g. role-name=prefill); each Running pod's IP with its port label (default 8000) "
+        "joins the allowlist, kept current by a watch. Needs get/list/watch on pods.",
+    )
+    prefill_pod_namespace: str | None = Field(
+        default=None,
+        description="Kubernetes mode: namespace of the prefill pods; unset: this pod's own.",
+    )
+
     # Behaviour and limits.
     on_prefill_failure: PrefillFailurePolicy = Field(
         default=PrefillFailurePolicy.FAIL,
@@ -205,6 +216,11 @@ class Settings(BaseModel):
     )
     max_body_bytes: int = Field(
         default=32 * 1024 * 1024, ge=1024, description="Largest client request body."
+    )
+    client_body_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="Deadline for receiving a client's request body, seconds (slower: 408).",
     )
     max_prefill_response_bytes: int = Field(
         default=16 * 1024 * 1024, ge=1024, description="Largest prefill engine response body."

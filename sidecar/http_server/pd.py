@@ -26,7 +26,14 @@ from sidecar import jsonutil
 from sidecar.core.orchestrator import PDExchange, PDRequest
 from sidecar.core.targets import PREFILL_TARGET_HEADER
 from sidecar.core.upstream import forwardable_headers
-from sidecar.errors import BodyTooLarge, ClientCancelled, DecodeFailed, SidecarError, Stage
+from sidecar.errors import (
+    BodyTooLarge,
+    ClientCancelled,
+    DecodeFailed,
+    RequestTimeout,
+    SidecarError,
+    Stage,
+)
 from sidecar.http_server.errors import REQUEST_ID, error_response, sse_error_event
 from sidecar.http_server.keys import RUNTIME
 from sidecar.http_server.proxy import proxy_to_engine
@@ -53,13 +60,17 @@ def request_id_of(request: web.Request) -> str:
     return uuid.uuid4().hex
 
 
-async def _read_body(request: web.Request, max_bytes: int) -> bytes:
+async def _read_body(request: web.Request, max_bytes: int, timeout_s: float) -> bytes:
     if request.content_length is not None and request.content_length > max_bytes:
         raise BodyTooLarge(f"request body exceeds {max_bytes} bytes")
     try:
-        return await request.read()
+        # A client trickling its body (slow loris) would hold an admission slot for ever.
+        async with asyncio.timeout(timeout_s):
+            return await request.read()
     except web.HTTPRequestEntityTooLarge:
         raise BodyTooLarge(f"request body exceeds {max_bytes} bytes") from None
+    except TimeoutError:
+        raise RequestTimeout(f"request body not received within {timeout_s:g} s") from None
 
 
 def _route_handler(route: Route) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
@@ -90,7 +101,8 @@ async def handle_pd(request: web.Request, route: Route) -> web.StreamResponse:
             return await proxy_to_engine(
                 request, runtime.session, runtime.settings.engine_url.rstrip("/"), request_id
             )
-        raw = await _read_body(request, runtime.settings.max_body_bytes)
+        raw = await _read_body(request, runtime.settings.max_body_bytes,
+                               runtime.settings.client_body_timeout_s)
         client = parse_client_body(raw, route, trusted_router=runtime.settings.trusted_router)
         headers = forwardable_headers(request.headers.items(), drop=("accept-encoding",))
         headers[REQUEST_ID] = request_id

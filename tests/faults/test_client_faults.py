@@ -89,6 +89,22 @@ async def test_slow_loris_clients_do_not_block_others() -> None:
         await r.check_recovered()
 
 
+async def test_slow_loris_body_gets_408_and_frees_its_slot() -> None:
+    async with rig(max_inflight=1, client_body_timeout_s=0.3) as r:
+        async with raw_connection(r) as (reader, writer):
+            writer.write(request_head(r, content_length=4096) + b'{"model": "st')
+            await writer.drain()
+            status_line = await reader.readline()  # no more bytes are coming from us
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                          if line.lower().startswith(b"content-length:"))
+            payload = jsonutil.loads(await reader.readexactly(length))
+        assert status_line.split()[1] == b"408", status_line
+        assert payload["error"]["code"] == "request_timeout"
+        assert inference_calls(r) == 0
+        await r.check_recovered()  # the one admission slot is free again
+
+
 async def test_body_over_the_cap_sent_chunked_is_refused_while_reading() -> None:
     async with rig(max_body_bytes=64 * 1024) as r:
 

@@ -182,3 +182,43 @@ async def test_selector_refuses_pods_off_the_set() -> None:
     pods.apply("DELETED", pod("a", "127.0.0.1", "8000"))
     with pytest.raises(TargetNotAllowed):
         await selector.select(["127.0.0.1:8000"])
+
+
+class FakeKubernetesSource(FakeSource):
+    """Stands in for ``KubernetesPodSource`` inside a real sidecar (same constructor)."""
+
+    pods: list[dict[str, Any]] = []
+    opened: list[tuple[str, str]] = []
+
+    def __init__(self, namespace: str, selector: str) -> None:
+        super().__init__(lists=[(list(self.pods), "1")], watches=[])
+        self.opened.append((namespace, selector))
+
+    async def open(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+
+async def test_kubernetes_mode_in_a_running_sidecar(monkeypatch: pytest.MonkeyPatch) -> None:
+    from sidecar_harness import running_sidecar
+    from ssrf_kit import trap
+    from test_ssrf import engines, post
+
+    import sidecar.k8s_allowlist as k8s
+
+    async with engines() as (prefill, decode), trap("127.0.0.1") as t:
+        monkeypatch.setattr(FakeKubernetesSource, "pods",
+                            [pod("prefill-0", "127.0.0.1", str(prefill.port))])
+        monkeypatch.setattr(FakeKubernetesSource, "opened", [])
+        monkeypatch.setattr(k8s, "KubernetesPodSource", FakeKubernetesSource)
+        async with running_sidecar(engine="vllm", engine_url=decode.url, grpc_enabled=False,
+                                   prefill_pod_selector="role-name=prefill",
+                                   prefill_pod_namespace="llm") as running:
+            assert FakeKubernetesSource.opened == [("llm", "role-name=prefill")]
+            status, payload = await post(running, f"127.0.0.1:{prefill.port}")
+            assert status == 200, payload
+            status, payload = await post(running, f"127.0.0.1:{t.port}")
+            assert status == 403, payload
+            await t.assert_untouched()
