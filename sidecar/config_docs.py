@@ -12,7 +12,9 @@ but is rendered by argparse.
 
 from __future__ import annotations
 
+import sys
 from enum import Enum
+from pathlib import Path
 from typing import Any
 
 from sidecar.config_loader import (
@@ -106,7 +108,20 @@ def configuration_reference_markdown() -> str:
     return "\n".join(rows) + "\n"
 
 
+def write_into(readme: Path) -> None:
+    """Replace the block between the markers of ``readme`` with the generated reference."""
+    text = readme.read_text(encoding="utf-8")
+    start = text.index(START_MARKER) + len(START_MARKER)
+    end = text.index(END_MARKER)
+    generated = "\n" + configuration_reference_markdown()
+    readme.write_text(text[:start] + generated + text[end:], encoding="utf-8")
+
+
 def main() -> None:
+    """Print the reference; ``--write README.md`` refreshes that file's block instead."""
+    if len(sys.argv) == 3 and sys.argv[1] == "--write":
+        write_into(Path(sys.argv[2]))
+        return
     print(configuration_reference_markdown(), end="")
 
 
