@@ -1,6 +1,6 @@
 """The load phases: one request at a time, or C workers in a closed loop for a fixed window.
 
-    serial(flow, n)                 ─▶ Phase (latency, first byte, CPU of every process)
+    paired_serial(flows, n)         ─▶ Phase per flow (latency, first byte, CPU), in turn
     closed_loop(flow, c, seconds)   ─▶ Phase (requests/s, tokens/s, latency, CPU)
 
 CPU is read from /proc before and after the measured window (after a warm-up that fills the
@@ -127,19 +127,31 @@ async def safe_call(flow: Flow, session: aiohttp.ClientSession) -> CallResult:
         return CallResult(False, 0.0, 0.0, 0)
 
 
-async def serial(flow: Flow, n: int, meter: CpuMeter, *, warmup: int = 20) -> Phase:
-    """``n`` requests, each sent after the previous one answered."""
-    phase = Phase()
+async def paired_serial(
+    flows: Mapping[str, Flow], n: int, meter: CpuMeter, *, warmup: int = 20
+) -> dict[str, Phase]:
+    """``n`` rounds of one request per flow, in turn, each after the previous one answered.
+
+    Interleaving request by request gives every flow the same machine state, so the
+    difference of their latencies is the hop's cost even when the machine's load moves.
+    The window's CPU goes to every phase; only the process a flow alone uses (the sidecar
+    for the sidecar flow) gives a meaningful CPU per request.
+    """
+    phases = {name: Phase() for name in flows}
     async with make_session(1) as session:
         for _ in range(warmup):
-            await safe_call(flow, session)
+            for flow in flows.values():
+                await safe_call(flow, session)
         meter.start()
-        started = time.perf_counter()
         for _ in range(n):
-            phase.add(await safe_call(flow, session))
-        phase.wall_s = time.perf_counter() - started
-        phase.cpu_s = meter.stop()
-    return phase
+            for name, flow in flows.items():
+                phases[name].add(await safe_call(flow, session))
+        cpu = meter.stop()
+    for phase in phases.values():
+        # Wall time of a flow's own requests: requests/s is then one over the mean latency.
+        phase.wall_s = sum(phase.latencies)
+        phase.cpu_s = dict(cpu)
+    return phases
 
 
 async def closed_loop(

@@ -9,7 +9,8 @@ decode stub and a sidecar in front of the decode stub, each its own process, the
 for JSON and streamed answers, direct (the load generator runs both legs itself, as vLLM's
 reference proxy or SGLang's mini load balancer would) and through the sidecar:
 
-    serial      one request at a time: p50/p99 latency, time to first byte (streams)
+    serial      one request at a time, direct and sidecar in turn (same machine state):
+                p50/p99 latency, time to first byte (streams)
     c32, c128   closed loop at that concurrency: requests/s, p50/p99 latency
     tokens      256-token streams at concurrency 32: tokens/s
 
@@ -185,13 +186,15 @@ async def measure_flow(
     }
     phases: dict[str, Any] = out["phases"]
     for fmt, stream in (("json", False), ("stream", True)):
-        for mode in modes:
-            if not wanted(f"{fmt}/serial"):
-                break
-            flow = st.make(mode, plan.short_tokens, stream)
-            phase = await load.serial(flow, plan.serial_n, meter, warmup=plan.serial_warmup)
-            phases.setdefault(f"{fmt}/serial", {})[mode] = phase.summary()
-            log(f"  {st.flow} {fmt} serial {mode}: {_brief(phase.summary())}")
+        if wanted(f"{fmt}/serial"):
+            paired = await load.paired_serial(
+                {mode: st.make(mode, plan.short_tokens, stream) for mode in modes},
+                plan.serial_n, meter, warmup=plan.serial_warmup,
+            )
+            for mode, phase in paired.items():
+                summary = phase.summary("sidecar" if mode == "sidecar" else "-")
+                phases.setdefault(f"{fmt}/serial", {})[mode] = summary
+                log(f"  {st.flow} {fmt} serial {mode}: {_brief(summary)}")
         for concurrency in plan.concurrencies:
             for mode in modes:
                 if not wanted(f"{fmt}/c{concurrency}"):
