@@ -21,9 +21,14 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-import kubernetes_validate
 import pytest
-import yaml
+
+# Test dependencies (pyproject's test extras); a missing one shows as a skip reason under -ra.
+kubernetes_validate = pytest.importorskip(
+    "kubernetes_validate", reason="pip install kubernetes-validate"
+)
+yaml = pytest.importorskip("yaml", reason="pip install pyyaml")
+
 from deploy_render import (
     DEPLOY_DIR,
     OVERLAYS,

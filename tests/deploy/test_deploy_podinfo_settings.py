@@ -23,6 +23,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+pytest.importorskip("yaml", reason="pip install pyyaml")
+
 from deploy_render import OVERLAYS, Obj, render_overlay
 
 REPO = Path(__file__).resolve().parents[2]
