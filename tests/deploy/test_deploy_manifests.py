@@ -29,7 +29,7 @@ kubernetes_validate = pytest.importorskip(
 )
 yaml = pytest.importorskip("yaml", reason="pip install pyyaml")
 
-from deploy_render import (
+from deploy_render import (  # noqa: E402 (after the dependency checks)
     DEPLOY_DIR,
     OVERLAYS,
     Obj,
