@@ -86,6 +86,11 @@ class EngineEnv:
     model_dir: Path
     vllm_version: str = VLLM_VERSION
 
+    @property
+    def modelinfo_cache(self) -> Path:
+        """vLLM's model-info cache made by setup_env.sh (seeded into each engine's cache)."""
+        return self.root / "vllm-cache" / "modelinfos"
+
     @classmethod
     def locate(cls) -> EngineEnv:
         default = Path.home() / ".cache" / "disagg-sidecar" / f"vllm-{VLLM_VERSION}"
@@ -203,6 +208,10 @@ def _engine_environ(
     for name, path in dirs.items():
         path.mkdir(parents=True, exist_ok=True)
         environ[name] = str(path)
+    # Spares each engine a subprocess that imports all of vLLM to inspect the model class;
+    # vLLM checks the entry against its own source hash, so a stale one is only ignored.
+    if env.modelinfo_cache.is_dir():
+        shutil.copytree(env.modelinfo_cache, dirs["VLLM_CACHE_ROOT"] / "modelinfos")
     environ.update(
         {
             "PATH": f"{env.python.parent}{os.pathsep}{environ.get('PATH', '')}",

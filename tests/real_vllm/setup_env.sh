@@ -21,6 +21,7 @@ NIXL_PINS="nixl==1.5.1 nixl-cu12==1.5.1"
 ENV_DIR=${DISAGG_VLLM_ENV:-$HOME/.cache/disagg-sidecar/vllm-0.32.0}
 VENV="$ENV_DIR/venv"
 MODEL_DIR="$ENV_DIR/model-tiny"
+VLLM_CACHE="$ENV_DIR/vllm-cache"
 LOG="$ENV_DIR/setup.log"
 
 # Three independent parts, each with its own marker so that editing the model builder or
@@ -60,7 +61,7 @@ if [[ ! -f "$VENV_MARKER" || "$(cat "$VENV_MARKER")" != "$VENV_KEY" || ! -x "$VE
   : >"$LOG"
   did="$did venv"
   rm -f "$VENV_MARKER" "$MODEL_MARKER"
-  rm -rf "$VENV"
+  rm -rf "$VENV" "$VLLM_CACHE"
   step "venv" "$PYTHON" -m venv "$VENV"
   PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
   # The CPU torch wheel lies in the machine's local wheel folder, which pip already
@@ -94,6 +95,17 @@ if [[ ! -f "$MODEL_MARKER" || "$(cat "$MODEL_MARKER")" != "$MODEL_KEY" || ! -d "
   rm -rf "$MODEL_DIR"
   step "model" env HF_HUB_OFFLINE=1 "$VENV/bin/python" "$HERE/build_model.py" "$MODEL_DIR"
   echo "$MODEL_KEY" >"$MODEL_MARKER"
+fi
+
+# vLLM inspects the model class in a subprocess (a full vLLM import, many CPU-seconds) unless
+# its model-info cache has the answer; the harness seeds each engine's cache from this one.
+if [[ ! -f "$VLLM_CACHE/.ready" ]]; then
+  did="$did model-info"
+  rm -rf "$VLLM_CACHE"
+  step "model info cache" env HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 VLLM_CACHE_ROOT="$VLLM_CACHE" \
+    "$VENV/bin/python" -c 'from vllm.model_executor.models.registry import ModelRegistry as R
+assert R._try_inspect_model_cls("LlamaForCausalLM") is not None'
+  touch "$VLLM_CACHE/.ready"
 fi
 
 if [[ -z "$did" ]]; then
