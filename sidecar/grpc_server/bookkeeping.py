@@ -3,11 +3,12 @@
     scope = RpcScope(runtime, METHOD)
     scope.admit()          Overloaded / Draining raise here (RESOURCE_EXHAUSTED / UNAVAILABLE)
     ... scope.failed(error) | scope.cancelled() | scope.outcome = "ok"
-    scope.close()          leaves admission (unless handed to a background task), counts
+    scope.close()          counts, leaves admission (once a detached background task ended too)
 
 Every metric carries ``front_door="grpc"``; the ``route`` label is the gRPC method's full name
-(a closed set of two). A concurrent Prefill hands its admission slot to the background engine
-call (``detach()``), so draining on SIGTERM waits for that call as it waits for requests.
+(a closed set of two). A concurrent Prefill shares its admission slot with the background
+engine call (``detach()``), so draining on SIGTERM waits for that call as it waits for
+requests.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ class RpcScope:
         self.outcome = "error"
         self._started = time.perf_counter()
         self._admitted = False
-        self._detached = False
+        # Who holds the admission slot: the call itself, plus a detached background task.
+        self._holders = 0
 
     def admit(self) -> None:
         """Take an admission slot; raises ``Overloaded`` or ``Draining``."""
@@ -41,6 +43,7 @@ class RpcScope:
             self.outcome = "refused"
             raise
         self._admitted = True
+        self._holders = 1
         self.runtime.metrics.inflight.labels(FRONT_DOOR).inc()
 
     def failed(self, error: SidecarError) -> None:
@@ -59,25 +62,30 @@ class RpcScope:
         self.runtime.metrics.stage_seconds.labels(FRONT_DOOR, stage).observe(seconds)
 
     def detach(self) -> Callable[[], None]:
-        """Hand the admission slot to a background task; call the result once it ends."""
-        self._detached = True
+        """Share the admission slot with a background task; call the result once it ends.
+
+        The slot is left when both the call (``close``) and the task have ended, so a
+        ``wait_idle`` that returns has seen the call counted too.
+        """
+        self._holders += 1
         released = False
 
         def release() -> None:
             nonlocal released
             if not released:
                 released = True
-                self.runtime.admission.leave()
+                self._drop_holder()
 
         return release
 
+    def _drop_holder(self) -> None:
+        self._holders -= 1
+        if self._holders == 0:
+            self.runtime.admission.leave()
+
     def close(self) -> None:
-        """Leave admission (unless detached) and count the call."""
+        """Count the call, then leave admission (unless a background task still holds it)."""
         metrics = self.runtime.metrics
-        if self._admitted:
-            metrics.inflight.labels(FRONT_DOOR).dec()
-            if not self._detached:
-                self.runtime.admission.leave()
         metrics.requests.labels(
             FRONT_DOOR,
             self.method,
@@ -86,3 +94,7 @@ class RpcScope:
             self.outcome,
         ).inc()
         self.observe("total", time.perf_counter() - self._started)
+        if self._admitted:
+            self._admitted = False
+            metrics.inflight.labels(FRONT_DOOR).dec()
+            self._drop_holder()
