@@ -175,12 +175,15 @@ def example_config(storage_dir: Path) -> dict[str, Any]:
     }
 
 
+# Resolved in the parent: the child between fork and exec should call, not dlopen.
+_PRCTL = ctypes.CDLL(None, use_errno=True).prctl
+_PR_SET_PDEATHSIG = 1
+
+
 def _die_with_parent() -> None:
     # Runs in the child between fork and exec: if the test process dies without cleaning
     # up (SIGKILL, crash), the kernel sends the engine SIGTERM, which stops its whole tree.
-    pr_set_pdeathsig = 1
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0)
+    _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
 
 
 def _base_environ() -> dict[str, str]:
