@@ -17,6 +17,9 @@
 ARG PYTHON_IMAGE=python:3.11-slim
 
 FROM ${PYTHON_IMAGE} AS build
+# Optional extras of the package to install: "k8s" brings the Kubernetes client that the
+# prefill allowlist's Kubernetes mode (a pod label selector) needs. Empty: none.
+ARG SIDECAR_EXTRAS=k8s
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONDONTWRITEBYTECODE=1
@@ -34,7 +37,9 @@ COPY . .
 # pip, setuptools and wheel are removed from the venv afterwards: the runtime needs none of them.
 RUN python -m venv /opt/venv \
  && /opt/venv/bin/python -m pip wheel --no-cache-dir --no-deps --wheel-dir /tmp/wheels . \
- && /opt/venv/bin/python -m pip install --no-cache-dir /tmp/wheels/*.whl \
+ && wheel_file=$(echo /tmp/wheels/*.whl) \
+ && /opt/venv/bin/python -m pip install --no-cache-dir \
+        "${wheel_file}${SIDECAR_EXTRAS:+[${SIDECAR_EXTRAS}]}" \
  && /opt/venv/bin/python -m pip uninstall --yes pip setuptools wheel \
  && find /opt/venv -name '*.so' -type f -exec strip --strip-unneeded {} + \
  && /opt/venv/bin/disagg-sidecar --help > /dev/null

@@ -184,6 +184,12 @@ step_build() {
   podman run --rm --no-healthcheck --entrypoint sh "$IMAGE" -c \
     '! command -v gcc && ! command -v cc && ! command -v strip && [ ! -e /opt/venv/bin/pip ] && [ "$(id -u)" = 10001 ]' \
     >/dev/null || die "final stage has build tools, pip in the venv, or runs as root"
+  # The Dockerfile installs the "k8s" extra (the allowlist's Kubernetes mode) where the
+  # package defines it.
+  if grep -Eq '^k8s *=' "$ROOT/pyproject.toml"; then
+    podman run --rm --no-healthcheck --entrypoint python "$IMAGE" -c 'import kubernetes_asyncio' \
+      || die "the image lacks the k8s extra (kubernetes_asyncio)"
+  fi
   log "build: $IMAGE built (non-root, no compiler, no pip in the venv)"
 }
 

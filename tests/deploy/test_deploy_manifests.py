@@ -220,15 +220,27 @@ def test_trtllm_engines_read_their_options_file() -> None:
         assert "cache_transceiver_config" in options[want]
 
 
+def parse_selector(text: str) -> dict[str, str]:
+    """An equality-only label selector ("a=b,c=d") as a dict; anything else fails the test."""
+    pairs = [item.split("=") for item in text.split(",")]
+    assert all(len(pair) == 2 and pair[0] and pair[1] for pair in pairs), text
+    return {key.strip(): value.strip() for key, value in pairs}
+
+
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_decode_allowlist_names_the_prefill_engine_port(overlay: str) -> None:
+def test_decode_allowlist_selects_exactly_the_prefill_pods(overlay: str) -> None:
+    """Kubernetes mode: the selector names the prefill pods, never the decode pods."""
     deps = deployments(render_overlay(overlay))
-    prefill_port = deps["pd-prefill"]["spec"]["template"]["metadata"]["labels"][PORT_LABEL]
-    allow = env_value(container(deps["pd-decode"], "sidecar"), "DISAGG_PREFILL_ALLOWLIST")
-    assert isinstance(allow, str)
-    # Every entry pins the prefill engine's port: an IP-only rule would open every port.
-    assert all(entry.rsplit(":", 1)[1] == prefill_port for entry in allow.split(","))
-    assert env_value(container(deps["pd-prefill"], "sidecar"), "DISAGG_PREFILL_ALLOWLIST") is None
+    decode_sidecar = container(deps["pd-decode"], "sidecar")
+    selector = env_value(decode_sidecar, "DISAGG_PREFILL_POD_SELECTOR")
+    assert isinstance(selector, str)
+    wanted = parse_selector(selector).items()
+    assert wanted <= deps["pd-prefill"]["spec"]["template"]["metadata"]["labels"].items()
+    assert not wanted <= deps["pd-decode"]["spec"]["template"]["metadata"]["labels"].items()
+    # The pod set is the only allowlist: no static rule widens it.
+    assert env_value(decode_sidecar, "DISAGG_PREFILL_ALLOWLIST") is None
+    prefill_sidecar = container(deps["pd-prefill"], "sidecar")
+    assert env_value(prefill_sidecar, "DISAGG_PREFILL_POD_SELECTOR") is None
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)

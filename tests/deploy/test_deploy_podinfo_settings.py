@@ -6,7 +6,7 @@ as the kubelet writes the downward-API files (``labels``, ``annotations``: sorte
 sidecar container's own args (its ``--podinfo-dir`` pointed at those files) and env (the
 ``status.podIP`` field reference given a fixed address). The printed settings must name the
 engine, KV connector, role, engine URL (from the port label), SGLang bootstrap port and prefill
-allowlist the manifest intends, each from the source the manifest means to set it (label,
+pod selector the manifest intends, each from the source the manifest means to set it (label,
 annotation or env), with no warnings.
 
 Does not prove: that the kubelet really writes these exact bytes (tests/config covers the
@@ -30,6 +30,7 @@ from deploy_render import OVERLAYS, Obj, render_overlay
 
 REPO = Path(__file__).resolve().parents[2]
 POD_IP = "10.1.2.3"
+PREFILL_SELECTOR = "app.kubernetes.io/name=disagg-pd,role-name=prefill"
 
 # What each overlay's pods mean: (engine, connector, engine port, bootstrap port or None).
 INTENDED: dict[str, tuple[str, str, int, int | None]] = {
@@ -144,9 +145,10 @@ def test_manifest_labels_resolve_intended_settings(overlay: str, role: str, tmp_
     assert sources["advertise_host"] == "env POD_IP"
     assert settings["port"] == 8080
     assert settings["grpc_port"] == 50051
+    assert settings["prefill_allowlist"] == []
     if role == "decode":
-        assert settings["prefill_allowlist"] == [f"10.0.0.0/8:{port}"]
-        assert sources["prefill_allowlist"] == "env DISAGG_PREFILL_ALLOWLIST"
+        assert settings["prefill_pod_selector"] == PREFILL_SELECTOR
+        assert sources["prefill_pod_selector"] == "env DISAGG_PREFILL_POD_SELECTOR"
     else:
-        assert settings["prefill_allowlist"] == []
+        assert settings["prefill_pod_selector"] is None
     assert report["warnings"] == []
