@@ -162,6 +162,9 @@ class VllmEngine:
                 )
             )
         rendering.top_extra["kv_transfer_params"] = kv_params
+        # vLLM 0.32 answers carry these too (tests/fixtures/vllm/0.32.0), null unless used.
+        rendering.top_extra["ec_transfer_params"] = None
+        rendering.top_extra["metrics"] = None
         if fault is not None and fault.kind is FaultKind.NO_HANDOFF:
             rendering.top_extra["kv_transfer_params"] = None
         await openai.wait_tokens(self.config, len(tokens))

@@ -5,7 +5,9 @@
     P: kv_transfer_params.do_remote_decode -> hold blocks (lease) -> answer
        {do_remote_prefill: true, do_remote_decode: false, remote_block_ids: [[...]],
         remote_engine_id, remote_request_id, remote_host: "localhost", remote_port: <P's
-        HTTP port>, tp_size: 1, remote_num_tokens, remote_blocks_expiry_time}
+        HTTP port>, tp_size, dcp_size, pp_size, remote_num_tokens, remote_blocks_expiry_time,
+        transfer_mode, remote_prefill_cached_tokens}: the keys and order of vLLM 0.32.0's
+        recorded answers (tests/fixtures/vllm/0.32.0)
     D: kv_transfer_params.do_remote_prefill -> GET http://remote_host:remote_port/_stub/nixl/<id>
        (so a wrong host or port really fails) -> engine id, block ids and prompt must match
 
@@ -200,8 +202,13 @@ class NixlConnector:
             "remote_host": cfg.side_channel_host,
             "remote_port": self.stub.port,
             "tp_size": 1,
+            "dcp_size": 1,
+            "pp_size": 1,
             "remote_num_tokens": len(gen.prompt_ids),
-            "remote_blocks_expiry_time": time.time() + cfg.kv_lease_s,
+            # vLLM 0.32.0 answers null here in pull mode (tests/fixtures/vllm/0.32.0).
+            "remote_blocks_expiry_time": None,
+            "transfer_mode": "pull",
+            "remote_prefill_cached_tokens": 0,
         }
 
     async def check_handoff(self, gen: GenRequest) -> Verdict | None:
