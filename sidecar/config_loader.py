@@ -22,7 +22,6 @@ once, when the caller is ready), and reads the pod's metadata once, at start.
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import json
 import logging
 import os
@@ -38,6 +37,7 @@ from pydantic import ValidationError
 from sidecar.engines import valid_engine_names
 from sidecar.kv_agents import AGENTS, resolve_connector_type, valid_agent_names
 from sidecar.podinfo import PodInfo, PodInfoError, read_podinfo
+from sidecar.protocol.hostfmt import is_loopback_host
 from sidecar.settings import EXTRA_ENV, POD_SOURCES, Settings
 
 ENV_PREFIX = "DISAGG_"
@@ -282,19 +282,10 @@ def _validation_message(exc: ValidationError, values: Mapping[str, Any], res: _R
     return "; ".join(problems)
 
 
-def _loopback(host: str) -> bool:
-    if host.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def _check_ports(settings: Settings, res: _Resolver) -> None:
     parts = urlsplit(settings.engine_url)
     engine_port = parts.port or (443 if parts.scheme == "https" else 80)
-    if settings.port and settings.port == engine_port and _loopback(parts.hostname or ""):
+    if settings.port and settings.port == engine_port and is_loopback_host(parts.hostname or ""):
         raise ConfigError(
             f"port {settings.port} (from {res.source_of('port')}) is the local engine's port "
             f"in engine_url {settings.engine_url!r} (from {res.source_of('engine_url')}); the "

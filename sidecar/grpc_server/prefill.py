@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -54,6 +53,7 @@ from sidecar.grpc_server.errors import abort_with
 from sidecar.grpc_server.token_stream import token_id_fields
 from sidecar.handoff_codec import encode_handoff
 from sidecar.protocol.context import HandoffContext, PrefillTarget, Route
+from sidecar.protocol.hostfmt import is_loopback_host
 from sidecar.runtime import Runtime
 from sidecar.settings import Role, Settings
 
@@ -62,15 +62,6 @@ logger = logging.getLogger(__name__)
 METHOD: Final = "/disagg.PrefillWorker/Prefill"
 REQUEST_ID_HEADER: Final = "X-Request-Id"
 _DEFAULT_PORTS: Final = {"http": 80, "https": 443}
-
-
-def _is_loopback(host: str) -> bool:
-    if host.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def resolve_advertise_host(settings: Settings) -> str | None:
@@ -84,7 +75,7 @@ def resolve_advertise_host(settings: Settings) -> str | None:
     if settings.advertise_host:
         return settings.advertise_host
     host = urlsplit(settings.engine_url).hostname or ""
-    return None if _is_loopback(host) else host
+    return None if is_loopback_host(host) else host
 
 
 def engine_target(settings: Settings, host: str) -> PrefillTarget:

@@ -86,11 +86,10 @@ async def route(
             timeout=timeout_s,
         )
         try:
+            # Read on past `done` to the RPC's status: a trailing error is not missed.
             async for message in call:
                 if message.HasField("block"):
                     blocks.append(message.block)
-                if message.done:
-                    break
         except grpc.aio.AioRpcError as exc:
             raise RouteError("Prefill", exc.code(), exc.details() or "") from None
     result.blocks = len(blocks)
@@ -110,8 +109,8 @@ async def route(
             async for token in stream:
                 if token.done:
                     result.finish_reason = token.finish_reason
-                    break
-                result.token_ids.append(token.token_id)
+                else:
+                    result.token_ids.append(token.token_id)
         except grpc.aio.AioRpcError as exc:
             raise RouteError("Decode", exc.code(), exc.details() or "") from None
     return result

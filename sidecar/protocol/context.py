@@ -7,9 +7,10 @@ read it and never do I/O themselves.
 
 from __future__ import annotations
 
-import ipaddress
 from dataclasses import dataclass, replace
 from enum import StrEnum
+
+from sidecar.protocol.hostfmt import url_host
 
 
 class Route(StrEnum):
@@ -29,12 +30,7 @@ class PrefillTarget:
     @property
     def url_host(self) -> str:
         """The host as written in a URL (IPv6 in brackets)."""
-        try:
-            if ipaddress.ip_address(self.host).version == 6:
-                return f"[{self.host}]"
-        except ValueError:
-            pass
-        return self.host
+        return url_host(self.host)
 
     @property
     def base_url(self) -> str:

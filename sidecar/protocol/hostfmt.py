@@ -1,7 +1,8 @@
-"""Host formatting for addresses the sidecar writes into engine bodies.
+"""Host formatting and classification for addresses the sidecar writes or connects to.
 
-Owns one rule: an IPv6 literal goes in brackets inside a URL or ``host:port`` string
-(``http://[fd00::1]:8998``), everything else (IPv4, DNS names) is written as is.
+Owns two rules: an IPv6 literal goes in brackets inside a URL or ``host:port`` string
+(``http://[fd00::1]:8998``), everything else (IPv4, DNS names) is written as is; and what
+counts as a loopback host (``localhost`` or a loopback address), which other pods cannot reach.
 
 Deliberate limits: no DNS resolution and no validation of names; a host that is already
 bracketed is left alone so the helper is idempotent.
@@ -28,3 +29,13 @@ def url_host(host: str) -> str:
 def http_url(host: str, port: int) -> str:
     """``http://<host>:<port>`` with IPv6 literals bracketed."""
     return f"http://{url_host(host)}:{port}"
+
+
+def is_loopback_host(host: str) -> bool:
+    """True for ``localhost`` and loopback addresses (127.0.0.0/8, ::1)."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

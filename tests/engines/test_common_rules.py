@@ -14,7 +14,7 @@ import copy
 from typing import Any
 
 import pytest
-from engine_builders import chat_body, completions_body, make_ctx, make_ids
+from protocol_builders import chat_body, completions_body, make_ctx, make_ids
 
 from sidecar.engines import resolve_engine
 from sidecar.engines.base import EngineHandler

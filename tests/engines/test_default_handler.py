@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from engine_builders import chat_body, completions_body, make_ctx, make_ids
+from protocol_builders import chat_body, completions_body, make_ctx, make_ids
 
 from sidecar.engines.default import DefaultHandler
 from sidecar.protocol.context import Route

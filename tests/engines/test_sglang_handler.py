@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 
 import pytest
-from engine_builders import chat_body, completions_body, make_ctx, make_ids
+from protocol_builders import chat_body, completions_body, make_ctx, make_ids
 
 from sidecar.engines.sglang import SGLangHandler
 from sidecar.errors import SidecarError

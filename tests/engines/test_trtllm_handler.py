@@ -13,7 +13,7 @@ import copy
 from typing import Any
 
 import pytest
-from engine_builders import chat_body, completions_body, make_ctx, make_ids
+from protocol_builders import chat_body, completions_body, make_ctx, make_ids
 
 from sidecar import jsonutil
 from sidecar.engines.trtllm import TRTLLMHandler

@@ -8,7 +8,7 @@ formats are proven in tests/kv_agents.
 from __future__ import annotations
 
 import pytest
-from engine_builders import chat_body, completions_body, make_ctx, make_ids
+from protocol_builders import chat_body, completions_body, make_ctx, make_ids
 
 from sidecar.engines.vllm import VLLMHandler
 from sidecar.errors import SidecarError

@@ -138,7 +138,8 @@ async def prefill_blocks(
     address: str, token_ids: list[int], *, request_id: str = "req-1", max_new_tokens: int = 6,
     deadline_s: float | None = None,
 ) -> list[disagg_pb2.KVBlock]:
-    """Call Prefill and collect its blocks until ``done``."""
+    """Call Prefill and collect its blocks; read on past ``done`` to the RPC's end, so the
+    server has finished its bookkeeping when this returns (tests read its metrics next)."""
     async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
         stub = disagg_pb2_grpc.PrefillWorkerStub(channel)
         blocks = []
@@ -149,8 +150,6 @@ async def prefill_blocks(
         ):
             if message.HasField("block"):
                 blocks.append(message.block)
-            if message.done:
-                break
         return blocks
 
 

@@ -12,7 +12,7 @@ import copy
 from typing import Any
 
 import pytest
-from agent_builders import chat_body, completions_body, make_ctx, make_ids
+from protocol_builders import chat_body, completions_body, make_ctx, make_ids
 
 from sidecar.engines.vllm import VLLMHandler
 from sidecar.errors import InvalidHandoff, SidecarError

@@ -1,4 +1,4 @@
-"""Builders shared by the engine-handler tests: contexts, fixed id sources, client bodies."""
+"""Builders shared by the engine-handler and KV-agent tests: contexts, fixed id sources, bodies."""
 
 from __future__ import annotations
 
