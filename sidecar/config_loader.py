@@ -39,6 +39,7 @@ from sidecar.kv_agents import AGENTS, resolve_connector_type, valid_agent_names
 from sidecar.podinfo import PodInfo, PodInfoError, read_podinfo
 from sidecar.protocol.hostfmt import is_loopback_host
 from sidecar.settings import EXTRA_ENV, POD_SOURCES, Settings
+from sidecar.tls import ReloadingServerTLS, TLSFileError, client_ssl_context
 
 ENV_PREFIX = "DISAGG_"
 SOURCE_DEFAULT = "default"
@@ -307,6 +308,23 @@ def _check_ports(settings: Settings, res: _Resolver) -> None:
         seen[port] = name
 
 
+def _check_tls(settings: Settings, res: _Resolver) -> None:
+    """Both server files or neither, and every TLS file loads (checked again at each reload)."""
+    cert, key = settings.tls_cert_file, settings.tls_key_file
+    if (cert is None) != (key is None):
+        raise ConfigError(
+            f"tls_cert_file {cert!r} (from {res.source_of('tls_cert_file')}) and tls_key_file "
+            f"{key!r} (from {res.source_of('tls_key_file')}): set both or neither"
+        )
+    try:
+        if cert is not None and key is not None:
+            ReloadingServerTLS(cert, key)
+        if settings.engine_ca_file is not None:
+            client_ssl_context(settings.engine_ca_file)
+    except TLSFileError as exc:
+        raise ConfigError(str(exc)) from None
+
+
 def _check_connector_engine(settings: Settings, res: _Resolver) -> None:
     source = res.source_of("kv_connector")
     if not source.startswith(("flag ", "env ")):
@@ -353,6 +371,7 @@ def load_settings(args: argparse.Namespace, environ: Mapping[str, str]) -> Loade
         raise ConfigError(_validation_message(exc, res.values, res)) from None
     _check_ports(settings, res)
     _check_connector_engine(settings, res)
+    _check_tls(settings, res)
     all_sources = {name: res.source_of(name) for name in field_names()}
     return LoadedSettings(settings, MappingProxyType(all_sources), tuple(res.warnings))
 

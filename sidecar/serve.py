@@ -3,6 +3,9 @@
     open_runtime ─▶ HTTP (aiohttp AppRunner) + gRPC (grpc.aio) + engine health watcher
     SIGTERM ─▶ not ready, refuse new requests ─▶ wait for in-flight (grace) ─▶ stop ─▶ exit 0
 
+With tls_cert_file and tls_key_file the HTTP port serves HTTPS and the gRPC port TLS, from one
+``sidecar.tls.ReloadingServerTLS`` whose reload task runs while serving.
+
 ``--port 0`` / ``--grpc-port 0`` let the OS choose; the bound ports are logged and, with
 ``--ports-file``, written as JSON once both servers listen (tests and scripts read it).
 """
@@ -13,6 +16,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import ssl
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -24,11 +28,15 @@ from sidecar.http_server.keys import RUNTIME
 from sidecar.http_server.ops import metrics as metrics_endpoint
 from sidecar.runtime import Runtime, open_runtime
 from sidecar.settings import Settings
+from sidecar.tls import ReloadingServerTLS
 
 logger = logging.getLogger(__name__)
 
-#: Starts the gRPC front door; returns its bound port and an async stop(grace) function.
-GrpcStarter = Callable[[Runtime], Awaitable[tuple[int, Callable[[float], Awaitable[None]]]]]
+#: Starts the gRPC front door (over TLS when given); returns its port and an async stop(grace).
+GrpcStarter = Callable[
+    [Runtime, ReloadingServerTLS | None],
+    Awaitable[tuple[int, Callable[[float], Awaitable[None]]]],
+]
 
 
 def _bound_port(runner: web.AppRunner) -> int:
@@ -54,12 +62,23 @@ def _grpc_starter() -> GrpcStarter | None:
     return start_grpc_server
 
 
-async def _start_site(app: web.Application, host: str, port: int) -> web.AppRunner:
+def server_tls(settings: Settings) -> ReloadingServerTLS | None:
+    """The reloading server certificate when tls_cert_file and tls_key_file are set."""
+    if settings.tls_cert_file is None or settings.tls_key_file is None:
+        return None
+    return ReloadingServerTLS(
+        settings.tls_cert_file, settings.tls_key_file, settings.tls_reload_interval_s
+    )
+
+
+async def _start_site(
+    app: web.Application, host: str, port: int, ssl_context: ssl.SSLContext | None = None
+) -> web.AppRunner:
     # The drain (drain_grace_s) has already waited for requests; what is left is cut now
     # (with 5 s here aiohttp 3.14 took 10 s more, past Kubernetes' default grace period).
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=0.1)
     await runner.setup()
-    await web.TCPSite(runner, host, port, reuse_address=True).start()
+    await web.TCPSite(runner, host, port, reuse_address=True, ssl_context=ssl_context).start()
     return runner
 
 
@@ -67,13 +86,20 @@ async def run_server(
     settings: Settings,
     stop: asyncio.Event,
     on_listening: Callable[[dict[str, int]], None] | None = None,
+    tls: ReloadingServerTLS | None = None,
 ) -> int:
     """Serve until ``stop`` is set, then drain and return the exit code.
 
     ``on_listening`` gets the bound ports (``http``, ``grpc``, ``metrics``) once all listen.
+    ``tls``: the server certificate (default: ``server_tls(settings)``); HTTPS and gRPC TLS
+    use it, and a task reloads it while serving.
     """
+    tls = tls if tls is not None else server_tls(settings)
     async with open_runtime(settings) as runtime:
-        http_runner = await _start_site(build_http_app(runtime), settings.host, settings.port)
+        http_runner = await _start_site(
+            build_http_app(runtime), settings.host, settings.port,
+            tls.context if tls is not None else None,
+        )
         ports: dict[str, int] = {"http": _bound_port(http_runner)}
         metrics_runner: web.AppRunner | None = None
         if settings.metrics_port is not None:
@@ -85,8 +111,9 @@ async def run_server(
         stop_grpc: Callable[[float], Awaitable[None]] | None = None
         starter = _grpc_starter() if settings.grpc_enabled else None
         if starter is not None:
-            ports["grpc"], stop_grpc = await starter(runtime)
+            ports["grpc"], stop_grpc = await starter(runtime, tls)
         watcher = asyncio.ensure_future(runtime.health.watch())
+        reloader = asyncio.ensure_future(tls.watch()) if tls is not None else None
         if settings.ports_file:
             _write_ports_file(settings.ports_file, ports)
         if on_listening is not None:
@@ -101,9 +128,11 @@ async def run_server(
             if not drained:
                 logger.warning("grace period over with %d request(s) in flight",
                                runtime.admission.inflight)
-            watcher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await watcher
+            for task in (watcher, reloader):
+                if task is not None:
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
             if stop_grpc is not None:
                 await stop_grpc(1.0)
             await http_runner.cleanup()

@@ -267,6 +267,27 @@ class Settings(BaseModel):
         "(its staging_dir; a memory-backed volume) where KV is handed over.",
     )
 
+    # TLS (optional).
+    tls_cert_file: str | None = Field(
+        default=None,
+        description="PEM certificate chain: with tls_key_file, serve HTTPS on the HTTP port "
+        "and TLS on the gRPC port (the metrics port stays plaintext). Reloaded when it changes.",
+    )
+    tls_key_file: str | None = Field(
+        default=None,
+        description="PEM private key of tls_cert_file; set both or neither.",
+    )
+    tls_reload_interval_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="How often the TLS files are checked for a new certificate, seconds.",
+    )
+    engine_ca_file: str | None = Field(
+        default=None,
+        description="PEM CA bundle that verifies https engines and prefill targets; unset: "
+        "the system store. Verification is never turned off.",
+    )
+
     # Logging.
     log_level: str = Field(
         default="info", description="Log level: debug, info, warning, error, critical."

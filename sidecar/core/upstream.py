@@ -18,6 +18,7 @@ import aiohttp
 from multidict import CIMultiDict
 
 from sidecar.settings import Settings
+from sidecar.tls import client_ssl_context
 
 #: Hop-by-hop headers (RFC 9110 section 7.6.1) and those the client library recomputes.
 _NOT_FORWARDED = frozenset(
@@ -45,11 +46,16 @@ REQUEST_ID_HEADER = "X-Request-Id"
 
 def make_session(settings: Settings) -> aiohttp.ClientSession:
     """The process-wide upstream session; create it inside the running event loop."""
+    # Without engine_ca_file an https upstream is verified against the system store.
+    ssl_context = (
+        client_ssl_context(settings.engine_ca_file) if settings.engine_ca_file else True
+    )
     connector = aiohttp.TCPConnector(
         limit=settings.max_connections,
         limit_per_host=0,
         keepalive_timeout=settings.keepalive_s,
         ttl_dns_cache=10,
+        ssl=ssl_context,
     )
     timeout = aiohttp.ClientTimeout(
         total=None,

@@ -14,8 +14,9 @@ listener flips the statuses; once draining starts (SIGTERM), Check answers NOT_S
 seconds, then cancels the background prefills left (``serve`` has already drained admission,
 which includes them, before it calls stop).
 
-Deliberate limits: plaintext only (TLS belongs to the mesh, as for the HTTP port); the bind
-address is ``settings.host`` (an IPv6 literal is bracketed).
+Deliberate limits: TLS only when ``serve`` passes a ``ReloadingServerTLS`` (tls_cert_file and
+tls_key_file set; no client certificates), else plaintext; the bind address is
+``settings.host`` (an IPv6 literal is bracketed).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from sidecar.inline_kv.staging import StagingArea
 from sidecar.protocol.hostfmt import url_host
 from sidecar.runtime import Runtime
 from sidecar.settings import KVTransport
+from sidecar.tls import ReloadingServerTLS
 
 logger = logging.getLogger(__name__)
 
@@ -121,8 +123,10 @@ def _services(
     )
 
 
-async def start_grpc_server(runtime: Runtime) -> tuple[int, StopFunction]:
-    """Start serving; returns the bound port and an async ``stop(grace_seconds)``."""
+async def start_grpc_server(
+    runtime: Runtime, tls: ReloadingServerTLS | None = None
+) -> tuple[int, StopFunction]:
+    """Start serving (over TLS when ``tls`` is given); returns the port and ``stop(grace)``."""
     settings = runtime.settings
     server = grpc.aio.server(options=server_options(settings.grpc_max_message_bytes))
     prefill_model = EngineModel(runtime.session, settings.engine_url,
@@ -144,12 +148,15 @@ async def start_grpc_server(runtime: Runtime) -> tuple[int, StopFunction]:
     )
 
     address = f"{url_host(settings.host)}:{settings.grpc_port}"
-    port = server.add_insecure_port(address)
+    if tls is None:
+        port = server.add_insecure_port(address)
+    else:
+        port = server.add_secure_port(address, tls.grpc_credentials())
     if port == 0:
         raise RuntimeError(f"gRPC server could not bind {address}")
     await server.start()
-    logger.info("gRPC listening on %s:%d (max message %d bytes)", url_host(settings.host), port,
-                settings.grpc_max_message_bytes)
+    logger.info("gRPC listening on %s:%d (%s, max message %d bytes)", url_host(settings.host),
+                port, "plaintext" if tls is None else "TLS", settings.grpc_max_message_bytes)
 
     async def stop(grace: float) -> None:
         await mirror.shutdown()
