@@ -77,9 +77,8 @@ class InlineDecodeService(DecodeService):
         max_new_tokens = check_max_new_tokens(request.max_new_tokens, allow_unset=False)
         temperature = check_temperature(request.temperature)
         kv = parse_blocks(request.kv_blocks, max_blocks=runtime.settings.max_kv_blocks)
-        runtime.metrics.kv_bytes.labels("in").inc(
-            sum(len(block.k_data) + len(block.v_data) for block in request.kv_blocks)
-        )
+        # From the parsed blocks: summing over request.kv_blocks would copy every tile again.
+        runtime.metrics.kv_bytes.labels("in").inc(kv.wire_bytes)
         try:
             engine_layout = read_engine_layout(self.staging.root)
         except LayoutError as exc:

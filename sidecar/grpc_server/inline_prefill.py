@@ -31,7 +31,7 @@ from sidecar.grpc_gen import disagg_pb2
 from sidecar.grpc_server.bookkeeping import RpcScope
 from sidecar.grpc_server.checks import check_temperature, check_token_ids, request_id_or_new
 from sidecar.grpc_server.prefill import REQUEST_ID_HEADER, PrefillService
-from sidecar.inline_kv.codec import meta_block, read_layer_blocks, read_staged_meta
+from sidecar.inline_kv.codec import meta_block, read_staged_meta, read_stream_messages
 
 PARAMS_KEY = "disagg_inline"
 
@@ -39,9 +39,9 @@ PARAMS_KEY = "disagg_inline"
 class InlinePrefillService(PrefillService):
     """Prefill whose stream carries the engine's KV cache (see the module docstring)."""
 
-    async def _handoff_blocks(
+    async def _handoff_messages(
         self, request: disagg_pb2.PreFillRequest, scope: RpcScope, time_remaining: float | None
-    ) -> list[disagg_pb2.KVBlock]:
+    ) -> list[tuple[disagg_pb2.KVBlockStream, int]]:
         settings = self._runtime.settings
         token_ids = check_token_ids(request.token_ids)
         check_temperature(request.temperature)
@@ -78,14 +78,13 @@ class InlinePrefillService(PrefillService):
                     f"{settings.max_staged_bytes}",
                     stage=Stage.PREFILL,
                 )
-            blocks = [meta_block(request_id, meta)]
-            for layer_idx in range(meta.layout.num_layers):
-                blocks.extend(
-                    await asyncio.to_thread(
-                        read_layer_blocks, request_id, meta, directory, layer_idx
-                    )
-                )
-            return blocks
+            head = meta_block(request_id, meta)
+            # One thread hop for the whole read (the files are on tmpfs; bounded above).
+            data = await asyncio.to_thread(read_stream_messages, request_id, meta, directory)
+            tile_pair = 2 * meta.layout.tile_bytes
+            return [(disagg_pb2.KVBlockStream(block=head), len(head.k_data))] + [
+                (message, tile_pair) for message in data
+            ]
         finally:
             # Synchronous on tmpfs: no cancellation can skip it.
             shutil.rmtree(directory, ignore_errors=True)

@@ -114,11 +114,11 @@ class PrefillService(disagg_pb2_grpc.PrefillWorkerServicer):
         scope = RpcScope(self._runtime, METHOD)
         try:
             scope.admit()
-            blocks = await self._handoff_blocks(request, scope, context.time_remaining())
+            messages = await self._handoff_messages(request, scope, context.time_remaining())
             kv_out = self._runtime.metrics.kv_bytes.labels("out")
-            for block in blocks:
-                kv_out.inc(len(block.k_data) + len(block.v_data))
-                yield disagg_pb2.KVBlockStream(block=block)
+            for message, nbytes in messages:
+                kv_out.inc(nbytes)
+                yield message
             # Counted before the last yield: a router may hang up as soon as it has ``done``.
             scope.outcome = "ok"
             yield disagg_pb2.KVBlockStream(done=True)
@@ -133,6 +133,16 @@ class PrefillService(disagg_pb2_grpc.PrefillWorkerServicer):
             raise
         finally:
             scope.close()
+
+    async def _handoff_messages(
+        self, request: disagg_pb2.PreFillRequest, scope: RpcScope, time_remaining: float | None
+    ) -> list[tuple[disagg_pb2.KVBlockStream, int]]:
+        """The stream's block messages, each with its K+V byte count (the ``kv_bytes`` metric)."""
+        blocks = await self._handoff_blocks(request, scope, time_remaining)
+        return [
+            (disagg_pb2.KVBlockStream(block=block), len(block.k_data) + len(block.v_data))
+            for block in blocks
+        ]
 
     async def _handoff_blocks(
         self, request: disagg_pb2.PreFillRequest, scope: RpcScope, time_remaining: float | None

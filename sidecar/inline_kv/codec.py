@@ -116,6 +116,45 @@ def read_layer_blocks(
         ) from None
 
 
+def read_stream_messages(
+    request_id: str, meta: InlineMeta, directory: Path
+) -> list[disagg_pb2.KVBlockStream]:
+    """Every layer's data blocks, already wrapped as the Prefill stream sends them.
+
+    Same blocks, order and errors as ``read_layer_blocks`` layer by layer; built in place
+    (each tile is read from the file into its own bytes and copied once into its message,
+    where ``KVBlockStream(block=KVBlock(...))`` would copy the message again).
+    """
+    tile = meta.layout.tile_bytes
+    expected = meta.num_blocks * 2 * tile
+    messages: list[disagg_pb2.KVBlockStream] = []
+    for layer_idx in range(meta.layout.num_layers):
+        try:
+            fh = (directory / layer_file(layer_idx)).open("rb", buffering=0)
+        except FileNotFoundError:
+            raise FailedPrecondition(
+                f"the prefill engine wrote no KV for layer {layer_idx}", stage=Stage.PREFILL
+            ) from None
+        with fh:
+            size = fh.seek(0, 2)
+            if size != expected:
+                raise FailedPrecondition(
+                    f"layer {layer_idx} file has {size} bytes, expected {expected}",
+                    stage=Stage.PREFILL,
+                )
+            fh.seek(0)
+            for j in range(meta.num_blocks):
+                message = disagg_pb2.KVBlockStream()
+                block = message.block
+                block.request_id = request_id
+                block.layer_idx = layer_idx
+                block.block_idx = j
+                block.k_data = fh.read(tile)
+                block.v_data = fh.read(tile)
+                messages.append(message)
+    return messages
+
+
 def read_layer(directory: Path, layer_idx: int) -> bytes:
     try:
         return (directory / layer_file(layer_idx)).read_bytes()
@@ -131,6 +170,8 @@ class InlineKV:
 
     meta: InlineMeta
     tiles: list[list[tuple[bytes, bytes]]]
+    #: ``k_data`` + ``v_data`` bytes of all the blocks received, the metadata block included.
+    wire_bytes: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -156,8 +197,9 @@ def parse_blocks(blocks: Sequence[disagg_pb2.KVBlock], *, max_blocks: int) -> In
         raise _bad(f"expected one metadata block (layer_idx -2), got {len(metas)}")
     if metas[0].block_idx != 0 or metas[0].v_data:
         raise _bad("the metadata block must have block_idx 0 and empty v_data")
+    meta_json = metas[0].k_data
     try:
-        meta = InlineMeta.from_json(metas[0].k_data)
+        meta = InlineMeta.from_json(meta_json)
     except LayoutError as exc:
         raise _bad(str(exc)) from None
     layout = meta.layout
@@ -171,27 +213,31 @@ def parse_blocks(blocks: Sequence[disagg_pb2.KVBlock], *, max_blocks: int) -> In
         [None] * meta.num_blocks for _ in range(layout.num_layers)
     ]
     tile = layout.tile_bytes
+    num_layers, num_blocks = layout.num_layers, meta.num_blocks
     for block in blocks:
-        if block.layer_idx == META_LAYER:
+        # Each field read once: a protobuf bytes field is copied out on every access.
+        layer_idx, block_idx = block.layer_idx, block.block_idx
+        if layer_idx == META_LAYER:
             continue
-        if block.layer_idx < 0:
-            raise _bad(f"unexpected control block layer_idx {block.layer_idx}")
-        if block.layer_idx >= layout.num_layers or not 0 <= block.block_idx < meta.num_blocks:
-            raise _bad(f"block ({block.layer_idx}, {block.block_idx}) is outside the metadata")
-        if len(block.k_data) != tile or len(block.v_data) != tile:
+        if layer_idx < 0:
+            raise _bad(f"unexpected control block layer_idx {layer_idx}")
+        if layer_idx >= num_layers or not 0 <= block_idx < num_blocks:
+            raise _bad(f"block ({layer_idx}, {block_idx}) is outside the metadata")
+        k_data, v_data = block.k_data, block.v_data
+        if len(k_data) != tile or len(v_data) != tile:
             raise _bad(
-                f"block ({block.layer_idx}, {block.block_idx}) has K/V of "
-                f"{len(block.k_data)}/{len(block.v_data)} bytes, expected {tile}"
+                f"block ({layer_idx}, {block_idx}) has K/V of "
+                f"{len(k_data)}/{len(v_data)} bytes, expected {tile}"
             )
-        row = tiles[block.layer_idx]
-        if row[block.block_idx] is not None:
-            raise _bad(f"block ({block.layer_idx}, {block.block_idx}) is duplicated")
-        row[block.block_idx] = (block.k_data, block.v_data)
+        row = tiles[layer_idx]
+        if row[block_idx] is not None:
+            raise _bad(f"block ({layer_idx}, {block_idx}) is duplicated")
+        row[block_idx] = (k_data, v_data)
     missing = [(li, bi) for li, row in enumerate(tiles) for bi, t in enumerate(row) if t is None]
     if missing:
         raise _bad(f"{len(missing)} of {expected} blocks are missing, first {missing[0]}")
     full = [[t for t in row if t is not None] for row in tiles]
-    return InlineKV(meta=meta, tiles=full)
+    return InlineKV(meta=meta, tiles=full, wire_bytes=len(meta_json) + expected * 2 * tile)
 
 
 def check_compatible(meta: InlineMeta, engine: InlineLayout | None) -> None:
