@@ -72,7 +72,8 @@ async def running_sidecar(**overrides: Any) -> AsyncIterator[RunningSidecar]:
     stop = asyncio.Event()
     listening: asyncio.Future[dict[str, int]] = asyncio.get_running_loop().create_future()
     server = asyncio.ensure_future(run_server(settings, stop, listening.set_result))
-    await asyncio.wait({server, listening}, return_when=asyncio.FIRST_COMPLETED)
+    waiting: set[asyncio.Future[Any]] = {server, listening}
+    await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
     if server.done():
         server.result()  # raises the start-up error
         raise RuntimeError("sidecar stopped before listening")

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import aiohttp
+import openai_bodies
 import pytest
 from multidict import CIMultiDict
 from sidecar_harness import RunningSidecar, running_sidecar
@@ -65,13 +66,8 @@ def engine_param(engine: str, connector: str, *rest: Any) -> Any:
 
 def client_body(route: Route = Route.COMPLETIONS, *, stream: bool = False,
                 max_tokens: int = 6, **extra: Any) -> dict[str, Any]:
-    body: dict[str, Any] = {"model": "stub-model", "max_tokens": max_tokens, "stream": stream}
-    if route is Route.COMPLETIONS:
-        body["prompt"] = PROMPT
-    else:
-        body["messages"] = [{"role": "user", "content": PROMPT}]
-    body.update(extra)
-    return body
+    return openai_bodies.client_body(route, stream=stream, max_tokens=max_tokens, prompt=PROMPT,
+                                     **extra)
 
 
 @dataclass

@@ -15,6 +15,7 @@ from typing import Any
 
 import aiohttp
 from multidict import CIMultiDict
+from openai_bodies import client_body
 from sidecar_harness import RunningSidecar, running_sidecar
 
 from sidecar.protocol.context import Route
@@ -30,17 +31,7 @@ PAIRS: list[tuple[str, str]] = [
     ("trtllm", "shfs"),
 ]
 
-PROMPT = "Disaggregated serving splits prefill and decode."
-
-
-def client_body(route: Route, *, stream: bool, max_tokens: int = 6, **extra: Any) -> dict[str, Any]:
-    body: dict[str, Any] = {"model": "stub-model", "max_tokens": max_tokens, "stream": stream}
-    if route is Route.COMPLETIONS:
-        body["prompt"] = PROMPT
-    else:
-        body["messages"] = [{"role": "user", "content": PROMPT}]
-    body.update(extra)
-    return body
+__all__ = ["PAIRS", "PDPair", "client_body", "pd_pair", "sse_events", "streamed_text"]
 
 
 @dataclass
