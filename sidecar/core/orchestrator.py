@@ -110,7 +110,8 @@ class PDExchange:
 
     async def chunks(self) -> AsyncIterator[bytes]:
         """The decode body as the engine writes it; raises a ``SidecarError`` on a break."""
-        assert self.decode is not None, "chunks() needs a decode leg"
+        if self.decode is None:
+            raise SidecarError("chunks() called on an exchange answered by its prefill")
         # readany() directly (b"" at the end), not iter_any(): one iterator layer less per
         # relayed chunk, which is per token on a streamed answer.
         read = self.decode.content.readany
