@@ -1,0 +1,298 @@
+"""The pooled upstream HTTP/1.1 client: one per process, shared by every engine call.
+
+    client.request("POST", url, headers, body) ─▶ UpstreamResponse (head arrived)
+        ├── idle connection for (scheme, host, port)?  reuse it (LIFO: the warmest)
+        └── else open one (connect deadline), within the global connection limit
+
+Pool rules, and why: idle connections are dropped after ``keepalive_s``, which is set below
+the engines' own idle timeout (vLLM/uvicorn: 5 s) so the sidecar never writes into a
+connection the engine is closing; a request never retries on another connection (an engine
+may already have started a prefill; doubling it is worse than one 502); at the connection
+limit callers wait for a slot in arrival order. Connections go where the URL says: callers
+pass the address they checked (see ``sidecar.core.targets``), no proxy, no redirect, no
+cookie, no decompression.
+
+Deliberate limits: HTTP/1.1 only; request bodies are bytes or an async iterable of bytes
+(streamed with ``Content-Length`` when given, else chunked); TLS uses the one context given.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import functools
+import socket
+import ssl
+from collections.abc import AsyncIterable, Iterable, Mapping
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+from sidecar.http1.connection import Connection, UpstreamResponse
+from sidecar.http1.errors import UpstreamBroken, UpstreamConnectError, UpstreamError
+
+Headers = Mapping[str, str] | Iterable[tuple[str, str]]
+Body = bytes | AsyncIterable[bytes] | None
+
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+#: Bodies up to this size are joined with their head and sent in one write.
+_COPY_LIMIT = 64 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class _Target:
+    key: tuple[str, str, int]
+    host: str
+    port: int
+    tls: bool
+    host_header: str
+    path: str
+
+
+@functools.lru_cache(maxsize=4096)
+def _target(url: str) -> _Target:
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    if scheme not in _DEFAULT_PORTS or not parts.hostname:
+        raise UpstreamError(f"unsupported upstream URL {url!r}")
+    host = parts.hostname
+    port = parts.port or _DEFAULT_PORTS[scheme]
+    shown = f"[{host}]" if ":" in host else host
+    host_header = shown if port == _DEFAULT_PORTS[scheme] else f"{shown}:{port}"
+    path = parts.path or "/"
+    if parts.query:
+        path = f"{path}?{parts.query}"
+    return _Target((scheme, host, port), host, port, scheme == "https", host_header, path)
+
+
+def _encode_head(method: str, target: _Target, headers: Headers, framing: str) -> bytes:
+    """The request line and headers; ``framing`` is the body's length header line (or "")."""
+    lines = [f"{name}: {value}\r\n" for name, value in
+             (headers.items() if isinstance(headers, Mapping) else headers)]
+    block = "".join(lines)
+    # Header injection: each line adds exactly one CR and one LF; a CR, LF or NUL inside a
+    # name or value would let a caller-supplied string write headers of its own.
+    if block.count("\n") != len(lines) or block.count("\r") != len(lines) or "\0" in block:
+        raise UpstreamError("header name or value contains a line break or NUL")
+    head = (f"{method} {target.path} HTTP/1.1\r\nHost: {target.host_header}\r\n"
+            f"{block}{framing}\r\n")
+    return head.encode("utf-8", "surrogateescape")
+
+
+def _framing(method: str, body: Body, content_length: int | None) -> str:
+    if isinstance(body, bytes):
+        return f"Content-Length: {len(body)}\r\n"
+    if body is None:
+        return "Content-Length: 0\r\n" if method in ("POST", "PUT", "PATCH") else ""
+    if content_length is None:
+        return "Transfer-Encoding: chunked\r\n"
+    return f"Content-Length: {content_length}\r\n"
+
+
+class EngineClient:
+    """Pooled keep-alive connections to engines; create it inside the running loop."""
+
+    def __init__(
+        self,
+        *,
+        limit: int,
+        keepalive_s: float,
+        connect_timeout_s: float,
+        read_timeout_s: float | None,
+        ssl_context: ssl.SSLContext | None = None,
+    ) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._limit = limit
+        self._keepalive_s = keepalive_s
+        self._connect_timeout_s = connect_timeout_s
+        self._read_timeout_s = read_timeout_s
+        self._ssl = ssl_context
+        self._idle: dict[tuple[str, str, int], list[Connection]] = {}
+        self._open = 0
+        self._slot_waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+        self._sweeper: asyncio.TimerHandle | None = None
+        self._closed = False
+
+    @property
+    def open_connections(self) -> int:
+        """Connections open now (idle or busy): what the limit counts."""
+        return self._open
+
+    async def request(
+        self,
+        method: str,
+        url: str,
+        *,
+        headers: Headers = (),
+        body: Body = None,
+        content_length: int | None = None,
+    ) -> UpstreamResponse:
+        """Send one request and return once the response head arrived.
+
+        The caller reads the body and then calls ``release()`` (or uses ``async with``), or
+        ``close()`` to drop the connection (an engine call abandoned mid-answer).
+        """
+        target = _target(url)
+        head = _encode_head(method, target, headers, _framing(method, body, content_length))
+        conn = await self._acquire(target)
+        conn.start(method == "HEAD", self._read_timeout_s)
+        try:
+            transport = conn.transport
+            if transport is None or conn.closed:
+                raise UpstreamBroken("connection closed before the request was sent")
+            if isinstance(body, bytes):
+                if len(body) > _COPY_LIMIT:
+                    transport.writelines((head, body))
+                else:
+                    transport.write(head + body)  # one syscall; the copy is cheaper
+            else:
+                transport.write(head)
+                if body is not None:
+                    await self._stream_body(conn, body, chunked=content_length is None)
+            await conn.wait_head()
+        except BaseException:
+            conn.close()
+            self._release(conn)
+            raise
+        return UpstreamResponse(conn, self._release)
+
+    async def get(self, url: str, *, headers: Headers = ()) -> UpstreamResponse:
+        return await self.request("GET", url, headers=headers)
+
+    async def close(self) -> None:
+        """Close every idle connection and refuse new requests (busy ones end with theirs)."""
+        self._closed = True
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
+        for idle in self._idle.values():
+            for conn in idle:
+                conn.close()
+        self._idle.clear()
+        while self._slot_waiters:
+            waiter = self._slot_waiters.popleft()
+            if not waiter.done():
+                waiter.set_exception(UpstreamConnectError("client closed"))
+
+    # ---- the pool ------------------------------------------------------------------------
+
+    async def _acquire(self, target: _Target) -> Connection:
+        while True:
+            if self._closed:
+                raise UpstreamConnectError("client closed")
+            idle = self._idle.get(target.key)
+            if idle:
+                deadline = self._loop.time() - self._keepalive_s
+                while idle:
+                    conn = idle.pop()
+                    if not conn.closed and conn.idle_since > deadline:
+                        return conn
+                    conn.close()
+            if self._open < self._limit or self._drop_oldest_idle():
+                return await self._connect(target)
+            waiter = self._loop.create_future()
+            self._slot_waiters.append(waiter)
+            try:
+                await waiter
+            finally:
+                if not waiter.done():
+                    waiter.cancel()
+
+    def _drop_oldest_idle(self) -> bool:
+        """Make room at the limit by closing the longest-idle connection of any target."""
+        oldest: Connection | None = None
+        for idle in self._idle.values():
+            if idle and (oldest is None or idle[0].idle_since < oldest.idle_since):
+                oldest = idle[0]
+        if oldest is None:
+            return False
+        self._idle[oldest.key].remove(oldest)
+        oldest.close()
+        self._forget(oldest)  # its slot is free now, not when connection_lost comes
+        return True
+
+    async def _connect(self, target: _Target) -> Connection:
+        self._open += 1
+        try:
+            async with asyncio.timeout(self._connect_timeout_s):
+                _, conn = await self._loop.create_connection(
+                    lambda: Connection(target.key, self._loop, self._on_lost),
+                    target.host,
+                    target.port,
+                    ssl=self._ssl if target.tls else None,
+                    server_hostname=target.host if target.tls else None,
+                )
+        except TimeoutError:
+            self._free_slot()
+            raise
+        except (OSError, ssl.SSLError) as exc:
+            self._free_slot()
+            raise UpstreamConnectError(f"cannot connect to {target.host_header}: {exc}") from None
+        except BaseException:
+            self._free_slot()
+            raise
+        sock = conn.transport.get_extra_info("socket") if conn.transport else None
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return conn
+
+    def _release(self, conn: Connection) -> None:
+        if conn.finish() and not self._closed:
+            self._idle.setdefault(conn.key, []).append(conn)
+            if self._sweeper is None:
+                self._sweeper = self._loop.call_later(self._keepalive_s, self._sweep)
+            self._wake_one()
+        else:
+            conn.close()
+
+    def _on_lost(self, conn: Connection) -> None:
+        self._forget(conn)
+
+    def _forget(self, conn: Connection) -> None:
+        """Free ``conn``'s slot once, whichever of close-for-room or connection_lost is first."""
+        if conn.holds_slot:
+            conn.holds_slot = False
+            self._free_slot()
+
+    def _free_slot(self) -> None:
+        self._open -= 1
+        self._wake_one()
+
+    def _wake_one(self) -> None:
+        while self._slot_waiters:
+            waiter = self._slot_waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+
+    def _sweep(self) -> None:
+        """Close connections idle past the keep-alive (they hold engine-side resources)."""
+        self._sweeper = None
+        deadline = self._loop.time() - self._keepalive_s
+        remaining = False
+        for idle in self._idle.values():
+            keep = [conn for conn in idle if not conn.closed and conn.idle_since > deadline]
+            for conn in idle:
+                if conn not in keep:
+                    conn.close()
+            idle[:] = keep
+            remaining = remaining or bool(keep)
+        if remaining and not self._closed:
+            self._sweeper = self._loop.call_later(self._keepalive_s / 2, self._sweep)
+
+    async def _stream_body(
+        self, conn: Connection, body: AsyncIterable[bytes], *, chunked: bool
+    ) -> None:
+        transport = conn.transport
+        assert transport is not None
+        async for chunk in body:
+            if not chunk:
+                continue
+            if conn.closed:
+                raise UpstreamBroken("engine closed the connection while the body was sent")
+            if chunked:
+                transport.writelines((b"%x\r\n" % len(chunk), chunk, b"\r\n"))
+            else:
+                transport.write(chunk)
+            await conn.drain()
+        if chunked:
+            transport.write(b"0\r\n\r\n")
