@@ -11,9 +11,12 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-import aiohttp
+from sidecar.http1 import EngineClient, UpstreamError
 
 logger = logging.getLogger(__name__)
+
+#: A health answer is empty; more than this is not read (the connection is dropped).
+_MAX_BODY = 64 * 1024
 
 
 class EngineHealth:
@@ -21,7 +24,7 @@ class EngineHealth:
 
     def __init__(
         self,
-        session: aiohttp.ClientSession,
+        session: EngineClient,
         engine_url: str,
         *,
         timeout_s: float = 2.0,
@@ -41,10 +44,10 @@ class EngineHealth:
         """Ask the engine now; update and return the state."""
         try:
             async with asyncio.timeout(self._timeout_s):
-                async with self._session.get(self._url, allow_redirects=False) as response:
-                    await response.read()
+                async with await self._session.get(self._url) as response:
+                    await response.read(_MAX_BODY)
                     ready = response.status == 200
-        except (aiohttp.ClientError, TimeoutError):
+        except (UpstreamError, TimeoutError):
             ready = False
         if ready != self.ready:
             logger.info("local engine %s", "ready" if ready else "not ready")

@@ -14,8 +14,6 @@ import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-import aiohttp
-
 from sidecar.admission import Admission
 from sidecar.allowlist import Allowlist
 from sidecar.core.engine_ids import EngineIdCache
@@ -24,6 +22,7 @@ from sidecar.core.targets import AllowlistLike, TargetSelector, parse_prefill_ur
 from sidecar.core.upstream import make_session
 from sidecar.engine_health import EngineHealth
 from sidecar.engines import EngineHandler, resolve_engine
+from sidecar.http1 import EngineClient
 from sidecar.ids import INT32_ROOMS, IdSources, RoomAllocator, SnowflakeIds
 from sidecar.kv_agents import KVTransferAgent, resolve_agent
 from sidecar.metrics import Metrics
@@ -40,7 +39,7 @@ class Runtime:
     metrics: Metrics
     handler: EngineHandler
     agent: KVTransferAgent | None
-    session: aiohttp.ClientSession
+    session: EngineClient
     orchestrator: Orchestrator
     grpc_orchestrator: Orchestrator
     selector: TargetSelector

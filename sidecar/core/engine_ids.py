@@ -11,10 +11,12 @@ import asyncio
 import time
 from collections.abc import Callable
 
-import aiohttp
-
 from sidecar import jsonutil
 from sidecar.errors import InvalidHandoff, Stage
+from sidecar.http1 import EngineClient, UpstreamError
+
+#: A bootstrap /query answer is a small JSON object.
+_MAX_QUERY_BYTES = 1024 * 1024
 
 
 class EngineIdCache:
@@ -22,7 +24,7 @@ class EngineIdCache:
 
     def __init__(
         self,
-        session: aiohttp.ClientSession,
+        session: EngineClient,
         parse: Callable[[object], str],
         *,
         ttl_s: float = 60.0,
@@ -50,14 +52,14 @@ class EngineIdCache:
     async def _query(self, url: str) -> str:
         try:
             async with asyncio.timeout(self._timeout_s):
-                async with self._session.get(url, allow_redirects=False) as response:
+                async with await self._session.get(url) as response:
                     if response.status != 200:
                         raise InvalidHandoff(
                             f"prefill bootstrap /query answered HTTP {response.status}",
                             stage=Stage.PREFILL,
                         )
-                    raw = await response.content.read(1024 * 1024)
-        except (aiohttp.ClientError, TimeoutError):
+                    raw = await response.read(_MAX_QUERY_BYTES)
+        except (UpstreamError, TimeoutError):
             raise InvalidHandoff(
                 "prefill bootstrap /query unreachable", stage=Stage.PREFILL
             ) from None

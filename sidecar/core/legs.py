@@ -1,7 +1,7 @@
 """The two upstream calls of a PD request, with their deadlines and error mapping.
 
     post_prefill()  ─▶ dict (the prefill engine's JSON answer, size-capped, deadline-bound)
-    open_decode()   ─▶ aiohttp.ClientResponse (headers arrived, body not read; caller releases)
+    open_decode()   ─▶ UpstreamResponse (head arrived, body not read; caller releases)
 
 Errors map to the taxonomy: unreachable -> PrefillFailed/EngineNotReady, 4xx ->
 EngineRejected, 5xx or garbage -> PrefillFailed/DecodeFailed, deadlines -> DeadlineExceeded.
@@ -15,8 +15,6 @@ import asyncio
 from collections.abc import Mapping
 from typing import Any
 
-import aiohttp
-
 from sidecar import jsonutil
 from sidecar.errors import (
     DeadlineExceeded,
@@ -27,22 +25,27 @@ from sidecar.errors import (
     SidecarError,
     Stage,
 )
+from sidecar.http1 import EngineClient, UpstreamConnectError, UpstreamError, UpstreamResponse
 
-_JSON_HEADERS = {"Content-Type": "application/json"}
 _MAX_ERROR_BODY = 64 * 1024
 
 
-async def read_capped(response: aiohttp.ClientResponse, max_bytes: int) -> bytes:
+async def read_capped(response: UpstreamResponse, max_bytes: int) -> bytes:
     """The whole body, refusing more than ``max_bytes`` while reading."""
     length = response.content_length
     if length is not None and length > max_bytes:
         raise PrefillFailed(f"prefill response of {length} bytes exceeds the cap")
-    buffer = bytearray()
-    async for chunk in response.content.iter_any():
-        buffer += chunk
-        if len(buffer) > max_bytes:
-            raise PrefillFailed("prefill response exceeds the size cap")
-    return bytes(buffer)
+    raw = await response.read(max_bytes)
+    if len(raw) > max_bytes:
+        raise PrefillFailed("prefill response exceeds the size cap")
+    return raw
+
+
+def _json_headers(headers: Mapping[str, str]) -> list[tuple[str, str]]:
+    """``headers`` with the body's own Content-Type (a client's would be a second one)."""
+    out = [(name, value) for name, value in headers.items() if name.lower() != "content-type"]
+    out.append(("Content-Type", "application/json"))
+    return out
 
 
 #: Engine statuses that mean "this request is invalid": the client must change it.
@@ -58,7 +61,7 @@ def _status_error(status: int, stage: Stage) -> SidecarError:
 
 
 async def post_prefill(
-    session: aiohttp.ClientSession,
+    session: EngineClient,
     url: str,
     body: Mapping[str, Any],
     headers: Mapping[str, str],
@@ -70,18 +73,21 @@ async def post_prefill(
     payload = jsonutil.dumps(body)
     try:
         async with asyncio.timeout(timeout_s):
-            async with session.post(
-                url, data=payload, headers={**headers, **_JSON_HEADERS}, allow_redirects=False
-            ) as response:
+            response = await session.request(
+                "POST", url, headers=_json_headers(headers), body=payload
+            )
+            try:
                 if response.status != 200:
                     await _drain_error_body(response)
                     raise _status_error(response.status, Stage.PREFILL)
                 raw = await read_capped(response, max_bytes)
+            finally:
+                response.release()
     except TimeoutError:
         raise DeadlineExceeded(
             f"prefill leg exceeded its {timeout_s:g} s deadline", stage=Stage.PREFILL
         ) from None
-    except aiohttp.ClientError as exc:
+    except UpstreamError as exc:
         raise PrefillFailed(f"prefill engine unreachable or broke the connection: "
                             f"{type(exc).__name__}") from None
     try:
@@ -94,22 +100,22 @@ async def post_prefill(
 
 
 async def open_decode(
-    session: aiohttp.ClientSession,
+    session: EngineClient,
     url: str,
     body: Mapping[str, Any] | bytes,
     headers: Mapping[str, str],
-) -> aiohttp.ClientResponse:
+) -> UpstreamResponse:
     """POST the decode body; return the response once its head arrived (status 200)."""
     payload = body if isinstance(body, bytes) else jsonutil.dumps(body)
     try:
-        response = await session.post(
-            url, data=payload, headers={**headers, **_JSON_HEADERS}, allow_redirects=False
+        response = await session.request(
+            "POST", url, headers=_json_headers(headers), body=payload
         )
-    except aiohttp.ClientConnectorError:
+    except UpstreamConnectError:
         raise EngineNotReady("local engine refused the connection", stage=Stage.DECODE) from None
     except TimeoutError:
         raise DeadlineExceeded("decode engine did not answer in time", stage=Stage.DECODE) from None
-    except aiohttp.ClientError as exc:
+    except UpstreamError as exc:
         raise DecodeFailed(
             f"decode engine broke the connection: {type(exc).__name__}", stage=Stage.DECODE
         ) from None
@@ -122,9 +128,9 @@ async def open_decode(
     return response
 
 
-async def _drain_error_body(response: aiohttp.ClientResponse) -> None:
+async def _drain_error_body(response: UpstreamResponse) -> None:
     """Read (and drop) a bounded error body so the connection can be reused."""
     try:
-        await response.content.read(_MAX_ERROR_BODY)
-    except (aiohttp.ClientError, TimeoutError):
+        await response.read(_MAX_ERROR_BODY)
+    except (UpstreamError, TimeoutError):
         response.close()

@@ -23,8 +23,7 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
-
+from sidecar import jsonutil
 from sidecar.core.engine_ids import EngineIdCache
 from sidecar.core.legs import open_decode, post_prefill
 from sidecar.engines.base import EngineHandler
@@ -36,6 +35,7 @@ from sidecar.errors import (
     SidecarError,
     Stage,
 )
+from sidecar.http1 import EngineClient, UpstreamError, UpstreamResponse
 from sidecar.ids import IdSources
 from sidecar.kv_agents.base import KVTransferAgent
 from sidecar.protocol.context import HandoffContext, PrefillTarget, Route
@@ -45,6 +45,9 @@ from sidecar.settings import PrefillFailurePolicy, Settings
 _FALLBACK_ERRORS = (PrefillFailed, InvalidHandoff, DeadlineExceeded)
 #: Prefill URLs remembered per (target, route); cleared whole when full (bounded memory).
 _MAX_REMEMBERED_URLS = 4096
+_JSON_HEADERS = {"Content-Type": "application/json"}
+#: An abort call's answer is a short acknowledgement; it is read only to keep the connection.
+_MAX_ABORT_ANSWER = 64 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +76,7 @@ class PDExchange:
     """A PD request whose decode response head has arrived (or whose answer is known)."""
 
     ctx: HandoffContext
-    decode: aiohttp.ClientResponse | None
+    decode: UpstreamResponse | None
     answer: dict[str, Any] | None = None
     fallback_reason: str | None = None
     timings: Timings = field(default_factory=Timings)
@@ -112,13 +115,13 @@ class PDExchange:
         """The decode body as the engine writes it; raises a ``SidecarError`` on a break."""
         if self.decode is None:
             raise SidecarError("chunks() called on an exchange answered by its prefill")
-        # readany() directly (b"" at the end), not iter_any(): one iterator layer less per
-        # relayed chunk, which is per token on a streamed answer.
-        read = self.decode.content.readany
+        # readany() hands over everything queued since the last read: under load one chunk
+        # carries several tokens, so the per-chunk costs below are paid once for them all.
+        read = self.decode.readany
         try:
             while chunk := await read():
                 yield chunk
-        except (aiohttp.ClientError, TimeoutError) as exc:
+        except (UpstreamError, TimeoutError) as exc:
             raise self._stream_error(exc) from None
         if self.prefill_error is not None:
             raise self.prefill_error
@@ -187,7 +190,7 @@ class Orchestrator:
         settings: Settings,
         handler: EngineHandler,
         agent: KVTransferAgent | None,
-        session: aiohttp.ClientSession,
+        session: EngineClient,
         ids: IdSources,
         engine_ids: EngineIdCache | None = None,
         on_fallback: Callable[[str], None] | None = None,
@@ -263,10 +266,13 @@ class Orchestrator:
             task.add_done_callback(self._aborts.discard)
 
     async def _post_abort(self, url: str, body: Mapping[str, Any]) -> None:
-        with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+        with contextlib.suppress(UpstreamError, TimeoutError):
             async with asyncio.timeout(self.settings.connect_timeout_s):
-                async with self.session.post(url, json=body, allow_redirects=False) as response:
-                    await response.read()
+                response = await self.session.request(
+                    "POST", url, headers=_JSON_HEADERS, body=jsonutil.dumps(body)
+                )
+                async with response:
+                    await response.read(_MAX_ABORT_ANSWER)
 
     def prefill_url(self, target: PrefillTarget, route: Route) -> str:
         """The prefill leg's URL (remembered: formatting it parses the host each time)."""

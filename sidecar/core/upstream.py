@@ -1,22 +1,23 @@
 """The one pooled HTTP client per process, and the header rules for forwarding.
 
-    settings ─make_session()─▶ aiohttp.ClientSession (pooled, keep-alive < engines' 5 s)
+    settings ─make_session()─▶ EngineClient (pooled, keep-alive < engines' 5 s)
 
 Why these knobs: vLLM closes idle connections after 5 s, so a pool that keeps them longer gets
 resets on reuse; no total timeout (it would cut long decode streams), only connect and
-per-read deadlines; ``trust_env=False`` so proxy variables never reroute a prompt; redirects
-are refused per request (``allow_redirects=False``) by the callers.
+per-read deadlines. The client (``sidecar.http1``) reads no proxy variables, follows no
+redirect, keeps no cookie and does not decompress: engine answers are relayed as they are.
 
 Deliberate limits: one session serves every upstream; its connection limit is global.
 """
 
 from __future__ import annotations
 
+import ssl
 from collections.abc import Iterable, Mapping
 
-import aiohttp
 from multidict import CIMultiDict
 
+from sidecar.http1 import EngineClient
 from sidecar.settings import Settings
 from sidecar.tls import client_ssl_context
 
@@ -44,33 +45,20 @@ ROUTING_HEADERS = frozenset({"x-prefiller-host-port", "x-prefiller-url", "x-deco
 REQUEST_ID_HEADER = "X-Request-Id"
 
 
-def make_session(settings: Settings) -> aiohttp.ClientSession:
-    """The process-wide upstream session; create it inside the running event loop."""
+def make_session(settings: Settings) -> EngineClient:
+    """The process-wide upstream client; create it inside the running event loop."""
     # Without engine_ca_file an https upstream is verified against the system store.
     ssl_context = (
-        client_ssl_context(settings.engine_ca_file) if settings.engine_ca_file else True
+        client_ssl_context(settings.engine_ca_file)
+        if settings.engine_ca_file
+        else ssl.create_default_context()
     )
-    connector = aiohttp.TCPConnector(
+    return EngineClient(
         limit=settings.max_connections,
-        limit_per_host=0,
-        keepalive_timeout=settings.keepalive_s,
-        ttl_dns_cache=10,
-        ssl=ssl_context,
-    )
-    timeout = aiohttp.ClientTimeout(
-        total=None,
-        sock_connect=settings.connect_timeout_s,
-        sock_read=settings.read_timeout_s,
-    )
-    return aiohttp.ClientSession(
-        connector=connector,
-        timeout=timeout,
-        # One session serves every client: a cookie an engine sets for one client must not
-        # ride along on the next client's requests (and the jar costs work per request).
-        cookie_jar=aiohttp.DummyCookieJar(),
-        trust_env=False,
-        auto_decompress=False,
-        skip_auto_headers=("User-Agent",),
+        keepalive_s=settings.keepalive_s,
+        connect_timeout_s=settings.connect_timeout_s,
+        read_timeout_s=settings.read_timeout_s,
+        ssl_context=ssl_context,
     )
 
 

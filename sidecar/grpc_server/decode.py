@@ -29,7 +29,6 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any, Final
 
-import aiohttp
 import grpc
 
 from sidecar.core.legs import open_decode
@@ -46,6 +45,7 @@ from sidecar.grpc_server.engine_model import EngineModel
 from sidecar.grpc_server.errors import abort_with
 from sidecar.grpc_server.token_stream import TokenStreamParser, token_id_fields
 from sidecar.handoff_codec import DecodedHandoff, decode_handoff
+from sidecar.http1 import UpstreamError, UpstreamResponse
 from sidecar.protocol.context import Route
 from sidecar.runtime import Runtime
 
@@ -145,12 +145,12 @@ class DecodeService(disagg_pb2_grpc.DecodeWorkerServicer):
             )
 
     async def _relay(
-        self, response: aiohttp.ClientResponse, request_id: str
+        self, response: UpstreamResponse, request_id: str
     ) -> AsyncIterator[disagg_pb2.TokenStream]:
         parser = TokenStreamParser()
         relayed = self._runtime.metrics.relayed_bytes.labels(FRONT_DOOR)
         try:
-            async for chunk in response.content.iter_any():
+            while chunk := await response.readany():
                 relayed.inc(len(chunk))
                 for token_id in parser.feed(chunk):
                     yield disagg_pb2.TokenStream(request_id=request_id, token_id=token_id)
@@ -160,7 +160,7 @@ class DecodeService(disagg_pb2_grpc.DecodeWorkerServicer):
             raise DeadlineExceeded(
                 "decode stream stalled past the read deadline", stage=Stage.DECODE
             ) from None
-        except aiohttp.ClientError:
+        except UpstreamError:
             raise DecodeFailed("decode engine broke its stream", stage=Stage.DECODE) from None
         for token_id in parser.flush():
             yield disagg_pb2.TokenStream(request_id=request_id, token_id=token_id)

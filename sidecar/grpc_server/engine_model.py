@@ -19,10 +19,9 @@ import asyncio
 from collections.abc import Mapping
 from typing import Final
 
-import aiohttp
-
 from sidecar import jsonutil
 from sidecar.errors import EngineNotReady, Stage
+from sidecar.http1 import EngineClient, UpstreamError
 
 MODELS_PATH: Final = "/v1/models"
 _MAX_BYTES: Final = 1024 * 1024
@@ -31,7 +30,7 @@ _MAX_BYTES: Final = 1024 * 1024
 class EngineModel:
     """Looks up (once) the model the local engine serves."""
 
-    def __init__(self, session: aiohttp.ClientSession, engine_url: str, *, timeout_s: float,
+    def __init__(self, session: EngineClient, engine_url: str, *, timeout_s: float,
                  stage: Stage = Stage.DECODE) -> None:
         self._session = session
         self._url = engine_url.rstrip("/") + MODELS_PATH
@@ -52,10 +51,10 @@ class EngineModel:
     async def _fetch(self) -> str:
         try:
             async with asyncio.timeout(self._timeout_s):
-                async with self._session.get(self._url, allow_redirects=False) as response:
-                    raw = await response.content.read(_MAX_BYTES + 1)
+                async with await self._session.get(self._url) as response:
+                    raw = await response.read(_MAX_BYTES)
                     status = response.status
-        except (aiohttp.ClientError, TimeoutError):
+        except (UpstreamError, TimeoutError):
             raise EngineNotReady(
                 f"local engine did not answer {MODELS_PATH}", stage=self._stage
             ) from None

@@ -188,8 +188,8 @@ async def _relay(
         relayed.inc(len(body))
         return web.Response(body=body, content_type=content_type,
                             headers={REQUEST_ID: request_id})
-    headers = {name: exchange.decode.headers[name] for name in _RELAYED_HEADERS
-               if name in exchange.decode.headers}
+    headers = {name: value for name in _RELAYED_HEADERS
+               if (value := exchange.decode.header(name)) is not None}
     headers[REQUEST_ID] = request_id
     if not stream:
         body = await exchange.read_all(runtime.settings.max_body_bytes)
@@ -209,7 +209,9 @@ async def _relay(
         async for chunk in exchange.chunks():
             await response.write(chunk)
             total += len(chunk)
-            tail = (tail + chunk)[-_TAIL_BYTES:]
+            # Only the last bytes matter; slicing a long chunk alone avoids copying it whole.
+            tail = chunk[-_TAIL_BYTES:] if len(chunk) >= _TAIL_BYTES else (tail + chunk)[
+                -_TAIL_BYTES:]
         if not tail.rstrip().endswith(_SSE_DONE):
             # The engine closed cleanly mid-event: a cut stream, not a finished one.
             raise DecodeFailed("decode stream ended without its [DONE] event",

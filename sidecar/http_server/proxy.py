@@ -8,45 +8,45 @@ from __future__ import annotations
 
 import logging
 
-import aiohttp
 from aiohttp import web
 
 from sidecar.core.upstream import forwardable_headers, response_headers
 from sidecar.errors import DecodeFailed, EngineNotReady, SidecarError, Stage
+from sidecar.http1 import EngineClient, UpstreamConnectError, UpstreamError
 from sidecar.http_server.errors import REQUEST_ID, error_response
 
 logger = logging.getLogger(__name__)
 
 
 async def proxy_to_engine(
-    request: web.Request, session: aiohttp.ClientSession, engine_url: str, request_id: str
+    request: web.Request, session: EngineClient, engine_url: str, request_id: str
 ) -> web.StreamResponse:
     """Forward ``request`` to the local engine and stream its answer back."""
     headers = forwardable_headers(request.headers.items())
     headers[REQUEST_ID] = request_id
-    data = request.content if request.body_exists else None
+    body = request.content.iter_any() if request.body_exists else None
     url = engine_url + request.rel_url.raw_path_qs
     response: web.StreamResponse | None = None
     try:
-        async with session.request(
-            request.method, url, data=data, headers=headers, allow_redirects=False
-        ) as upstream:
+        upstream = await session.request(
+            request.method, url, headers=headers.items(), body=body,
+            content_length=request.content_length,
+        )
+        async with upstream:
             response = web.StreamResponse(
-                status=upstream.status,
-                reason=upstream.reason,
-                headers=response_headers(upstream.headers.items()),
+                status=upstream.status, headers=response_headers(upstream.headers)
             )
             if upstream.content_length is not None:
                 response.content_length = upstream.content_length
             response.headers[REQUEST_ID] = request_id
             await response.prepare(request)
-            async for chunk in upstream.content.iter_any():
+            while chunk := await upstream.readany():
                 await response.write(chunk)
             await response.write_eof()
             return response
-    except aiohttp.ClientConnectorError:
+    except UpstreamConnectError:
         error: SidecarError = EngineNotReady("local engine refused the connection")
-    except (aiohttp.ClientError, TimeoutError):
+    except (UpstreamError, TimeoutError):
         error = DecodeFailed("local engine broke the connection", stage=Stage.DECODE)
     if response is not None and response.prepared:
         # Too late for a status: end the body abruptly so the client sees the break.
