@@ -1,0 +1,218 @@
+"""``/v1/completions`` for the lean bench engine: parse a body, render JSON or SSE answers.
+
+    parse(body bytes)  ─▶ Completion (prompt ids' count and digest, max_tokens, stream, ...)
+    tokens(digest, n, kind) ─▶ the generated words (cached: the bench repeats one prompt)
+    render_json(...)   ─▶ one completion body (vLLM's or SGLang's extras)
+    render_events(...) ─▶ SSE events: one per token, [usage,] ``data: [DONE]``
+
+Token ids, words and the remote/local distinction are the aiohttp stubs' own
+(``sidecar.stubs.textgen``): a decode that used the prefill's KV answers lowercase words, a
+local recompute UPPERCASE ones, so a broken hand-off shows in the text.
+
+Deliberate limits: completions only (no chat), one string prompt or one list of token ids,
+``n`` = 1, no logprobs or echo, no EOS (finish is always ``length``); error wording follows
+vLLM's for the checks it makes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Final
+
+import orjson
+
+from sidecar.stubs import textgen
+from sidecar.stubs.textgen import PrefillKind
+
+DONE: Final = b"data: [DONE]\n\n"
+_CACHE_LIMIT: Final = 4096
+
+
+class BadRequest(Exception):
+    """A body the engine refuses with 400 (message worded as vLLM words it)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+@dataclass(frozen=True, slots=True)
+class Words:
+    """Generated words: each as a JSON string (for events) and all joined (for bodies)."""
+
+    each: tuple[bytes, ...]
+    text: str
+
+
+@dataclass(slots=True)
+class Completion:
+    body: dict[str, Any]
+    prompt_tokens: int
+    digest: int
+    max_tokens: int
+    stream: bool
+    include_usage: bool
+    model: str
+
+
+_prompts: dict[str, tuple[int, int]] = {}
+_words: dict[tuple[int, int, PrefillKind], Words] = {}
+
+
+def _prompt(prompt: Any) -> tuple[int, int]:
+    """(token count, digest) of a prompt, remembered per string prompt."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        known = _prompts.get(prompt)
+        if known is not None:
+            return known
+        if not prompt:
+            raise BadRequest("prompt cannot be empty")
+        ids = textgen.encode_text(prompt)
+        if len(_prompts) >= _CACHE_LIMIT:
+            _prompts.clear()
+        known = _prompts[prompt] = (len(ids), textgen.prompt_digest(ids))
+        return known
+    if (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    ):
+        return len(prompt), textgen.prompt_digest(prompt)
+    if isinstance(prompt, list) and len(prompt) > 1:
+        raise BadRequest("the lean engine serves one prompt per request (got a batch)")
+    raise BadRequest("prompt must be a string or a non-empty list of token ids")
+
+
+def _int(body: dict[str, Any], name: str) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise BadRequest(f"{name} must be an integer")
+    return value
+
+
+def parse(raw: bytes, *, default_max_tokens: int, max_model_len: int, model: str) -> Completion:
+    """Check a completions body as vLLM would (the subset the lean engine serves)."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        raise BadRequest("Expecting value: request body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    prompt_tokens, digest = _prompt(body.get("prompt"))
+    n = _int(body, "n")
+    if n is not None and n != 1:
+        raise BadRequest("the lean engine supports n=1 only")
+    max_tokens = _int(body, "max_completion_tokens")
+    if max_tokens is None:
+        max_tokens = _int(body, "max_tokens")
+    if max_tokens is None:
+        max_tokens = default_max_tokens
+    if max_tokens < 1:
+        raise BadRequest(f"max_tokens must be at least 1, got {max_tokens}.")
+    min_tokens = _int(body, "min_tokens") or 0
+    if min_tokens > max_tokens:
+        raise BadRequest(
+            f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {min_tokens}."
+        )
+    if prompt_tokens + max_tokens > max_model_len:
+        raise BadRequest(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, "
+            f"{max_tokens} in the completion). Please reduce the length of the messages or "
+            "completion."
+        )
+    stream = body.get("stream") is True
+    options = body.get("stream_options")
+    if options is not None and not stream:
+        raise BadRequest("Stream options can only be defined when `stream=True`.")
+    if options is not None and not isinstance(options, dict):
+        raise BadRequest("stream_options must be an object")
+    name = body.get("model")
+    return Completion(
+        body=body,
+        prompt_tokens=prompt_tokens,
+        digest=digest,
+        max_tokens=max_tokens,
+        stream=stream,
+        include_usage=bool(options and options.get("include_usage")),
+        model=name if isinstance(name, str) else model,
+    )
+
+
+def words(digest: int, n: int, kind: PrefillKind) -> Words:
+    """The ``n`` generated words (as ``textgen.generate``, no EOS)."""
+    key = (digest, n, kind)
+    known = _words.get(key)
+    if known is None:
+        ids, _ = textgen.generate(digest, n, kind)
+        texts = [textgen.token_text(t) for t in ids]
+        if len(_words) >= _CACHE_LIMIT:
+            _words.clear()
+        known = _words[key] = Words(tuple(orjson.dumps(t) for t in texts), "".join(texts))
+    return known
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "completion_tokens": completion_tokens,
+        "prompt_tokens_details": None,
+    }
+
+
+def render_json(
+    c: Completion,
+    response_id: str,
+    created: int,
+    words: Words,
+    *,
+    choice_extra: dict[str, Any],
+    top_extra: dict[str, Any],
+) -> bytes:
+    """The non-streamed completion body."""
+    choice = {
+        "index": 0,
+        "text": words.text,
+        "logprobs": None,
+        "finish_reason": "length",
+        "stop_reason": None,
+        "prompt_logprobs": None,
+        **choice_extra,
+    }
+    return orjson.dumps({
+        "id": response_id,
+        "object": "text_completion",
+        "created": created,
+        "model": c.model,
+        "choices": [choice],
+        "usage": usage(c.prompt_tokens, len(words.each)),
+        **top_extra,
+    })
+
+
+def render_events(
+    c: Completion, response_id: str, created: int, words: Words, *, choice_extra: bytes
+) -> Iterator[bytes]:
+    """One ``data:`` event per token (vLLM's completion chunk shape), then ``[DONE]``."""
+    head = orjson.dumps(
+        {"id": response_id, "object": "text_completion", "created": created, "model": c.model}
+    )
+    prefix = b"data: " + head[:-1] + b',"choices":[{"index":0,"text":'
+    texts = words.each
+    last = len(texts) - 1
+    for i, text in enumerate(texts):
+        finish = b'"length"' if i == last else b"null"
+        yield b"".join((
+            prefix, text, b',"logprobs":null,"finish_reason":', finish,
+            b',"stop_reason":null', choice_extra, b'}],"usage":null}\n\n',
+        ))
+    if c.include_usage:
+        tail = {"choices": [], "usage": usage(c.prompt_tokens, len(texts))}
+        yield b"data: " + head[:-1] + b"," + orjson.dumps(tail)[1:] + b"\n\n"
+    yield DONE
