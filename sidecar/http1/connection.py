@@ -331,16 +331,18 @@ class UpstreamResponse:
         if conn is None:
             return b""
         while True:
+            # A complete response stands even if bytes after it broke the connection (the
+            # error then only keeps the connection out of the pool).
             if conn.has_body:
                 data = conn.take_body()
-                if conn.complete and conn.error is None:
+                if conn.complete:
                     self._give_back(conn)
                 return data
-            if conn.error is not None:
-                raise conn.error
             if conn.complete:
                 self._give_back(conn)
                 return b""
+            if conn.error is not None:
+                raise conn.error
             await conn.wait_body()
 
     async def read(self, max_bytes: int | None = None) -> bytes:

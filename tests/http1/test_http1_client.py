@@ -1,0 +1,332 @@
+"""The upstream HTTP/1.1 client against scripted servers on loopback.
+
+Proves: requests are framed exactly (request line, Host, headers, Content-Length or chunked);
+responses with Content-Length, chunked and close-delimited bodies are read whole; keep-alive
+connections are reused and dropped when the answer was not clean; every failure is typed
+(refused, reset mid-body, malformed, read deadline, header injection); close() reaches the
+server; the connection limit makes callers wait instead of opening more; a slow reader
+pauses the socket instead of buffering the whole answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+
+from sidecar.http1 import (
+    EngineClient,
+    UpstreamBroken,
+    UpstreamConnectError,
+    UpstreamError,
+    UpstreamProtocolError,
+)
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+OK_JSON = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
+
+
+@contextlib.asynccontextmanager
+async def scripted(handler: Handler) -> AsyncIterator[tuple[str, list[int]]]:
+    """A loopback server running ``handler`` per connection; yields (base URL, peer ports)."""
+    peers: list[int] = []
+
+    async def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peers.append(writer.get_extra_info("peername")[1])
+        try:
+            await handler(reader, writer)
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(on_connect, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}", peers
+    finally:
+        server.close()
+
+
+async def read_request(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
+    """One request's head and Content-Length body."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = 0
+    for line in head.split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            length = int(line.split(b":", 1)[1])
+    return head, await reader.readexactly(length)
+
+
+def client(**overrides: float) -> EngineClient:
+    options: dict[str, float] = {"limit": 8, "keepalive_s": 30.0, "connect_timeout_s": 5.0,
+                                 "read_timeout_s": 30.0}
+    options.update(overrides)
+    return EngineClient(limit=int(options["limit"]), keepalive_s=options["keepalive_s"],
+                        connect_timeout_s=options["connect_timeout_s"],
+                        read_timeout_s=options["read_timeout_s"])
+
+
+async def test_post_is_framed_exactly_and_the_connection_is_reused() -> None:
+    heads: list[bytes] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        for _ in range(2):
+            head, body = await read_request(reader)
+            heads.append(head + body)
+            writer.write(OK_JSON)
+
+    async with scripted(serve) as (url, peers):
+        http = client()
+        for _ in range(2):
+            response = await http.request("POST", url + "/v1/completions?x=1",
+                                          headers={"X-Request-Id": "r1"}, body=b'{"a":1}')
+            assert response.status == 200
+            assert response.header("content-type") == "application/json"
+            assert response.content_length == 2
+            assert await response.read() == b"{}"
+            response.release()
+        await http.close()
+    host = url.removeprefix("http://")
+    assert heads[0] == (
+        f"POST /v1/completions?x=1 HTTP/1.1\r\nHost: {host}\r\nX-Request-Id: r1\r\n"
+        "Content-Length: 7\r\n\r\n{\"a\":1}"
+    ).encode()
+    assert len(peers) == 1  # the second request rode the first one's connection
+
+
+async def test_chunked_and_close_delimited_bodies_are_read_whole() -> None:
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+                     b"5\r\nhello\r\n1\r\n \r\n5\r\nworld\r\n0\r\n\r\n")
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nuntil the end")
+        await writer.drain()
+
+    async with scripted(serve) as (url, _):
+        http = client()
+        response = await http.request("GET", url + "/a")
+        assert await response.read() == b"hello world"
+        response.release()
+        response = await http.request("GET", url + "/b")
+        assert await response.read() == b"until the end"
+        response.release()
+        await http.close()
+
+
+async def test_refused_connection_is_a_connect_error() -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]  # bound, never listening: connections are refused
+        http = client()
+        with pytest.raises(UpstreamConnectError):
+            await http.request("GET", f"http://127.0.0.1:{port}/health")
+        assert http.open_connections == 0
+        await http.close()
+
+
+async def test_reset_mid_body_is_broken_and_the_connection_not_reused() -> None:
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\npartial")
+        await writer.drain()
+
+    async with scripted(serve) as (url, _):
+        http = client()
+        response = await http.request("GET", url + "/x")
+        with pytest.raises(UpstreamBroken):
+            await response.read()
+        response.release()
+        assert http.open_connections == 0
+        await http.close()
+
+
+async def test_garbage_is_a_protocol_error() -> None:
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"SMTP ready\r\n\r\n")
+        await writer.drain()
+        await reader.read()
+
+    async with scripted(serve) as (url, _):
+        http = client()
+        with pytest.raises(UpstreamProtocolError):
+            await http.request("GET", url + "/x")
+        await http.close()
+
+
+async def test_silent_engine_hits_the_read_deadline() -> None:
+    gone = asyncio.Event()
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        await reader.read()  # returns when the client drops the connection
+        gone.set()
+
+    async with scripted(serve) as (url, _):
+        http = client(read_timeout_s=0.05)
+        with pytest.raises(TimeoutError):
+            await http.request("GET", url + "/x")
+        await gone.wait()  # the timed-out exchange's connection was closed
+        assert http.open_connections == 0
+        await http.close()
+
+
+async def test_header_injection_is_refused_before_sending() -> None:
+    http = client()
+    for headers in ({"X-A": "v\r\nX-Evil: 1"}, {"X-A\nB": "v"}, {"X-A": "v\0"}):
+        with pytest.raises(UpstreamError):
+            await http.request("GET", "http://127.0.0.1:9/x", headers=headers)
+    assert http.open_connections == 0
+    await http.close()
+
+
+async def test_close_mid_answer_reaches_the_engine() -> None:
+    gone = asyncio.Event()
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n")
+        await writer.drain()
+        await reader.read()
+        gone.set()
+
+    async with scripted(serve) as (url, _):
+        http = client()
+        response = await http.request("POST", url + "/v1/completions", body=b"{}")
+        assert await response.readany() == b"hello"
+        response.close()
+        await gone.wait()
+        await http.close()
+
+
+async def test_connection_limit_makes_callers_wait() -> None:
+    release = asyncio.Event()
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            try:
+                await read_request(reader)
+            except asyncio.IncompleteReadError:
+                return
+            await release.wait()
+            writer.write(OK_JSON)
+
+    async with scripted(serve) as (url, peers):
+        http = client(limit=1)
+        holder = asyncio.ensure_future(http.request("GET", url + "/a"))
+        await asyncio.sleep(0)  # one loop turn: the first caller takes the only slot
+        waiting = asyncio.ensure_future(http.request("GET", url + "/b"))
+        await asyncio.sleep(0)  # one loop turn: the second caller queues for it
+        assert not waiting.done() and http.open_connections == 1
+        release.set()
+        response = await holder
+        assert await response.read() == b"{}"
+        response.release()
+        second = await waiting
+        assert await second.read() == b"{}"
+        second.release()
+        assert len(peers) == 1
+        await http.close()
+
+
+async def test_idle_connections_older_than_the_keepalive_are_not_reused() -> None:
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            while True:
+                await read_request(reader)
+                writer.write(OK_JSON)
+
+    async with scripted(serve) as (url, peers):
+        http = client(keepalive_s=0.0)  # every idle connection is already too old
+        for _ in range(2):
+            response = await http.request("GET", url + "/a")
+            await response.read()
+            response.release()
+        assert len(peers) == 2
+        await http.close()
+
+
+async def test_slow_reader_pauses_the_socket() -> None:
+    big = b"x" * (4 * 1024 * 1024)
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(big) + big)
+        await writer.drain()
+
+    async with scripted(serve) as (url, _):
+        http = client()
+        response = await http.request("GET", url + "/big")
+        total = 0
+        largest = 0
+        while chunk := await response.readany():
+            total += len(chunk)
+            largest = max(largest, len(chunk))
+        assert total == len(big)
+        # Never much more than the high-water mark is queued between two reads.
+        assert largest < 2 * 1024 * 1024
+        response.release()
+        await http.close()
+
+
+async def test_streamed_request_bodies_chunked_and_with_length() -> None:
+    bodies: list[bytes] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        assert b"Transfer-Encoding: chunked" in head
+        bodies.append(await reader.readuntil(b"0\r\n\r\n"))
+        writer.write(OK_JSON)
+        head, body = await read_request(reader)
+        bodies.append(body)
+        writer.write(OK_JSON)
+
+    async def parts() -> AsyncIterator[bytes]:
+        yield b"ab"
+        yield b""
+        yield b"cde"
+
+    async with scripted(serve) as (url, _):
+        http = client()
+        response = await http.request("POST", url + "/a", body=parts())
+        await response.read()
+        response.release()
+        response = await http.request("POST", url + "/b", body=parts(), content_length=5)
+        await response.read()
+        response.release()
+        await http.close()
+    assert bodies == [b"2\r\nab\r\n3\r\ncde\r\n0\r\n\r\n", b"abcde"]
+
+
+async def test_bytes_after_an_answer_keep_the_answer_but_drop_the_connection() -> None:
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            while True:
+                await read_request(reader)
+                writer.write(OK_JSON + b"unsolicited")
+
+    async with scripted(serve) as (url, peers):
+        http = client()
+        for _ in range(2):
+            response = await http.request("GET", url + "/a")
+            assert await response.read() == b"{}"
+            response.release()
+        assert len(peers) == 2
+        await http.close()
+
+
+async def test_informational_answers_are_refused() -> None:
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\n" + OK_JSON)
+        await writer.drain()
+        await reader.read()
+
+    async with scripted(serve) as (url, _):
+        http = client()
+        with pytest.raises(UpstreamProtocolError):
+            await http.request("GET", url + "/x")
+        await http.close()
