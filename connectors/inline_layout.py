@@ -14,7 +14,17 @@ Directory of one request, ``<staging_root>/<key>/``:
   every layer file is complete.
 
 The staging root also holds ``engine.json`` (an ``InlineLayout`` document), written by the
-connector of the engine at start-up: a sidecar validates incoming KV against it.
+connector of the engine at start-up: a sidecar validates incoming KV against it, and a
+prefill sidecar announces its metadata from it before the engine has computed anything.
+
+Layer notices: while a prefill sidecar waits for request ``key``, it binds a Unix datagram
+socket at ``<staging_root>/.<key>.notify`` (``notice_path``; the leading dot keeps it apart
+from every key directory). After writing (atomically) ``layer-NNNN.kv`` the connector sends
+one datagram ``b"<key> <layer>"`` there (``send_notice``), best effort: nobody listening, a
+full queue or a path too long for ``sun_path`` just drops the notice, and the sidecar reads
+every layer it was not told about from its file once the engine has answered. Layer files
+appear under their final name only complete (``write_atomic``), so a notice is a wake-up,
+never a promise the sidecar must trust.
 
 Deliberate limits: one KV-cache group (plain decoder attention, no MLA, no hybrid models);
 the key is restricted to ``[A-Za-z0-9._-]`` so that it can never escape the staging root.
@@ -26,6 +36,7 @@ import hashlib
 import json
 import os
 import re
+import socket
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -35,6 +46,9 @@ LAYOUT_NAME = "HNC"
 META_FILE = "meta.json"
 ENGINE_FILE = "engine.json"
 ITEMSIZE: Mapping[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "uint8": 1}
+NOTICE_SUFFIX = ".notify"
+#: Longest datagram a valid notice can be (a 128-character key, a space, a layer number).
+NOTICE_MAX_BYTES = 160
 _KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
@@ -179,3 +193,48 @@ def read_engine_layout(root: Path) -> InlineLayout | None:
         return InlineLayout.from_dict(json.loads(data))
     except ValueError as exc:
         raise LayoutError(f"bad {ENGINE_FILE}: {exc}") from exc
+
+
+def notice_path(root: Path, key: str) -> Path:
+    """Where the sidecar waiting for ``key`` listens for layer notices."""
+    return root / f".{check_key(key)}{NOTICE_SUFFIX}"
+
+
+def encode_notice(key: str, layer_idx: int) -> bytes:
+    return f"{check_key(key)} {int(layer_idx)}".encode("ascii")
+
+
+def parse_notice(data: bytes) -> tuple[str, int] | None:
+    """``(key, layer)`` of a notice datagram, or None for anything else (ignored, not fatal)."""
+    if len(data) > NOTICE_MAX_BYTES:
+        return None
+    try:
+        key, layer = data.decode("ascii").split(" ")
+        index = int(layer)
+        check_key(key)
+    except (UnicodeDecodeError, ValueError):  # LayoutError is a ValueError
+        return None
+    if index < 0 or not layer.isdigit():
+        return None
+    return key, index
+
+
+def notice_sender() -> socket.socket:
+    """An unbound, non-blocking datagram socket for ``send_notice`` (one per process is enough)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    # Never block the engine's forward pass on a slow or stuck sidecar: drop the notice instead.
+    sock.setblocking(False)
+    return sock
+
+
+def send_notice(sock: socket.socket, root: Path, key: str, layer_idx: int) -> bool:
+    """Tell the sidecar waiting for ``key`` that ``layer_idx``'s file is complete.
+
+    Best effort: False when nobody listens (no socket, a stale one), the sidecar's queue is
+    full, or the path does not fit ``sun_path``; the sidecar then reads the file at the end.
+    """
+    try:
+        sock.sendto(encode_notice(key, layer_idx), str(notice_path(root, key)))
+    except OSError:
+        return False
+    return True
