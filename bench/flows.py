@@ -8,7 +8,8 @@
 The direct flows do what a router without a sidecar would do (what vLLM's reference proxy
 and SGLang's mini load balancer do), so "through the sidecar minus direct" is the sidecar's
 cost. Each call returns its latency, its time to the first body byte and, for streams, the
-number of SSE events relayed.
+number of SSE events relayed. Calls go through a ``bench.http_clients.Http`` (the lean
+client by default, aiohttp for comparison).
 
 Deliberate limits: ``/v1/completions`` only; the answer is checked for status 200 and, for
 streams, read to the end (the table counts anything else as an error), not parsed.
@@ -24,11 +25,13 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import aiohttp
 import orjson
 
+from bench.http_clients import Http
+from bench.lean_client import Origin
+
 PATH = "/v1/completions"
-JSON_HEADERS = {"Content-Type": "application/json"}
+CONTENT_TYPE = "application/json"
 PROMPT = "The quick brown fox jumps over the lazy dog, and the dog sleeps on."
 
 
@@ -44,31 +47,14 @@ def client_body(max_tokens: int, stream: bool) -> dict[str, Any]:
     return {"model": "stub-model", "prompt": PROMPT, "max_tokens": max_tokens, "stream": stream}
 
 
-async def read_answer(
-    response: aiohttp.ClientResponse, started: float, stream: bool
-) -> tuple[float, int]:
-    """Read a whole answer; returns (seconds to its first body byte, SSE events seen)."""
-    if not stream:
-        await response.read()
-        return time.perf_counter() - started, 0
-    first = 0.0
-    events = 0
-    last_newline = False
-    async for chunk in response.content.iter_any():
-        if not first:
-            first = time.perf_counter() - started
-        # Events end with a blank line; a "\n\n" may straddle two chunks.
-        events += chunk.count(b"\n\n")
-        if last_newline and chunk[:1] == b"\n":
-            events += 1
-        last_newline = chunk[-1:] == b"\n"
-    return first, events
+def _headers() -> dict[str, str]:
+    return {"content-type": CONTENT_TYPE, "x-request-id": uuid.uuid4().hex}
 
 
 class Flow(Protocol):
     name: str
 
-    async def call(self, session: aiohttp.ClientSession) -> CallResult: ...
+    async def call(self, http: Http) -> CallResult: ...
 
 
 class Sidecar:
@@ -76,17 +62,18 @@ class Sidecar:
 
     def __init__(self, sidecar_url: str, prefill_port: int, max_tokens: int, stream: bool) -> None:
         self.name = "sidecar"
-        self.url = sidecar_url + PATH
+        self.origin = Origin.of_url(sidecar_url)
         self.stream = stream
         self.body = orjson.dumps(client_body(max_tokens, stream))
-        self.headers = {**JSON_HEADERS, "x-prefiller-host-port": f"127.0.0.1:{prefill_port}"}
+        self.headers = {
+            "content-type": CONTENT_TYPE, "x-prefiller-host-port": f"127.0.0.1:{prefill_port}"
+        }
 
-    async def call(self, session: aiohttp.ClientSession) -> CallResult:
-        started = time.perf_counter()
-        async with session.post(self.url, data=self.body, headers=self.headers) as response:
-            ok = response.status == 200
-            first, events = await read_answer(response, started, self.stream)
-        return CallResult(ok, time.perf_counter() - started, first, events)
+    async def call(self, http: Http) -> CallResult:
+        answer = await http.post(self.origin, PATH, self.headers, self.body, self.stream)
+        return CallResult(
+            answer.status == 200, answer.latency_s, answer.first_byte_s, answer.events
+        )
 
 
 class DirectSeq:
@@ -94,8 +81,8 @@ class DirectSeq:
 
     def __init__(self, prefill_url: str, decode_url: str, max_tokens: int, stream: bool) -> None:
         self.name = "direct"
-        self.prefill_url = prefill_url + PATH
-        self.decode_url = decode_url + PATH
+        self.prefill = Origin.of_url(prefill_url)
+        self.decode = Origin.of_url(decode_url)
         self.stream = stream
         self.client = client_body(max_tokens, stream)
         self.prefill_body = orjson.dumps({
@@ -109,24 +96,24 @@ class DirectSeq:
             },
         })
 
-    async def call(self, session: aiohttp.ClientSession) -> CallResult:
+    async def call(self, http: Http) -> CallResult:
         started = time.perf_counter()
-        headers = {**JSON_HEADERS, "X-Request-Id": uuid.uuid4().hex}
-        async with session.post(
-            self.prefill_url, data=self.prefill_body, headers=headers
-        ) as response:
-            ok = response.status == 200
-            answer = orjson.loads(await response.read())
-        params = answer.get("kv_transfer_params") if ok else None
+        headers = _headers()
+        answer = await http.post(self.prefill, PATH, headers, self.prefill_body, False)
+        params = None
+        if answer.status == 200:
+            params = orjson.loads(answer.body).get("kv_transfer_params")
         if not isinstance(params, dict):
             return CallResult(False, time.perf_counter() - started, 0.0, 0)
         # What a proxy must do across pods: point the decode at the prefill's address.
         params["remote_host"] = "127.0.0.1"
         body = orjson.dumps({**self.client, "kv_transfer_params": params})
-        async with session.post(self.decode_url, data=body, headers=headers) as response:
-            ok = response.status == 200
-            first, events = await read_answer(response, started, self.stream)
-        return CallResult(ok, time.perf_counter() - started, first, events)
+        decode_started = time.perf_counter()
+        answer = await http.post(self.decode, PATH, headers, body, self.stream)
+        first = decode_started - started + answer.first_byte_s
+        return CallResult(
+            answer.status == 200, time.perf_counter() - started, first, answer.events
+        )
 
 
 class _DirectConcurrent:
@@ -134,36 +121,28 @@ class _DirectConcurrent:
 
     def __init__(self, prefill_url: str, decode_url: str, stream: bool) -> None:
         self.name = "direct"
-        self.prefill_url = prefill_url + PATH
-        self.decode_url = decode_url + PATH
+        self.prefill = Origin.of_url(prefill_url)
+        self.decode = Origin.of_url(decode_url)
         self.stream = stream
 
     def bodies(self) -> tuple[bytes, bytes]:
         raise NotImplementedError
 
-    async def _prefill(self, session: aiohttp.ClientSession, body: bytes,
-                       headers: dict[str, str]) -> bool:
-        async with session.post(self.prefill_url, data=body, headers=headers) as response:
-            await response.read()
-            return response.status == 200
-
-    async def call(self, session: aiohttp.ClientSession) -> CallResult:
+    async def call(self, http: Http) -> CallResult:
         started = time.perf_counter()
-        headers = {**JSON_HEADERS, "X-Request-Id": uuid.uuid4().hex}
+        headers = _headers()
         prefill_body, decode_body = self.bodies()
-        prefill = asyncio.ensure_future(self._prefill(session, prefill_body, headers))
+        prefill = asyncio.ensure_future(
+            http.post(self.prefill, PATH, headers, prefill_body, False)
+        )
         try:
-            async with session.post(
-                self.decode_url, data=decode_body, headers=headers
-            ) as response:
-                ok = response.status == 200
-                first, events = await read_answer(response, started, self.stream)
+            answer = await http.post(self.decode, PATH, headers, decode_body, self.stream)
             latency = time.perf_counter() - started
-            ok = await prefill and ok
+            ok = answer.status == 200 and (await prefill).status == 200
         finally:
             if not prefill.done():
                 prefill.cancel()
-        return CallResult(ok, latency, first, events)
+        return CallResult(ok, latency, answer.first_byte_s, answer.events)
 
 
 class DirectSGLang(_DirectConcurrent):

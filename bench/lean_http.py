@@ -25,7 +25,7 @@ from collections import deque
 from collections.abc import Coroutine, Iterator
 from dataclasses import dataclass
 from http import HTTPStatus
-from typing import Any, Final, Protocol
+from typing import Any, Final, Protocol, cast
 
 import httptools
 
@@ -94,8 +94,8 @@ class HttpConnection(asyncio.Protocol):
     # -- transport callbacks ----------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # uvloop's transports are not asyncio.Transport subclasses but have its methods.
+        self.transport = cast(asyncio.Transport, transport)
         self.server.connections.add(self)
         self.server.accepted += 1
 

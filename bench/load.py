@@ -6,7 +6,8 @@
 CPU is read from /proc before and after the measured window (after a warm-up that fills the
 connection pools), for the sidecar, the stubs and this load generator, so a table can say
 who used the two cores. Requests that complete inside the window are counted; the window's
-CPU is divided by them.
+CPU is divided by them. ``client`` picks the load generator's HTTP client
+(``bench.http_clients``: ``lean``, each worker owning its connections, or ``aiohttp``).
 
 Deliberate limits: closed loop only (each worker sends its next request when the previous
 one answered), so requests/s is the system's capacity, not a latency at a fixed rate.
@@ -22,9 +23,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
-
 from bench.flows import CallResult, Flow
+from bench.http_clients import TRANSPORT_ERRORS, Http, open_clients
 from bench.procs import cpu_seconds
 
 
@@ -106,29 +106,17 @@ class CpuMeter:
         return {name: end[name] - self._start[name] for name in self.pids}
 
 
-def make_session(concurrency: int) -> aiohttp.ClientSession:
-    """The load generator's pooled client: keep-alive connections, one per worker."""
-    connector = aiohttp.TCPConnector(limit=max(concurrency, 1) * 2, limit_per_host=0,
-                                     keepalive_timeout=4.0)
-    return aiohttp.ClientSession(
-        connector=connector,
-        timeout=aiohttp.ClientTimeout(total=60),
-        trust_env=False,
-        auto_decompress=False,
-        skip_auto_headers=("User-Agent",),
-    )
-
-
-async def safe_call(flow: Flow, session: aiohttp.ClientSession) -> CallResult:
+async def safe_call(flow: Flow, http: Http) -> CallResult:
     """One call; a transport failure counts as an error, not a crash of the run."""
     try:
-        return await flow.call(session)
-    except (aiohttp.ClientError, TimeoutError, ValueError):
+        return await flow.call(http)
+    except TRANSPORT_ERRORS:
         return CallResult(False, 0.0, 0.0, 0)
 
 
 async def paired_serial(
-    flows: Mapping[str, Flow], n: int, meter: CpuMeter, *, warmup: int = 20
+    flows: Mapping[str, Flow], n: int, meter: CpuMeter, *, warmup: int = 20,
+    client: str = "lean",
 ) -> dict[str, Phase]:
     """``n`` rounds of one request per flow, in turn, each after the previous one answered.
 
@@ -138,14 +126,15 @@ async def paired_serial(
     for the sidecar flow) gives a meaningful CPU per request.
     """
     phases = {name: Phase() for name in flows}
-    async with make_session(1) as session:
+    async with open_clients(client, 1) as new_http:
+        http = new_http()
         for _ in range(warmup):
             for flow in flows.values():
-                await safe_call(flow, session)
+                await safe_call(flow, http)
         meter.start()
         for _ in range(n):
             for name, flow in flows.items():
-                phases[name].add(await safe_call(flow, session))
+                phases[name].add(await safe_call(flow, http))
         cpu = meter.stop()
     for phase in phases.values():
         # Wall time of a flow's own requests: requests/s is then one over the mean latency.
@@ -163,6 +152,7 @@ async def closed_loop(
     warmup_s: float = 0.5,
     min_requests: int = 1,
     max_extra_s: float = 30.0,
+    client: str = "lean",
 ) -> Phase:
     """``concurrency`` workers, each looping on requests; measured for ``seconds``.
 
@@ -174,16 +164,16 @@ async def closed_loop(
     stopping = False
     enough = asyncio.Event()
 
-    async def worker(session: aiohttp.ClientSession) -> None:
+    async def worker(http: Http) -> None:
         while not stopping:
-            result = await safe_call(flow, session)
+            result = await safe_call(flow, http)
             if recording:
                 phase.add(result)
                 if phase.requests + phase.errors >= min_requests:
                     enough.set()
 
-    async with make_session(concurrency) as session:
-        workers = [asyncio.ensure_future(worker(session)) for _ in range(concurrency)]
+    async with open_clients(client, concurrency) as new_http:
+        workers = [asyncio.ensure_future(worker(new_http())) for _ in range(concurrency)]
         try:
             await asyncio.sleep(warmup_s)
             meter.start()

@@ -1,6 +1,7 @@
 """The benchmark's processes: stub engines and the sidecar, each its own OS process.
 
-    start_stub(...)    ─▶ python -m sidecar.stubs ...      (reads its "listening" JSON line)
+    start_stub(...)    ─▶ python -m bench.lean_engine ...  (lean, the default) or
+                          python -m sidecar.stubs ...       (aiohttp); reads its "listening" line
     start_sidecar(...) ─▶ python -m bench.sidecar_proc ... (reads its --ports-file)
     cpu_seconds(pid)   ─▶ user + system CPU of that process, from /proc
 
@@ -70,16 +71,28 @@ def _read_line(popen: subprocess.Popen[bytes], deadline: float) -> bytes:
     raise RuntimeError(f"process {popen.args!r} did not report listening in time")
 
 
+STUBS = ("lean", "aiohttp")
+
+
 def start_stub(
-    name: str, engine: str, role: str, kv_connector: str, *extra: str, log_dir: Path
+    name: str, engine: str, role: str, kv_connector: str, *extra: str, log_dir: Path,
+    kind: str = "lean",
 ) -> Proc:
-    """A stub engine in zero-latency mode, recording nothing (``--record-limit 0``)."""
-    args = [
-        sys.executable, "-m", "sidecar.stubs",
+    """A stub engine in zero-latency mode: ``lean`` (``bench.lean_engine``: vLLM NIXL and
+    SGLang) or ``aiohttp`` (``sidecar.stubs``, recording nothing: ``--record-limit 0``)."""
+    common = [
         "--engine", engine, "--role", role, "--kv-connector", kv_connector,
         "--host", "127.0.0.1", "--port", "0", "--bootstrap-port", "0",
-        "--record-limit", "0", "--ttft", "0", "--itl", "0", *extra,
     ]
+    if kind == "lean":
+        args = [sys.executable, "-m", "bench.lean_engine", *common, *extra]
+    elif kind == "aiohttp":
+        args = [
+            sys.executable, "-m", "sidecar.stubs", *common,
+            "--record-limit", "0", "--ttft", "0", "--itl", "0", *extra,
+        ]
+    else:
+        raise ValueError(f"unknown stubs {kind!r}; known: {', '.join(STUBS)}")
     stderr = (log_dir / f"{name}.log").open("wb")
     popen = subprocess.Popen(
         args, stdout=subprocess.PIPE, stderr=stderr, env=child_env(), cwd=REPO_ROOT

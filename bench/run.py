@@ -18,6 +18,11 @@ and the sidecar process's CPU (``/proc/<pid>/stat``) per request and per relayed
 The load generator is this process; it shares the machine's cores with the stubs and the
 sidecar, and the JSON records every process's CPU so a reader can see who used them.
 
+The stubs are the lean bench engine (``bench.lean_engine``) and the load generator's client
+the lean one (``bench.lean_client``) unless ``--stubs aiohttp`` / ``--client aiohttp`` ask for
+the aiohttp ones the bench used before (``sidecar.stubs``; for comparison, and for the vLLM
+Mooncake concurrent flow, which only they serve).
+
 Deliberate limits: loopback only, stubs in zero-latency mode (``--ttft 0 --itl 0``, no
 request recording), so the figures are the software's cost, not an engine's.
 """
@@ -40,7 +45,7 @@ from typing import Any
 
 import aiohttp
 
-from bench import flows, load, procs, report
+from bench import flows, http_clients, load, procs, report
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 MODES = ("direct", "sidecar")
@@ -114,15 +119,19 @@ def _flow_parts(flow: str, conc_engine: str) -> tuple[str, str]:
 
 @contextlib.contextmanager
 def stack(flow: str, conc_engine: str, log_dir: Path, max_connections: int,
-          sidecar_prefix: list[str], code_root: Path = procs.REPO_ROOT) -> Iterator[Stack]:
+          sidecar_prefix: list[str], code_root: Path = procs.REPO_ROOT,
+          stubs: str = "lean") -> Iterator[Stack]:
     engine, connector = _flow_parts(flow, conc_engine)
+    if stubs == "lean" and connector not in ("shfs",):
+        raise SystemExit(f"the lean engine serves vLLM NIXL and SGLang, not {engine}/{connector}:"
+                         " add --stubs aiohttp")
     started: list[procs.Proc] = []
     try:
         prefill = procs.start_stub(f"{flow}-prefill", engine, "prefill", connector,
-                                   log_dir=log_dir)
+                                   log_dir=log_dir, kind=stubs)
         started.append(prefill)
         decode = procs.start_stub(f"{flow}-decode", engine, "decode", connector,
-                                  log_dir=log_dir)
+                                  log_dir=log_dir, kind=stubs)
         started.append(decode)
         flags = [
             "--engine", engine, "--engine-url", decode.url,
@@ -171,7 +180,8 @@ async def _handoff_counts(decode_url: str) -> dict[str, int]:
 
 
 async def measure_flow(
-    st: Stack, plan: Plan, log: Any, only: set[str] | None = None, modes: tuple[str, ...] = MODES
+    st: Stack, plan: Plan, log: Any, only: set[str] | None = None,
+    modes: tuple[str, ...] = MODES, client: str = "lean",
 ) -> dict[str, Any]:
     """Every phase of one flow (or those in ``only``), direct and through the sidecar."""
 
@@ -189,7 +199,7 @@ async def measure_flow(
         if wanted(f"{fmt}/serial"):
             paired = await load.paired_serial(
                 {mode: st.make(mode, plan.short_tokens, stream) for mode in modes},
-                plan.serial_n, meter, warmup=plan.serial_warmup,
+                plan.serial_n, meter, warmup=plan.serial_warmup, client=client,
             )
             for mode, phase in paired.items():
                 summary = phase.summary("sidecar" if mode == "sidecar" else "-")
@@ -202,7 +212,7 @@ async def measure_flow(
                 flow = st.make(mode, plan.short_tokens, stream)
                 phase = await load.closed_loop(flow, concurrency, plan.loop_s, meter,
                                                warmup_s=plan.warmup_s,
-                                               min_requests=plan.min_requests)
+                                               min_requests=plan.min_requests, client=client)
                 phases.setdefault(f"{fmt}/c{concurrency}", {})[mode] = phase.summary()
                 log(f"  {st.flow} {fmt} c{concurrency} {mode}: {_brief(phase.summary())}")
     for mode in modes:
@@ -210,7 +220,8 @@ async def measure_flow(
             break
         flow = st.make(mode, plan.stream_tokens, True)
         phase = await load.closed_loop(flow, plan.stream_concurrency, plan.loop_s, meter,
-                                       warmup_s=plan.warmup_s, min_requests=plan.min_requests)
+                                       warmup_s=plan.warmup_s, min_requests=plan.min_requests,
+                                       client=client)
         phases.setdefault("tokens", {})[mode] = phase.summary()
         log(f"  {st.flow} tokens c{plan.stream_concurrency} {mode}: {_brief(phase.summary())}")
     out["handoffs"] = await _handoff_counts(st.decode.url)
@@ -230,7 +241,7 @@ def machine() -> dict[str, Any]:
                 model = line.split(":", 1)[1].strip()
                 break
     versions = {}
-    for name in ("aiohttp", "uvloop", "orjson", "multidict", "yarl"):
+    for name in ("aiohttp", "uvloop", "orjson", "httptools", "multidict", "yarl"):
         with contextlib.suppress(Exception):
             from importlib.metadata import version
 
@@ -253,6 +264,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--serial-n", type=int, help="requests per serial phase")
     parser.add_argument("--seconds", type=float, help="measured seconds per closed-loop phase")
     parser.add_argument("--concurrency", help="comma-separated closed-loop concurrencies")
+    parser.add_argument("--stubs", choices=procs.STUBS, default="lean",
+                        help="stub engines: lean (bench.lean_engine) or aiohttp (sidecar.stubs)")
+    parser.add_argument("--client", choices=http_clients.CLIENTS, default="lean",
+                        help="the load generator's HTTP client: lean or aiohttp")
     parser.add_argument("--max-connections", type=int, default=1024,
                         help="the sidecar's upstream pool size (--max-connections)")
     parser.add_argument("--sidecar-prefix", default="",
@@ -296,17 +311,19 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "machine": machine(),
         "plan": plan.__dict__,
+        "stubs": args.stubs,
+        "client": args.client,
         "flows": {},
     }
     prefix = args.sidecar_prefix.split() if args.sidecar_prefix else []
     for flow in [f.strip() for f in args.flows.split(",") if f.strip()]:
         with stack(flow, args.conc_engine, log_dir, args.max_connections, prefix,
-                   args.sidecar_tree or procs.REPO_ROOT) as st:
+                   args.sidecar_tree or procs.REPO_ROOT, args.stubs) as st:
             log(f"{flow}: {st.engine}/{st.connector}  prefill {st.prefill.url}  "
                 f"decode {st.decode.url}  sidecar {st.sidecar.url}")
             only = set(args.phases.split(",")) if args.phases else None
             modes = tuple(m for m in MODES if m in args.modes.split(","))
-            result["flows"][flow] = await measure_flow(st, plan, log, only, modes)
+            result["flows"][flow] = await measure_flow(st, plan, log, only, modes, args.client)
     result["targets"] = report.targets(result)
     return result
 
