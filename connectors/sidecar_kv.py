@@ -19,7 +19,9 @@ backed ``emptyDir`` (``/dev/shm``) gives a copy at memory bandwidth with no fram
 extra server thread inside the engine and no back-pressure protocol; the sidecar reads the
 files with plain ``read`` calls. A socket would copy the same bytes through the kernel twice
 and need a protocol for partial failure; shared memory segments would need lifetime
-management that the per-request directory (deleted by the sidecar) gives for free.
+management that the per-request directory (deleted by the sidecar) gives for free. The
+notices are one non-blocking ``sendto`` per layer (microseconds); a lost one costs only
+overlap, never correctness (see ``connectors.inline_layout``).
 
 The byte layout is defined in ``connectors.inline_layout`` (K and V tiles
 ``[heads, block_size, head_size]`` per block). Only vLLM's CPU attention backend layout
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import re
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,6 +57,8 @@ from connectors.inline_layout import (
     check_key,
     fingerprint,
     layer_file,
+    notice_sender,
+    send_notice,
     write_atomic,
 )
 
@@ -159,6 +164,8 @@ class SidecarKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._pending_loads: dict[str, _PendingLoad] = {}
         self._loads_to_build: dict[str, _PendingLoad] = {}
         self._save_keys: dict[str, str] = {}
+        # Worker side: the socket that sends layer notices, made on the first save.
+        self._notices: socket.socket | None = None
         if role == KVConnectorRole.SCHEDULER:
             # The sidecar validates incoming KV against this document.
             write_atomic(self._root / ENGINE_FILE, _dumps(self._layout.to_dict()))
@@ -308,6 +315,9 @@ class SidecarKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
             out_dir = self._root / op.key
             out_dir.mkdir(parents=True, exist_ok=True)
             write_atomic(out_dir / layer_file(idx), records.cpu().numpy().tobytes())
+            if self._notices is None:
+                self._notices = notice_sender()
+            send_notice(self._notices, self._root, op.key, idx)
 
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()

@@ -7,7 +7,9 @@ tokens the engine gives without disaggregation, for prompts of several blocks, s
 requests at once. Corrupting one block's bytes changes the output (the KV really is used).
 Blocks claiming another model configuration are refused (FAILED_PRECONDITION), missing blocks
 are INVALID_ARGUMENT, KV over the staging bound is RESOURCE_EXHAUSTED, and after every case
-no staged KV is left on either side.
+no staged KV is left on either side. The layers stream while the engine computes: with the
+engine's answer held back by a proxy until the router has a KV block, the router still gets
+blocks (sent on the real connector's layer notices) and the decode still equals the baseline.
 
 The engines are this module's own pair (the repository on their PYTHONPATH, so vLLM can load
 ``connectors.sidecar_kv``); the reference output comes from the prefill engine itself, asked
@@ -26,8 +28,10 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import grpc
 import pytest
+from aiohttp import web
 
 from real_vllm.client import post_json
 from real_vllm.harness import SERVED_MODEL_NAME, EngineEnv, EngineGroup, EngineSpec
@@ -230,4 +234,86 @@ async def test_corrupted_block_changes_output_and_foreign_kv_is_refused(
             await decode(small, token_ids, blocks, "too-big")
         assert exc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert staged(inline_pair.prefill_dir) == []
+    assert staged(inline_pair.decode_dir) == []
+
+
+class HoldingProxy:
+    """Between the prefill sidecar and the real prefill engine: forwards every request, but
+    keeps the engine's answer to an inline save until ``release`` is set. The answer then
+    reaches the sidecar only after the router has a block: what the router gets before, the
+    sidecar streamed on the connector's layer notices alone."""
+
+    def __init__(self, engine: str) -> None:
+        self.engine = engine
+        self.release = asyncio.Event()
+        self.engine_answered = asyncio.Event()
+        self.url = ""
+
+    async def forward(self, request: web.Request) -> web.Response:
+        raw = await request.read()
+        saving = False
+        if request.method == "POST" and raw:
+            params = json.loads(raw).get("kv_transfer_params") or {}
+            saving = (params.get("disagg_inline") or {}).get("action") == "save"
+        headers = {"Content-Type": request.headers.get("Content-Type", "application/json")}
+        async with aiohttp.ClientSession() as session:
+            async with session.request(
+                request.method, self.engine + request.path_qs, data=raw or None, headers=headers
+            ) as answer:
+                body, status = await answer.read(), answer.status
+                content_type = answer.headers.get("Content-Type", "application/json")
+        if saving:
+            self.engine_answered.set()
+            async with asyncio.timeout(120):  # a guard: reached only if nothing streamed early
+                await self.release.wait()
+        return web.Response(body=body, status=status, headers={"Content-Type": content_type})
+
+
+@contextlib.asynccontextmanager
+async def holding_proxy(engine: str) -> AsyncIterator[HoldingProxy]:
+    proxy = HoldingProxy(engine)
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", proxy.forward)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    proxy.url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    try:
+        yield proxy
+    finally:
+        await runner.cleanup()
+
+
+async def test_kv_blocks_reach_the_router_before_the_engine_answer(
+    inline_pair: InlinePair,
+) -> None:
+    token_ids = prompt(129, 11)  # 5 blocks x 2 layers
+    want = baseline(inline_pair.prefill, token_ids)
+    async with (
+        holding_proxy(inline_pair.prefill) as proxy,
+        sidecar(proxy.url, "prefill", inline_pair.prefill_dir) as pre,
+        sidecar(inline_pair.decode, "decode", inline_pair.decode_dir) as dec,
+    ):
+        blocks: list[disagg_pb2.KVBlock] = []
+        early: list[disagg_pb2.KVBlock] = []
+        async with grpc.aio.insecure_channel(pre) as channel:
+            call = disagg_pb2_grpc.PrefillWorkerStub(channel).Prefill(
+                disagg_pb2.PreFillRequest(request_id="early", token_ids=token_ids), timeout=120
+            )
+            async for message in call:
+                if not message.HasField("block"):
+                    continue
+                blocks.append(message.block)
+                if message.block.layer_idx >= 0 and not proxy.release.is_set():
+                    early.append(message.block)
+                    proxy.release.set()
+        assert proxy.engine_answered.is_set()
+        assert [b.layer_idx for b in early] == [0]  # layer 0, before the answer was let through
+        assert [(b.layer_idx, b.block_idx) for b in blocks[1:]] == [
+            (layer, j) for layer in range(2) for j in range(5)
+        ]
+        assert await decode(dec, token_ids, blocks, "early") == want
+    assert staged(inline_pair.prefill_dir) == []
+    assert not list(inline_pair.prefill_dir.glob(".*.notify"))  # notice sockets removed too
     assert staged(inline_pair.decode_dir) == []
