@@ -11,7 +11,6 @@ prompt.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Mapping
 from typing import Any
 
@@ -72,17 +71,16 @@ async def post_prefill(
     """POST the prefill body and return its JSON object answer."""
     payload = jsonutil.dumps(body)
     try:
-        async with asyncio.timeout(timeout_s):
-            response = await session.request(
-                "POST", url, headers=_json_headers(headers), body=payload
-            )
-            try:
-                if response.status != 200:
-                    await _drain_error_body(response)
-                    raise _status_error(response.status, Stage.PREFILL)
-                raw = await read_capped(response, max_bytes)
-            finally:
-                response.release()
+        response = await session.request(
+            "POST", url, headers=_json_headers(headers), body=payload, timeout_s=timeout_s
+        )
+        try:
+            if response.status != 200:
+                await _drain_error_body(response)
+                raise _status_error(response.status, Stage.PREFILL)
+            raw = await read_capped(response, max_bytes)
+        finally:
+            response.release()
     except TimeoutError:
         raise DeadlineExceeded(
             f"prefill leg exceeded its {timeout_s:g} s deadline", stage=Stage.PREFILL

@@ -27,7 +27,7 @@ from collections.abc import AsyncIterable, Iterable, Mapping
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from sidecar.http1.connection import Connection, UpstreamResponse
+from sidecar.http1.connection import Connection, UpstreamResponse, expire_future
 from sidecar.http1.errors import UpstreamBroken, UpstreamConnectError, UpstreamError
 
 Headers = Mapping[str, str] | Iterable[tuple[str, str]]
@@ -125,16 +125,21 @@ class EngineClient:
         headers: Headers = (),
         body: Body = None,
         content_length: int | None = None,
+        timeout_s: float | None = None,
     ) -> UpstreamResponse:
         """Send one request and return once the response head arrived.
 
         The caller reads the body and then calls ``release()`` (or uses ``async with``), or
         ``close()`` to drop the connection (an engine call abandoned mid-answer).
+        ``timeout_s`` bounds the whole exchange (waiting for a slot, connecting, the head and
+        every body read): ``TimeoutError`` past it. It costs one timer per wait instead of
+        an ``asyncio.timeout`` scope around the call.
         """
         target = _target(url)
         head = _encode_head(method, target, headers, _framing(method, body, content_length))
-        conn = await self._acquire(target)
-        conn.start(method == "HEAD", self._read_timeout_s)
+        deadline = None if timeout_s is None else self._loop.time() + timeout_s
+        conn = await self._acquire(target, deadline)
+        conn.start(method == "HEAD", self._read_timeout_s, deadline)
         try:
             transport = conn.transport
             if transport is None or conn.closed:
@@ -175,25 +180,30 @@ class EngineClient:
 
     # ---- the pool ------------------------------------------------------------------------
 
-    async def _acquire(self, target: _Target) -> Connection:
+    async def _acquire(self, target: _Target, deadline: float | None) -> Connection:
         while True:
             if self._closed:
                 raise UpstreamConnectError("client closed")
             idle = self._idle.get(target.key)
             if idle:
-                deadline = self._loop.time() - self._keepalive_s
+                stale_before = self._loop.time() - self._keepalive_s
                 while idle:
                     conn = idle.pop()
-                    if not conn.closed and conn.idle_since > deadline:
+                    if not conn.closed and conn.idle_since > stale_before:
                         return conn
                     conn.close()
             if self._open < self._limit or self._drop_oldest_idle():
-                return await self._connect(target)
+                return await self._connect(target, deadline)
             waiter = self._loop.create_future()
             self._slot_waiters.append(waiter)
+            timer = None
+            if deadline is not None:
+                timer = self._loop.call_at(deadline, expire_future, waiter)
             try:
                 await waiter
             finally:
+                if timer is not None:
+                    timer.cancel()
                 if not waiter.done():
                     waiter.cancel()
 
@@ -210,10 +220,13 @@ class EngineClient:
         self._forget(oldest)  # its slot is free now, not when connection_lost comes
         return True
 
-    async def _connect(self, target: _Target) -> Connection:
+    async def _connect(self, target: _Target, deadline: float | None) -> Connection:
         self._open += 1
+        timeout = self._connect_timeout_s
+        if deadline is not None:
+            timeout = max(min(timeout, deadline - self._loop.time()), 0.0)
         try:
-            async with asyncio.timeout(self._connect_timeout_s):
+            async with asyncio.timeout(timeout):
                 _, conn = await self._loop.create_connection(
                     lambda: Connection(target.key, self._loop, self._on_lost),
                     target.host,
@@ -267,10 +280,10 @@ class EngineClient:
     def _sweep(self) -> None:
         """Close connections idle past the keep-alive (they hold engine-side resources)."""
         self._sweeper = None
-        deadline = self._loop.time() - self._keepalive_s
+        stale_before = self._loop.time() - self._keepalive_s
         remaining = False
         for idle in self._idle.values():
-            keep = [conn for conn in idle if not conn.closed and conn.idle_since > deadline]
+            keep = [conn for conn in idle if not conn.closed and conn.idle_since > stale_before]
             for conn in idle:
                 if conn not in keep:
                     conn.close()

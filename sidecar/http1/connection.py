@@ -41,6 +41,7 @@ class Connection(asyncio.Protocol):
         "_busy",
         "_chunks",
         "_complete",
+        "_deadline",
         "_drain",
         "_error",
         "_head",
@@ -91,6 +92,7 @@ class Connection(asyncio.Protocol):
         self._paused = False
         self._drain: asyncio.Future[None] | None = None
         self._read_timeout_s: float | None = None
+        self._deadline: float | None = None
 
     # ---- asyncio.Protocol ------------------------------------------------------------
 
@@ -171,11 +173,18 @@ class Connection(asyncio.Protocol):
 
     # ---- the exchange --------------------------------------------------------------------
 
-    def start(self, head_only: bool, read_timeout_s: float | None) -> asyncio.Future[None]:
-        """Prepare for a new response; returns the future resolved when its head arrives."""
+    def start(
+        self, head_only: bool, read_timeout_s: float | None, deadline: float | None
+    ) -> asyncio.Future[None]:
+        """Prepare for a new response; returns the future resolved when its head arrives.
+
+        ``read_timeout_s`` bounds each wait for bytes; ``deadline`` (loop time) the whole
+        exchange, body included.
+        """
         self._busy = True
         self._head_only = head_only
         self._read_timeout_s = read_timeout_s
+        self._deadline = deadline
         self._status = 0
         self._headers = []
         self._chunks = []
@@ -262,10 +271,13 @@ class Connection(asyncio.Protocol):
 
     async def _wait_for(self, future: asyncio.Future[None]) -> None:
         timeout = self._read_timeout_s
+        if self._deadline is not None:
+            remaining = self._deadline - self._loop.time()
+            timeout = remaining if timeout is None else min(timeout, remaining)
         if timeout is None:
             await future
             return
-        timer = self._loop.call_later(timeout, _expire, future)
+        timer = self._loop.call_later(max(timeout, 0.0), expire_future, future)
         try:
             await future
         finally:
@@ -287,7 +299,8 @@ class Connection(asyncio.Protocol):
             waiter.set_result(None)
 
 
-def _expire(future: asyncio.Future[None]) -> None:
+def expire_future(future: asyncio.Future[None]) -> None:
+    """A timer's callback: end a wait with ``TimeoutError`` unless it already ended."""
     if not future.done():
         future.set_exception(TimeoutError())
 

@@ -64,6 +64,8 @@ async def _read_body(request: web.Request, max_bytes: int, timeout_s: float) -> 
     if request.content_length is not None and request.content_length > max_bytes:
         raise BodyTooLarge(f"request body exceeds {max_bytes} bytes")
     try:
+        if request.content.is_eof():
+            return await request.read()  # all there already: no deadline needed
         # A client trickling its body (slow loris) would hold an admission slot for ever.
         async with asyncio.timeout(timeout_s):
             return await request.read()

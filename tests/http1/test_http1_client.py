@@ -330,3 +330,22 @@ async def test_informational_answers_are_refused() -> None:
         with pytest.raises(UpstreamProtocolError):
             await http.request("GET", url + "/x")
         await http.close()
+
+
+async def test_the_exchange_deadline_bounds_the_body_and_the_slot_wait() -> None:
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nhalf")
+        await writer.drain()
+        await reader.read()
+
+    async with scripted(serve) as (url, _):
+        http = client(limit=1)
+        response = await http.request("GET", url + "/a", timeout_s=0.05)
+        with pytest.raises(TimeoutError):
+            await response.read()  # the head came in time, the rest never does
+        # The first exchange still holds the only slot: the second times out waiting for it.
+        with pytest.raises(TimeoutError):
+            await http.request("GET", url + "/b", timeout_s=0.05)
+        response.close()
+        await http.close()
