@@ -39,6 +39,10 @@ _BAD_REQUEST: Final = (
     b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\n"
     b'content-length: 34\r\nconnection: close\r\n\r\n{"detail":"Invalid HTTP request."}'
 )
+_TOO_LARGE: Final = (
+    b"HTTP/1.1 413 Request Entity Too Large\r\ncontent-type: application/json\r\n"
+    b'content-length: 35\r\nconnection: close\r\n\r\n{"detail":"Request body too large."}'
+)
 
 
 def _status_line(status: int) -> bytes:
@@ -90,6 +94,7 @@ class HttpConnection(asyncio.Protocol):
         self._events: Iterator[bytes] | None = None
         self._paused = False
         self._closed = False
+        self._too_large = False
 
     # -- transport callbacks ----------------------------------------------------------
 
@@ -110,7 +115,7 @@ class HttpConnection(asyncio.Protocol):
         try:
             self.parser.feed_data(data)
         except (httptools.HttpParserError, httptools.HttpParserUpgrade):
-            self._reject()
+            self._reject(_TOO_LARGE if self._too_large else _BAD_REQUEST)
 
     def pause_writing(self) -> None:
         self._paused = True
@@ -137,6 +142,7 @@ class HttpConnection(asyncio.Protocol):
     def on_body(self, body: bytes) -> None:
         self._size += len(body)
         if self._size > self.server.max_body:
+            self._too_large = True
             raise httptools.HttpParserError("body too large")
         self._body.append(body)
 
@@ -186,9 +192,9 @@ class HttpConnection(asyncio.Protocol):
             return
         self.send(500, b'{"detail":"Internal Server Error"}')
 
-    def _reject(self) -> None:
+    def _reject(self, answer: bytes) -> None:
         if self.transport is not None and not self._closed:
-            self.transport.write(_BAD_REQUEST)
+            self.transport.write(answer)
             self.close()
 
     def _finish(self) -> None:

@@ -292,6 +292,13 @@ async def test_malformed_http_is_400_and_closed(data: bytes) -> None:
     assert b"connection: close" in raw
 
 
+async def test_oversized_body_is_413() -> None:
+    async with run_engine(engine="vllm", role="decode") as decode:
+        decode.server.max_body = 10
+        raw = await raw_exchange(decode.port, request({"prompt": PROMPT}))
+    assert raw.startswith(b"HTTP/1.1 413 ")
+
+
 async def test_bad_bodies_are_400_in_the_engines_words(client: Client) -> None:
     async with (
         run_engine(engine="vllm", role="decode") as vllm,
