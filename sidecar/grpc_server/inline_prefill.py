@@ -152,30 +152,39 @@ class InlinePrefillService(PrefillService):
                         request_id, announced, directory, notices, engine, send
                     )
                 await engine  # the engine's errors end the stream here
-                meta = read_staged_meta(directory)
-                if announced is None:
-                    self._check_bound(
-                        meta.layout.num_layers * meta.num_blocks * meta.layout.block_bytes
-                    )
-                    head = meta_block(request_id, meta)
-                    await send(disagg_pb2.KVBlockStream(block=head), len(head.k_data))
-                elif meta != announced:
-                    raise FailedPrecondition(
-                        f"the prefill engine saved KV as {meta.to_dict()}, not as announced "
-                        f"from its engine.json ({announced.to_dict()})",
-                        stage=Stage.PREFILL,
-                    )
-                for layer_idx in range(sent, meta.layout.num_layers):
-                    messages = await asyncio.to_thread(
-                        read_layer_messages, request_id, meta, directory, layer_idx
-                    )
-                    await _send_layer(messages, meta.layout.tile_bytes, send)
+                await self._after_answer(request_id, announced, directory, sent, send)
             finally:
                 try:
                     await _settle(engine)
                 finally:
                     # Synchronous on tmpfs: no cancellation can skip it.
                     shutil.rmtree(directory, ignore_errors=True)
+
+    async def _after_answer(
+        self,
+        request_id: str,
+        announced: InlineMeta | None,
+        directory: Path,
+        sent: int,
+        send: Send,
+    ) -> None:
+        """The engine answered: check its meta.json, send the layers not sent yet."""
+        meta = read_staged_meta(directory)
+        if announced is None:
+            self._check_bound(meta.layout.num_layers * meta.num_blocks * meta.layout.block_bytes)
+            head = meta_block(request_id, meta)
+            await send(disagg_pb2.KVBlockStream(block=head), len(head.k_data))
+        elif meta != announced:
+            raise FailedPrecondition(
+                f"the prefill engine saved KV as {meta.to_dict()}, not as announced from its "
+                f"engine.json ({announced.to_dict()})",
+                stage=Stage.PREFILL,
+            )
+        for layer_idx in range(sent, meta.layout.num_layers):
+            messages = await asyncio.to_thread(
+                read_layer_messages, request_id, meta, directory, layer_idx
+            )
+            await _send_layer(messages, meta.layout.tile_bytes, send)
 
     async def _while_computing(
         self,
