@@ -52,6 +52,17 @@ _SSE_DONE = b"data: [DONE]"
 _TAIL_BYTES = 32
 
 
+class _SSEResponse(web.StreamResponse):
+    """A stream whose head leaves with its first chunk: one send instead of two.
+
+    aiohttp's own ``web.Response`` buffers its head this way; a ``StreamResponse`` sends it
+    at ``prepare()`` unless told otherwise. The first chunk follows the decode engine's head
+    at once, so the client waits for nothing it would not have waited for anyway.
+    """
+
+    _send_headers_immediately = False
+
+
 def request_id_of(request: web.Request) -> str:
     """The client's ``X-Request-Id`` when it is sane, else a new one."""
     given = request.headers.get(REQUEST_ID)
@@ -203,7 +214,7 @@ async def _relay(
                                stage=Stage.DECODE) from None
         relayed.inc(len(body))
         return web.Response(body=body, headers=headers)
-    response = web.StreamResponse(status=200, headers=headers)
+    response = _SSEResponse(status=200, headers=headers)
     await response.prepare(request)
     total = 0
     tail = b""
