@@ -3,8 +3,9 @@
 Proves: the stubs and the sidecar start as separate processes, every phase of both flows
 (vLLM NIXL sequential, SGLang or vLLM Mooncake concurrent) completes without errors through
 the sidecar and directly, the decode stubs used the prefill's hand-off, and the JSON and the
-table carry the figures the README shows. Does not prove anything about speed: the run is a
-few requests per phase on a shared machine.
+table carry the figures the README shows; by default with the lean stubs and load client,
+and still with the aiohttp ones kept for comparison. Does not prove anything about speed:
+the run is a few requests per phase on a shared machine.
 """
 
 from __future__ import annotations
@@ -40,3 +41,22 @@ def test_quick_run_produces_table_and_json(tmp_path: Path) -> None:
     assert tokens["tokens_per_s"] > 0
     assert [t["target"] for t in result["targets"]]
     assert "| flow |" in done.stdout and "Targets" in done.stdout
+
+
+def test_quick_run_with_the_aiohttp_stubs_and_client(tmp_path: Path) -> None:
+    """The comparison path (``--stubs aiohttp --client aiohttp``) still runs a PD flow."""
+    out = tmp_path / "result.json"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.run", "--quick", "--stubs", "aiohttp", "--client",
+         "aiohttp", "--flows", "seq", "--phases", "json/c4,stream/serial", "--out", str(out)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=90, check=False,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(out.read_text())
+    assert (result["stubs"], result["client"]) == ("aiohttp", "aiohttp")
+    flow = result["flows"]["seq"]
+    assert set(flow["handoffs"]) == {"remote"}
+    assert set(flow["phases"]) == {"json/c4", "stream/serial"}
+    for sides in flow["phases"].values():
+        assert all(side["errors"] == 0 and side["requests"] > 0 for side in sides.values())
