@@ -31,7 +31,10 @@ if TYPE_CHECKING:
     from bench.lean_engine import Engine
 
 _CHOICE_EXTRA: Final = {"prompt_token_ids": None, "token_ids": None}
-_ERROR_TYPES: Final = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError"}
+_ERROR_TYPES: Final = {
+    400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
 
 
 class VllmFlavour:
@@ -92,7 +95,10 @@ class VllmFlavour:
             return None
         base = request.headers.get(b"x-request-id")
         response_id = f"cmpl-{base.decode('latin-1') if base else uuid.uuid4().hex}"
-        if self.issuer is not None:
+        if self.prefill:
+            if self.issuer is None:  # not started: no port to name in a hand-off yet
+                conn.send(503, self.error_body(503, "engine starting"))
+                return None
             # A prefill computes the KV a decode continues from: the "remote" words.
             handing = bool(params and params.get("do_remote_decode"))
             kv = self.issuer.issue(response_id, c.digest, c.prompt_tokens) if handing else None
