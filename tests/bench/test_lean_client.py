@@ -133,12 +133,14 @@ async def test_lost_connection_and_silence_raise(
         await reader.read()  # until the client gives up and closes
         writer.close()
 
-    client = Client(timeout_s=0.05)
+    patient = Client(timeout_s=10)
     with pytest.raises(ConnectionResetError):
-        await client.request(await serve(cut), b"GET", "/")
+        await patient.request(await serve(cut), b"GET", "/")
+    hasty = Client(timeout_s=0.05)
     with pytest.raises(TimeoutError):
-        await client.request(await serve(silent), b"GET", "/")
-    await client.close()
+        await hasty.request(await serve(silent), b"GET", "/")
+    await patient.close()
+    await hasty.close()
 
 
 async def test_both_load_clients_agree(serve: Callable[[Handler], Awaitable[Origin]]) -> None:
