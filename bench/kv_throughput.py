@@ -54,6 +54,7 @@ from connectors.inline_layout import (
     write_atomic,
 )
 from sidecar.grpc_gen import disagg_pb2, disagg_pb2_grpc
+from sidecar.inline_kv.heap import retain_freed_heap
 
 MODEL = "bench-kv"
 
@@ -303,6 +304,9 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=5)
     parser.add_argument("--max-staged-mib", type=int, default=256)
     args = parser.parse_args()
+    # The router and the stub engine (this process) handle the same large messages as the
+    # sidecars, which tune their heap themselves in inline mode.
+    retain_freed_heap(2**31 - 1)
     print(json.dumps(asyncio.run(run(args)), indent=2))
 
 

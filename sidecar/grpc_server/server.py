@@ -7,6 +7,7 @@
                                                             only while the local engine is ready)
                 grpc.reflection.v1alpha.ServerReflection
       options:  max send/receive message size = settings.grpc_max_message_bytes
+      inline:   the process keeps freed heap for reuse (``sidecar.inline_kv.heap``)
 
 Health follows ``runtime.health`` (the engine watcher started by ``serve``): its change
 listener flips the statuses; once draining starts (SIGTERM), Check answers NOT_SERVING.
@@ -38,6 +39,7 @@ from sidecar.grpc_server.engine_model import EngineModel
 from sidecar.grpc_server.inline_decode import InlineDecodeService
 from sidecar.grpc_server.inline_prefill import InlinePrefillService
 from sidecar.grpc_server.prefill import PrefillService
+from sidecar.inline_kv.heap import retain_freed_heap
 from sidecar.inline_kv.staging import StagingArea
 from sidecar.protocol.hostfmt import url_host
 from sidecar.runtime import Runtime
@@ -117,6 +119,8 @@ def _services(
     if settings.kv_transport != KVTransport.INLINE:
         return PrefillService(runtime, prefill_model), DecodeService(runtime, decode_model)
     area = StagingArea(Path(settings.kv_staging_dir), settings.max_staged_bytes)
+    # KV messages are tens of MiB per request: reuse freed heap instead of faulting it in anew.
+    retain_freed_heap(settings.max_staged_bytes + 2 * settings.grpc_max_message_bytes)
     return (
         InlinePrefillService(runtime, prefill_model),
         InlineDecodeService(runtime, decode_model, area),

@@ -1,0 +1,197 @@
+"""Cross-process grpcio ceilings on this machine: how fast grpc.aio moves bytes, nothing else.
+
+    python -m bench.grpc_ceiling [--total-mib 32] [--sizes 65536,1048576] [--repeat 5]
+
+A server process (this module with ``--serve``) offers two bytes-only methods (identity
+serializers: no protobuf at all): ``/ceiling.C/Stream`` answers one request with ``count``
+pre-built messages of ``size`` bytes (the Prefill stream's shape), ``/ceiling.C/Sink`` takes
+one request of any size and answers its length (Decode's request shape). This process is the
+client. Reported per shape: best MB/s over ``--repeat`` runs, next to raw loopback TCP of the
+same total (one hop). What the grpcio path through the sidecars can ever reach is bounded by
+these figures: the Prefill stream by ``stream``, the router's DecodeRequest by ``unary``.
+
+``--retain-heap`` makes both ends keep freed heap memory (``sidecar.inline_kv.heap``, what
+the sidecars do in inline mode): without it every large message is faulted in anew.
+Figures on the 2-core machine (32 MiB total, MB/s, best of 5, machine shared):
+
+    default heap:   stream 64 KiB ~400-540, 1 MiB ~900-1,500; unary 32 MiB ~360-450
+    --retain-heap:  stream 64 KiB ~500-820, 1 MiB ~2,500-2,900; unary 32 MiB ~1,250-1,450
+    raw loopback TCP, one hop, same total: ~2,700-4,900
+
+Channel options (max_frame_size 16 MiB, lookahead_bytes 64 MiB, tcp read chunk sizes up to
+16 MiB, write_buffer_size 16 MiB, bdp_probe off, tx zerocopy) changed none of these beyond the
+run-to-run noise; uvloop neither.
+
+Deliberate limits: plaintext, one call at a time, the default channel options plus the message
+size limits unless ``--options`` (a JSON list of [name, value]) adds some to both ends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+
+from sidecar.inline_kv.heap import retain_freed_heap
+
+_STREAM = "/ceiling.C/Stream"
+_SINK = "/ceiling.C/Sink"
+
+
+def _ident(data: bytes) -> bytes:
+    return data
+
+
+async def _serve(options: list[tuple[str, Any]]) -> None:
+    cache: dict[tuple[int, int], list[bytes]] = {}
+
+    Context = grpc.aio.ServicerContext[bytes, bytes]
+
+    async def stream(request: bytes, _: Context) -> AsyncIterator[bytes]:
+        count, size = struct.unpack("<II", request)
+        messages = cache.get((count, size))
+        if messages is None:
+            messages = cache[count, size] = [os.urandom(size) for _ in range(count)]
+        for message in messages:
+            yield message
+
+    async def sink(request: bytes, _: Context) -> bytes:
+        return struct.pack("<Q", len(request))
+
+    handler = grpc.method_handlers_generic_handler(
+        "ceiling.C",
+        {
+            "Stream": grpc.unary_stream_rpc_method_handler(
+                stream, request_deserializer=_ident, response_serializer=_ident
+            ),
+            "Sink": grpc.unary_unary_rpc_method_handler(
+                sink, request_deserializer=_ident, response_serializer=_ident
+            ),
+        },
+    )
+    server = grpc.aio.server(options=options)
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    print(port, flush=True)
+    await server.wait_for_termination()
+
+
+async def _client(
+    port: int, args: argparse.Namespace, options: list[tuple[str, Any]]
+) -> dict[str, Any]:
+    total = args.total_mib << 20
+    results: dict[str, Any] = {}
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=options) as channel:
+        stream = channel.unary_stream(
+            _STREAM, request_serializer=_ident, response_deserializer=_ident
+        )
+        sink = channel.unary_unary(_SINK, request_serializer=_ident, response_deserializer=_ident)
+        for size in args.sizes:
+            count = max(total // size, 1)
+            request = struct.pack("<II", count, size)
+            best = float("inf")
+            for _ in range(args.repeat + 1):  # the first run warms the server's cache
+                started = time.perf_counter()
+                got = 0
+                async for message in stream(request):
+                    got += len(message)
+                best = min(best, time.perf_counter() - started)
+            assert got == count * size
+            results[f"stream_{size}"] = round(count * size / best / 1e6, 1)
+        payload = os.urandom(total)
+        best = float("inf")
+        for _ in range(args.repeat + 1):
+            started = time.perf_counter()
+            answer = await sink(payload)
+            best = min(best, time.perf_counter() - started)
+        assert struct.unpack("<Q", answer)[0] == total
+        results[f"unary_{total}"] = round(total / best / 1e6, 1)
+    return results
+
+
+def raw_one_hop_mb_s(nbytes: int, repeat: int) -> float:
+    chunk = b"\x01" * (1 << 20)
+    best = float("inf")
+    for _ in range(repeat):
+        with socket.socket() as server:
+            server.bind(("127.0.0.1", 0))
+            server.listen(1)
+
+            def drain() -> None:
+                conn, _ = server.accept()
+                with conn:
+                    while conn.recv(1 << 20):
+                        pass
+
+            reader = threading.Thread(target=drain)
+            reader.start()
+            started = time.perf_counter()
+            with socket.create_connection(server.getsockname()) as client:
+                for _ in range(nbytes // len(chunk)):
+                    client.sendall(chunk)
+            reader.join()
+            best = min(best, time.perf_counter() - started)
+    return nbytes / best / 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--total-mib", type=int, default=32)
+    parser.add_argument("--sizes", default="65536,1048576",
+                        type=lambda s: [int(x) for x in s.split(",")])
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--retain-heap", action="store_true",
+                        help="both ends keep freed heap (sidecar.inline_kv.heap)")
+    parser.add_argument("--uvloop", action="store_true", help="both ends on uvloop")
+    parser.add_argument("--options", default="[]", help="JSON list of [name, value] pairs")
+    args = parser.parse_args()
+    limit = 1 << 30
+    options: list[tuple[str, Any]] = [
+        ("grpc.max_send_message_length", limit),
+        ("grpc.max_receive_message_length", limit),
+        *(tuple(pair) for pair in json.loads(args.options)),
+    ]
+    if args.retain_heap:
+        retain_freed_heap(2**31 - 1)
+    if args.uvloop:
+        import uvloop
+
+        uvloop.install()
+    if args.serve:
+        asyncio.run(_serve(options))
+        return
+    server = subprocess.Popen(
+        [sys.executable, "-m", "bench.grpc_ceiling", "--serve", "--options", args.options,
+         *(["--uvloop"] if args.uvloop else []),
+         *(["--retain-heap"] if args.retain_heap else [])],
+        stdout=subprocess.PIPE,
+    )
+    try:
+        assert server.stdout is not None
+        port = int(server.stdout.readline())
+        results = asyncio.run(_client(port, args, options))
+    finally:
+        server.terminate()
+        server.wait()
+    results["raw_loopback_one_hop"] = round(raw_one_hop_mb_s(args.total_mib << 20, args.repeat), 1)
+    results["options"] = json.loads(args.options)
+    results["uvloop"] = args.uvloop
+    results["retain_heap"] = args.retain_heap
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
