@@ -38,6 +38,7 @@ import socket
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -53,8 +54,9 @@ from connectors.inline_layout import (
     layer_file,
     write_atomic,
 )
-from sidecar.grpc_gen import disagg_pb2, disagg_pb2_grpc
+from sidecar.grpc_gen import disagg_pb2
 from sidecar.inline_kv.heap import retain_freed_heap
+from sidecar.inline_kv.wire import kv_block_of_stream
 
 MODEL = "bench-kv"
 
@@ -166,7 +168,9 @@ def _varint(value: int) -> bytes:
 _KV_BLOCKS_TAG = b"\x12"
 
 
-def decode_request_bytes(head: disagg_pb2.DecodeRequest, blocks: list[bytes]) -> bytes:
+def decode_request_bytes(
+    head: disagg_pb2.DecodeRequest, blocks: Sequence[bytes | memoryview]
+) -> bytes:
     """``head`` with ``blocks`` (serialized KVBlocks) appended to its ``kv_blocks``.
 
     Protobuf concatenation: a repeated field's entries may follow the rest of the message,
@@ -174,7 +178,7 @@ def decode_request_bytes(head: disagg_pb2.DecodeRequest, blocks: list[bytes]) ->
     DecodeRequest and serializing that (upb serializes a 32 MiB message several times
     slower than the blocks one by one). The bytes parse to the same DecodeRequest.
     """
-    parts = [head.SerializeToString()]
+    parts: list[bytes | memoryview] = [head.SerializeToString()]
     for block in blocks:
         parts += (_KV_BLOCKS_TAG, _varint(len(block)), block)
     return b"".join(parts)
@@ -186,10 +190,17 @@ async def route_once(
     """The router: Prefill's blocks, in order, into Decode's ``kv_blocks``."""
     async with grpc.aio.insecure_channel(pre, options=options) as ch:
         started = time.perf_counter()
-        call = disagg_pb2_grpc.PrefillWorkerStub(ch).Prefill(
+        prefill: grpc.aio.UnaryStreamMultiCallable[disagg_pb2.PreFillRequest, bytes]
+        prefill = ch.unary_stream(
+            "/disagg.PrefillWorker/Prefill",
+            request_serializer=disagg_pb2.PreFillRequest.SerializeToString,
+            response_deserializer=None,  # each KVBlockStream's bytes, as they came
+        )
+        call = prefill(
             disagg_pb2.PreFillRequest(request_id=rid, token_ids=prompt, max_new_tokens=1)
         )
-        blocks = [m.block.SerializeToString() async for m in call if m.HasField("block")]
+        # The router forwards blocks opaquely: each block's bytes, sliced out of its message.
+        blocks = [b async for m in call if (b := kv_block_of_stream(m)) is not None]
         prefill_s = time.perf_counter() - started
     async with grpc.aio.insecure_channel(dec, options=options) as ch:
         started = time.perf_counter()
@@ -203,9 +214,10 @@ async def route_once(
         tokens = [m.token_id async for m in call2 if not m.done]
         decode_s = time.perf_counter() - started
     assert tokens == [7], tokens
-    wire = sum(
-        len(b.k_data) + len(b.v_data) for b in map(disagg_pb2.KVBlock.FromString, blocks)
-    )
+    wire = 0
+    for serialized in blocks:
+        block = disagg_pb2.KVBlock.FromString(bytes(serialized))
+        wire += len(block.k_data) + len(block.v_data)
     return prefill_s, decode_s, wire
 
 

@@ -139,7 +139,10 @@ async def start_grpc_server(
                                timeout_s=settings.connect_timeout_s, stage=Stage.DECODE)
     prefill, decode = _services(runtime, prefill_model, decode_model)
     disagg_pb2_grpc.add_PrefillWorkerServicer_to_server(prefill, server)
-    disagg_pb2_grpc.add_DecodeWorkerServicer_to_server(decode, server)
+    if isinstance(decode, InlineDecodeService):
+        decode.add_to_server(server)  # the request's bytes, walked without protobuf objects
+    else:
+        disagg_pb2_grpc.add_DecodeWorkerServicer_to_server(decode, server)
 
     health_servicer = _DrainAwareHealth(runtime)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -4,7 +4,8 @@ Prefill side: ``read_staged_meta`` + ``iter_blocks`` turn the files the engine's
 wrote (``connectors.inline_layout``) into ``KVBlock`` messages: the metadata block first,
 then one data block per layer and block, layer by layer.
 
-Decode side: ``parse_blocks`` reassembles a ``DecodeRequest``'s blocks and checks them:
+Decode side: ``parse_blocks`` reassembles a ``DecodeRequest``'s blocks and checks them
+(``parse_entries`` the same for blocks walked off the wire by ``sidecar.inline_kv.wire``):
 a missing, duplicated or malformed metadata block, a data block outside the metadata's
 layers/blocks, a tile of the wrong size, a duplicated or missing block -> INVALID_ARGUMENT
 (``InvalidRequest``); ``check_compatible`` refuses KV of another model, dtype or shape than
@@ -164,12 +165,18 @@ def read_layer(directory: Path, layer_idx: int) -> bytes:
         ) from None
 
 
+#: A tile as received: its own bytes (parsed messages) or a view into the request (wire walk).
+Tile = bytes | memoryview
+#: One block as ``parse_entries`` takes it: (layer_idx, block_idx, k_data, v_data).
+Entry = tuple[int, int, Tile, Tile]
+
+
 @dataclass(frozen=True)
 class InlineKV:
     """A request's KV as the decode side received it: ``tiles[layer][block] = (k, v)``."""
 
     meta: InlineMeta
-    tiles: list[list[tuple[bytes, bytes]]]
+    tiles: list[list[tuple[Tile, Tile]]]
     #: ``k_data`` + ``v_data`` bytes of all the blocks received, the metadata block included.
     wire_bytes: int = 0
 
@@ -181,7 +188,7 @@ class InlineKV:
         """One layer in the file layout of ``connectors.inline_layout``."""
         return b"".join(self.layer_chunks(layer_idx))
 
-    def layer_chunks(self, layer_idx: int) -> list[bytes]:
+    def layer_chunks(self, layer_idx: int) -> list[Tile]:
         """The same, as the tiles in file order (written without joining: no copy)."""
         return [tile for pair in self.tiles[layer_idx] for tile in pair]
 
@@ -192,14 +199,22 @@ def _bad(message: str) -> InvalidRequest:
 
 def parse_blocks(blocks: Sequence[disagg_pb2.KVBlock], *, max_blocks: int) -> InlineKV:
     """Reassemble and check the inline KV of a DecodeRequest (see the module docstring)."""
-    metas = [b for b in blocks if b.layer_idx == META_LAYER]
+    # Each field read once: a protobuf bytes field is copied out on every access.
+    return parse_entries(
+        [(b.layer_idx, b.block_idx, b.k_data, b.v_data) for b in blocks], max_blocks=max_blocks
+    )
+
+
+def parse_entries(entries: Sequence[Entry], *, max_blocks: int) -> InlineKV:
+    """``parse_blocks`` on blocks already taken apart (e.g. by ``sidecar.inline_kv.wire``)."""
+    metas = [e for e in entries if e[0] == META_LAYER]
     if len(metas) != 1:
         raise _bad(f"expected one metadata block (layer_idx -2), got {len(metas)}")
-    if metas[0].block_idx != 0 or metas[0].v_data:
+    _, meta_idx, meta_json, meta_v = metas[0]
+    if meta_idx != 0 or len(meta_v):
         raise _bad("the metadata block must have block_idx 0 and empty v_data")
-    meta_json = metas[0].k_data
     try:
-        meta = InlineMeta.from_json(meta_json)
+        meta = InlineMeta.from_json(bytes(meta_json))
     except LayoutError as exc:
         raise _bad(str(exc)) from None
     layout = meta.layout
@@ -209,21 +224,18 @@ def parse_blocks(blocks: Sequence[disagg_pb2.KVBlock], *, max_blocks: int) -> In
             f"inline KV has {expected} blocks; this sidecar accepts {max_blocks} per request",
             stage=Stage.HANDOFF,
         )
-    tiles: list[list[tuple[bytes, bytes] | None]] = [
+    tiles: list[list[tuple[Tile, Tile] | None]] = [
         [None] * meta.num_blocks for _ in range(layout.num_layers)
     ]
     tile = layout.tile_bytes
     num_layers, num_blocks = layout.num_layers, meta.num_blocks
-    for block in blocks:
-        # Each field read once: a protobuf bytes field is copied out on every access.
-        layer_idx, block_idx = block.layer_idx, block.block_idx
+    for layer_idx, block_idx, k_data, v_data in entries:
         if layer_idx == META_LAYER:
             continue
         if layer_idx < 0:
             raise _bad(f"unexpected control block layer_idx {layer_idx}")
         if layer_idx >= num_layers or not 0 <= block_idx < num_blocks:
             raise _bad(f"block ({layer_idx}, {block_idx}) is outside the metadata")
-        k_data, v_data = block.k_data, block.v_data
         if len(k_data) != tile or len(v_data) != tile:
             raise _bad(
                 f"block ({layer_idx}, {block_idx}) has K/V of "

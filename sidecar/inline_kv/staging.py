@@ -23,7 +23,7 @@ from pathlib import Path
 
 from connectors.inline_layout import ENGINE_FILE, META_FILE, InlineMeta, layer_file, write_atomic
 from sidecar.errors import ResourceExhausted, Stage
-from sidecar.inline_kv.codec import InlineKV
+from sidecar.inline_kv.codec import InlineKV, Tile
 
 #: Buffers per ``writev`` call (the POSIX minimum of IOV_MAX; Linux allows 1024).
 _IOV_MAX = 1024
@@ -64,6 +64,8 @@ class StagingArea:
         directory = self.root / key
         try:
             await asyncio.to_thread(self._write, directory, kv, key)
+            # Written: this frame no longer keeps the tiles (or the request they view) alive.
+            del kv
             yield key
         finally:
             # Synchronous (tmpfs: fast) so that no cancellation can interrupt the clean-up.
@@ -79,7 +81,7 @@ class StagingArea:
         write_atomic(directory / META_FILE, meta.to_json())
 
 
-def _write_chunks(path: Path, chunks: list[bytes]) -> None:
+def _write_chunks(path: Path, chunks: list[Tile]) -> None:
     """One layer file from its tiles: gathered writes (one syscall per layer on tmpfs), no join."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
     try:

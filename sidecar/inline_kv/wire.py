@@ -1,0 +1,187 @@
+"""The protobuf wire of DecodeRequest walked without building messages: KV tiles as memoryviews.
+
+    split_decode_request(data) ─▶ (head, blocks)
+      head:   every field of the DecodeRequest but ``kv_blocks`` (2), re-framed as they came:
+              small, parsed by upb as usual (``DecodeRequest.FromString(head)``)
+      blocks: one ``WireBlock(layer_idx, block_idx, k_data, v_data)`` per ``kv_blocks`` entry,
+              ``k_data`` / ``v_data`` memoryviews into ``data`` (no copy of the KV)
+    kv_block_of_stream(data) ─▶ the KVBlock bytes inside a serialized KVBlockStream (a router
+                                that forwards blocks opaquely frames DecodeRequest from them)
+
+Why: upb parsing a 32 MiB DecodeRequest copies every tile into its arena, and reading a
+``bytes`` field copies it again; this walk copies nothing, so the decode side holds the KV
+once (the request bytes grpc hands over) until it is written to the staging files.
+
+Same meaning as protobuf's parser for what a conformant encoder emits: fields in any order;
+the last value of a repeated scalar wins; unknown fields, and known fields of an unexpected
+wire type (protobuf treats them as unknown), are skipped; ``int32`` from a 64-bit varint
+(negative numbers are sign-extended to ten bytes); a KVBlock's ``request_id`` must be UTF-8.
+Malformed wire (a truncated field, a varint over ten bytes, a length past the end, field
+number 0, wire types 6 and 7) raises ``WireError``. Deliberate limit: groups (wire types 3
+and 4, proto2 only, never emitted for this proto3 contract) are refused as malformed too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final
+
+VARINT: Final = 0
+I64: Final = 1
+LEN: Final = 2
+I32: Final = 5
+
+#: DecodeRequest.kv_blocks; KVBlockStream.block; KVBlock fields.
+DECODE_KV_BLOCKS: Final = 2
+STREAM_BLOCK: Final = 1
+BLOCK_REQUEST_ID: Final = 1
+BLOCK_LAYER: Final = 2
+BLOCK_INDEX: Final = 3
+BLOCK_K: Final = 4
+BLOCK_V: Final = 5
+
+_EMPTY: Final = memoryview(b"")
+
+
+class WireError(ValueError):
+    """Bytes that are not a well-formed protobuf message."""
+
+
+@dataclass(frozen=True, slots=True)
+class WireBlock:
+    """One KVBlock as found on the wire (``request_id`` checked, not kept)."""
+
+    layer_idx: int
+    block_idx: int
+    k_data: memoryview
+    v_data: memoryview
+
+
+def _varint(buf: memoryview, pos: int, end: int) -> tuple[int, int]:
+    result = 0
+    shift = 0
+    while True:
+        if pos >= end:
+            raise WireError("truncated varint")
+        byte = buf[pos]
+        pos += 1
+        result |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return result, pos
+        shift += 7
+        if shift >= 70:
+            raise WireError("varint longer than ten bytes")
+
+
+def _int32(value: int) -> int:
+    """protobuf's int32 from a varint: the low 32 bits, two's complement."""
+    value &= 0xFFFFFFFF
+    return value - (1 << 32) if value >= 1 << 31 else value
+
+
+def _skip(buf: memoryview, pos: int, end: int, wire_type: int) -> int:
+    """Position after a field's value of ``wire_type`` that starts at ``pos``."""
+    if wire_type == VARINT:
+        return _varint(buf, pos, end)[1]
+    if wire_type == LEN:
+        length, pos = _varint(buf, pos, end)
+        pos += length
+    elif wire_type == I64:
+        pos += 8
+    elif wire_type == I32:
+        pos += 4
+    else:
+        raise WireError(f"wire type {wire_type} is not supported")
+    if pos > end:
+        raise WireError("field runs past the end of its message")
+    return pos
+
+
+def _tag(buf: memoryview, pos: int, end: int) -> tuple[int, int, int]:
+    key, pos = _varint(buf, pos, end)
+    number, wire_type = key >> 3, key & 7
+    if number == 0 or key > 0xFFFFFFFF:
+        raise WireError(f"invalid field key {key}")
+    return number, wire_type, pos
+
+
+def split_decode_request(data: bytes | memoryview) -> tuple[bytes, list[WireBlock]]:
+    """A DecodeRequest's other fields (re-framed) and its KV blocks (see the module docstring)."""
+    buf = memoryview(data).cast("B")
+    end = len(buf)
+    head: list[memoryview] = []
+    blocks: list[WireBlock] = []
+    pos = 0
+    while pos < end:
+        start = pos
+        number, wire_type, pos = _tag(buf, pos, end)
+        if number == DECODE_KV_BLOCKS and wire_type == LEN:
+            length, pos = _varint(buf, pos, end)
+            if pos + length > end:
+                raise WireError("kv_blocks entry runs past the end of the request")
+            blocks.append(parse_block(buf[pos : pos + length]))
+            pos += length
+        else:
+            pos = _skip(buf, pos, end, wire_type)
+            head.append(buf[start:pos])
+    return b"".join(head), blocks
+
+
+def parse_block(buf: memoryview) -> WireBlock:
+    """One serialized KVBlock; its bytes fields as memoryviews into ``buf``."""
+    end = len(buf)
+    layer_idx = block_idx = 0
+    k_data = v_data = request_id = _EMPTY
+    pos = 0
+    while pos < end:
+        number, wire_type, pos = _tag(buf, pos, end)
+        if wire_type == VARINT and number in (BLOCK_LAYER, BLOCK_INDEX):
+            value, pos = _varint(buf, pos, end)
+            if number == BLOCK_LAYER:
+                layer_idx = _int32(value)
+            else:
+                block_idx = _int32(value)
+        elif wire_type == LEN and number in (BLOCK_REQUEST_ID, BLOCK_K, BLOCK_V):
+            length, pos = _varint(buf, pos, end)
+            if pos + length > end:
+                raise WireError("KVBlock field runs past the end of the block")
+            value_view = buf[pos : pos + length]
+            pos += length
+            if number == BLOCK_K:
+                k_data = value_view
+            elif number == BLOCK_V:
+                v_data = value_view
+            else:
+                request_id = value_view
+        else:
+            pos = _skip(buf, pos, end, wire_type)
+    try:
+        str(request_id, "utf-8")
+    except UnicodeDecodeError:
+        raise WireError("KVBlock request_id is not UTF-8") from None
+    return WireBlock(layer_idx, block_idx, k_data, v_data)
+
+
+def kv_block_of_stream(data: bytes | memoryview) -> memoryview | None:
+    """The serialized KVBlock of a KVBlockStream message (None when it has no block).
+
+    A ``block`` field that occurs more than once is merged by protobuf; here that is refused
+    (no encoder emits it), so the bytes returned always parse to the block protobuf would see.
+    """
+    buf = memoryview(data).cast("B")
+    end = len(buf)
+    found: memoryview | None = None
+    pos = 0
+    while pos < end:
+        number, wire_type, pos = _tag(buf, pos, end)
+        if number == STREAM_BLOCK and wire_type == LEN:
+            length, pos = _varint(buf, pos, end)
+            if pos + length > end:
+                raise WireError("block runs past the end of the message")
+            if found is not None:
+                raise WireError("KVBlockStream carries its block field twice")
+            found = buf[pos : pos + length]
+            pos += length
+        else:
+            pos = _skip(buf, pos, end, wire_type)
+    return found
