@@ -16,13 +16,34 @@ through tmpfs on both sides, as in a pod.
 Raw loopback reference: the same number of bytes sent twice over a loopback TCP socket
 (1 MiB ``sendall`` chunks to a reader thread), best of three. Reported: MB/s of both, their
 ratio (the goal is the gRPC path within a factor of 3), per-request Prefill / Decode times,
-and each sidecar's peak resident memory (``VmHWM``) next to the staging limit and the
-per-request KV size.
+median stage times (``engine_save_s`` / ``engine_load_s``: the stub engine's file writes and
+reads; ``prefill_first_message_s``; ``router_frame_s``: building DecodeRequest), and each
+sidecar's peak resident memory (``VmHWM``) next to the staging limit and the KV size. This
+process keeps freed heap for reuse like the sidecars do (``sidecar.inline_kv.heap``).
 
-Where the time goes (2-core machine, 32 MiB): grpcio itself moves about 400 MB/s per hop
-here (a bytes-only unary or stream RPC of 32 MiB, no protobuf: ~85 ms), so the two hops alone
-are ~170 ms per request, about 10x raw loopback; the rest is copies of the KV that the path
-needs (files on both sides, protobuf bytes fields, the router's DecodeRequest).
+Figures (2-core machine shared with other work, load average ~1-1.5; MB/s, best request):
+
+    32 MiB (defaults), --requests 10:   before 256-262 vs raw 3,920-4,135 = 14.9-16.1x
+                                        after  447-492 vs raw 3,780-4,170 =  8.5-8.9x
+      after: Prefill ~0.08-0.10 s (engine save 15 ms, first message 19 ms), Decode
+      ~0.06 s (frame 4 ms, engine load 8 ms); peak RSS prefill 74 MB, decode 234-244 MB
+      (before 200-227 MB); staging limit 256 MiB
+    512 MiB (--blocks 256 --requests 3 --max-staged-mib 1024: a 4k-token prompt of an
+      8B-class model, 32 layers x 8 KV heads x 128, fp16): 429-451 vs raw 4,585-4,640 =
+      10.2-10.8x; Prefill ~1.4-1.5 s, Decode ~1.05-1.2 s; peak RSS prefill 106 MB (one layer
+      at a time), decode 1.89-1.92 GB (3.5x the KV: grpcio's receive path)
+
+Where the time goes: grpcio's ceilings on this machine (``python -m bench.grpc_ceiling
+--retain-heap``, cross-process, bytes only, no protobuf): a stream of 64 KiB messages (the
+Prefill stream's shape: one block per message) ~670-820 MB/s, one 32-512 MiB unary request
+(Decode's shape) ~1,050-1,450 MB/s, against ~3,800-4,800 MB/s raw per hop. The two hops in
+sequence can therefore not beat ~900 MB/s, about 4-5x raw loopback, even with nothing else
+on the path: the factor 3 is out of reach with grpcio here. The rest is work the path does:
+the stub engine's files (save and load), the files read by the prefill sidecar, the staging
+files written by the decode sidecar, the router's DecodeRequest. The decode sidecar's peak
+is grpcio's: it receives a message into slices, joins them into a bytearray and copies that
+into the ``bytes`` the servicer gets (three copies of the request at once); the sidecar's
+own wire walk adds none.
 
 Deliberate limits: the stub engine's file writes and reads are inside the measured time
 (they are part of the real path too, done by the connector); requests run one after another.
@@ -32,9 +53,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import shutil
 import socket
+import statistics
 import tempfile
 import threading
 import time
@@ -62,7 +85,11 @@ MODEL = "bench-kv"
 
 
 def make_stub(
-    prefill_dir: Path, decode_dir: Path, layout: InlineLayout, blocks: int
+    prefill_dir: Path,
+    decode_dir: Path,
+    layout: InlineLayout,
+    blocks: int,
+    times: dict[str, list[float]],
 ) -> web.Application:
     layer_blob = bytes(range(256)) * (blocks * layout.block_bytes // 256)
 
@@ -76,6 +103,7 @@ def make_stub(
         body: dict[str, Any] = await request.json()
         inline = body.get("kv_transfer_params", {}).get("disagg_inline", {})
         tokens = len(body["prompt"])
+        started = time.perf_counter()
         if inline.get("action") == "save":
             directory = prefill_dir / inline["key"]
             directory.mkdir()
@@ -83,6 +111,7 @@ def make_stub(
                 (directory / layer_file(layer)).write_bytes(layer_blob)
             meta = InlineMeta(layout, tokens, blocks, inline["key"])
             write_atomic(directory / META_FILE, meta.to_json())
+            times["engine_save_s"].append(time.perf_counter() - started)
             return web.json_response(
                 {
                     "id": "x",
@@ -96,6 +125,7 @@ def make_stub(
             len((directory / layer_file(i)).read_bytes()) for i in range(layout.num_layers)
         )
         assert loaded == layout.num_layers * blocks * layout.block_bytes
+        times["engine_load_s"].append(time.perf_counter() - started)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         for chunk in (
@@ -185,7 +215,12 @@ def decode_request_bytes(
 
 
 async def route_once(
-    pre: str, dec: str, rid: str, prompt: list[int], options: list[Any]
+    pre: str,
+    dec: str,
+    rid: str,
+    prompt: list[int],
+    options: list[Any],
+    times: dict[str, list[float]],
 ) -> tuple[float, float, int]:
     """The router: Prefill's blocks, in order, into Decode's ``kv_blocks``."""
     async with grpc.aio.insecure_channel(pre, options=options) as ch:
@@ -200,7 +235,12 @@ async def route_once(
             disagg_pb2.PreFillRequest(request_id=rid, token_ids=prompt, max_new_tokens=1)
         )
         # The router forwards blocks opaquely: each block's bytes, sliced out of its message.
-        blocks = [b async for m in call if (b := kv_block_of_stream(m)) is not None]
+        blocks: list[memoryview] = []
+        async for message in call:
+            if not blocks:
+                times["prefill_first_message_s"].append(time.perf_counter() - started)
+            if (sliced := kv_block_of_stream(message)) is not None:
+                blocks.append(sliced)
         prefill_s = time.perf_counter() - started
     async with grpc.aio.insecure_channel(dec, options=options) as ch:
         started = time.perf_counter()
@@ -210,14 +250,17 @@ async def route_once(
             response_deserializer=disagg_pb2.TokenStream.FromString,
         )
         head = disagg_pb2.DecodeRequest(request_id=rid, token_ids=prompt, max_new_tokens=1)
-        call2 = decode(decode_request_bytes(head, blocks))
+        framed = decode_request_bytes(head, blocks)
+        times["router_frame_s"].append(time.perf_counter() - started)
+        call2 = decode(framed)
+        del framed
         tokens = [m.token_id async for m in call2 if not m.done]
         decode_s = time.perf_counter() - started
     assert tokens == [7], tokens
     wire = 0
     for serialized in blocks:
-        block = disagg_pb2.KVBlock.FromString(bytes(serialized))
-        wire += len(block.k_data) + len(block.v_data)
+        parsed = disagg_pb2.KVBlock.FromString(bytes(serialized))
+        wire += len(parsed.k_data) + len(parsed.v_data)
     return prefill_s, decode_s, wire
 
 
@@ -238,7 +281,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     for d in (prefill_dir, decode_dir, logs):
         d.mkdir()
     write_atomic(decode_dir / ENGINE_FILE, json.dumps(layout.to_dict()).encode())
-    runner = web.AppRunner(make_stub(prefill_dir, decode_dir, layout, args.blocks))
+    times: dict[str, list[float]] = collections.defaultdict(list)
+    runner = web.AppRunner(make_stub(prefill_dir, decode_dir, layout, args.blocks, times))
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
@@ -277,8 +321,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             ("grpc.max_send_message_length", max_message),
         ]
         prompt = list(range(1, args.blocks * layout.block_size + 1))
-        await route_once(pre, dec, "warmup", prompt, options)
-        runs = [await route_once(pre, dec, f"r{i}", prompt, options) for i in range(args.requests)]
+        await route_once(pre, dec, "warmup", prompt, options, times)
+        times.clear()
+        runs = [
+            await route_once(pre, dec, f"r{i}", prompt, options, times)
+            for i in range(args.requests)
+        ]
         leftovers = [p.name for d in (prefill_dir, decode_dir) for p in d.iterdir() if p.is_dir()]
         hwm = {p.name: vm_hwm_bytes(p.pid) for p in sidecars}
     finally:
@@ -295,6 +343,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "requests": args.requests,
         "prefill_s": [round(p, 4) for p, _, _ in runs],
         "decode_s": [round(d, 4) for _, d, _ in runs],
+        "median_stage_s": {k: round(statistics.median(v), 4) for k, v in times.items()},
         "grpc_path_mb_s": round(grpc_mb_s, 1),
         "raw_loopback_mb_s": round(raw_mb_s, 1),
         "raw_over_grpc": round(raw_mb_s / grpc_mb_s, 2),
