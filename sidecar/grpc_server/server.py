@@ -119,8 +119,6 @@ def _services(
     if settings.kv_transport != KVTransport.INLINE:
         return PrefillService(runtime, prefill_model), DecodeService(runtime, decode_model)
     area = StagingArea(Path(settings.kv_staging_dir), settings.max_staged_bytes)
-    # KV messages are tens of MiB per request: reuse freed heap instead of faulting it in anew.
-    retain_freed_heap(settings.max_staged_bytes + 2 * settings.grpc_max_message_bytes)
     return (
         InlinePrefillService(runtime, prefill_model),
         InlineDecodeService(runtime, decode_model, area),
@@ -132,6 +130,10 @@ async def start_grpc_server(
 ) -> tuple[int, StopFunction]:
     """Start serving (over TLS when ``tls`` is given); returns the port and ``stop(grace)``."""
     settings = runtime.settings
+    if settings.kv_transport == KVTransport.INLINE:
+        # KV messages are tens of MiB per request: reuse freed heap instead of faulting it in
+        # anew. Before the server exists: its threads then share the one tuned arena.
+        retain_freed_heap(settings.max_staged_bytes + 2 * settings.grpc_max_message_bytes)
     server = grpc.aio.server(options=server_options(settings.grpc_max_message_bytes))
     prefill_model = EngineModel(runtime.session, settings.engine_url,
                                 timeout_s=settings.connect_timeout_s, stage=Stage.PREFILL)
