@@ -289,6 +289,9 @@ class EngineClient:
                     conn.close()
             idle[:] = keep
             remaining = remaining or bool(keep)
+        # Prefill targets come and go (pods): forget the ones with nothing pooled.
+        for key in [key for key, idle in self._idle.items() if not idle]:
+            del self._idle[key]
         if remaining and not self._closed:
             self._sweeper = self._loop.call_later(self._keepalive_s / 2, self._sweep)
 

@@ -263,9 +263,14 @@ class Connection(asyncio.Protocol):
         )
 
     def close(self) -> None:
+        """Drop the connection; a reader waiting on an unfinished response fails at once."""
+        if self._busy and not self._complete and self._error is None:
+            self._fail(UpstreamBroken("connection closed before the response ended"))
+            return
         if self.transport is not None and not self.closed:
             self.closed = True
             self.transport.close()
+        self._wake()
 
     # ---- internals -----------------------------------------------------------------------
 
@@ -289,7 +294,10 @@ class Connection(asyncio.Protocol):
         head = self._head
         if head is not None and not head.done():
             head.set_exception(error)
-        self.close()
+        if self.transport is not None and not self.closed:
+            self.closed = True
+            self.transport.close()
+        self._wake()
 
     def _wake(self) -> None:
         waiter = self._waiter

@@ -349,3 +349,23 @@ async def test_the_exchange_deadline_bounds_the_body_and_the_slot_wait() -> None
             await http.request("GET", url + "/b", timeout_s=0.05)
         response.close()
         await http.close()
+
+
+async def test_close_from_another_task_fails_a_waiting_reader_at_once() -> None:
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        await writer.drain()
+        await reader.read()
+
+    async with scripted(serve) as (url, _):
+        http = client()  # read deadline 30 s: only close() can end the wait quickly
+        response = await http.request("POST", url + "/v1/completions", body=b"{}")
+        reading = asyncio.ensure_future(response.readany())
+        await asyncio.sleep(0)  # one loop turn: the reader is waiting for bytes
+        assert not reading.done()
+        response.close()
+        with pytest.raises(UpstreamBroken):
+            await reading
+        assert await response.readany() == b""  # the handle is spent, not reusable
+        await http.close()
