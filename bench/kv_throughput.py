@@ -21,17 +21,20 @@ reads; ``prefill_first_message_s``; ``router_frame_s``: building DecodeRequest),
 sidecar's peak resident memory (``VmHWM``) next to the staging limit and the KV size. This
 process keeps freed heap for reuse like the sidecars do (``sidecar.inline_kv.heap``).
 
-Figures (2-core machine shared with other work, load average ~1-1.5; MB/s, best request):
+Figures (2-core machine shared with other work, load average 0.5-1.7; MB/s of the best
+request; "before" is the tree before the heap tuning and the decode wire walk, same runs):
 
-    32 MiB (defaults), --requests 10:   before 256-262 vs raw 3,920-4,135 = 14.9-16.1x
-                                        after  447-492 vs raw 3,780-4,170 =  8.5-8.9x
-      after: Prefill ~0.08-0.10 s (engine save 15 ms, first message 19 ms), Decode
-      ~0.06 s (frame 4 ms, engine load 8 ms); peak RSS prefill 74 MB, decode 234-244 MB
-      (before 200-227 MB); staging limit 256 MiB
+    32 MiB (defaults), --requests 10:   before 240-249 vs raw 3,774-4,454 = 15.2-18.5x
+                                        after  386-487 vs raw 2,941-3,681 =  7.6x
+      after: Prefill 0.080-0.097 s (engine save 14 ms, first message 18 ms), Decode
+      0.056-0.073 s (before 0.18 s; frame 4 ms, engine load 6-9 ms); peak RSS prefill
+      74 MB, decode 206-218 MB (before 213-223 MB; 186 MB over 100 requests with
+      MALLOC_ARENA_MAX=1 from process start); staging limit 256 MiB
     512 MiB (--blocks 256 --requests 3 --max-staged-mib 1024: a 4k-token prompt of an
-      8B-class model, 32 layers x 8 KV heads x 128, fp16): 429-451 vs raw 4,585-4,640 =
-      10.2-10.8x; Prefill ~1.4-1.5 s, Decode ~1.05-1.2 s; peak RSS prefill 106 MB (one layer
-      at a time), decode 1.89-1.92 GB (3.5x the KV: grpcio's receive path)
+      8B-class model, 32 layers x 8 KV heads x 128, fp16): before 255 vs raw 3,514 = 13.8x,
+      after 419-451 vs raw 4,531-4,585 = 10.2-10.8x; Prefill 1.46-1.62 s, Decode 1.06-1.16 s
+      (before 2.63-2.81 s); peak RSS prefill 106 MB (one layer at a time), decode 1.91 GB
+      (before 2.18 GB): 3.5x the KV, grpcio's receive path (below)
 
 Where the time goes: grpcio's ceilings on this machine (``python -m bench.grpc_ceiling
 --retain-heap``, cross-process, bytes only, no protobuf): a stream of 64 KiB messages (the
