@@ -48,12 +48,15 @@ class Connection(asyncio.Protocol):
         "_head_only",
         "_headers",
         "_keep_alive",
+        "_last_io",
         "_loop",
         "_on_lost",
         "_parser",
         "_paused",
         "_read_timeout_s",
         "_status",
+        "_timed",
+        "_timer",
         "_until_close",
         "_waiter",
         "closed",
@@ -93,6 +96,11 @@ class Connection(asyncio.Protocol):
         self._drain: asyncio.Future[None] | None = None
         self._read_timeout_s: float | None = None
         self._deadline: float | None = None
+        # One timer per connection, re-armed lazily: a relayed stream waits once per chunk,
+        # and a timer created and cancelled per wait would cost more than the wait itself.
+        self._last_io = 0.0
+        self._timed: asyncio.Future[None] | None = None
+        self._timer: asyncio.TimerHandle | None = None
 
     # ---- asyncio.Protocol ------------------------------------------------------------
 
@@ -101,6 +109,7 @@ class Connection(asyncio.Protocol):
         self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
+        self._last_io = self._loop.time()
         if not self._busy:
             # Bytes nobody asked for: the connection's framing can no longer be trusted.
             self.close()
@@ -185,6 +194,7 @@ class Connection(asyncio.Protocol):
         self._head_only = head_only
         self._read_timeout_s = read_timeout_s
         self._deadline = deadline
+        self._last_io = self._loop.time()
         self._status = 0
         self._headers = []
         self._chunks = []
@@ -253,6 +263,7 @@ class Connection(asyncio.Protocol):
     def finish(self) -> bool:
         """End the exchange; True when the connection may carry another one."""
         self._busy = False
+        self._cancel_timer()
         head, self._head = self._head, None
         if head is not None and head.done() and not head.cancelled():
             head.exception()  # retrieved: an error nobody awaited is not "never retrieved"
@@ -275,18 +286,46 @@ class Connection(asyncio.Protocol):
     # ---- internals -----------------------------------------------------------------------
 
     async def _wait_for(self, future: asyncio.Future[None]) -> None:
-        timeout = self._read_timeout_s
-        if self._deadline is not None:
-            remaining = self._deadline - self._loop.time()
-            timeout = remaining if timeout is None else min(timeout, remaining)
-        if timeout is None:
+        """Await ``future``, failing it with ``TimeoutError`` at the read or total deadline.
+
+        The read deadline counts from the connection's last received bytes (as aiohttp's
+        ``sock_read`` does), the total one from the request's start.
+        """
+        when = self._expiry()
+        if when is None:
             await future
             return
-        timer = self._loop.call_later(max(timeout, 0.0), expire_future, future)
+        self._timed = future
+        if self._timer is None:
+            self._timer = self._loop.call_at(when, self._on_timer)
         try:
             await future
         finally:
-            timer.cancel()
+            self._timed = None
+
+    def _expiry(self) -> float | None:
+        when = None if self._read_timeout_s is None else self._last_io + self._read_timeout_s
+        if self._deadline is not None and (when is None or self._deadline < when):
+            when = self._deadline
+        return when
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        future = self._timed
+        if future is None or future.done():
+            return  # nobody waits now; the next wait arms a new timer
+        when = self._expiry()
+        if when is None:
+            return
+        if when <= self._loop.time():
+            expire_future(future)
+        else:
+            self._timer = self._loop.call_at(when, self._on_timer)
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
     def _fail(self, error: UpstreamError) -> None:
         if self._error is None:
