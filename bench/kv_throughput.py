@@ -3,9 +3,12 @@
     python -m bench.kv_throughput [--layers 32 --blocks 16 --requests 5 --max-staged-mib 256]
 
 What runs: a stub engine (in this process, aiohttp on loopback) that plays the
-SidecarKVConnector's part on the shared volume: a prefill with ``action: save`` writes the
-layer files and ``meta.json`` into the prefill sidecar's staging dir, a decode with ``action:
-load`` reads every staged layer file back and streams one token. Two real sidecars run as
+SidecarKVConnector's part on the shared volume: both staging dirs get its ``engine.json``; a
+prefill with ``action: save`` writes the layer files (each complete, then a layer notice, as
+the connector does: the prefill sidecar streams a layer as soon as it is noticed;
+``--no-notices``: the stream starts at the engine's answer) and ``meta.json`` into the
+prefill sidecar's staging dir, a decode with ``action: load`` reads every staged layer file
+back and streams one token. Two real sidecars run as
 their own processes (``bench.sidecar_proc``, ``--kv-transport inline``, staging dirs on
 ``/dev/shm``). This process is the router: Prefill on one, collect the blocks, Decode on the
 other (it keeps each block serialized and frames DecodeRequest's ``kv_blocks`` from them, see
@@ -17,7 +20,8 @@ Raw loopback reference: the same number of bytes sent twice over a loopback TCP 
 (1 MiB ``sendall`` chunks to a reader thread), best of three. Reported: MB/s of both, their
 ratio (the goal is the gRPC path within a factor of 3), per-request Prefill / Decode times,
 median stage times (``engine_save_s`` / ``engine_load_s``: the stub engine's file writes and
-reads; ``prefill_first_message_s``; ``router_frame_s``: building DecodeRequest), and each
+reads; ``prefill_first_kv_block_s``: the first data block at the router;
+``router_frame_s``: building DecodeRequest), and each
 sidecar's peak resident memory (``VmHWM``) next to the staging limit and the KV size. This
 process keeps freed heap for reuse like the sidecars do (``sidecar.inline_kv.heap``).
 
@@ -26,15 +30,18 @@ request; "before" is the tree before the heap tuning and the decode wire walk, s
 
     32 MiB (defaults), --requests 10:   before 240-249 vs raw 3,774-4,454 = 15.2-18.5x
                                         after  386-487 vs raw 2,941-3,681 =  7.6x
-      after: Prefill 0.080-0.097 s (engine save 14 ms, first message 18 ms), Decode
-      0.056-0.073 s (before 0.18 s; frame 4 ms, engine load 6-9 ms); peak RSS prefill
+      after (--no-notices): Prefill 0.080-0.097 s (engine save 14 ms, first KV 18 ms),
+      Decode 0.056-0.073 s (before 0.18 s; frame 4 ms, engine load 6-9 ms); peak RSS prefill
       74 MB, decode 206-218 MB (before 213-223 MB; 186 MB over 100 requests with
-      MALLOC_ARENA_MAX=1 from process start); staging limit 256 MiB
+      MALLOC_ARENA_MAX=1 from process start); staging limit 256 MiB. With notices (the
+      default since): first KV block after 3-5 ms instead of 10-17 ms, same totals (438-462
+      MB/s, 6.6-9.0x): both cores are busy either way, the overlap buys no throughput here
     512 MiB (--blocks 256 --requests 3 --max-staged-mib 1024: a 4k-token prompt of an
       8B-class model, 32 layers x 8 KV heads x 128, fp16): before 255 vs raw 3,514 = 13.8x,
-      after 419-451 vs raw 4,531-4,585 = 10.2-10.8x; Prefill 1.46-1.62 s, Decode 1.06-1.16 s
-      (before 2.63-2.81 s); peak RSS prefill 106 MB (one layer at a time), decode 1.91 GB
-      (before 2.18 GB): 3.5x the KV, grpcio's receive path (below)
+      after 359-451 vs raw 3,142-4,608 = 8.0-11.9x over six runs with and without notices;
+      Prefill 1.46-1.99 s, Decode 1.04-1.24 s (before 2.63-2.81 s); peak RSS prefill 106 MB
+      (one layer at a time), decode 1.80-2.01 GB (before 2.18 GB): 3.4-3.7x the KV,
+      grpcio's receive path (below)
 
 Where the time goes: grpcio's ceilings on this machine (``python -m bench.grpc_ceiling
 --retain-heap``, cross-process, bytes only, no protobuf): a stream of 64 KiB messages (the
@@ -78,6 +85,8 @@ from connectors.inline_layout import (
     InlineLayout,
     InlineMeta,
     layer_file,
+    notice_sender,
+    send_notice,
     write_atomic,
 )
 from sidecar.grpc_gen import disagg_pb2
@@ -93,8 +102,10 @@ def make_stub(
     layout: InlineLayout,
     blocks: int,
     times: dict[str, list[float]],
+    notices: bool,
 ) -> web.Application:
     layer_blob = bytes(range(256)) * (blocks * layout.block_bytes // 256)
+    notice_sock = notice_sender()
 
     async def models(_: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
@@ -111,7 +122,12 @@ def make_stub(
             directory = prefill_dir / inline["key"]
             directory.mkdir()
             for layer in range(layout.num_layers):
-                (directory / layer_file(layer)).write_bytes(layer_blob)
+                # As the real connector: each layer file complete under its name, then a
+                # notice, so that the prefill sidecar streams it while later ones are written.
+                write_atomic(directory / layer_file(layer), layer_blob)
+                if notices:
+                    send_notice(notice_sock, prefill_dir, inline["key"], layer)
+                    await asyncio.sleep(0)  # the router shares this loop
             meta = InlineMeta(layout, tokens, blocks, inline["key"])
             write_atomic(directory / META_FILE, meta.to_json())
             times["engine_save_s"].append(time.perf_counter() - started)
@@ -240,10 +256,10 @@ async def route_once(
         # The router forwards blocks opaquely: each block's bytes, sliced out of its message.
         blocks: list[memoryview] = []
         async for message in call:
-            if not blocks:
-                times["prefill_first_message_s"].append(time.perf_counter() - started)
             if (sliced := kv_block_of_stream(message)) is not None:
                 blocks.append(sliced)
+                if len(blocks) == 2:  # the metadata block comes first, then the KV
+                    times["prefill_first_kv_block_s"].append(time.perf_counter() - started)
         prefill_s = time.perf_counter() - started
     async with grpc.aio.insecure_channel(dec, options=options) as ch:
         started = time.perf_counter()
@@ -283,9 +299,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     prefill_dir, decode_dir, logs = root / "prefill", root / "decode", root / "logs"
     for d in (prefill_dir, decode_dir, logs):
         d.mkdir()
-    write_atomic(decode_dir / ENGINE_FILE, json.dumps(layout.to_dict()).encode())
+    for published in (prefill_dir, decode_dir):
+        # Both engines' connectors publish their layout: the prefill sidecar announces the
+        # metadata from it and streams layers as their notices come.
+        write_atomic(published / ENGINE_FILE, json.dumps(layout.to_dict()).encode())
     times: dict[str, list[float]] = collections.defaultdict(list)
-    runner = web.AppRunner(make_stub(prefill_dir, decode_dir, layout, args.blocks, times))
+    stub = make_stub(prefill_dir, decode_dir, layout, args.blocks, times, not args.no_notices)
+    runner = web.AppRunner(stub)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
@@ -367,6 +387,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="float16")
     parser.add_argument("--requests", type=int, default=5)
     parser.add_argument("--max-staged-mib", type=int, default=256)
+    parser.add_argument("--no-notices", action="store_true",
+                        help="the stub engine sends no layer notices: the stream starts at its "
+                        "answer")
     args = parser.parse_args()
     # The router and the stub engine (this process) handle the same large messages as the
     # sidecars, which tune their heap themselves in inline mode.
