@@ -34,7 +34,7 @@ request; "before" is the tree before the heap tuning and the decode wire walk, s
       Decode 0.056-0.073 s (before 0.18 s; frame 4 ms, engine load 6-9 ms); peak RSS prefill
       74 MB, decode 206-218 MB (before 213-223 MB; 186 MB over 100 requests with
       MALLOC_ARENA_MAX=1 from process start); staging limit 256 MiB. With notices (the
-      default since): first KV block after 3-5 ms instead of 10-17 ms, same totals (438-462
+      default since): first KV block after 3-7 ms instead of 10-18 ms, same totals (418-531
       MB/s, 6.6-9.0x): both cores are busy either way, the overlap buys no throughput here
     512 MiB (--blocks 256 --requests 3 --max-staged-mib 1024: a 4k-token prompt of an
       8B-class model, 32 layers x 8 KV heads x 128, fp16): before 255 vs raw 3,514 = 13.8x,
