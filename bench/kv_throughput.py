@@ -45,10 +45,11 @@ request; "before" is the tree before the heap tuning and the decode wire walk, s
 
 Where the time goes: grpcio's ceilings on this machine (``python -m bench.grpc_ceiling
 --retain-heap``, cross-process, bytes only, no protobuf): a stream of 64 KiB messages (the
-Prefill stream's shape: one block per message) ~670-820 MB/s, one 32-512 MiB unary request
-(Decode's shape) ~1,050-1,450 MB/s, against ~3,800-4,800 MB/s raw per hop. The two hops in
-sequence can therefore not beat ~900 MB/s, about 4-5x raw loopback, even with nothing else
-on the path: the factor 3 is out of reach with grpcio here. The rest is work the path does:
+Prefill stream's shape: one block per message) ~530-820 MB/s, one 32-512 MiB unary request
+(Decode's shape) ~1,050-1,900 MB/s, against ~3,200-4,900 MB/s raw per hop; the two chained
+as this path chains them, with nothing else on it, 800-960 MB/s: 4.3-5.5x below raw
+loopback. The factor 3 is out of reach with grpcio here; this path runs at about half that
+ceiling. The rest is work the path does:
 the stub engine's files (save and load), the files read by the prefill sidecar, the staging
 files written by the decode sidecar, the router's DecodeRequest. The decode sidecar's peak
 is grpcio's: it receives a message into slices, joins them into a bytearray and copies that
