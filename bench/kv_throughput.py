@@ -49,9 +49,9 @@ Prefill stream's shape: one block per message) ~530-820 MB/s, one 32-512 MiB una
 (Decode's shape) ~1,050-1,900 MB/s, against ~3,200-4,900 MB/s raw per hop; the two chained
 as this path chains them, with nothing else on it, 800-960 MB/s: 4.3-5.5x below raw
 loopback. The factor 3 is out of reach with grpcio here; this path runs at about half that
-ceiling. The rest is work the path does:
-the stub engine's files (save and load), the files read by the prefill sidecar, the staging
-files written by the decode sidecar, the router's DecodeRequest. The decode sidecar's peak
+ceiling. The rest is work the path does: the stub engine's files (save and load), the files
+read by the prefill sidecar, the staging files written by the decode sidecar, the router's
+DecodeRequest. The decode sidecar's peak
 is grpcio's: it receives a message into slices, joins them into a bytearray and copies that
 into the ``bytes`` the servicer gets (three copies of the request at once); the sidecar's
 own wire walk adds none.
