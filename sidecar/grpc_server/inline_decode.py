@@ -103,13 +103,13 @@ class InlineDecodeService(DecodeService):
 
     async def _decode_body(self, request: disagg_pb2.DecodeRequest) -> tuple[dict[str, Any], str]:
         runtime = self._runtime
+        walked = self._walked.pop(id(request), None)
+        if isinstance(walked, InvalidRequest):
+            raise walked  # first: the empty head of a malformed request says nothing true
         token_ids = check_token_ids(request.token_ids)
         max_new_tokens = check_max_new_tokens(request.max_new_tokens, allow_unset=False)
         temperature = check_temperature(request.temperature)
         max_blocks = runtime.settings.max_kv_blocks
-        walked = self._walked.pop(id(request), None)
-        if isinstance(walked, InvalidRequest):
-            raise walked
         if walked is None:
             kv = parse_blocks(request.kv_blocks, max_blocks=max_blocks)
         else:

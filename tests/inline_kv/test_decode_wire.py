@@ -165,10 +165,16 @@ async def decode(side: GrpcSidecar, message: disagg_pb2.DecodeRequest | bytes) -
 
 
 async def refused(side: GrpcSidecar, message: disagg_pb2.DecodeRequest | bytes) -> grpc.StatusCode:
+    return (await refusal(side, message))[0]
+
+
+async def refusal(
+    side: GrpcSidecar, message: disagg_pb2.DecodeRequest | bytes
+) -> tuple[grpc.StatusCode, str]:
     with pytest.raises(grpc.aio.AioRpcError) as exc:
         await decode(side, message)
     code: grpc.StatusCode = exc.value.code()
-    return code
+    return code, exc.value.details() or ""
 
 
 def varint(value: int) -> bytes:
@@ -235,7 +241,8 @@ async def test_bad_blocks_are_invalid_argument(root: Path, mutate: Any) -> None:
 )
 async def test_malformed_wire_is_invalid_argument(root: Path, wire: bytes) -> None:
     async with decode_side(root) as (_, side):
-        assert await refused(side, wire) == grpc.StatusCode.INVALID_ARGUMENT
+        code, details = await refusal(side, wire)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "malformed" in details
         # The sidecar still serves: a malformed request leaves nothing behind.
         assert await decode(side, request(kv_blocks())) == TOKENS
 
