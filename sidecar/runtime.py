@@ -2,9 +2,10 @@
 
     Settings ─open_runtime()─▶ Runtime(session, orchestrator, selector, admission, health, metrics)
 
-Both front doors (HTTP and gRPC) take the same ``Runtime``: one pooled client session, one
-orchestrator, one metrics registry, one admission counter. ``open_runtime`` must run inside the
-event loop (the client session binds to it).
+Both front doors (HTTP and gRPC) take the same ``Runtime``: one pooled upstream client
+(``sidecar.http1.EngineClient``, called ``session``), one orchestrator, one metrics registry,
+one admission counter. ``open_runtime`` must run inside the event loop (the client binds to
+it).
 """
 
 from __future__ import annotations
