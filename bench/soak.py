@@ -158,11 +158,13 @@ async def drive(args: argparse.Namespace, sidecar: procs.Proc, target: str) -> d
 def stack(args: argparse.Namespace, log_dir: Path) -> Iterator[tuple[procs.Proc, str]]:
     started: list[procs.Proc] = []
     try:
+        # The reference stubs (sidecar.stubs): the soak sends chat and completions, streamed
+        # and JSON, on every engine; the bench's lean engine serves completions only.
         prefill = procs.start_stub("soak-prefill", args.engine, "prefill", args.connector,
-                                   log_dir=log_dir)
+                                   log_dir=log_dir, kind="aiohttp")
         started.append(prefill)
         decode = procs.start_stub("soak-decode", args.engine, "decode", args.connector,
-                                  log_dir=log_dir)
+                                  log_dir=log_dir, kind="aiohttp")
         started.append(decode)
         flags = ["--engine", args.engine, "--engine-url", decode.url,
                  "--prefill-allowlist", f"127.0.0.1:{prefill.port}",
