@@ -369,3 +369,23 @@ async def test_close_from_another_task_fails_a_waiting_reader_at_once() -> None:
             await reading
         assert await response.readany() == b""  # the handle is spent, not reusable
         await http.close()
+
+
+async def test_idle_connections_are_closed_after_the_keepalive() -> None:
+    closed = asyncio.Event()
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(OK_JSON)
+        await reader.read()  # returns when the client closes the idle connection
+        closed.set()
+
+    async with scripted(serve) as (url, _):
+        http = client(keepalive_s=0.05)
+        response = await http.request("GET", url + "/a")
+        await response.read()
+        response.release()
+        await closed.wait()  # the sweep closed it, no request needed
+        await asyncio.sleep(0)
+        assert http.open_connections == 0
+        await http.close()
