@@ -1,8 +1,9 @@
 """Inline KV blocks: the metadata control block (``layer_idx == -2``) and the data blocks.
 
-Prefill side: ``read_staged_meta`` + ``iter_blocks`` turn the files the engine's connector
-wrote (``connectors.inline_layout``) into ``KVBlock`` messages: the metadata block first,
-then one data block per layer and block, layer by layer.
+Prefill side: ``meta_block`` and ``read_layer_blocks`` / ``iter_layer_blocks`` turn the
+files the engine's connector wrote (``connectors.inline_layout``) into ``KVBlock`` messages:
+the metadata block first, then one data block per layer and block, layer by layer
+(``read_staged_meta`` reads the engine's own metadata for the final check).
 
 Decode side: ``parse_blocks`` reassembles a ``DecodeRequest``'s blocks and checks them
 (``parse_entries`` the same for blocks walked off the wire by ``sidecar.inline_kv.wire``):
@@ -115,45 +116,6 @@ def read_layer_blocks(
         raise FailedPrecondition(
             f"the prefill engine wrote no KV for layer {layer_idx}", stage=Stage.PREFILL
         ) from None
-
-
-def read_stream_messages(
-    request_id: str, meta: InlineMeta, directory: Path
-) -> list[disagg_pb2.KVBlockStream]:
-    """Every layer's data blocks, already wrapped as the Prefill stream sends them.
-
-    Same blocks, order and errors as ``read_layer_blocks`` layer by layer; built in place
-    (each tile is read from the file into its own bytes and copied once into its message,
-    where ``KVBlockStream(block=KVBlock(...))`` would copy the message again).
-    """
-    tile = meta.layout.tile_bytes
-    expected = meta.num_blocks * 2 * tile
-    messages: list[disagg_pb2.KVBlockStream] = []
-    for layer_idx in range(meta.layout.num_layers):
-        try:
-            fh = (directory / layer_file(layer_idx)).open("rb", buffering=0)
-        except FileNotFoundError:
-            raise FailedPrecondition(
-                f"the prefill engine wrote no KV for layer {layer_idx}", stage=Stage.PREFILL
-            ) from None
-        with fh:
-            size = fh.seek(0, 2)
-            if size != expected:
-                raise FailedPrecondition(
-                    f"layer {layer_idx} file has {size} bytes, expected {expected}",
-                    stage=Stage.PREFILL,
-                )
-            fh.seek(0)
-            for j in range(meta.num_blocks):
-                message = disagg_pb2.KVBlockStream()
-                block = message.block
-                block.request_id = request_id
-                block.layer_idx = layer_idx
-                block.block_idx = j
-                block.k_data = fh.read(tile)
-                block.v_data = fh.read(tile)
-                messages.append(message)
-    return messages
 
 
 def read_layer(directory: Path, layer_idx: int) -> bytes:
