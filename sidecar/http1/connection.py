@@ -226,7 +226,7 @@ class Connection(asyncio.Protocol):
         data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         self._chunks = []
         self._buffered = 0
-        if self._paused and self.transport is not None:
+        if self._paused and self.transport is not None and not self.closed:
             self._paused = False
             self.transport.resume_reading()
         return data
