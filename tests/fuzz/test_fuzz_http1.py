@@ -1,0 +1,157 @@
+"""Property tests of the upstream HTTP/1.1 client (``sidecar.http1``) over real sockets.
+
+Proves: any well-formed response (any status from 200, any headers, a body framed by
+Content-Length, chunked with any chunk sizes, or the connection's end), written in pieces cut
+anywhere, is read back exactly, and a framed one leaves its connection reusable; any bytes at
+all from a server that then hangs up end in a response or a typed ``UpstreamError``: never
+another exception, never a wait past the peer's close.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from dataclasses import dataclass
+
+from fuzz_kit import FUZZ
+from hypothesis import given
+from hypothesis import strategies as st
+
+from sidecar.http1 import EngineClient, UpstreamError
+
+TOKEN = st.text(alphabet="abcdefghijklmnopqrstuvwxyz-", min_size=1, max_size=12).filter(
+    lambda name: name not in ("content-length", "transfer-encoding", "connection")
+)
+VALUE = st.text(alphabet=st.characters(min_codepoint=0x21, max_codepoint=0x7E), max_size=20)
+
+
+@dataclass(frozen=True)
+class Answer:
+    status: int
+    headers: list[tuple[str, str]]
+    body: bytes
+    framing: str  # "length", "chunked" or "close"
+    chunk_sizes: list[int]
+
+    def encode(self) -> bytes:
+        lines = [f"HTTP/1.1 {self.status} X"] + [f"{k}: {v}" for k, v in self.headers]
+        if self.framing == "length":
+            lines.append(f"Content-Length: {len(self.body)}")
+            payload = self.body
+        elif self.framing == "chunked":
+            lines.append("Transfer-Encoding: chunked")
+            payload = b""
+            rest = self.body
+            for size in self.chunk_sizes:
+                if not rest:
+                    break
+                piece, rest = rest[:size], rest[size:]
+                payload += b"%x\r\n%s\r\n" % (len(piece), piece)
+            if rest:
+                payload += b"%x\r\n%s\r\n" % (len(rest), rest)
+            payload += b"0\r\n\r\n"
+        else:
+            lines.append("Connection: close")
+            payload = self.body
+        return ("\r\n".join(lines) + "\r\n\r\n").encode() + payload
+
+
+ANSWERS = st.builds(
+    Answer,
+    status=st.integers(200, 599).filter(lambda s: s not in (204, 304)),
+    headers=st.lists(st.tuples(TOKEN, VALUE), max_size=6),
+    body=st.binary(max_size=4096),
+    framing=st.sampled_from(["length", "chunked", "close"]),
+    chunk_sizes=st.lists(st.integers(1, 700), max_size=8),
+)
+CUTS = st.lists(st.integers(0, 6000), max_size=6)
+
+
+def _pieces(data: bytes, cuts: list[int]) -> list[bytes]:
+    points = sorted({min(cut, len(data)) for cut in cuts} | {0, len(data)})
+    return [data[a:b] for a, b in itertools.pairwise(points)]
+
+
+async def _exchange(raw: bytes, cuts: list[int], close_after: bool, requests: int
+                    ) -> tuple[list[tuple[int, list[tuple[str, str]], bytes]], int]:
+    """Serve ``raw`` per request (cut into pieces); returns what the client read and how
+    many connections the server saw."""
+    connections = 0
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections
+        connections += 1
+        try:
+            while True:
+                await reader.readuntil(b"\r\n\r\n")
+                for piece in _pieces(raw, cuts):
+                    writer.write(piece)
+                    await writer.drain()
+                if close_after:
+                    break
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    http = EngineClient(limit=4, keepalive_s=30.0, connect_timeout_s=5.0, read_timeout_s=5.0)
+    got: list[tuple[int, list[tuple[str, str]], bytes]] = []
+    try:
+        for _ in range(requests):
+            response = await http.request("GET", f"http://127.0.0.1:{port}/x", timeout_s=5.0)
+            try:
+                got.append((response.status, response.headers, await response.read()))
+            finally:
+                response.release()
+    finally:
+        await http.close()
+        server.close()
+    return got, connections
+
+
+@FUZZ
+@given(ANSWERS, CUTS)
+def test_any_well_formed_answer_is_read_exactly(answer: Answer, cuts: list[int]) -> None:
+    framed = answer.framing != "close"
+    got, connections = asyncio.run(
+        _exchange(answer.encode(), cuts, close_after=not framed, requests=2 if framed else 1)
+    )
+    for status, headers, body in got:
+        assert status == answer.status
+        assert body == answer.body
+        for name, value in answer.headers:
+            assert (name, value) in headers
+    assert connections == 1  # a framed answer leaves its connection to the next request
+
+
+@FUZZ
+@given(st.binary(max_size=600), CUTS)
+def test_any_bytes_end_in_an_answer_or_a_typed_error(raw: bytes, cuts: list[int]) -> None:
+    async def one() -> None:
+        # TimeoutError (a wait past the server's close) or any other exception fails.
+        with contextlib.suppress(UpstreamError):
+            await _exchange(raw, cuts, close_after=True, requests=1)
+
+    asyncio.run(one())
+
+
+@FUZZ
+@given(ANSWERS, st.integers(0, 5000), CUTS)
+def test_an_answer_cut_short_ends_in_a_typed_error(answer: Answer, keep: int,
+                                                   cuts: list[int]) -> None:
+    raw = answer.encode()
+    cut = raw[: min(keep, len(raw) - 1)]  # at least its last byte is missing
+
+    async def one() -> None:
+        try:
+            got, _ = await _exchange(cut, cuts, close_after=True, requests=1)
+        except UpstreamError:
+            return
+        # Only a body delimited by the connection's end can be whole without its last bytes.
+        assert answer.framing == "close"
+        assert answer.body.startswith(got[0][2])
+
+    asyncio.run(one())
