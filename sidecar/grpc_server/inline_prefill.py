@@ -37,8 +37,8 @@ closed later by the garbage collector).
 
 Deliberate limits: one layer's blocks are held in memory at a time; an engine whose saving
 step is already running when the RPC is cancelled may write its files after they were
-removed (vLLM cannot abort a forward pass in progress), leaving that directory to the
-operator's tmpfs clean-up.
+removed (vLLM cannot abort a forward pass in progress): ``active_keys`` names the requests in
+flight, and ``sidecar.inline_kv.orphans`` removes such late directories once they are old.
 """
 
 from __future__ import annotations
@@ -60,6 +60,7 @@ from sidecar.errors import FailedPrecondition, ResourceExhausted, SidecarError, 
 from sidecar.grpc_gen import disagg_pb2
 from sidecar.grpc_server.bookkeeping import RpcScope
 from sidecar.grpc_server.checks import check_temperature, check_token_ids, request_id_or_new
+from sidecar.grpc_server.engine_model import EngineModel
 from sidecar.grpc_server.errors import abort_with
 from sidecar.grpc_server.prefill import METHOD, REQUEST_ID_HEADER, PrefillService
 from sidecar.inline_kv.codec import meta_block, read_staged_meta
@@ -69,6 +70,7 @@ from sidecar.inline_kv.prefill_files import (
     read_layer_messages,
     ready_layer_messages,
 )
+from sidecar.runtime import Runtime
 
 logger = logging.getLogger(__name__)
 PARAMS_KEY = "disagg_inline"
@@ -80,6 +82,11 @@ Context = grpc.aio.ServicerContext[disagg_pb2.PreFillRequest, disagg_pb2.KVBlock
 
 class InlinePrefillService(PrefillService):
     """Prefill whose stream carries the engine's KV cache (see the module docstring)."""
+
+    def __init__(self, runtime: Runtime, model: EngineModel) -> None:
+        super().__init__(runtime, model)
+        #: Staging keys of the Prefills in flight (the orphan sweep leaves them alone).
+        self.active_keys: set[str] = set()
 
     # A coroutine handler, not the base's async generator: see the module docstring.
     async def Prefill(  # type: ignore[override]
@@ -123,7 +130,6 @@ class InlinePrefillService(PrefillService):
         request_id = request_id_or_new(request.request_id)
         root = Path(settings.kv_staging_dir)
         key = f"p-{uuid.uuid4().hex}"
-        directory = root / key
         announced = announced_meta(root, key, len(token_ids))
         if announced is not None:
             self._check_bound(announced.layout.num_layers * announced.num_blocks
@@ -139,6 +145,25 @@ class InlinePrefillService(PrefillService):
         timeout_s = settings.prefill_timeout_s
         if time_remaining is not None:
             timeout_s = max(min(timeout_s, time_remaining), 0.001)
+        self.active_keys.add(key)
+        try:
+            await self._stream_key(request_id, root, key, announced, body, timeout_s, scope,
+                                   send)
+        finally:
+            self.active_keys.discard(key)
+
+    async def _stream_key(
+        self,
+        request_id: str,
+        root: Path,
+        key: str,
+        announced: InlineMeta | None,
+        body: dict[str, Any],
+        timeout_s: float,
+        scope: RpcScope,
+        send: Send,
+    ) -> None:
+        directory = root / key
         # Bound before the engine is called: no notice can come before the listener.
         with LayerNotices(root, key) as notices:
             engine = asyncio.ensure_future(self._prefill(body, request_id, timeout_s, scope))

@@ -40,6 +40,7 @@ from sidecar.grpc_server.inline_decode import InlineDecodeService
 from sidecar.grpc_server.inline_prefill import InlinePrefillService
 from sidecar.grpc_server.prefill import PrefillService
 from sidecar.inline_kv.heap import retain_freed_heap
+from sidecar.inline_kv.orphans import OrphanSweeper
 from sidecar.inline_kv.staging import StagingArea
 from sidecar.protocol.hostfmt import url_host
 from sidecar.runtime import Runtime
@@ -111,18 +112,28 @@ class _HealthMirror:
         await self._servicer.enter_graceful_shutdown()
 
 
+#: How often the inline staging root is swept for orphans, and the age that makes one (past
+#: the prefill deadline: an engine's late writes come within one forward pass).
+_SWEEP_INTERVAL_S = 60.0
+_ORPHAN_MARGIN_S = 60.0
+
+
 def _services(
     runtime: Runtime, prefill_model: EngineModel, decode_model: EngineModel
-) -> tuple[PrefillService, DecodeService]:
+) -> tuple[PrefillService, DecodeService, OrphanSweeper | None]:
     """The servicers of the configured KV transport (native hand-off or inline KV bytes)."""
     settings = runtime.settings
     if settings.kv_transport != KVTransport.INLINE:
-        return PrefillService(runtime, prefill_model), DecodeService(runtime, decode_model)
-    area = StagingArea(Path(settings.kv_staging_dir), settings.max_staged_bytes)
-    return (
-        InlinePrefillService(runtime, prefill_model),
-        InlineDecodeService(runtime, decode_model, area),
+        return PrefillService(runtime, prefill_model), DecodeService(runtime, decode_model), None
+    root = Path(settings.kv_staging_dir)
+    area = StagingArea(root, settings.max_staged_bytes)
+    prefill = InlinePrefillService(runtime, prefill_model)
+    sweeper = OrphanSweeper(
+        root,
+        lambda: prefill.active_keys | area.owned_keys(),
+        older_than_s=settings.prefill_timeout_s + _ORPHAN_MARGIN_S,
     )
+    return prefill, InlineDecodeService(runtime, decode_model, area), sweeper
 
 
 async def start_grpc_server(
@@ -139,7 +150,7 @@ async def start_grpc_server(
                                 timeout_s=settings.connect_timeout_s, stage=Stage.PREFILL)
     decode_model = EngineModel(runtime.session, settings.engine_url,
                                timeout_s=settings.connect_timeout_s, stage=Stage.DECODE)
-    prefill, decode = _services(runtime, prefill_model, decode_model)
+    prefill, decode, sweeper = _services(runtime, prefill_model, decode_model)
     disagg_pb2_grpc.add_PrefillWorkerServicer_to_server(prefill, server)
     if isinstance(decode, InlineDecodeService):
         decode.add_to_server(server)  # the request's bytes, walked without protobuf objects
@@ -167,9 +178,16 @@ async def start_grpc_server(
     logger.info("gRPC listening on %s:%d (%s, max message %d bytes)", url_host(settings.host),
                 port, "plaintext" if tls is None else "TLS", settings.grpc_max_message_bytes)
 
+    sweeping = None if sweeper is None else asyncio.ensure_future(
+        sweeper.run(_SWEEP_INTERVAL_S)
+    )
+
     async def stop(grace: float) -> None:
         await mirror.shutdown()
         await server.stop(grace)
         await prefill.close()
+        if sweeping is not None:
+            sweeping.cancel()
+            await asyncio.wait({sweeping})
 
     return port, stop

@@ -42,6 +42,10 @@ class StagingArea:
     def reserved_bytes(self) -> int:
         return sum(self._reserved.values())
 
+    def owned_keys(self) -> frozenset[str]:
+        """Keys of the requests staging or staged now (the orphan sweep leaves them alone)."""
+        return frozenset(self._reserved)
+
     def staged_keys(self) -> list[str]:
         """Request directories present on disk (tests: empty after every request)."""
         return sorted(p.name for p in self.root.iterdir() if p.is_dir())
