@@ -12,13 +12,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
+import uvloop
 from fuzz_kit import FUZZ
 from hypothesis import given
 from hypothesis import strategies as st
 
 from sidecar.http1 import EngineClient, UpstreamError
+
+T = TypeVar("T")
 
 TOKEN = st.text(alphabet="abcdefghijklmnopqrstuvwxyz-", min_size=1, max_size=12).filter(
     lambda name: name not in ("content-length", "transfer-encoding", "connection")
@@ -66,6 +71,13 @@ ANSWERS = st.builds(
     chunk_sizes=st.lists(st.integers(1, 700), max_size=8),
 )
 CUTS = st.lists(st.integers(0, 6000), max_size=6)
+#: Both loops the sidecar runs on (asyncio's in the tests, uvloop in ``serve``).
+LOOPS = st.sampled_from([asyncio.new_event_loop, uvloop.new_event_loop])
+
+
+def _run(loop: Callable[[], asyncio.AbstractEventLoop], main: Coroutine[Any, Any, T]) -> T:
+    with asyncio.Runner(loop_factory=loop) as runner:
+        return runner.run(main)
 
 
 def _pieces(data: bytes, cuts: list[int]) -> list[bytes]:
@@ -113,12 +125,14 @@ async def _exchange(raw: bytes, cuts: list[int], close_after: bool, requests: in
 
 
 @FUZZ
-@given(ANSWERS, CUTS)
-def test_any_well_formed_answer_is_read_exactly(answer: Answer, cuts: list[int]) -> None:
+@given(ANSWERS, CUTS, LOOPS)
+def test_any_well_formed_answer_is_read_exactly(
+    answer: Answer, cuts: list[int], loop: Callable[[], asyncio.AbstractEventLoop]
+) -> None:
     framed = answer.framing != "close"
-    got, connections = asyncio.run(
-        _exchange(answer.encode(), cuts, close_after=not framed, requests=2 if framed else 1)
-    )
+    got, connections = _run(loop, _exchange(
+        answer.encode(), cuts, close_after=not framed, requests=2 if framed else 1
+    ))
     for status, headers, body in got:
         assert status == answer.status
         assert body == answer.body
@@ -128,20 +142,23 @@ def test_any_well_formed_answer_is_read_exactly(answer: Answer, cuts: list[int])
 
 
 @FUZZ
-@given(st.binary(max_size=600), CUTS)
-def test_any_bytes_end_in_an_answer_or_a_typed_error(raw: bytes, cuts: list[int]) -> None:
+@given(st.binary(max_size=600), CUTS, LOOPS)
+def test_any_bytes_end_in_an_answer_or_a_typed_error(
+    raw: bytes, cuts: list[int], loop: Callable[[], asyncio.AbstractEventLoop]
+) -> None:
     async def one() -> None:
         # TimeoutError (a wait past the server's close) or any other exception fails.
         with contextlib.suppress(UpstreamError):
             await _exchange(raw, cuts, close_after=True, requests=1)
 
-    asyncio.run(one())
+    _run(loop, one())
 
 
 @FUZZ
-@given(ANSWERS, st.integers(0, 5000), CUTS)
-def test_an_answer_cut_short_ends_in_a_typed_error(answer: Answer, keep: int,
-                                                   cuts: list[int]) -> None:
+@given(ANSWERS, st.integers(0, 5000), CUTS, LOOPS)
+def test_an_answer_cut_short_ends_in_a_typed_error(
+    answer: Answer, keep: int, cuts: list[int], loop: Callable[[], asyncio.AbstractEventLoop]
+) -> None:
     raw = answer.encode()
     cut = raw[: min(keep, len(raw) - 1)]  # at least its last byte is missing
 
@@ -154,4 +171,4 @@ def test_an_answer_cut_short_ends_in_a_typed_error(answer: Answer, keep: int,
         assert answer.framing == "close"
         assert answer.body.startswith(got[0][2])
 
-    asyncio.run(one())
+    _run(loop, one())
