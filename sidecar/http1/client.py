@@ -201,6 +201,12 @@ class EngineClient:
                 timer = self._loop.call_at(deadline, expire_future, waiter)
             try:
                 await waiter
+            except BaseException:
+                # Woken for a free slot but leaving anyway (cancelled): the slot is not ours
+                # to keep, so the next waiter gets the wake-up instead of waiting for ever.
+                if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
+                    self._wake_one()
+                raise
             finally:
                 if timer is not None:
                     timer.cancel()

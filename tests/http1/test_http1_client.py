@@ -389,3 +389,34 @@ async def test_idle_connections_are_closed_after_the_keepalive() -> None:
         await asyncio.sleep(0)
         assert http.open_connections == 0
         await http.close()
+
+
+async def test_a_waiter_cancelled_after_its_wake_up_passes_the_slot_on() -> None:
+    release = asyncio.Event()
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            while True:
+                await read_request(reader)
+                await release.wait()
+                writer.write(OK_JSON)
+
+    async with scripted(serve) as (url, _):
+        http = client(limit=1)
+        holder = asyncio.ensure_future(http.request("GET", url + "/a"))
+        await asyncio.sleep(0)  # one loop turn: the holder takes the only slot
+        first = asyncio.ensure_future(http.request("GET", url + "/b"))
+        second = asyncio.ensure_future(http.request("GET", url + "/c"))
+        await asyncio.sleep(0)  # one loop turn: both queue for the slot, first in front
+        release.set()
+        response = await holder
+        await response.read()
+        response.release()  # wakes `first` ...
+        first.cancel()  # ... which is cancelled before it could run
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        async with asyncio.timeout(5):  # a guard: without the hand-over this waits for ever
+            answer = await second
+        assert await answer.read() == b"{}"
+        answer.release()
+        await http.close()
