@@ -1,6 +1,8 @@
 """Proves the HTTP front door's PD flows end to end, over real sockets, for every engine and
 connector x completions/chat x streamed/JSON: what each stub engine received on each leg,
-that the decode engine used the prefill's KV (the stubs' verdict), and what the client got.
+that the decode engine used the prefill's KV (the stubs' verdict), and what the client got;
+requests without a prefill target pass through to the local engine unchanged (query strings,
+bodies, chunked uploads streamed as chunked).
 
 Does not prove the real engines accept these bodies (tests/real_vllm does, for vLLM).
 """
@@ -8,6 +10,7 @@ Does not prove the real engines accept these bodies (tests/real_vllm does, for v
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -142,3 +145,24 @@ async def test_other_paths_are_proxied_unchanged() -> None:
         assert models["data"]
         seen = await pair.decode.recorder.next_request("/v1/models")
         assert seen.query == {"x": "1"}
+
+
+async def test_passthrough_streams_a_chunked_upload_to_the_engine() -> None:
+    async with pd_pair("vllm", "shfs") as pair:
+        import aiohttp
+
+        client = client_body(Route.COMPLETIONS, stream=False)
+        raw = json.dumps(client).encode()
+
+        async def upload() -> AsyncIterator[bytes]:  # no length: sent chunked
+            for start in range(0, len(raw), 7):
+                yield raw[start : start + 7]
+
+        async with aiohttp.ClientSession() as session:
+            async with session.post(pair.sidecar.url + "/v1/completions", data=upload(),
+                                    headers={"Content-Type": "application/json"}) as response:
+                assert response.status == 200, await response.text()
+                await response.read()
+        seen = await pair.decode.recorder.next_request("/v1/completions")
+        assert seen.body == raw
+        assert {k.lower(): v for k, v in seen.headers.items()}["transfer-encoding"] == "chunked"
