@@ -23,18 +23,11 @@ from typing import Any, Final
 import orjson
 
 from sidecar.stubs import textgen
+from sidecar.stubs.openai import BadRequest, check_limits, usage
 from sidecar.stubs.textgen import PrefillKind
 
 DONE: Final = b"data: [DONE]\n\n"
 _CACHE_LIMIT: Final = 4096
-
-
-class BadRequest(Exception):
-    """A body the engine refuses with 400 (message worded as vLLM words it)."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message)
-        self.message = message
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,15 +79,6 @@ def _prompt(prompt: Any) -> tuple[int, int]:
     raise BadRequest("prompt must be a string or a non-empty list of token ids")
 
 
-def _int(body: dict[str, Any], name: str) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise BadRequest(f"{name} must be an integer")
-    return value
-
-
 def parse(raw: bytes, *, default_max_tokens: int, max_model_len: int, model: str) -> Completion:
     """Check a completions body as vLLM would (the subset the lean engine serves)."""
     try:
@@ -104,34 +88,10 @@ def parse(raw: bytes, *, default_max_tokens: int, max_model_len: int, model: str
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
     prompt_tokens, digest = _prompt(body.get("prompt"))
-    n = _int(body, "n")
-    if n is not None and n != 1:
-        raise BadRequest("the lean engine supports n=1 only")
-    max_tokens = _int(body, "max_completion_tokens")
-    if max_tokens is None:
-        max_tokens = _int(body, "max_tokens")
-    if max_tokens is None:
-        max_tokens = default_max_tokens
-    if max_tokens < 1:
-        raise BadRequest(f"max_tokens must be at least 1, got {max_tokens}.")
-    min_tokens = _int(body, "min_tokens") or 0
-    if min_tokens > max_tokens:
-        raise BadRequest(
-            f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {min_tokens}."
-        )
-    if prompt_tokens + max_tokens > max_model_len:
-        raise BadRequest(
-            f"This model's maximum context length is {max_model_len} tokens. However, you "
-            f"requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, "
-            f"{max_tokens} in the completion). Please reduce the length of the messages or "
-            "completion."
-        )
-    stream = body.get("stream") is True
-    options = body.get("stream_options")
-    if options is not None and not stream:
-        raise BadRequest("Stream options can only be defined when `stream=True`.")
-    if options is not None and not isinstance(options, dict):
-        raise BadRequest("stream_options must be an object")
+    max_tokens, stream, options = check_limits(
+        body, prompt_tokens, default_max_tokens=default_max_tokens,
+        max_model_len=max_model_len, engine="lean",
+    )
     name = body.get("model")
     return Completion(
         body=body,
@@ -139,7 +99,7 @@ def parse(raw: bytes, *, default_max_tokens: int, max_model_len: int, model: str
         digest=digest,
         max_tokens=max_tokens,
         stream=stream,
-        include_usage=bool(options and options.get("include_usage")),
+        include_usage=bool(options.get("include_usage")),
         model=name if isinstance(name, str) else model,
     )
 
@@ -155,15 +115,6 @@ def words(digest: int, n: int, kind: PrefillKind) -> Words:
             _words.clear()
         known = _words[key] = Words(tuple(orjson.dumps(t) for t in texts), "".join(texts))
     return known
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-        "completion_tokens": completion_tokens,
-        "prompt_tokens_details": None,
-    }
 
 
 def render_json(

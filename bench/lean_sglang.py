@@ -26,8 +26,9 @@ import orjson
 
 from bench import lean_openai
 from bench.lean_http import HttpConnection, Request
-from bench.lean_openai import BadRequest, Completion
+from bench.lean_openai import Completion
 from bench.lean_rooms import Board, BoardChannel, RoomClient, RoomFailed, RoomTimeout
+from sidecar.stubs.openai import BadRequest
 from sidecar.stubs.textgen import PrefillKind
 
 if TYPE_CHECKING:

@@ -24,7 +24,8 @@ from bench import lean_openai
 from bench.lean_client import Client, Origin
 from bench.lean_http import HttpConnection, Request
 from bench.lean_nixl import HANDSHAKE_PATH, Checker, Issuer, Peer, Verdict, local
-from bench.lean_openai import BadRequest, Completion
+from bench.lean_openai import Completion
+from sidecar.stubs.openai import BadRequest
 from sidecar.stubs.textgen import PrefillKind
 
 if TYPE_CHECKING:

@@ -90,21 +90,25 @@ def prompt_ids_of(body: dict[str, Any], kind: str) -> list[int]:
     raise BadRequest("prompt must be a string or a non-empty list of token ids")
 
 
-def parse(
-    body: Any, kind: str, config: StubConfig, *, prompt_ids: list[int] | None = None
-) -> GenRequest:
-    """Validate an OpenAI body; ``prompt_ids`` overrides the prompt (TRT-LLM chat)."""
-    if not isinstance(body, dict):
-        raise BadRequest("request body must be a JSON object")
-    ids = prompt_ids if prompt_ids is not None else prompt_ids_of(body, kind)
+def check_limits(
+    body: dict[str, Any],
+    prompt_tokens: int,
+    *,
+    default_max_tokens: int,
+    max_model_len: int,
+    engine: str,
+) -> tuple[int, bool, dict[str, Any]]:
+    """vLLM's checks of ``n``, the token limits and the stream options, worded as vLLM words
+    them; returns (max_tokens, stream, stream_options). ``engine`` names the refuser of n > 1.
+    """
     n = _int_field(body, "n")
     if n is not None and n != 1:
-        raise BadRequest("the stub engine supports n=1 only")
+        raise BadRequest(f"the {engine} engine supports n=1 only")
     max_tokens = _int_field(body, "max_completion_tokens")
     if max_tokens is None:
         max_tokens = _int_field(body, "max_tokens")
     if max_tokens is None:
-        max_tokens = config.default_max_tokens
+        max_tokens = default_max_tokens
     if max_tokens < 1:
         raise BadRequest(f"max_tokens must be at least 1, got {max_tokens}.")
     min_tokens = _int_field(body, "min_tokens") or 0
@@ -112,12 +116,12 @@ def parse(
         raise BadRequest(
             f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {min_tokens}."
         )
-    if len(ids) + max_tokens > config.max_model_len:
+    if prompt_tokens + max_tokens > max_model_len:
         raise BadRequest(
-            f"This model's maximum context length is {config.max_model_len} tokens. However, "
-            f"you requested {len(ids) + max_tokens} tokens ({len(ids)} in the messages, "
-            f"{max_tokens} in the completion). Please reduce the length of the messages or "
-            "completion."
+            f"This model's maximum context length is {max_model_len} tokens. However, "
+            f"you requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the "
+            f"messages, {max_tokens} in the completion). Please reduce the length of the "
+            "messages or completion."
         )
     stream = body.get("stream") is True
     options = body.get("stream_options")
@@ -125,7 +129,20 @@ def parse(
         raise BadRequest("Stream options can only be defined when `stream=True`.")
     if options is not None and not isinstance(options, dict):
         raise BadRequest("stream_options must be an object")
-    options = options or {}
+    return max_tokens, stream, options or {}
+
+
+def parse(
+    body: Any, kind: str, config: StubConfig, *, prompt_ids: list[int] | None = None
+) -> GenRequest:
+    """Validate an OpenAI body; ``prompt_ids`` overrides the prompt (TRT-LLM chat)."""
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    ids = prompt_ids if prompt_ids is not None else prompt_ids_of(body, kind)
+    max_tokens, stream, options = check_limits(
+        body, len(ids), default_max_tokens=config.default_max_tokens,
+        max_model_len=config.max_model_len, engine="stub",
+    )
     model = body.get("model")
     return GenRequest(
         kind=kind,
