@@ -1,9 +1,10 @@
 """Admission and metrics of one gRPC call, the same families the HTTP front door feeds.
 
-    scope = RpcScope(runtime, METHOD)
-    scope.admit()          Overloaded / Draining raise here (RESOURCE_EXHAUSTED / UNAVAILABLE)
-    ... scope.failed(error) | scope.cancelled() | scope.outcome = "ok"
-    scope.close()          counts, leaves admission (once a detached background task ended too)
+    scope = RpcScope(runtime, METHOD, request_id)
+    async with scope.serving(context):   a SidecarError -> logged, counted, the call aborted
+        scope.admit()      Overloaded / Draining raise here (RESOURCE_EXHAUSTED / UNAVAILABLE)
+        ... scope.outcome = "ok" before the last message
+                           on exit: counted, admission left (once a detached task ended too)
 
 Every metric carries ``front_door="grpc"``; the ``route`` label is the gRPC method's full name
 (a closed set of two). A concurrent Prefill shares its admission slot with the background
@@ -13,12 +14,20 @@ requests.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
 import time
-from collections.abc import Callable
-from typing import Final
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Final
+
+import grpc
 
 from sidecar.errors import ClientCancelled, SidecarError
+from sidecar.grpc_server.errors import abort_with
 from sidecar.runtime import Runtime
+
+logger = logging.getLogger(__name__)
 
 FRONT_DOOR: Final = "grpc"
 
@@ -26,9 +35,11 @@ FRONT_DOOR: Final = "grpc"
 class RpcScope:
     """Bookkeeping of one RPC from admission to its last message."""
 
-    def __init__(self, runtime: Runtime, method: str) -> None:
+    def __init__(self, runtime: Runtime, method: str, request_id: str = "-") -> None:
         self.runtime = runtime
         self.method = method
+        #: Named in the log line of a failure; a handler may update it once it knows better.
+        self.request_id = request_id
         self.outcome = "error"
         self._started = time.perf_counter()
         self._admitted = False
@@ -45,6 +56,25 @@ class RpcScope:
         self._admitted = True
         self._holders = 1
         self.runtime.metrics.inflight.labels(FRONT_DOOR).inc()
+
+    @contextlib.asynccontextmanager
+    async def serving(self, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[None]:
+        """The call's body runs inside: a ``SidecarError`` becomes its gRPC status (logged and
+        counted), a cancellation is counted unless the call had already succeeded, and the
+        call is counted and leaves admission whatever the end."""
+        try:
+            yield
+        except SidecarError as error:
+            self.failed(error)
+            logger.warning("gRPC %s %s failed: %s (%s)", self.method.rsplit("/", 1)[-1],
+                           self.request_id, error.code, error.message)
+            await abort_with(context, error)
+        except asyncio.CancelledError:
+            if self.outcome != "ok":
+                self.cancelled()
+            raise
+        finally:
+            self.close()
 
     def failed(self, error: SidecarError) -> None:
         """Count ``error``; a call refused at admission keeps its outcome ``refused``."""

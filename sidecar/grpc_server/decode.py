@@ -23,7 +23,6 @@ codec, not staged); one sequence per request.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -32,7 +31,7 @@ from typing import Any, Final
 import grpc
 
 from sidecar.core.legs import open_decode
-from sidecar.errors import DeadlineExceeded, DecodeFailed, FailedPrecondition, SidecarError, Stage
+from sidecar.errors import DeadlineExceeded, DecodeFailed, FailedPrecondition, Stage
 from sidecar.grpc_gen import disagg_pb2, disagg_pb2_grpc
 from sidecar.grpc_server.bookkeeping import FRONT_DOOR, RpcScope
 from sidecar.grpc_server.checks import (
@@ -42,7 +41,6 @@ from sidecar.grpc_server.checks import (
     request_id_or_new,
 )
 from sidecar.grpc_server.engine_model import EngineModel
-from sidecar.grpc_server.errors import abort_with
 from sidecar.grpc_server.token_stream import TokenStreamParser, token_id_fields
 from sidecar.handoff_codec import DecodedHandoff, decode_handoff
 from sidecar.http1 import UpstreamError, UpstreamResponse
@@ -70,11 +68,11 @@ class DecodeService(disagg_pb2_grpc.DecodeWorkerServicer):
         request: disagg_pb2.DecodeRequest,
         context: grpc.aio.ServicerContext[disagg_pb2.DecodeRequest, disagg_pb2.TokenStream],
     ) -> AsyncIterator[disagg_pb2.TokenStream]:
-        scope = RpcScope(self._runtime, METHOD)
-        request_id = request.request_id or "-"
-        try:
+        scope = RpcScope(self._runtime, METHOD, request.request_id or "-")
+        async with scope.serving(context):
             scope.admit()
             body, request_id = await self._decode_body(request)
+            scope.request_id = request_id
             started = time.perf_counter()
             response = await open_decode(
                 self._runtime.session,
@@ -95,17 +93,6 @@ class DecodeService(disagg_pb2_grpc.DecodeWorkerServicer):
                 else:
                     # Closing the connection is how an engine learns the client went away.
                     response.close()
-        except SidecarError as error:
-            scope.failed(error)
-            logger.warning("gRPC Decode %s failed: %s (%s)", request_id, error.code,
-                           error.message)
-            await abort_with(context, error)
-        except asyncio.CancelledError:
-            if scope.outcome != "ok":
-                scope.cancelled()
-            raise
-        finally:
-            scope.close()
 
     async def _decode_body(self, request: disagg_pb2.DecodeRequest) -> tuple[dict[str, Any], str]:
         runtime = self._runtime

@@ -56,12 +56,11 @@ import grpc
 
 from connectors.inline_layout import InlineMeta
 from sidecar.core.legs import post_prefill
-from sidecar.errors import FailedPrecondition, ResourceExhausted, SidecarError, Stage
+from sidecar.errors import FailedPrecondition, ResourceExhausted, Stage
 from sidecar.grpc_gen import disagg_pb2
 from sidecar.grpc_server.bookkeeping import RpcScope
 from sidecar.grpc_server.checks import check_temperature, check_token_ids, request_id_or_new
 from sidecar.grpc_server.engine_model import EngineModel
-from sidecar.grpc_server.errors import abort_with
 from sidecar.grpc_server.prefill import METHOD, REQUEST_ID_HEADER, PrefillService
 from sidecar.inline_kv.codec import meta_block, read_staged_meta
 from sidecar.inline_kv.layer_watch import LayerNotices
@@ -92,30 +91,19 @@ class InlinePrefillService(PrefillService):
     async def Prefill(  # type: ignore[override]
         self, request: disagg_pb2.PreFillRequest, context: Context
     ) -> None:
-        scope = RpcScope(self._runtime, METHOD)
+        scope = RpcScope(self._runtime, METHOD, request.request_id or "-")
         kv_out = self._runtime.metrics.kv_bytes.labels("out")
 
         async def send(message: disagg_pb2.KVBlockStream, nbytes: int) -> None:
             kv_out.inc(nbytes)
             await context.write(message)
 
-        try:
+        async with scope.serving(context):
             scope.admit()
             await self._stream(request, scope, context.time_remaining(), send)
             # Counted before the last write: a router may hang up as soon as it has ``done``.
             scope.outcome = "ok"
             await context.write(disagg_pb2.KVBlockStream(done=True))
-        except SidecarError as error:
-            scope.failed(error)
-            logger.warning("gRPC Prefill %s failed: %s (%s)", request.request_id or "-",
-                           error.code, error.message)
-            await abort_with(context, error)
-        except asyncio.CancelledError:
-            if scope.outcome != "ok":
-                scope.cancelled()
-            raise
-        finally:
-            scope.close()
 
     async def _stream(
         self,

@@ -49,7 +49,6 @@ from sidecar.grpc_server.checks import (
     request_id_or_new,
 )
 from sidecar.grpc_server.engine_model import EngineModel
-from sidecar.grpc_server.errors import abort_with
 from sidecar.grpc_server.token_stream import token_id_fields
 from sidecar.handoff_codec import encode_handoff
 from sidecar.protocol.context import HandoffContext, PrefillTarget, Route
@@ -111,8 +110,8 @@ class PrefillService(disagg_pb2_grpc.PrefillWorkerServicer):
         request: disagg_pb2.PreFillRequest,
         context: grpc.aio.ServicerContext[disagg_pb2.PreFillRequest, disagg_pb2.KVBlockStream],
     ) -> AsyncIterator[disagg_pb2.KVBlockStream]:
-        scope = RpcScope(self._runtime, METHOD)
-        try:
+        scope = RpcScope(self._runtime, METHOD, request.request_id or "-")
+        async with scope.serving(context):
             scope.admit()
             messages = await self._handoff_messages(request, scope, context.time_remaining())
             kv_out = self._runtime.metrics.kv_bytes.labels("out")
@@ -122,17 +121,6 @@ class PrefillService(disagg_pb2_grpc.PrefillWorkerServicer):
             # Counted before the last yield: a router may hang up as soon as it has ``done``.
             scope.outcome = "ok"
             yield disagg_pb2.KVBlockStream(done=True)
-        except SidecarError as error:
-            scope.failed(error)
-            logger.warning("gRPC Prefill %s failed: %s (%s)", request.request_id or "-",
-                           error.code, error.message)
-            await abort_with(context, error)
-        except asyncio.CancelledError:
-            if scope.outcome != "ok":
-                scope.cancelled()
-            raise
-        finally:
-            scope.close()
 
     async def _handoff_messages(
         self, request: disagg_pb2.PreFillRequest, scope: RpcScope, time_remaining: float | None
