@@ -35,6 +35,7 @@ from connectors.inline_layout import (
 )
 from sidecar.errors import FailedPrecondition, InvalidRequest, ResourceExhausted, Stage
 from sidecar.grpc_gen import disagg_pb2
+from sidecar.inline_kv.prefill_files import read_layer_messages
 
 META_LAYER: Final = -2
 HANDOFF_LAYER: Final = -1
@@ -89,33 +90,9 @@ def iter_layer_blocks(
 def read_layer_blocks(
     request_id: str, meta: InlineMeta, directory: Path, layer_idx: int
 ) -> list[disagg_pb2.KVBlock]:
-    """One layer file's data blocks, each tile read straight from the file (one copy)."""
-    tile = meta.layout.tile_bytes
-    path = directory / layer_file(layer_idx)
-    try:
-        with path.open("rb", buffering=0) as fh:
-            size = fh.seek(0, 2)
-            if size != meta.num_blocks * 2 * tile:
-                raise FailedPrecondition(
-                    f"layer {layer_idx} file has {size} bytes, expected "
-                    f"{meta.num_blocks * 2 * tile}",
-                    stage=Stage.PREFILL,
-                )
-            fh.seek(0)
-            return [
-                disagg_pb2.KVBlock(
-                    request_id=request_id,
-                    layer_idx=layer_idx,
-                    block_idx=j,
-                    k_data=fh.read(tile),
-                    v_data=fh.read(tile),
-                )
-                for j in range(meta.num_blocks)
-            ]
-    except FileNotFoundError:
-        raise FailedPrecondition(
-            f"the prefill engine wrote no KV for layer {layer_idx}", stage=Stage.PREFILL
-        ) from None
+    """One layer file's data blocks (``prefill_files.read_layer_messages``, unwrapped)."""
+    return [message.block for message in
+            read_layer_messages(request_id, meta, directory, layer_idx)]
 
 
 def read_layer(directory: Path, layer_idx: int) -> bytes:
