@@ -12,7 +12,6 @@ Deliberate limits: one session serves every upstream; its connection limit is gl
 
 from __future__ import annotations
 
-import ssl
 from collections.abc import Iterable, Mapping
 
 from multidict import CIMultiDict
@@ -47,11 +46,10 @@ REQUEST_ID_HEADER = "X-Request-Id"
 
 def make_session(settings: Settings) -> EngineClient:
     """The process-wide upstream client; create it inside the running event loop."""
-    # Without engine_ca_file an https upstream is verified against the system store.
+    # Without engine_ca_file an https upstream is verified against the system store (the
+    # client loads it when it first meets one).
     ssl_context = (
-        client_ssl_context(settings.engine_ca_file)
-        if settings.engine_ca_file
-        else ssl.create_default_context()
+        client_ssl_context(settings.engine_ca_file) if settings.engine_ca_file else None
     )
     return EngineClient(
         limit=settings.max_connections,

@@ -226,6 +226,13 @@ class EngineClient:
         self._forget(oldest)  # its slot is free now, not when connection_lost comes
         return True
 
+    def _tls_context(self) -> ssl.SSLContext:
+        # Made on the first https engine only: loading the system CA store costs start-up
+        # time that a pod of plain-HTTP engines (the usual case) should not pay.
+        if self._ssl is None:
+            self._ssl = ssl.create_default_context()
+        return self._ssl
+
     async def _connect(self, target: _Target, deadline: float | None) -> Connection:
         self._open += 1
         timeout = self._connect_timeout_s
@@ -237,7 +244,7 @@ class EngineClient:
                     lambda: Connection(target.key, self._loop, self._on_lost),
                     target.host,
                     target.port,
-                    ssl=self._ssl if target.tls else None,
+                    ssl=self._tls_context() if target.tls else None,
                     server_hostname=target.host if target.tls else None,
                 )
         except TimeoutError:
