@@ -41,17 +41,16 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import struct
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
 
+from bench.kv_throughput import raw_loopback_mb_s
 from sidecar.inline_kv.heap import retain_freed_heap
 
 _STREAM = "/ceiling.C/Stream"
@@ -158,31 +157,6 @@ async def _client(
     return results
 
 
-def raw_one_hop_mb_s(nbytes: int, repeat: int) -> float:
-    chunk = b"\x01" * (1 << 20)
-    best = float("inf")
-    for _ in range(repeat):
-        with socket.socket() as server:
-            server.bind(("127.0.0.1", 0))
-            server.listen(1)
-
-            def drain() -> None:
-                conn, _ = server.accept()
-                with conn:
-                    while conn.recv(1 << 20):
-                        pass
-
-            reader = threading.Thread(target=drain)
-            reader.start()
-            started = time.perf_counter()
-            with socket.create_connection(server.getsockname()) as client:
-                for _ in range(nbytes // len(chunk)):
-                    client.sendall(chunk)
-            reader.join()
-            best = min(best, time.perf_counter() - started)
-    return nbytes / best / 1e6
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
@@ -226,7 +200,9 @@ def main() -> None:
         for server in servers:
             server.terminate()
             server.wait()
-    results["raw_loopback_one_hop"] = round(raw_one_hop_mb_s(args.total_mib << 20, args.repeat), 1)
+    results["raw_loopback_one_hop"] = round(
+        raw_loopback_mb_s(args.total_mib << 20, args.repeat), 1
+    )
     results["options"] = json.loads(args.options)
     results["uvloop"] = args.uvloop
     results["retain_heap"] = args.retain_heap
