@@ -39,7 +39,7 @@ from connectors.inline_layout import (
 )
 from sidecar.grpc_gen import disagg_pb2, disagg_pb2_grpc
 from sidecar.inline_kv.codec import iter_layer_blocks, meta_block
-from sidecar.inline_kv.wire import kv_block_of_stream
+from sidecar.inline_kv.wire import frame_decode_request, kv_block_of_stream
 from sidecar.settings import KVTransport
 
 LAYOUT = InlineLayout(
@@ -177,25 +177,17 @@ async def refusal(
     return code, exc.value.details() or ""
 
 
-def varint(value: int) -> bytes:
-    out = bytearray()
-    while value > 0x7F:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
 def router_framed(blocks: list[disagg_pb2.KVBlock]) -> bytes:
     """What a router that forwards blocks opaquely sends: the request's other fields, then
     each block sliced out of its KVBlockStream message as field 2."""
-    head = request([]).SerializeToString()
-    parts = [head]
-    for block in blocks:
-        sliced = kv_block_of_stream(disagg_pb2.KVBlockStream(block=block).SerializeToString())
-        assert sliced is not None
-        parts += [b"\x12", varint(len(sliced)), bytes(sliced)]
-    return b"".join(parts)
+    sliced = [
+        kv_block_of_stream(disagg_pb2.KVBlockStream(block=block).SerializeToString())
+        for block in blocks
+    ]
+    assert all(part is not None for part in sliced)
+    return frame_decode_request(
+        request([]).SerializeToString(), [part for part in sliced if part is not None]
+    )
 
 
 async def test_generated_client_and_router_framing_stage_the_same_files(root: Path) -> None:

@@ -16,7 +16,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sidecar.grpc_gen import disagg_pb2
-from sidecar.inline_kv.wire import WireError, kv_block_of_stream, split_decode_request
+from sidecar.inline_kv.wire import (
+    WireError,
+    kv_block_of_stream,
+    split_decode_request,
+)
+from sidecar.inline_kv.wire import encode_varint as varint
 
 int32s = st.integers(min_value=-(2**31), max_value=2**31 - 1)
 blocks = st.builds(
@@ -35,16 +40,6 @@ requests = st.builds(
     max_new_tokens=int32s,
     temperature=st.floats(width=32, allow_nan=False),
 )
-
-
-def varint(value: int) -> bytes:
-    value &= (1 << 64) - 1
-    out = bytearray()
-    while value > 0x7F:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
 
 
 def field(number: int, wire_type: int, payload: bytes) -> bytes:
