@@ -43,6 +43,13 @@ from pathlib import Path
 from typing import Any
 
 LAYOUT_NAME = "HNC"
+#: The key inside ``kv_transfer_params`` that carries an inline request's parameters:
+#: ``{"disagg_inline": {"action": "save" | "load", "key": K}}`` (the connector reads it, the
+#: sidecar's inline agent writes it).
+INLINE_PARAMS_KEY = "disagg_inline"
+#: Its actions: the prefill engine saves the request's KV, the decode engine loads it.
+ACTION_SAVE = "save"
+ACTION_LOAD = "load"
 META_FILE = "meta.json"
 ENGINE_FILE = "engine.json"
 ITEMSIZE: Mapping[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "uint8": 1}

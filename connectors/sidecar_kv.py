@@ -49,7 +49,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore[
 )
 
 from connectors.inline_layout import (
+    ACTION_LOAD,
+    ACTION_SAVE,
     ENGINE_FILE,
+    INLINE_PARAMS_KEY,
     META_FILE,
     InlineLayout,
     InlineMeta,
@@ -63,7 +66,6 @@ from connectors.inline_layout import (
 )
 
 logger = logging.getLogger(__name__)
-PARAMS_KEY = "disagg_inline"
 DEFAULT_STAGING_DIR = "/dev/shm/disagg-kv"
 _LAYER_RE = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
 
@@ -145,7 +147,7 @@ class _PendingLoad:
 
 def _inline_params(request: Any) -> dict[str, Any] | None:
     params = getattr(request, "kv_transfer_params", None) or {}
-    inline = params.get(PARAMS_KEY) if isinstance(params, dict) else None
+    inline = params.get(INLINE_PARAMS_KEY) if isinstance(params, dict) else None
     return inline if isinstance(inline, dict) else None
 
 
@@ -177,14 +179,14 @@ class SidecarKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int, bool]:
         inline = _inline_params(request)
-        if inline is not None and inline.get("action") == "save":
+        if inline is not None and inline.get("action") == ACTION_SAVE:
             # NewRequestData lacks kv_transfer_params: remember the intent by request id.
             try:
                 self._save_keys[request.request_id] = check_key(str(inline.get("key")))
             except LayoutError as exc:
                 logger.warning("inline KV save for %s refused: %s", request.request_id, exc)
             return 0, False
-        if inline is None or inline.get("action") != "load":
+        if inline is None or inline.get("action") != ACTION_LOAD:
             return 0, False
         try:
             key = check_key(str(inline.get("key")))

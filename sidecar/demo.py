@@ -19,21 +19,16 @@ from typing import Any, TextIO
 
 import aiohttp
 
+from sidecar.engines import handoff_keys
+from sidecar.kv_agents import valid_agent_names
 from sidecar.serve import run_server
 from sidecar.settings import Settings
 from sidecar.stubs.config import StubConfig
 from sidecar.stubs.server import run_stub
 
 #: The fields each engine family's decode leg gets from the hand-off, for printing.
-_HANDOFF_KEYS = (
-    "kv_transfer_params",
-    "disagg_prefill_resp",
-    "bootstrap_host",
-    "bootstrap_port",
-    "bootstrap_room",
-    "disaggregated_params",
-)
-_CONNECTORS = ("shfs", "nixl", "mooncake")
+_HANDOFF_KEYS = handoff_keys()
+_CONNECTORS = tuple(valid_agent_names())
 
 
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:

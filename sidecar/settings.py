@@ -26,7 +26,7 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from sidecar.allowlist import parse_entry
-from sidecar.kv_agents import valid_agent_names
+from sidecar.kv_agents import DEFAULT_CONNECTOR, valid_agent_names
 
 
 class Role(StrEnum):
@@ -90,13 +90,13 @@ class Settings(BaseModel):
         "handler (plain prefill then decode). Lower-cased.",
     )
     kv_connector: str = Field(
-        default="shfs",
+        default=DEFAULT_CONNECTOR,
         description="The vLLM KV connector type (shfs, nixl, mooncake; case-insensitive). An "
         "unknown or missing label value falls back to default_kv_connector with a warning; an "
         "unknown value given by flag or env refuses to start.",
     )
     default_kv_connector: str = Field(
-        default="shfs",
+        default=DEFAULT_CONNECTOR,
         description="The connector used when the pod label is missing or unknown.",
     )
     engine_url: str = Field(

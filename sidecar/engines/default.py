@@ -14,7 +14,6 @@ from collections.abc import Mapping
 from typing import Any
 
 from sidecar.engines.base import EngineHandler
-from sidecar.kv_agents.base import KVTransferAgent
 from sidecar.protocol.context import HandoffContext
 
 
@@ -24,15 +23,10 @@ class DefaultHandler(EngineHandler):
     name = "default"
     checked_against = "any OpenAI-compatible engine (no engine-specific fields)"
 
-    def prefill_fields(
-        self, ctx: HandoffContext, agent: KVTransferAgent | None
-    ) -> dict[str, Any]:
+    def prefill_fields(self, ctx: HandoffContext) -> dict[str, Any]:
         return {}
 
     def handoff(
-        self,
-        prefill_response: Mapping[str, Any] | None,
-        ctx: HandoffContext,
-        agent: KVTransferAgent | None,
+        self, prefill_response: Mapping[str, Any] | None, ctx: HandoffContext
     ) -> dict[str, Any]:
         return {}

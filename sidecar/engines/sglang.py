@@ -24,7 +24,6 @@ from typing import Any
 from sidecar.engines.base import EngineHandler
 from sidecar.errors import SidecarError
 from sidecar.ids import IdSources
-from sidecar.kv_agents.base import KVTransferAgent
 from sidecar.protocol.context import HandoffContext
 
 BOOTSTRAP_HOST = "bootstrap_host"
@@ -41,24 +40,20 @@ class SGLangHandler(EngineHandler):
     name = "sglang"
     checked_against = "SGLang main (2026 snapshot): bootstrap_host/port/room on the OpenAI routes"
 
-    def concurrent(self, agent: KVTransferAgent | None) -> bool:
+    handoff_keys = frozenset({BOOTSTRAP_HOST, BOOTSTRAP_PORT, BOOTSTRAP_ROOM})
+
+    @property
+    def concurrent(self) -> bool:
         return True
 
-    def assign_ids(
-        self, ctx: HandoffContext, ids: IdSources, agent: KVTransferAgent | None
-    ) -> HandoffContext:
+    def assign_ids(self, ctx: HandoffContext, ids: IdSources) -> HandoffContext:
         return ctx.with_ids(sglang_room=ids.rooms.allocate())
 
-    def prefill_fields(
-        self, ctx: HandoffContext, agent: KVTransferAgent | None
-    ) -> dict[str, Any]:
+    def prefill_fields(self, ctx: HandoffContext) -> dict[str, Any]:
         return self._bootstrap_fields(ctx)
 
     def handoff(
-        self,
-        prefill_response: Mapping[str, Any] | None,
-        ctx: HandoffContext,
-        agent: KVTransferAgent | None,
+        self, prefill_response: Mapping[str, Any] | None, ctx: HandoffContext
     ) -> dict[str, Any]:
         # The decode leg is built before the prefill answers: same three values, same room.
         return self._bootstrap_fields(ctx)

@@ -14,19 +14,19 @@ object from the context response is copied with only ``request_type`` changed (i
 e.g. ``ctx_request_id``, ``encoded_opaque_state``, ``first_gen_tokens``, stay as they are).
 Ids stay Python ints end to end, so values above 2**53 survive exactly.
 
-Deliberate limits: when the context response already finished (``answered_by_prefill``), the
-orchestrator returns it as the answer; this module does not rewrite that response.
+When the context response already finished (``answered_by_prefill``), the orchestrator returns
+it as the answer, without its ``disaggregated_params`` (``prefill_answer``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 from sidecar.engines.base import EngineHandler
 from sidecar.errors import InvalidHandoff, SidecarError
 from sidecar.ids import IdSources
-from sidecar.kv_agents.base import KVTransferAgent
 from sidecar.protocol.context import HandoffContext, Route
 
 DISAGGREGATED_PARAMS = "disaggregated_params"
@@ -69,14 +69,15 @@ class TRTLLMHandler(EngineHandler):
         "openai_protocol CompletionResponse.prompt_token_ids"
     )
 
-    def assign_ids(
-        self, ctx: HandoffContext, ids: IdSources, agent: KVTransferAgent | None
-    ) -> HandoffContext:
+    handoff_keys = frozenset({DISAGGREGATED_PARAMS})
+    #: TRT-LLM's ``CompletionRequest.detokenize``: false streams token ids and empty text (its
+    #: request models forbid unknown keys, so it gets only this one).
+    token_id_fields = MappingProxyType({"detokenize": False})
+
+    def assign_ids(self, ctx: HandoffContext, ids: IdSources) -> HandoffContext:
         return ctx.with_ids(trtllm_disagg_request_id=ids.snowflake.next())
 
-    def prefill_fields(
-        self, ctx: HandoffContext, agent: KVTransferAgent | None
-    ) -> dict[str, Any]:
+    def prefill_fields(self, ctx: HandoffContext) -> dict[str, Any]:
         if ctx.trtllm_disagg_request_id is None:
             raise SidecarError("TRT-LLM request has no disagg request id (assign_ids not called)")
         return {
@@ -87,10 +88,7 @@ class TRTLLMHandler(EngineHandler):
         }
 
     def handoff(
-        self,
-        prefill_response: Mapping[str, Any] | None,
-        ctx: HandoffContext,
-        agent: KVTransferAgent | None,
+        self, prefill_response: Mapping[str, Any] | None, ctx: HandoffContext
     ) -> dict[str, Any]:
         if prefill_response is None:
             raise InvalidHandoff("TRT-LLM context response is missing")
@@ -113,6 +111,20 @@ class TRTLLMHandler(EngineHandler):
             # The generation server then skips tokenization (TRT-LLM's own server does this).
             fields[PROMPT if ctx.route is Route.COMPLETIONS else PROMPT_TOKEN_IDS] = token_ids
         return fields
+
+    def prefill_answer(self, prefill_response: Mapping[str, Any]) -> dict[str, Any]:
+        """The context answer without engine hand-off state: TensorRT-LLM's own disaggregated
+        server drops ``disaggregated_params`` from a context response it returns as the answer.
+        """
+        answer = {k: v for k, v in prefill_response.items() if k != DISAGGREGATED_PARAMS}
+        choices = answer.get(CHOICES)
+        if isinstance(choices, list):
+            answer[CHOICES] = [
+                {k: v for k, v in choice.items() if k != DISAGGREGATED_PARAMS}
+                if isinstance(choice, dict) else choice
+                for choice in choices
+            ]
+        return answer
 
     def answered_by_prefill(self, prefill_response: Mapping[str, Any]) -> bool:
         choice = _first_choice(prefill_response)

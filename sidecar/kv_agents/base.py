@@ -29,6 +29,12 @@ class KVTransferAgent(ABC):
     needs_engine_id: ClassVar[bool] = False
     #: The engine versions whose wire format this agent was checked against.
     checked_against: ClassVar[str] = ""
+    #: Top-level body keys of this agent's hand-off (only the sidecar may set them).
+    handoff_keys: ClassVar[frozenset[str]] = frozenset()
+
+    def parse_engine_id(self, payload: object) -> str:
+        """The prefill engine id from its bootstrap ``/query`` answer (``needs_engine_id``)."""
+        raise NotImplementedError(f"the {self.name} agent needs no engine id")
 
     def assign_ids(self, ctx: HandoffContext, ids: IdSources) -> HandoffContext:
         """Fill the per-request ids this agent needs (default: none)."""

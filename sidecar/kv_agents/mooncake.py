@@ -13,8 +13,8 @@ Mooncake proxy example:
                                   remote_engine_id: E}
 
 ``E`` comes from the prefill's bootstrap server, ``GET <remote_bootstrap_addr>/query``; the
-orchestrator fetches and caches it and puts it in ``ctx.mooncake_engine_id``.
-``engine_id_from_query`` reads both answer shapes vLLM has shipped:
+core fetches and caches it (parsed by this agent's ``parse_engine_id``) and puts it in
+``ctx.mooncake_engine_id``. ``engine_id_from_query`` reads both answer shapes vLLM has shipped:
 
     {"<dp_rank>": {"engine_id": E, "worker_addr": {...}, ...}, ...}     (dict[int, EngineEntry])
     {"<E>": {"<dp_rank>": {"<tp_rank>": {"<pp_rank>": addr}}}, ...}    (dict[EngineId, ...])
@@ -101,10 +101,14 @@ class MooncakeAgent(KVTransferAgent):
     name = "mooncake"
     concurrent = True
     needs_engine_id = True
+    handoff_keys = frozenset({KV_TRANSFER_PARAMS})
     checked_against = (
         "vLLM main (2026 snapshot) MooncakeConnector (transfer_id, remote_bootstrap_addr, "
         "remote_engine_id) and its bootstrap /query, both answer shapes"
     )
+
+    def parse_engine_id(self, payload: object) -> str:
+        return engine_id_from_query(payload)
 
     def assign_ids(self, ctx: HandoffContext, ids: IdSources) -> HandoffContext:
         return ctx.with_ids(mooncake_transfer_id=ids.transfer_id())

@@ -25,6 +25,7 @@ class NeuronNixlAgent(KVTransferAgent):
     """Sequential legs; decode gets the prefill response wrapped whole."""
 
     name = "nixl"
+    handoff_keys = frozenset({DISAGG_PREFILL_RESP})
     checked_against = "AIBrix NIXLAgent (Neuron vLLM): disagg_prefill_resp wrapping"
 
     def prefill_fields(self, ctx: HandoffContext) -> dict[str, Any]:

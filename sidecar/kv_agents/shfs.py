@@ -45,6 +45,7 @@ class NixlPullAgent(KVTransferAgent):
     """Sequential NIXL hand-off: a skeleton on prefill, the engine's params on decode."""
 
     name = "shfs"
+    handoff_keys = frozenset({KV_TRANSFER_PARAMS})
     checked_against = (
         "vLLM main (2026 snapshot) NixlConnector.request_finished "
         "(remote_request_id, tp_size, remote_num_tokens, ...)"

@@ -59,6 +59,8 @@ class HandoffContext:
     mooncake_bootstrap_port: int = 8998
     mooncake_transfer_id: str | None = None
     mooncake_engine_id: str | None = None
+    #: Inline KV transport: the staging key of this request's KV (``sidecar.kv_agents.inline``).
+    inline_key: str | None = None
 
     def with_ids(self, **ids: object) -> HandoffContext:
         """A copy with some per-request ids set."""

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sidecar import jsonutil
+from sidecar.engines import handoff_keys
 from sidecar.errors import InvalidRequest
 from sidecar.protocol.context import Route
 
@@ -40,15 +41,9 @@ MESSAGES = "messages"
 #: Token-limit fields the sidecar rewrites on the prefill leg: int or null.
 INT_OR_NULL_FIELDS: tuple[str, ...] = ("max_tokens", "max_completion_tokens", "min_tokens")
 
-#: Fields only the sidecar (or a trusted router) may set: engine hand-off coordinates.
-HANDOFF_FIELDS: tuple[str, ...] = (
-    "kv_transfer_params",
-    "disaggregated_params",
-    "bootstrap_host",
-    "bootstrap_port",
-    "bootstrap_room",
-    "disagg_prefill_resp",
-)
+#: Fields only the sidecar (or a trusted router) may set: engine hand-off coordinates, as
+#: every engine handler and KV agent declares them (``handoff_keys``).
+HANDOFF_FIELDS: tuple[str, ...] = handoff_keys()
 
 #: Top-level keys that must not occur twice.
 CONTROL_KEYS: frozenset[str] = frozenset(

@@ -19,7 +19,6 @@ from protocol_builders import chat_body, completions_body, make_ctx, make_ids
 from sidecar.engines import resolve_engine
 from sidecar.engines.base import EngineHandler
 from sidecar.kv_agents import resolve_agent
-from sidecar.kv_agents.base import KVTransferAgent
 from sidecar.protocol.context import HandoffContext, Route
 
 COMBOS = [
@@ -61,12 +60,12 @@ PREFILL_RESPONSE: dict[str, Any] = {
 
 def _setup(
     engine: str, connector: str | None, route: Route
-) -> tuple[EngineHandler, KVTransferAgent | None, HandoffContext]:
-    handler = resolve_engine(engine)
+) -> tuple[EngineHandler, HandoffContext]:
     agent = resolve_agent(connector) if connector else None
-    ctx = handler.assign_ids(make_ctx(route), make_ids(), agent)
+    handler = resolve_engine(engine).bind(agent)
+    ctx = handler.assign_ids(make_ctx(route), make_ids())
     ctx = ctx.with_ids(mooncake_engine_id="engine-p")
-    return handler, agent, ctx
+    return handler, ctx
 
 
 def _body(route: Route) -> dict[str, Any]:
@@ -76,9 +75,9 @@ def _body(route: Route) -> dict[str, Any]:
 @pytest.mark.parametrize("route", list(Route))
 @pytest.mark.parametrize(("engine", "connector"), COMBOS)
 def test_prefill_leg_common_rules(engine: str, connector: str | None, route: Route) -> None:
-    handler, agent, ctx = _setup(engine, connector, route)
+    handler, ctx = _setup(engine, connector, route)
     client = _body(route)
-    prefill = handler.prefill_body(client, ctx, agent)
+    prefill = handler.prefill_body(client, ctx)
     assert prefill["max_tokens"] == 1
     assert prefill["stream"] is False
     for dropped in ("min_tokens", "min_completion_tokens", "stream_options"):
@@ -114,11 +113,11 @@ def test_prefill_leg_common_rules(engine: str, connector: str | None, route: Rou
 def test_decode_leg_is_the_original_body_plus_handoff(
     engine: str, connector: str | None, route: Route
 ) -> None:
-    handler, agent, ctx = _setup(engine, connector, route)
+    handler, ctx = _setup(engine, connector, route)
     client = _body(route)
     client.pop("max_tokens", None)  # omitted by the client: must stay omitted on decode
-    response = None if handler.concurrent(agent) else PREFILL_RESPONSE
-    handoff = handler.handoff(response, ctx, agent)
+    response = None if handler.concurrent else PREFILL_RESPONSE
+    handoff = handler.handoff(response, ctx)
     decode = handler.decode_body(client, handoff)
     for key, value in client.items():
         if key not in handoff:
@@ -132,13 +131,13 @@ def test_decode_leg_is_the_original_body_plus_handoff(
 @pytest.mark.parametrize("route", list(Route))
 @pytest.mark.parametrize(("engine", "connector"), COMBOS)
 def test_inputs_are_never_mutated(engine: str, connector: str | None, route: Route) -> None:
-    handler, agent, ctx = _setup(engine, connector, route)
+    handler, ctx = _setup(engine, connector, route)
     client = _body(route)
     response = copy.deepcopy(PREFILL_RESPONSE)
     client_before = copy.deepcopy(client)
     response_before = copy.deepcopy(response)
-    prefill = handler.prefill_body(client, ctx, agent)
-    handoff = handler.handoff(None if handler.concurrent(agent) else response, ctx, agent)
+    prefill = handler.prefill_body(client, ctx)
+    handoff = handler.handoff(None if handler.concurrent else response, ctx)
     decode = handler.decode_body(client, handoff)
     assert client == client_before
     assert response == response_before

@@ -13,11 +13,11 @@ HANDLER = DefaultHandler()
 
 @pytest.mark.parametrize("route", list(Route))
 def test_golden(route: Route) -> None:
-    ctx = HANDLER.assign_ids(make_ctx(route), make_ids(), None)
+    ctx = HANDLER.assign_ids(make_ctx(route), make_ids())
     assert ctx == make_ctx(route)
-    assert HANDLER.concurrent(None) is False
+    assert HANDLER.concurrent is False
     client = completions_body() if route is Route.COMPLETIONS else chat_body()
-    prefill = HANDLER.prefill_body(client, ctx, None)
+    prefill = HANDLER.prefill_body(client, ctx)
     if route is Route.COMPLETIONS:
         assert prefill == {
             "model": "m",
@@ -35,6 +35,6 @@ def test_golden(route: Route) -> None:
             "stream": False,
             "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
         }
-    assert HANDLER.handoff({"choices": []}, ctx, None) == {}
+    assert HANDLER.handoff({"choices": []}, ctx) == {}
     assert HANDLER.decode_body(client, {}) == client
     assert HANDLER.answered_by_prefill({"choices": [{"finish_reason": "stop"}]}) is False

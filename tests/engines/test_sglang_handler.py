@@ -20,23 +20,21 @@ HANDLER = SGLangHandler()
 
 
 def test_concurrent_without_agent() -> None:
-    assert HANDLER.concurrent(None) is True
+    assert HANDLER.concurrent is True
 
 
 @pytest.mark.parametrize("route", list(Route))
 def test_golden_both_legs_same_room(route: Route) -> None:
     ids = make_ids()
-    ctx = HANDLER.assign_ids(
-        make_ctx(route, host="10.1.2.3", sglang_bootstrap_port=9001), ids, None
-    )
+    ctx = HANDLER.assign_ids(make_ctx(route, host="10.1.2.3", sglang_bootstrap_port=9001), ids)
     room = ctx.sglang_room
     assert isinstance(room, int) and 0 <= room <= ids.rooms.max_room
     assert ids.rooms.in_flight() == 1
     client = completions_body() if route is Route.COMPLETIONS else chat_body()
     before = copy.deepcopy(client)
 
-    prefill = HANDLER.prefill_body(client, ctx, None)
-    decode = HANDLER.decode_body(client, HANDLER.handoff(None, ctx, None))
+    prefill = HANDLER.prefill_body(client, ctx)
+    decode = HANDLER.decode_body(client, HANDLER.handoff(None, ctx))
 
     fields = {
         "bootstrap_host": "10.1.2.3",
@@ -74,8 +72,8 @@ def test_client_bootstrap_values_are_overwritten(route: Route) -> None:
     base = completions_body() if route is Route.COMPLETIONS else chat_body()
     client = {**base, "bootstrap_host": "evil", "bootstrap_port": 1, "bootstrap_room": 7,
               "rid": "client-chosen"}
-    prefill = HANDLER.prefill_body(client, ctx, None)
-    decode = HANDLER.decode_body(client, HANDLER.handoff({"ignored": True}, ctx, None))
+    prefill = HANDLER.prefill_body(client, ctx)
+    decode = HANDLER.decode_body(client, HANDLER.handoff({"ignored": True}, ctx))
     for body in (prefill, decode):
         assert body["bootstrap_host"] == "10.1.2.3"
         assert body["bootstrap_port"] == 8998
@@ -92,15 +90,15 @@ def test_abort_call_names_the_legs_rid() -> None:
 
 def test_ipv6_host_is_sent_bare() -> None:
     ctx = make_ctx(host="fd00::5", sglang_room=3)
-    assert HANDLER.prefill_fields(ctx, None)["bootstrap_host"] == "fd00::5"
+    assert HANDLER.prefill_fields(ctx)["bootstrap_host"] == "fd00::5"
 
 
 def test_missing_room_is_an_internal_error() -> None:
     with pytest.raises(SidecarError):
-        HANDLER.prefill_fields(make_ctx(), None)
+        HANDLER.prefill_fields(make_ctx())
 
 
 def test_rooms_are_distinct_among_in_flight_requests() -> None:
     ids = make_ids(max_room=63)
-    rooms = [HANDLER.assign_ids(make_ctx(), ids, None).sglang_room for _ in range(64)]
+    rooms = [HANDLER.assign_ids(make_ctx(), ids).sglang_room for _ in range(64)]
     assert sorted(rooms) == list(range(64))  # every room of the space, each once

@@ -65,19 +65,19 @@ def _response(*, where: str = "choice", finish: str | None = "length") -> dict[s
 
 
 def test_sequential_and_drops_max_completion_tokens() -> None:
-    assert HANDLER.concurrent(None) is False
+    assert HANDLER.concurrent is False
     assert HANDLER.drops_max_completion_tokens is True
 
 
 def test_assign_ids_uses_the_snowflake() -> None:
-    ctx = HANDLER.assign_ids(make_ctx(), make_ids(), None)
+    ctx = HANDLER.assign_ids(make_ctx(), make_ids())
     assert ctx.trtllm_disagg_request_id == FIRST_ID
 
 
 def test_golden_prefill_completions() -> None:
-    ctx = HANDLER.assign_ids(make_ctx(Route.COMPLETIONS), make_ids(), None)
+    ctx = HANDLER.assign_ids(make_ctx(Route.COMPLETIONS), make_ids())
     client = completions_body(max_completion_tokens=50)
-    assert HANDLER.prefill_body(client, ctx, None) == {
+    assert HANDLER.prefill_body(client, ctx) == {
         "model": "m",
         "prompt": "hello world",
         "max_tokens": 1,
@@ -88,8 +88,8 @@ def test_golden_prefill_completions() -> None:
 
 
 def test_golden_prefill_chat() -> None:
-    ctx = HANDLER.assign_ids(make_ctx(Route.CHAT), make_ids(), None)
-    assert HANDLER.prefill_body(chat_body(), ctx, None) == {
+    ctx = HANDLER.assign_ids(make_ctx(Route.CHAT), make_ids())
+    assert HANDLER.prefill_body(chat_body(), ctx) == {
         "model": "m",
         "messages": [{"role": "user", "content": "hi"}],
         "max_tokens": 1,
@@ -105,7 +105,7 @@ def test_golden_decode_completions(where: str) -> None:
     client = completions_body()
     response = _response(where=where)
     before = copy.deepcopy(response)
-    decode = HANDLER.decode_body(client, HANDLER.handoff(response, ctx, None))
+    decode = HANDLER.decode_body(client, HANDLER.handoff(response, ctx))
     assert decode == {
         "model": "m",
         "prompt": [101, 2054, BIG_ID],
@@ -123,7 +123,7 @@ def test_golden_decode_completions(where: str) -> None:
 @pytest.mark.parametrize("where", ["choice", "top"])
 def test_golden_decode_chat(where: str) -> None:
     ctx = make_ctx(Route.CHAT, trtllm_disagg_request_id=BIG_ID)
-    decode = HANDLER.decode_body(chat_body(), HANDLER.handoff(_response(where=where), ctx, None))
+    decode = HANDLER.decode_body(chat_body(), HANDLER.handoff(_response(where=where), ctx))
     assert decode == {
         "model": "m",
         "messages": [{"role": "user", "content": "hi"}],
@@ -140,7 +140,7 @@ def test_golden_decode_chat(where: str) -> None:
 def test_top_level_wins_over_choice() -> None:
     response = _response(where="choice")
     response["disaggregated_params"] = {"request_type": "context_only", "ctx_request_id": 5}
-    handoff = HANDLER.handoff(response, make_ctx(), None)
+    handoff = HANDLER.handoff(response, make_ctx())
     assert handoff["disaggregated_params"] == {
         "request_type": "generation_only",
         "ctx_request_id": 5,
@@ -150,7 +150,7 @@ def test_top_level_wins_over_choice() -> None:
 @pytest.mark.parametrize("route", list(Route))
 def test_missing_params_leave_decode_unchanged(route: Route) -> None:
     client = completions_body() if route is Route.COMPLETIONS else chat_body()
-    handoff = HANDLER.handoff(_response(where="none"), make_ctx(route), None)
+    handoff = HANDLER.handoff(_response(where="none"), make_ctx(route))
     assert handoff == {}
     assert HANDLER.decode_body(client, handoff) == client
 
@@ -159,7 +159,7 @@ def test_null_params_count_as_missing() -> None:
     response = _response(where="none")
     response["disaggregated_params"] = None
     response["choices"][0]["disaggregated_params"] = None
-    assert HANDLER.handoff(response, make_ctx(), None) == {}
+    assert HANDLER.handoff(response, make_ctx()) == {}
 
 
 @pytest.mark.parametrize("bad", ["opaque", 7, ["a"], True])
@@ -171,29 +171,29 @@ def test_non_object_params_are_invalid(bad: object, where: str) -> None:
     else:
         response["choices"][0]["disaggregated_params"] = bad
     with pytest.raises(InvalidHandoff, match="disaggregated_params"):
-        HANDLER.handoff(response, make_ctx(), None)
+        HANDLER.handoff(response, make_ctx())
 
 
 def test_no_prompt_token_ids_means_prompt_untouched() -> None:
     response = _response()
     del response["prompt_token_ids"]
-    assert HANDLER.handoff(response, make_ctx(Route.COMPLETIONS), None) == {
+    assert HANDLER.handoff(response, make_ctx(Route.COMPLETIONS)) == {
         "disaggregated_params": GEN_PARAMS
     }
 
 
 def test_missing_response_is_invalid() -> None:
     with pytest.raises(InvalidHandoff):
-        HANDLER.handoff(None, make_ctx(), None)
+        HANDLER.handoff(None, make_ctx())
 
 
 def test_ids_above_2_53_survive_json_exactly() -> None:
     ctx = make_ctx(Route.COMPLETIONS, trtllm_disagg_request_id=BIG_ID)
-    prefill_wire = jsonutil.dumps(HANDLER.prefill_body(completions_body(), ctx, None))
+    prefill_wire = jsonutil.dumps(HANDLER.prefill_body(completions_body(), ctx))
     assert jsonutil.loads(prefill_wire)["disaggregated_params"]["disagg_request_id"] == BIG_ID
     assert str(BIG_ID).encode() in prefill_wire
     response = jsonutil.loads(jsonutil.dumps(_response()))
-    decode = HANDLER.decode_body(completions_body(), HANDLER.handoff(response, ctx, None))
+    decode = HANDLER.decode_body(completions_body(), HANDLER.handoff(response, ctx))
     back = jsonutil.loads(jsonutil.dumps(decode))
     assert back["disaggregated_params"]["disagg_request_id"] == BIG_ID
     assert back["prompt"][-1] == BIG_ID

@@ -25,15 +25,15 @@ def test_uses_kv_agent() -> None:
 @pytest.mark.parametrize(("connector", "concurrent"), [("shfs", False), ("nixl", False),
                                                         ("mooncake", True)])
 def test_concurrency_is_the_agents(connector: str, concurrent: bool) -> None:
-    assert HANDLER.concurrent(resolve_agent(connector)) is concurrent
+    assert HANDLER.bind(resolve_agent(connector)).concurrent is concurrent
 
 
 @pytest.mark.parametrize("route", list(Route))
 def test_golden_nixl_pull_through_handler(route: Route) -> None:
     agent = resolve_agent("shfs")
-    ctx = HANDLER.assign_ids(make_ctx(route, host="10.0.0.9"), make_ids(), agent)
+    ctx = HANDLER.bind(agent).assign_ids(make_ctx(route, host="10.0.0.9"), make_ids())
     client = completions_body() if route is Route.COMPLETIONS else chat_body()
-    prefill = HANDLER.prefill_body(client, ctx, agent)
+    prefill = HANDLER.bind(agent).prefill_body(client, ctx)
     assert prefill["kv_transfer_params"] == {
         "do_remote_decode": True,
         "do_remote_prefill": False,
@@ -52,24 +52,24 @@ def test_golden_nixl_pull_through_handler(route: Route) -> None:
         "remote_port": 5600,
         "tp_size": 1,
     }
-    decode = HANDLER.decode_body(client, HANDLER.handoff({"kv_transfer_params": params}, ctx,
-                                                          agent))
+    bound = HANDLER.bind(agent)
+    decode = bound.decode_body(client, bound.handoff({"kv_transfer_params": params}, ctx))
     assert decode == {**client, "kv_transfer_params": {**params, "remote_host": "10.0.0.9"}}
 
 
 def test_mooncake_ids_come_from_the_agent() -> None:
     agent = resolve_agent("mooncake")
-    ctx = HANDLER.assign_ids(make_ctx(), make_ids(), agent)
+    ctx = HANDLER.bind(agent).assign_ids(make_ctx(), make_ids())
     assert ctx.mooncake_transfer_id == "xfer-fixed"
     assert ctx.sglang_room is None and ctx.trtllm_disagg_request_id is None
 
 
 def test_without_agent_refuses() -> None:
     with pytest.raises(SidecarError):
-        HANDLER.concurrent(None)
+        _ = HANDLER.concurrent
     with pytest.raises(SidecarError):
-        HANDLER.prefill_body(completions_body(), make_ctx(), None)
+        HANDLER.prefill_body(completions_body(), make_ctx())
     with pytest.raises(SidecarError):
-        HANDLER.handoff({}, make_ctx(), None)
+        HANDLER.handoff({}, make_ctx())
     with pytest.raises(SidecarError):
-        HANDLER.assign_ids(make_ctx(), make_ids(), None)
+        HANDLER.assign_ids(make_ctx(), make_ids())

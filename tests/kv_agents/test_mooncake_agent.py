@@ -27,7 +27,7 @@ def test_flags() -> None:
     assert AGENT.name == "mooncake"
     assert AGENT.concurrent is True
     assert AGENT.needs_engine_id is True
-    assert HANDLER.concurrent(AGENT) is True
+    assert HANDLER.bind(AGENT).concurrent is True
 
 
 def test_assign_ids_sets_one_transfer_id() -> None:
@@ -39,11 +39,11 @@ def test_assign_ids_sets_one_transfer_id() -> None:
 def test_golden_both_legs(route: Route) -> None:
     client = completions_body() if route is Route.COMPLETIONS else chat_body()
     before = copy.deepcopy(client)
-    ctx = HANDLER.assign_ids(
-        make_ctx(route, host="10.0.0.8", mooncake_bootstrap_port=8998), make_ids(), AGENT
+    ctx = HANDLER.bind(AGENT).assign_ids(
+        make_ctx(route, host="10.0.0.8", mooncake_bootstrap_port=8998), make_ids()
     ).with_ids(mooncake_engine_id="0b9f-engine")
-    prefill = HANDLER.prefill_body(client, ctx, AGENT)
-    decode = HANDLER.decode_body(client, HANDLER.handoff(None, ctx, AGENT))
+    prefill = HANDLER.bind(AGENT).prefill_body(client, ctx)
+    decode = HANDLER.decode_body(client, HANDLER.bind(AGENT).handoff(None, ctx))
     prefill_params = {"do_remote_decode": True, "do_remote_prefill": False,
                       "transfer_id": "xfer-fixed"}
     decode_params = {

@@ -41,10 +41,10 @@ def test_golden(route: Route) -> None:
     client = completions_body() if route is Route.COMPLETIONS else chat_body()
     ctx = make_ctx(route, host="10.0.0.3")
     assert AGENT.prefill_fields(ctx) == {}
-    prefill = HANDLER.prefill_body(client, ctx, AGENT)
+    prefill = HANDLER.bind(AGENT).prefill_body(client, ctx)
     assert "kv_transfer_params" not in prefill
     response = copy.deepcopy(RESPONSE)
-    decode = HANDLER.decode_body(client, HANDLER.handoff(response, ctx, AGENT))
+    decode = HANDLER.decode_body(client, HANDLER.bind(AGENT).handoff(response, ctx))
     assert decode == {**client, "disagg_prefill_resp": RESPONSE}
     assert "kv_transfer_params" not in decode
     # No rewrite inside the wrapped response.

@@ -80,7 +80,7 @@ def test_each_prefill_gets_a_fresh_skeleton() -> None:
 @pytest.mark.parametrize("route", list(Route))
 def test_golden_prefill_body(route: Route) -> None:
     client = completions_body() if route is Route.COMPLETIONS else chat_body()
-    prefill = HANDLER.prefill_body(client, make_ctx(route), AGENT)
+    prefill = HANDLER.bind(AGENT).prefill_body(client, make_ctx(route))
     skeleton = AGENT.prefill_fields(make_ctx())["kv_transfer_params"]
     if route is Route.COMPLETIONS:
         assert prefill == {
@@ -109,8 +109,8 @@ def test_golden_decode_rewrites_only_remote_host(route: Route, host: str) -> Non
     client = completions_body() if route is Route.COMPLETIONS else chat_body()
     response = _response()
     before = copy.deepcopy(response)
-    decode = HANDLER.decode_body(client, HANDLER.handoff(response, make_ctx(route, host=host),
-                                                          AGENT))
+    handoff = HANDLER.bind(AGENT).handoff(response, make_ctx(route, host=host))
+    decode = HANDLER.decode_body(client, handoff)
     expected_params = {
         "do_remote_prefill": True,
         "do_remote_decode": False,

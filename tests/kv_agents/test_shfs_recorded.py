@@ -50,11 +50,11 @@ def test_sidecar_bodies_equal_the_recorded_ones(path: Path) -> None:
     handler, agent = resolve_engine("vllm"), resolve_agent("shfs")
     route = ROUTES[recorded["endpoint"]]
     ids = IdSources(SnowflakeIds(0), RoomAllocator())
-    ctx = handler.assign_ids(_ctx(route, "127.0.0.1"), ids, agent)
+    ctx = handler.bind(agent).assign_ids(_ctx(route, "127.0.0.1"), ids)
     client = recorded["client_request"]
 
-    assert handler.prefill_body(client, ctx, agent) == recorded["prefill_request"]
-    handoff = handler.handoff(recorded["prefill_response"], ctx, agent)
+    assert handler.bind(agent).prefill_body(client, ctx) == recorded["prefill_request"]
+    handoff = handler.bind(agent).handoff(recorded["prefill_response"], ctx)
     assert handler.decode_body(client, handoff) == recorded["decode_request"]
 
 
@@ -64,7 +64,7 @@ def test_recorded_params_pass_verbatim_but_the_host(path: Path) -> None:
     handler, agent = resolve_engine("vllm"), resolve_agent("shfs")
     route = ROUTES[recorded["endpoint"]]
     params = recorded["prefill_response"]["kv_transfer_params"]
-    handoff = handler.handoff(recorded["prefill_response"], _ctx(route, "10.1.2.3"), agent)
+    handoff = handler.bind(agent).handoff(recorded["prefill_response"], _ctx(route, "10.1.2.3"))
     assert handoff["kv_transfer_params"] == {**params, "remote_host": "10.1.2.3"}
     assert list(handoff["kv_transfer_params"]) == list(params)  # key order kept
 
