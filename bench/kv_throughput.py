@@ -92,7 +92,7 @@ from connectors.inline_layout import (
 )
 from sidecar.grpc_gen import disagg_pb2
 from sidecar.inline_kv.heap import retain_freed_heap
-from sidecar.inline_kv.wire import frame_decode_request, kv_block_of_stream
+from sidecar.kv_wire.protowire import frame_decode_request, kv_block_of_stream
 
 MODEL = "bench-kv"
 
@@ -207,7 +207,7 @@ def decode_request_bytes(
     head: disagg_pb2.DecodeRequest, blocks: Sequence[bytes | memoryview]
 ) -> bytes:
     """``head`` with ``blocks`` (serialized KVBlocks) appended to its ``kv_blocks``
-    (``sidecar.inline_kv.wire.frame_decode_request``: no block is copied into a message)."""
+    (``sidecar.kv_wire.protowire.frame_decode_request``: no block is copied into a message)."""
     return frame_decode_request(head.SerializeToString(), blocks)
 
 

@@ -2,6 +2,7 @@
 
     announced_meta(root, key, num_tokens)  ─▶ InlineMeta from engine.json, before any compute
                                               (None: no or unreadable engine.json)
+    read_staged_meta(dir)                  ─▶ the metadata the connector wrote (meta.json)
     read_layer_messages(rid, meta, dir, l) ─▶ layer l's KVBlockStream messages, block order
     ready_layer_messages(...)              ─▶ the same, or None while the file is not there
 
@@ -21,7 +22,13 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from connectors.inline_layout import InlineMeta, LayoutError, layer_file, read_engine_layout
+from connectors.inline_layout import (
+    META_FILE,
+    InlineMeta,
+    LayoutError,
+    layer_file,
+    read_engine_layout,
+)
 from sidecar.errors import FailedPrecondition, Stage
 from sidecar.grpc_gen import disagg_pb2
 
@@ -38,6 +45,24 @@ def announced_meta(root: Path, key: str, num_tokens: int) -> InlineMeta | None:
     if layout is None:
         return None
     return InlineMeta(layout, num_tokens, -(-num_tokens // layout.block_size), key)
+
+
+def read_staged_meta(directory: Path) -> InlineMeta:
+    """The metadata the prefill engine's connector wrote; FAILED_PRECONDITION if none."""
+    try:
+        data = (directory / META_FILE).read_bytes()
+    except FileNotFoundError:
+        raise FailedPrecondition(
+            "the prefill engine wrote no inline KV (is it running SidecarKVConnector with the "
+            "sidecar's staging directory?)",
+            stage=Stage.PREFILL,
+        ) from None
+    try:
+        return InlineMeta.from_json(data)
+    except LayoutError as exc:
+        raise FailedPrecondition(
+            f"prefill engine's KV metadata: {exc}", stage=Stage.PREFILL
+        ) from None
 
 
 def read_layer_messages(

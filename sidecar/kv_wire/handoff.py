@@ -31,13 +31,12 @@ from typing import Any
 from sidecar import jsonutil
 from sidecar.errors import InvalidRequest, Stage
 from sidecar.grpc_gen.disagg_pb2 import KVBlock
-
-#: ``layer_idx`` of the hand-off control blocks (JSON metadata in ``k_data``).
-HANDOFF_LAYER = -1
-#: ``layer_idx`` reserved for the inline mode's KV metadata (defined by the inline mode).
-INLINE_META_LAYER = -2
-#: Layers with a meaning; any other negative ``layer_idx`` is rejected.
-KNOWN_CONTROL_LAYERS = frozenset({HANDOFF_LAYER, INLINE_META_LAYER})
+from sidecar.kv_wire.layers import (
+    CONTROL_LAYERS,
+    HANDOFF_LAYER,
+    INLINE_META_LAYER,
+    is_control_layer,
+)
 
 HANDOFF_VERSION = 1
 HANDOFF_KIND = "handoff"
@@ -77,7 +76,7 @@ class DecodedHandoff:
 
 def is_control_block(block: KVBlock) -> bool:
     """True for blocks that carry metadata rather than K/V bytes (``layer_idx < 0``)."""
-    return block.layer_idx < 0
+    return is_control_layer(block.layer_idx)
 
 
 def encode_handoff(
@@ -136,7 +135,7 @@ def _handoff_payload(blocks: Sequence[KVBlock]) -> bytes:
     for block in blocks:
         if block.layer_idx >= 0 or block.layer_idx == INLINE_META_LAYER:
             continue
-        if block.layer_idx not in KNOWN_CONTROL_LAYERS:
+        if block.layer_idx not in CONTROL_LAYERS:
             raise _invalid(f"unknown control block layer_idx {block.layer_idx}")
         if block.block_idx in chunks:
             raise _invalid(f"duplicate control block block_idx {block.block_idx}")

@@ -1,12 +1,10 @@
 """Inline KV blocks: the metadata control block (``layer_idx == -2``) and the data blocks.
 
-Prefill side: ``meta_block`` and ``read_layer_blocks`` / ``iter_layer_blocks`` turn the
-files the engine's connector wrote (``connectors.inline_layout``) into ``KVBlock`` messages:
-the metadata block first, then one data block per layer and block, layer by layer
-(``read_staged_meta`` reads the engine's own metadata for the final check).
+Prefill side: ``meta_block`` is the stream's first block; the data blocks are built from the
+engine's layer files by ``sidecar.inline_kv.prefill_files`` (one layer at a time).
 
 Decode side: ``parse_blocks`` reassembles a ``DecodeRequest``'s blocks and checks them
-(``parse_entries`` the same for blocks walked off the wire by ``sidecar.inline_kv.wire``):
+(``parse_entries`` the same for blocks walked off the wire by ``sidecar.kv_wire.protowire``):
 a missing, duplicated or malformed metadata block, a data block outside the metadata's
 layers/blocks, a tile of the wrong size, a duplicated or missing block -> INVALID_ARGUMENT
 (``InvalidRequest``); ``check_compatible`` refuses KV of another model, dtype or shape than
@@ -21,87 +19,19 @@ hundred bytes).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Final
 
-from connectors.inline_layout import (
-    META_FILE,
-    InlineLayout,
-    InlineMeta,
-    LayoutError,
-    layer_file,
-)
+from connectors.inline_layout import InlineLayout, InlineMeta, LayoutError
 from sidecar.errors import FailedPrecondition, InvalidRequest, ResourceExhausted, Stage
 from sidecar.grpc_gen import disagg_pb2
-from sidecar.inline_kv.prefill_files import read_layer_messages
-
-META_LAYER: Final = -2
-HANDOFF_LAYER: Final = -1
-
-
-def read_staged_meta(directory: Path) -> InlineMeta:
-    """The metadata the prefill engine's connector wrote; FAILED_PRECONDITION if none."""
-    try:
-        data = (directory / META_FILE).read_bytes()
-    except FileNotFoundError:
-        raise FailedPrecondition(
-            "the prefill engine wrote no inline KV (is it running SidecarKVConnector with the "
-            "sidecar's staging directory?)",
-            stage=Stage.PREFILL,
-        ) from None
-    try:
-        return InlineMeta.from_json(data)
-    except LayoutError as exc:
-        raise FailedPrecondition(
-            f"prefill engine's KV metadata: {exc}", stage=Stage.PREFILL
-        ) from None
+from sidecar.kv_wire.layers import INLINE_META_LAYER
 
 
 def meta_block(request_id: str, meta: InlineMeta) -> disagg_pb2.KVBlock:
     return disagg_pb2.KVBlock(
-        request_id=request_id, layer_idx=META_LAYER, block_idx=0, k_data=meta.to_json()
+        request_id=request_id, layer_idx=INLINE_META_LAYER, block_idx=0, k_data=meta.to_json()
     )
-
-
-def iter_layer_blocks(
-    request_id: str, meta: InlineMeta, layer_idx: int, data: bytes
-) -> Iterator[disagg_pb2.KVBlock]:
-    """The data blocks of one layer file (``num_blocks`` records of K tile then V tile)."""
-    tile = meta.layout.tile_bytes
-    if len(data) != meta.num_blocks * 2 * tile:
-        raise FailedPrecondition(
-            f"layer {layer_idx} file has {len(data)} bytes, expected {meta.num_blocks * 2 * tile}",
-            stage=Stage.PREFILL,
-        )
-    view = memoryview(data)
-    for j in range(meta.num_blocks):
-        base = 2 * j * tile
-        yield disagg_pb2.KVBlock(
-            request_id=request_id,
-            layer_idx=layer_idx,
-            block_idx=j,
-            k_data=bytes(view[base : base + tile]),
-            v_data=bytes(view[base + tile : base + 2 * tile]),
-        )
-
-
-def read_layer_blocks(
-    request_id: str, meta: InlineMeta, directory: Path, layer_idx: int
-) -> list[disagg_pb2.KVBlock]:
-    """One layer file's data blocks (``prefill_files.read_layer_messages``, unwrapped)."""
-    return [message.block for message in
-            read_layer_messages(request_id, meta, directory, layer_idx)]
-
-
-def read_layer(directory: Path, layer_idx: int) -> bytes:
-    try:
-        return (directory / layer_file(layer_idx)).read_bytes()
-    except FileNotFoundError:
-        raise FailedPrecondition(
-            f"the prefill engine wrote no KV for layer {layer_idx}", stage=Stage.PREFILL
-        ) from None
 
 
 #: A tile as received: its own bytes (parsed messages) or a view into the request (wire walk).
@@ -145,8 +75,8 @@ def parse_blocks(blocks: Sequence[disagg_pb2.KVBlock], *, max_blocks: int) -> In
 
 
 def parse_entries(entries: Sequence[Entry], *, max_blocks: int) -> InlineKV:
-    """``parse_blocks`` on blocks already taken apart (e.g. by ``sidecar.inline_kv.wire``)."""
-    metas = [e for e in entries if e[0] == META_LAYER]
+    """``parse_blocks`` on blocks already taken apart (e.g. by ``sidecar.kv_wire.protowire``)."""
+    metas = [e for e in entries if e[0] == INLINE_META_LAYER]
     if len(metas) != 1:
         raise _bad(f"expected one metadata block (layer_idx -2), got {len(metas)}")
     _, meta_idx, meta_json, meta_v = metas[0]
@@ -169,7 +99,7 @@ def parse_entries(entries: Sequence[Entry], *, max_blocks: int) -> InlineKV:
     tile = layout.tile_bytes
     num_layers, num_blocks = layout.num_layers, meta.num_blocks
     for layer_idx, block_idx, k_data, v_data in entries:
-        if layer_idx == META_LAYER:
+        if layer_idx == INLINE_META_LAYER:
             continue
         if layer_idx < 0:
             raise _bad(f"unexpected control block layer_idx {layer_idx}")

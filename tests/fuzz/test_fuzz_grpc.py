@@ -28,10 +28,10 @@ from sidecar.grpc_server.checks import (
     check_max_new_tokens,
     check_temperature,
     check_token_ids,
-    request_id_or_new,
 )
 from sidecar.grpc_server.token_stream import TokenStreamParser
-from sidecar.handoff_codec import HANDOFF_LAYER, DecodedHandoff, decode_handoff, encode_handoff
+from sidecar.kv_wire.handoff import HANDOFF_LAYER, DecodedHandoff, decode_handoff, encode_handoff
+from sidecar.protocol.request_id import request_id_or_new
 
 INT32 = st.integers(min_value=-(2**31), max_value=2**31 - 1)
 FLOATS = st.floats(width=32)

@@ -26,7 +26,7 @@ import pytest
 from sidecar import jsonutil
 from sidecar.errors import InvalidRequest
 from sidecar.grpc_gen import disagg_pb2, disagg_pb2_grpc
-from sidecar.handoff_codec import decode_handoff, encode_handoff, is_control_block
+from sidecar.kv_wire.handoff import decode_handoff, encode_handoff, is_control_block
 
 from .seed_contract import independent_classes
 

@@ -1,5 +1,5 @@
 """Proves inline Decode on a real sidecar (``grpc_sidecar``, ``--kv-transport inline``) that
-takes the request's bytes and walks them (``sidecar.inline_kv.wire``): a DecodeRequest from a
+takes the request's bytes and walks them (``sidecar.kv_wire.protowire``): a DecodeRequest from a
 generated client and one framed by a router from KVBlockStream slices both stage exactly the
 layer files the KV describes and stream the engine's tokens; a foreign fingerprint is
 FAILED_PRECONDITION; a short tile, a missing block, a missing metadata block and malformed
@@ -37,9 +37,10 @@ from connectors.inline_layout import (
     layer_file,
     write_atomic,
 )
+from inline_kv.inline_builders import layer_blocks
 from sidecar.grpc_gen import disagg_pb2, disagg_pb2_grpc
-from sidecar.inline_kv.codec import iter_layer_blocks, meta_block
-from sidecar.inline_kv.wire import frame_decode_request, kv_block_of_stream
+from sidecar.kv_wire.inline import meta_block
+from sidecar.kv_wire.protowire import frame_decode_request, kv_block_of_stream
 from sidecar.settings import KVTransport
 
 LAYOUT = InlineLayout(
@@ -57,7 +58,7 @@ def layer_bytes(layer: int) -> bytes:
 def kv_blocks(meta: InlineMeta = META) -> list[disagg_pb2.KVBlock]:
     out = [meta_block("r", meta)]
     for layer in range(LAYOUT.num_layers):
-        out += iter_layer_blocks("r", META, layer, layer_bytes(layer))
+        out += layer_blocks("r", META, layer, layer_bytes(layer))
     return out
 
 

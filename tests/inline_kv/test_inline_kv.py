@@ -19,18 +19,12 @@ from connectors.inline_layout import (
     check_key,
     layer_file,
 )
+from inline_kv.inline_builders import layer_blocks
 from sidecar.errors import SidecarError
 from sidecar.grpc_gen import disagg_pb2
-from sidecar.inline_kv.codec import (
-    check_compatible,
-    iter_layer_blocks,
-    meta_block,
-    parse_blocks,
-    read_layer,
-    read_layer_blocks,
-    read_staged_meta,
-)
+from sidecar.inline_kv.prefill_files import read_layer_messages, read_staged_meta
 from sidecar.inline_kv.staging import StagingArea
+from sidecar.kv_wire.inline import check_compatible, meta_block, parse_blocks
 
 LAYOUT = InlineLayout(
     dtype="float32", block_size=4, num_kv_heads=2, head_size=8, num_layers=3, fingerprint="f0"
@@ -46,7 +40,7 @@ def layer_data(layer: int) -> bytes:
 def stream() -> list[disagg_pb2.KVBlock]:
     blocks = [meta_block("r", META)]
     for layer in range(LAYOUT.num_layers):
-        blocks += list(iter_layer_blocks("r", META, layer, layer_data(layer)))
+        blocks += layer_blocks("r", META, layer, layer_data(layer))
     return blocks
 
 
@@ -67,17 +61,12 @@ def test_prefill_side_reads_engine_files(tmp_path: Path) -> None:
     (tmp_path / META_FILE).write_bytes(META.to_json())
     (tmp_path / layer_file(0)).write_bytes(layer_data(0))
     assert read_staged_meta(tmp_path) == META
-    assert read_layer(tmp_path, 0) == layer_data(0)
-    with pytest.raises(SidecarError) as exc:
-        read_layer(tmp_path, 1)
-    assert status_of(exc) == grpc.StatusCode.FAILED_PRECONDITION
-    assert read_layer_blocks("r", META, tmp_path, 0) == list(
-        iter_layer_blocks("r", META, 0, layer_data(0))
-    )
+    read = [message.block for message in read_layer_messages("r", META, tmp_path, 0)]
+    assert read == layer_blocks("r", META, 0, layer_data(0))
     (tmp_path / layer_file(2)).write_bytes(layer_data(2)[:-1])
     for layer in (1, 2):
         with pytest.raises(SidecarError) as exc:
-            read_layer_blocks("r", META, tmp_path, layer)
+            read_layer_messages("r", META, tmp_path, layer)
         assert status_of(exc) == grpc.StatusCode.FAILED_PRECONDITION
     with pytest.raises(SidecarError) as exc:
         read_staged_meta(tmp_path / "nothing")

@@ -15,9 +15,7 @@ import time
 import uuid
 from pathlib import Path
 
-from sidecar.errors import Stage
-from sidecar.grpc_server.engine_model import EngineModel
-from sidecar.grpc_server.inline_prefill import InlinePrefillService
+from sidecar.grpc_server.inline import InlinePrefill
 from sidecar.grpc_server.server import _services
 from sidecar.inline_kv.orphans import sweep_orphans
 from sidecar.runtime import open_runtime
@@ -77,10 +75,9 @@ async def test_the_inline_servicers_sweep_spares_requests_in_flight(tmp_path: Pa
     settings = Settings(kv_transport=KVTransport.INLINE, kv_staging_dir=str(tmp_path),
                         engine_url="http://127.0.0.1:9", prefill_timeout_s=5.0)
     async with open_runtime(settings) as runtime:
-        model = EngineModel(runtime.session, settings.engine_url, timeout_s=1.0,
-                            stage=Stage.PREFILL)
-        prefill, _, sweeper = _services(runtime, model, model)
-        assert isinstance(prefill, InlinePrefillService) and sweeper is not None
+        prefill_service, _, sweeper = _services(runtime)
+        prefill = prefill_service.strategy
+        assert isinstance(prefill, InlinePrefill) and sweeper is not None
         assert sweeper.older_than_s > settings.prefill_timeout_s  # late writes come within it
         in_flight, orphan = _key("p"), _key("p")
         prefill.active_keys.add(in_flight)

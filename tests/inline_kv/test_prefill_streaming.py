@@ -175,7 +175,7 @@ def engine_tasks() -> list[asyncio.Task[Any]]:
     """Engine calls of inline Prefill still running in this loop."""
     return [
         t for t in asyncio.all_tasks()
-        if not t.done() and "InlinePrefillService._prefill" in repr(t.get_coro())
+        if not t.done() and "InlinePrefill._engine_call" in repr(t.get_coro())
     ]
 
 
