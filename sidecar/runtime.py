@@ -1,11 +1,14 @@
 """The shared services of one sidecar process, opened and closed together.
 
-    Settings ─open_runtime()─▶ Runtime(session, orchestrator, selector, admission, health, metrics)
+    Settings ─open_runtime()─▶ Runtime(core per front door, scopes per front door, selector,
+                                       admission, health, metrics)
 
-Both front doors (HTTP and gRPC) take the same ``Runtime``: one pooled upstream client
-(``sidecar.http1.EngineClient``, called ``session``), one orchestrator, one metrics registry,
-one admission counter. ``open_runtime`` must run inside the event loop (the client binds to
-it).
+Both front doors (HTTP and gRPC) take the same ``Runtime`` and reach engines only through
+their ``Orchestrator`` (``runtime.orchestrator`` for HTTP, ``runtime.grpc_orchestrator`` for
+gRPC: SGLang's gRPC path carries rooms as int32, so gRPC requests draw from their own room
+range). The engine handler is built once here, with its KV agent bound. One pooled upstream
+client (``sidecar.http1.EngineClient``), one metrics registry, one admission counter.
+``open_runtime`` must run inside the event loop (the client binds to it).
 """
 
 from __future__ import annotations
@@ -19,17 +22,20 @@ from sidecar.admission import Admission
 from sidecar.allowlist import Allowlist
 from sidecar.core.engine_ids import EngineIdCache
 from sidecar.core.orchestrator import Orchestrator
+from sidecar.core.scope import Scopes
 from sidecar.core.targets import AllowlistLike, TargetSelector, parse_prefill_url
 from sidecar.core.upstream import make_session
 from sidecar.engine_health import EngineHealth
-from sidecar.engines import EngineHandler, resolve_engine
+from sidecar.engines import EngineHandler, build_handler
 from sidecar.http1 import EngineClient
 from sidecar.ids import INT32_ROOMS, IdSources, RoomAllocator, SnowflakeIds
-from sidecar.kv_agents import KVTransferAgent, resolve_agent
 from sidecar.metrics import Metrics
 from sidecar.settings import Settings
 
 logger = logging.getLogger(__name__)
+
+HTTP: str = "http"
+GRPC: str = "grpc"
 
 
 @dataclass
@@ -38,29 +44,32 @@ class Runtime:
 
     settings: Settings
     metrics: Metrics
-    handler: EngineHandler
-    agent: KVTransferAgent | None
     session: EngineClient
     orchestrator: Orchestrator
     grpc_orchestrator: Orchestrator
+    http_scopes: Scopes
+    grpc_scopes: Scopes
     selector: TargetSelector
     admission: Admission
     health: EngineHealth
 
     @property
     def engine_name(self) -> str:
-        return self.handler.name
+        return self.orchestrator.engine_name
 
     @property
     def connector_name(self) -> str:
-        return self.agent.name if self.agent is not None else "none"
+        return self.orchestrator.connector_name or "none"
+
+    async def close(self) -> None:
+        """Cancel what the cores still run in the background (server stop)."""
+        await self.orchestrator.close()
+        await self.grpc_orchestrator.close()
 
 
-def resolve_parts(settings: Settings) -> tuple[EngineHandler, KVTransferAgent | None]:
-    """The handler for the engine and, where the engine uses one, the KV agent."""
-    handler = resolve_engine(settings.engine)
-    agent = resolve_agent(settings.kv_connector) if handler.uses_kv_agent else None
-    return handler, agent
+def build_engine_handler(settings: Settings) -> EngineHandler:
+    """The handler for the engine, with its KV agent bound where the engine uses one."""
+    return build_handler(settings.engine, settings.kv_connector)
 
 
 @contextlib.asynccontextmanager
@@ -69,31 +78,34 @@ async def open_runtime(
 ) -> AsyncIterator[Runtime]:
     """Build the shared services; close the client session on exit."""
     metrics = metrics or Metrics()
-    handler, agent = resolve_parts(settings)
+    handler = build_engine_handler(settings)
     session = make_session(settings)
     resources = contextlib.AsyncExitStack()
     try:
         engine_ids = None
-        if agent is not None and agent.needs_engine_id:
-            from sidecar.kv_agents.mooncake import engine_id_from_query
-
+        if handler.needs_engine_id:
             engine_ids = EngineIdCache(
-                session, engine_id_from_query, timeout_s=settings.connect_timeout_s
+                session, handler.parse_engine_id, timeout_s=settings.connect_timeout_s
             )
         snowflake = SnowflakeIds(settings.trtllm_machine_id)
         rooms = RoomAllocator()
+        admission = Admission(settings.max_inflight)
+        connector = handler.connector_name or "none"
 
         def orchestrator(ids: IdSources, front_door: str) -> Orchestrator:
             fallbacks = metrics.prefill_fallbacks
             return Orchestrator(
                 settings=settings,
                 handler=handler,
-                agent=agent,
                 session=session,
                 ids=ids,
                 engine_ids=engine_ids,
                 on_fallback=lambda reason: fallbacks.labels(front_door, reason).inc(),
             )
+
+        def scopes(front_door: str) -> Scopes:
+            return Scopes(metrics, admission, front_door=front_door, engine=handler.name,
+                          connector=connector)
 
         allowlist: AllowlistLike = Allowlist.parse(settings.prefill_allowlist)
         if settings.prefill_pod_selector:
@@ -110,16 +122,16 @@ async def open_runtime(
         runtime = Runtime(
             settings=settings,
             metrics=metrics,
-            handler=handler,
-            agent=agent,
             session=session,
-            orchestrator=orchestrator(IdSources(snowflake, rooms), "http"),
+            orchestrator=orchestrator(IdSources(snowflake, rooms), HTTP),
             # SGLang's gRPC path carries rooms as int32: give gRPC requests their own range.
             grpc_orchestrator=orchestrator(
-                IdSources(snowflake, rooms.narrowed(INT32_ROOMS)), "grpc"
+                IdSources(snowflake, rooms.narrowed(INT32_ROOMS)), GRPC
             ),
+            http_scopes=scopes(HTTP),
+            grpc_scopes=scopes(GRPC),
             selector=selector,
-            admission=Admission(settings.max_inflight),
+            admission=admission,
             health=EngineHealth(session, settings.engine_url, timeout_s=settings.connect_timeout_s),
         )
         runtime.health.on_change(lambda ready: metrics.engine_ready.set(1 if ready else 0))

@@ -2,7 +2,10 @@
 
 The decode body of the Mooncake flow names the prefill engine (``remote_engine_id``), which
 only the prefill's bootstrap ``GET /query`` tells. Ids change when an engine restarts, so
-entries expire and a failed decode can drop them.
+entries expire after ``ttl_s`` (a minute): a restarted prefill engine is asked again then.
+
+Deliberate limits: no invalidation on a failed decode: a decode can fail for many reasons, and
+the engine id it used is stale only after a restart, which the expiry covers.
 """
 
 from __future__ import annotations
@@ -45,9 +48,6 @@ class EngineIdCache:
         engine_id = await self._query(f"http://{key}/query")
         self._entries[key] = (now + self._ttl_s, engine_id)
         return engine_id
-
-    def invalidate(self, url_host: str, port: int) -> None:
-        self._entries.pop(f"{url_host}:{port}", None)
 
     async def _query(self, url: str) -> str:
         try:

@@ -1,13 +1,27 @@
-"""The orchestrator: runs one PD request's legs, sequentially or concurrently.
+"""The core: every operation on the engines that both front doors need, and the PD flow.
 
-    PDRequest ─plan (handler + agent, pure)─▶ prefill body, decode body (or a recipe)
-      sequential: POST prefill ─▶ validate hand-off ─▶ open decode ─▶ PDExchange
-      concurrent: POST prefill ║ open decode   (prefill watched: its failure aborts decode)
+    leg-level operations (both front doors)
+      context(route, id, target)      ─▶ HandoffContext with this request's ids (rooms, disagg
+                                         ids, transfer ids, the Mooncake engine id)
+      prefill_body / decode_body       the bound engine handler's pure body rules
+      prefill(leg, ctx)               ─▶ Handoff: POST prefill (deadline), answered-by-prefill,
+                                         hand-off fields, timings
+      background_prefill(leg, ctx, …) ─▶ a watched engine call that outlives the request
+                                         (gRPC Prefill on SGLang/Mooncake): counted, logged,
+                                         ids and admission released when it ends
+      open_decode(route, body, hdrs)  ─▶ UpstreamResponse (head arrived, status 200)
+      post_plain(url, body, hdrs)     ─▶ a prefill-style POST with no hand-off (inline KV)
+      passthrough(method, path, ...)  ─▶ the local engine's raw response (HTTP passthrough)
+      model_name(stage)               ─▶ the local engine's served model (gRPC bodies)
+      abort(ctx, target), release(ctx)
+    the PD flow the HTTP front door runs (built from the operations above)
+      start(PDRequest) ─▶ PDExchange   sequential: prefill ─▶ hand-off ─▶ open decode
+                                       concurrent: prefill ║ open decode (prefill watched)
 
-``start()`` returns a ``PDExchange`` once the decode response head has arrived; the front door
-relays its chunks and must call ``aclose()`` (it closes the decode response, cancels a
-still-running prefill and releases per-request ids). Cancellation (a client gone) propagates:
-every upstream call is closed on the way out.
+Only this package talks to engines; the front doors translate their wire into these calls.
+``start()`` returns once the decode response head has arrived; the front door relays its
+chunks and must call ``aclose()``. Cancellation (a client gone) propagates: every upstream
+call is closed on the way out.
 
 Deliberate limits: no retries (a retry of a prefill that half-ran would double the engine's
 work; routers pick another pair); the local-prefill fallback applies to sequential flows only
@@ -18,28 +32,34 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from sidecar import jsonutil
 from sidecar.core.engine_ids import EngineIdCache
+from sidecar.core.engine_model import EngineModel
+from sidecar.core.exchange import PDExchange, as_prefill_error, cancel_and_wait
 from sidecar.core.legs import open_decode, post_prefill
+from sidecar.core.scope import Scopes, Timings
 from sidecar.engines.base import EngineHandler
 from sidecar.errors import (
     DeadlineExceeded,
     DecodeFailed,
+    EngineNotReady,
     InvalidHandoff,
     PrefillFailed,
     SidecarError,
     Stage,
 )
-from sidecar.http1 import EngineClient, UpstreamError, UpstreamResponse
+from sidecar.http1 import EngineClient, UpstreamConnectError, UpstreamError, UpstreamResponse
 from sidecar.ids import IdSources
-from sidecar.kv_agents.base import KVTransferAgent
 from sidecar.protocol.context import HandoffContext, PrefillTarget, Route
 from sidecar.settings import PrefillFailurePolicy, Settings
+
+logger = logging.getLogger(__name__)
 
 #: Prefill failures a local-prefill fallback may cover (never a client's own bad request).
 _FALLBACK_ERRORS = (PrefillFailed, InvalidHandoff, DeadlineExceeded)
@@ -62,134 +82,38 @@ class PDRequest:
     headers: Mapping[str, str]
 
 
+@dataclass(frozen=True, slots=True)
+class PrefillLeg:
+    """One prefill engine call: where, what, with which headers, within which deadline."""
+
+    url: str
+    body: Mapping[str, Any]
+    headers: Mapping[str, str]
+    timeout_s: float
+
+
 @dataclass(slots=True)
-class Timings:
-    """Seconds spent per stage, for the stage-latency histogram."""
+class Handoff:
+    """What a prefill leg produced for its decode.
 
-    prefill: float | None = None
-    handoff: float | None = None
-    decode_first_byte: float | None = None
-
-
-@dataclass(slots=True, eq=False)
-class PDExchange:
-    """A PD request whose decode response head has arrived (or whose answer is known)."""
-
-    ctx: HandoffContext
-    decode: UpstreamResponse | None
-    answer: dict[str, Any] | None = None
-    fallback_reason: str | None = None
-    timings: Timings = field(default_factory=Timings)
-    prefill_task: asyncio.Task[dict[str, Any]] | None = None
-    prefill_error: SidecarError | None = None
-    completed: bool = False
-    _release: Callable[[], None] | None = None
-    _abort: Callable[[], None] | None = None
-    _closed: bool = False
-
-    def watch_prefill(self) -> None:
-        """Abort the decode stream at once if the concurrent prefill fails."""
-        if self.prefill_task is not None:
-            self.prefill_task.add_done_callback(self._on_prefill_done)
-
-    def _on_prefill_done(self, task: asyncio.Task[dict[str, Any]]) -> None:
-        if task.cancelled():
-            return
-        error = task.exception()
-        if error is None:
-            return
-        self.prefill_error = _as_prefill_error(error)
-        if self.decode is not None:
-            # Closing the connection makes the pending read fail and tells the engine.
-            self.decode.close()
-
-    def _stream_error(self, exc: BaseException) -> SidecarError:
-        if self.prefill_error is not None:
-            return self.prefill_error
-        if isinstance(exc, TimeoutError):
-            return DeadlineExceeded("decode stream stalled past the read deadline",
-                                    stage=Stage.DECODE)
-        return DecodeFailed("decode engine broke its stream", stage=Stage.DECODE)
-
-    async def chunks(self) -> AsyncIterator[bytes]:
-        """The decode body as the engine writes it; raises a ``SidecarError`` on a break."""
-        if self.decode is None:
-            raise SidecarError("chunks() called on an exchange answered by its prefill")
-        # readany() hands over everything queued since the last read: under load one chunk
-        # carries several tokens, so the per-chunk costs below are paid once for them all.
-        read = self.decode.readany
-        try:
-            while chunk := await read():
-                yield chunk
-        except (UpstreamError, TimeoutError) as exc:
-            raise self._stream_error(exc) from None
-        if self.prefill_error is not None:
-            raise self.prefill_error
-        self.completed = True
-
-    async def read_all(self, max_bytes: int) -> bytes:
-        """The whole decode body (JSON answers), capped."""
-        buffer = bytearray()
-        async for chunk in self.chunks():
-            buffer += chunk
-            if len(buffer) > max_bytes:
-                raise DecodeFailed("decode answer exceeds the size cap", stage=Stage.DECODE)
-        return bytes(buffer)
-
-    async def aclose(self) -> None:
-        """Close the decode response, stop a running prefill, release ids. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        if self.decode is not None:
-            self.decode.close()
-        if self.prefill_task is not None:
-            await _cancel(self.prefill_task)
-        if not self.completed and self.decode is not None and self._abort is not None:
-            self._abort()
-        if self._release is not None:
-            self._release()
-
-
-def _as_prefill_error(error: BaseException) -> SidecarError:
-    if isinstance(error, SidecarError):
-        return error
-    return PrefillFailed(f"prefill leg failed: {type(error).__name__}")
-
-
-def _without_handoff(response: dict[str, Any]) -> dict[str, Any]:
-    """A finished context answer as the client sees it: no engine hand-off state in it.
-
-    TensorRT-LLM's own disaggregated server drops ``disaggregated_params`` from a context
-    response it returns as the answer.
+    ``fields`` are the top-level fields the decode body gets. When the prefill already is the
+    whole answer (TensorRT-LLM whose first token ended the sequence), ``answer`` holds it as
+    the client sees it and ``fields`` is empty.
     """
-    answer = {k: v for k, v in response.items() if k != "disaggregated_params"}
-    choices = answer.get("choices")
-    if isinstance(choices, list):
-        answer["choices"] = [
-            {k: v for k, v in choice.items() if k != "disaggregated_params"}
-            if isinstance(choice, dict) else choice
-            for choice in choices
-        ]
-    return answer
 
-
-async def _cancel(task: asyncio.Task[Any]) -> None:
-    if not task.done():
-        task.cancel()
-    with contextlib.suppress(BaseException):
-        await task
+    fields: dict[str, Any]
+    answer: dict[str, Any] | None = None
+    timings: Timings = field(default_factory=Timings)
 
 
 class Orchestrator:
-    """Runs PD requests for one engine family and KV connector."""
+    """Runs engine legs for one engine family (its handler, with its KV agent bound)."""
 
     def __init__(
         self,
         *,
         settings: Settings,
         handler: EngineHandler,
-        agent: KVTransferAgent | None,
         session: EngineClient,
         ids: IdSources,
         engine_ids: EngineIdCache | None = None,
@@ -197,18 +121,54 @@ class Orchestrator:
     ) -> None:
         self.settings = settings
         self.handler = handler
-        self.agent = agent
         self.session = session
         self.ids = ids
         self.engine_ids = engine_ids
-        self.concurrent = handler.concurrent(agent)
+        self.concurrent = handler.concurrent
         self._on_fallback = on_fallback
         self._engine_url = settings.engine_url.rstrip("/")
         self._aborts: set[asyncio.Task[None]] = set()
+        self._background: set[asyncio.Task[None]] = set()
         self._prefill_urls: dict[tuple[PrefillTarget, Route], str] = {}
+        self._models = {
+            stage: EngineModel(session, settings.engine_url,
+                               timeout_s=settings.connect_timeout_s, stage=stage)
+            for stage in (Stage.PREFILL, Stage.DECODE)
+        }
+
+    # -- identity and addresses -------------------------------------------------------------
+
+    @property
+    def engine_name(self) -> str:
+        return self.handler.name
+
+    @property
+    def connector_name(self) -> str | None:
+        return self.handler.connector_name
+
+    @property
+    def token_id_fields(self) -> Mapping[str, Any]:
+        """Request fields that make the local engine stream generated token ids."""
+        return self.handler.token_id_fields
 
     def engine_url(self, route: Route | str) -> str:
         return self._engine_url + str(route)
+
+    def prefill_url(self, target: PrefillTarget, route: Route) -> str:
+        """The prefill leg's URL (remembered: formatting it parses the host each time)."""
+        key = (target, route)
+        url = self._prefill_urls.get(key)
+        if url is None:
+            if len(self._prefill_urls) >= _MAX_REMEMBERED_URLS:
+                self._prefill_urls.clear()
+            url = self._prefill_urls[key] = target.base_url + route.value
+        return url
+
+    async def model_name(self, stage: Stage) -> str:
+        """The local engine's served model name (cached; ``EngineNotReady`` when unknown)."""
+        return await self._models[stage].name()
+
+    # -- per-request ids --------------------------------------------------------------------
 
     async def context(self, route: Route, request_id: str, target: PrefillTarget,
                       advertise_host: str | None = None) -> HandoffContext:
@@ -221,8 +181,8 @@ class Orchestrator:
             sglang_bootstrap_port=self.settings.sglang_bootstrap_port,
             mooncake_bootstrap_port=self.settings.mooncake_bootstrap_port,
         )
-        ctx = self.handler.assign_ids(ctx, self.ids, self.agent)
-        if self.agent is not None and self.agent.needs_engine_id and self.engine_ids is not None:
+        ctx = self.handler.assign_ids(ctx, self.ids)
+        if self.handler.needs_engine_id and self.engine_ids is not None:
             engine_id = await self.engine_ids.get(
                 PrefillTarget(ctx.advertise_host, 0).url_host, ctx.mooncake_bootstrap_port
             )
@@ -233,22 +193,6 @@ class Orchestrator:
         """Give back the per-request ids of ``ctx``."""
         if ctx.sglang_room is not None:
             self.ids.rooms.release(ctx.sglang_room)
-
-    async def start(self, request: PDRequest) -> PDExchange:
-        """Run the request's legs until the decode response head has arrived."""
-        ctx = await self.context(request.route, request.request_id, request.target)
-        try:
-            if self.concurrent:
-                exchange = await self._start_concurrent(request, ctx)
-            else:
-                exchange = await self._start_sequential(request, ctx)
-        except BaseException:
-            self.abort(ctx, request.target)
-            self.release(ctx)
-            raise
-        exchange._release = lambda: self.release(ctx)
-        exchange._abort = lambda: self.abort(ctx, request.target)
-        return exchange
 
     def abort(self, ctx: HandoffContext, target: PrefillTarget) -> None:
         """Tell both engines to drop this request's legs, where the engine has an abort call.
@@ -274,41 +218,167 @@ class Orchestrator:
                 async with response:
                     await response.read(_MAX_ABORT_ANSWER)
 
-    def prefill_url(self, target: PrefillTarget, route: Route) -> str:
-        """The prefill leg's URL (remembered: formatting it parses the host each time)."""
-        key = (target, route)
-        url = self._prefill_urls.get(key)
-        if url is None:
-            if len(self._prefill_urls) >= _MAX_REMEMBERED_URLS:
-                self._prefill_urls.clear()
-            url = self._prefill_urls[key] = target.base_url + route.value
-        return url
+    # -- bodies (the handler's pure rules) --------------------------------------------------
 
-    async def _prefill(self, request: PDRequest, body: Mapping[str, Any]) -> dict[str, Any]:
+    def prefill_body(self, client_body: Mapping[str, Any], ctx: HandoffContext) -> dict[str, Any]:
+        return self.handler.prefill_body(client_body, ctx)
+
+    def concurrent_handoff(self, ctx: HandoffContext) -> dict[str, Any]:
+        """The hand-off of a concurrent flow, known before the prefill answers."""
+        return self.handler.handoff(None, ctx)
+
+    def decode_body(
+        self, client_body: Mapping[str, Any], fields: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        return self.handler.decode_body(client_body, fields)
+
+    # -- leg-level operations ---------------------------------------------------------------
+
+    def prefill_timeout(self, time_remaining: float | None = None) -> float:
+        """The prefill leg's deadline, bounded by the caller's own (gRPC) when it has one."""
+        timeout_s = self.settings.prefill_timeout_s
+        if time_remaining is not None:
+            timeout_s = max(min(timeout_s, time_remaining), 0.001)
+        return timeout_s
+
+    async def post_plain(self, leg: PrefillLeg) -> dict[str, Any]:
+        """POST a prefill-style leg and return its JSON object answer (no hand-off read)."""
         return await post_prefill(
-            self.session,
-            self.prefill_url(request.target, request.route),
-            body,
-            request.headers,
+            self.session, leg.url, leg.body, leg.headers,
+            timeout_s=leg.timeout_s, max_bytes=self.settings.max_prefill_response_bytes,
+        )
+
+    async def prefill(
+        self, leg: PrefillLeg, ctx: HandoffContext, timings: Timings | None = None
+    ) -> Handoff:
+        """Run a sequential prefill leg and read its hand-off (``InvalidHandoff`` if unusable).
+
+        Stage times go into ``timings`` as each stage ends, so a caller sees the prefill's time
+        even when the hand-off then fails.
+        """
+        timings = Timings() if timings is None else timings
+        started = time.perf_counter()
+        response = await self.post_plain(leg)
+        timings.prefill = time.perf_counter() - started
+        if self.handler.answered_by_prefill(response):
+            return Handoff(fields={}, answer=self.handler.prefill_answer(response), timings=timings)
+        handoff_started = time.perf_counter()
+        fields = self.handler.handoff(response, ctx)
+        timings.handoff = time.perf_counter() - handoff_started
+        return Handoff(fields=fields, timings=timings)
+
+    def background_prefill(
+        self,
+        leg: PrefillLeg,
+        ctx: HandoffContext,
+        scopes: Scopes,
+        release_admission: Callable[[], None],
+    ) -> asyncio.Task[None]:
+        """Run a concurrent prefill leg that outlives its request, watched here.
+
+        Its stage time and errors are counted through ``scopes``, its failure logged; when it
+        ends, the request's ids are released and ``release_admission`` is called. ``close()``
+        cancels what is left at server stop.
+        """
+        task = asyncio.ensure_future(self._watched(leg, ctx, scopes, release_admission))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
+    async def _watched(
+        self,
+        leg: PrefillLeg,
+        ctx: HandoffContext,
+        scopes: Scopes,
+        release_admission: Callable[[], None],
+    ) -> None:
+        started = time.perf_counter()
+        try:
+            await self.post_plain(leg)
+            scopes.observe("prefill", time.perf_counter() - started)
+        except SidecarError as error:
+            scopes.count_error(error)
+            logger.warning("request %s: background prefill failed after the hand-off: %s (%s)",
+                           ctx.request_id, error.code, error.message)
+        except asyncio.CancelledError:
+            logger.info("request %s: background prefill cancelled", ctx.request_id)
+            raise
+        except Exception:
+            scopes.count_error(SidecarError("background prefill crashed", stage=Stage.PREFILL))
+            logger.exception("request %s: background prefill crashed", ctx.request_id)
+        finally:
+            self.release(ctx)
+            release_admission()
+
+    async def open_decode(
+        self, route: Route, body: Mapping[str, Any] | bytes, headers: Mapping[str, str]
+    ) -> UpstreamResponse:
+        """POST the decode body to the local engine; the response once its head arrived."""
+        return await open_decode(self.session, self.engine_url(route), body, headers)
+
+    async def passthrough(
+        self,
+        method: str,
+        path_qs: str,
+        headers: list[tuple[str, str]],
+        body: AsyncIterable[bytes] | None,
+        content_length: int | None,
+    ) -> UpstreamResponse:
+        """Forward a request the sidecar does not disaggregate to the local engine."""
+        try:
+            return await self.session.request(
+                method, self._engine_url + path_qs, headers=headers, body=body,
+                content_length=content_length,
+            )
+        except UpstreamConnectError:
+            raise EngineNotReady("local engine refused the connection") from None
+        except (UpstreamError, TimeoutError):
+            raise DecodeFailed("local engine broke the connection", stage=Stage.DECODE) from None
+
+    async def close(self) -> None:
+        """Cancel the background prefills still running (server stop)."""
+        tasks = list(self._background)
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    # -- the PD flow ------------------------------------------------------------------------
+
+    async def start(self, request: PDRequest) -> PDExchange:
+        """Run the request's legs until the decode response head has arrived."""
+        ctx = await self.context(request.route, request.request_id, request.target)
+        try:
+            if self.concurrent:
+                exchange = await self._start_concurrent(request, ctx)
+            else:
+                exchange = await self._start_sequential(request, ctx)
+        except BaseException:
+            self.abort(ctx, request.target)
+            self.release(ctx)
+            raise
+        exchange._release = lambda: self.release(ctx)
+        exchange._abort = lambda: self.abort(ctx, request.target)
+        return exchange
+
+    def _leg(self, request: PDRequest, ctx: HandoffContext) -> PrefillLeg:
+        return PrefillLeg(
+            url=self.prefill_url(request.target, request.route),
+            body=self.prefill_body(request.body, ctx),
+            headers=request.headers,
             timeout_s=self.settings.prefill_timeout_s,
-            max_bytes=self.settings.max_prefill_response_bytes,
         )
 
     async def _start_sequential(self, request: PDRequest, ctx: HandoffContext) -> PDExchange:
         timings = Timings()
-        started = time.perf_counter()
-        prefill_body = self.handler.prefill_body(request.body, ctx, self.agent)
         fallback_reason: str | None = None
         try:
-            response = await self._prefill(request, prefill_body)
-            timings.prefill = time.perf_counter() - started
-            if self.handler.answered_by_prefill(response):
-                answer = _without_handoff(response)
-                return PDExchange(ctx=ctx, decode=None, answer=answer, timings=timings)
-            handoff_started = time.perf_counter()
-            handoff = self.handler.handoff(response, ctx, self.agent)
-            decode_body = self.handler.decode_body(request.body, handoff)
-            timings.handoff = time.perf_counter() - handoff_started
+            handoff = await self.prefill(self._leg(request, ctx), ctx)
+            timings = handoff.timings
+            if handoff.answer is not None:
+                return PDExchange(ctx=ctx, decode=None, answer=handoff.answer, timings=timings)
+            decode_body = self.decode_body(request.body, handoff.fields)
         except _FALLBACK_ERRORS as error:
             if self.settings.on_prefill_failure is not PrefillFailurePolicy.LOCAL:
                 raise
@@ -317,22 +387,18 @@ class Orchestrator:
                 self._on_fallback(fallback_reason)
             decode_body = dict(request.body)
         decode_started = time.perf_counter()
-        decode = await open_decode(
-            self.session, self.engine_url(request.route), decode_body, request.headers
-        )
+        decode = await self.open_decode(request.route, decode_body, request.headers)
         timings.decode_first_byte = time.perf_counter() - decode_started
         return PDExchange(ctx=ctx, decode=decode, fallback_reason=fallback_reason, timings=timings)
 
     async def _start_concurrent(self, request: PDRequest, ctx: HandoffContext) -> PDExchange:
         timings = Timings()
-        prefill_body = self.handler.prefill_body(request.body, ctx, self.agent)
-        decode_body = self.handler.decode_body(
-            request.body, self.handler.handoff(None, ctx, self.agent)
-        )
+        leg = self._leg(request, ctx)
+        decode_body = self.decode_body(request.body, self.concurrent_handoff(ctx))
         started = time.perf_counter()
-        prefill_task = asyncio.ensure_future(self._prefill(request, prefill_body))
+        prefill_task = asyncio.ensure_future(self.post_plain(leg))
         decode_task = asyncio.ensure_future(
-            open_decode(self.session, self.engine_url(request.route), decode_body, request.headers)
+            self.open_decode(request.route, decode_body, request.headers)
         )
         try:
             while not decode_task.done():
@@ -343,11 +409,11 @@ class Orchestrator:
                 if prefill_task.done() and not prefill_task.cancelled():
                     error = prefill_task.exception()
                     if error is not None:
-                        raise _as_prefill_error(error)
+                        raise as_prefill_error(error)
             decode = decode_task.result()
         except BaseException:
-            await _cancel(decode_task)
-            await _cancel(prefill_task)
+            await cancel_and_wait(decode_task)
+            await cancel_and_wait(prefill_task)
             raise
         timings.decode_first_byte = time.perf_counter() - started
         if prefill_task.done():

@@ -41,8 +41,6 @@ _NOT_FORWARDED = frozenset(
 #: Routing headers a router sets for the sidecar; never forwarded to an engine.
 ROUTING_HEADERS = frozenset({"x-prefiller-host-port", "x-prefiller-url", "x-decoder-host-port"})
 
-REQUEST_ID_HEADER = "X-Request-Id"
-
 
 def make_session(settings: Settings) -> EngineClient:
     """The process-wide upstream client; create it inside the running event loop."""

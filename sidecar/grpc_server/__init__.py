@@ -1,12 +1,14 @@
-"""The gRPC front door: ``disagg.PrefillWorker`` and ``disagg.DecodeWorker`` (native hand-off).
+"""The gRPC front door: ``disagg.PrefillWorker`` and ``disagg.DecodeWorker``.
 
     server.py        grpc.aio server, health, reflection, message limits, stop
-    prefill.py       Prefill: local engine prefill -> hand-off control blocks
-    decode.py        Decode: hand-off blocks -> local engine decode -> TokenStream
+    prefill.py       Prefill: one service over a hand-off strategy
+    decode.py        Decode: one service over a hand-off strategy -> TokenStream
+    native.py        the native strategies: engine hand-off fields as control blocks
+    inline.py        the inline strategies: the KV cache itself in the stream
     token_stream.py  the engine's streamed completion as token ids + finish reason
     checks.py        request message checks (INVALID_ARGUMENT)
     errors.py        SidecarError -> gRPC status
-    bookkeeping.py   admission and metrics of one call (front_door="grpc")
-    engine_model.py  the local engine's served model name (bodies need one)
-    router_cli.py    ``disagg-sidecar route``: Prefill -> Decode from the command line
+    rpc.py           one call's end: status, log line, the core's request scope
+
+Engines are reached only through the core (``runtime.grpc_orchestrator``).
 """

@@ -9,7 +9,7 @@
   sidecar refuses instead, since a silent rewrite hides a router bug.
 - ``temperature``: finite and ``>= 0``; sent as the shortest decimal that reads back as the
   same float32, so engine logs show ``0.7``, not ``0.699999988079071``.
-- ``request_id``: used as ``X-Request-Id`` when it is a sane header value, else a new one.
+- ``request_id``: ``sidecar.protocol.request_id.request_id_or_new`` (the HTTP rule).
 
 Deliberate limits: no check against the engine's context length (the engine refuses, and its
 4xx maps to INVALID_ARGUMENT).
@@ -18,9 +18,7 @@ Deliberate limits: no check against the engine's context length (the engine refu
 from __future__ import annotations
 
 import math
-import re
 import struct
-import uuid
 from collections.abc import Sequence
 from typing import Final
 
@@ -28,8 +26,6 @@ from sidecar.errors import InvalidRequest
 
 #: Upper bound of ``max_new_tokens``: far above any engine's context, below int32's end.
 MAX_NEW_TOKENS: Final = 1 << 20
-
-_SAFE_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,200}$")
 
 
 def check_token_ids(token_ids: Sequence[int]) -> list[int]:
@@ -67,11 +63,3 @@ def check_temperature(value: float) -> float:
         if _float32(candidate) == value:
             return candidate
     return value
-
-
-def request_id_or_new(*candidates: str) -> str:
-    """The first sane request id among ``candidates``, else a fresh one."""
-    for candidate in candidates:
-        if candidate and _SAFE_REQUEST_ID.match(candidate):
-            return candidate
-    return uuid.uuid4().hex

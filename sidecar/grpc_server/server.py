@@ -32,12 +32,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from sidecar.errors import Stage
-from sidecar.grpc_gen import disagg_pb2, disagg_pb2_grpc
+from sidecar.grpc_gen import disagg_pb2
 from sidecar.grpc_server.decode import DecodeService
-from sidecar.grpc_server.engine_model import EngineModel
-from sidecar.grpc_server.inline_decode import InlineDecodeService
-from sidecar.grpc_server.inline_prefill import InlinePrefillService
+from sidecar.grpc_server.inline import InlineDecode, InlinePrefill
+from sidecar.grpc_server.native import NativeDecode, NativePrefill
 from sidecar.grpc_server.prefill import PrefillService
 from sidecar.inline_kv.heap import retain_freed_heap
 from sidecar.inline_kv.orphans import OrphanSweeper
@@ -118,22 +116,30 @@ _SWEEP_INTERVAL_S = 60.0
 _ORPHAN_MARGIN_S = 60.0
 
 
-def _services(
-    runtime: Runtime, prefill_model: EngineModel, decode_model: EngineModel
-) -> tuple[PrefillService, DecodeService, OrphanSweeper | None]:
-    """The servicers of the configured KV transport (native hand-off or inline KV bytes)."""
+def _services(runtime: Runtime) -> tuple[PrefillService, DecodeService, OrphanSweeper | None]:
+    """The servicers, each given the configured KV transport's hand-off strategy."""
     settings = runtime.settings
+    core = runtime.grpc_orchestrator
+    scopes = runtime.grpc_scopes
     if settings.kv_transport != KVTransport.INLINE:
-        return PrefillService(runtime, prefill_model), DecodeService(runtime, decode_model), None
+        return (
+            PrefillService(scopes, NativePrefill(core, scopes, settings)),
+            DecodeService(core, scopes, NativeDecode(core, runtime.metrics)),
+            None,
+        )
     root = Path(settings.kv_staging_dir)
     area = StagingArea(root, settings.max_staged_bytes)
-    prefill = InlinePrefillService(runtime, prefill_model)
+    inline_prefill = InlinePrefill(core, settings)
     sweeper = OrphanSweeper(
         root,
-        lambda: prefill.active_keys | area.owned_keys(),
+        lambda: inline_prefill.active_keys | area.owned_keys(),
         older_than_s=settings.prefill_timeout_s + _ORPHAN_MARGIN_S,
     )
-    return prefill, InlineDecodeService(runtime, decode_model, area), sweeper
+    return (
+        PrefillService(scopes, inline_prefill),
+        DecodeService(core, scopes, InlineDecode(core, settings, area, runtime.metrics)),
+        sweeper,
+    )
 
 
 async def start_grpc_server(
@@ -146,16 +152,9 @@ async def start_grpc_server(
         # anew. Before the server exists: its threads then share the one tuned arena.
         retain_freed_heap(settings.max_staged_bytes + 2 * settings.grpc_max_message_bytes)
     server = grpc.aio.server(options=server_options(settings.grpc_max_message_bytes))
-    prefill_model = EngineModel(runtime.session, settings.engine_url,
-                                timeout_s=settings.connect_timeout_s, stage=Stage.PREFILL)
-    decode_model = EngineModel(runtime.session, settings.engine_url,
-                               timeout_s=settings.connect_timeout_s, stage=Stage.DECODE)
-    prefill, decode, sweeper = _services(runtime, prefill_model, decode_model)
-    disagg_pb2_grpc.add_PrefillWorkerServicer_to_server(prefill, server)
-    if isinstance(decode, InlineDecodeService):
-        decode.add_to_server(server)  # the request's bytes, walked without protobuf objects
-    else:
-        disagg_pb2_grpc.add_DecodeWorkerServicer_to_server(decode, server)
+    prefill, decode, sweeper = _services(runtime)
+    prefill.add_to_server(server)
+    decode.add_to_server(server)  # inline: the request's bytes, walked without protobuf objects
 
     health_servicer = _DrainAwareHealth(runtime)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -185,7 +184,7 @@ async def start_grpc_server(
     async def stop(grace: float) -> None:
         await mirror.shutdown()
         await server.stop(grace)
-        await prefill.close()
+        await runtime.grpc_orchestrator.close()
         if sweeping is not None:
             sweeping.cancel()
             await asyncio.wait({sweeping})

@@ -3,16 +3,9 @@
     engine SSE bytes ─TokenStreamParser.feed()─▶ [token ids] ... ─finish()─▶ "stop"|"length"|"abort"
 
 Each engine family returns generated token ids on a streamed ``/v1/completions`` by its own,
-documented request key; the ids then arrive in the same place, ``choices[0].token_ids``, as
-the delta of each chunk:
-
-    vLLM          return_token_ids: true   (CompletionRequest.return_token_ids, vLLM main 2026)
-    SGLang        return_token_ids: true   (CompletionRequest.return_token_ids, SGLang main 2026)
-    TensorRT-LLM  detokenize: false        (CompletionRequest.detokenize; the stream then has
-                                            token_ids and empty text, TRT-LLM main 2026)
-
-TensorRT-LLM's request models forbid unknown keys, so it gets only its own ``detokenize``.
-An unknown engine (the default handler) is treated as OpenAI-compatible with vLLM's key.
+documented request key (its handler's ``token_id_fields``: vLLM and SGLang
+``return_token_ids: true``, TensorRT-LLM ``detokenize: false``); the ids then arrive in the
+same place, ``choices[0].token_ids``, as the delta of each chunk.
 
 Finish reasons collapse to the seed's three: ``length`` (the token limit), ``abort`` (the
 engine aborted or cancelled the request), ``stop`` (everything else that ends normally: EOS,
@@ -27,7 +20,7 @@ text is not relayed (it may quote the prompt).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Final
+from typing import Final
 
 from sidecar import jsonutil
 from sidecar.errors import DecodeFailed, Stage
@@ -51,13 +44,6 @@ _DATA_PREFIX: Final = b"data:"
 
 #: Engine finish reasons that mean the request did not end normally.
 _ABORT_REASONS: Final = frozenset({"abort", "aborted", "cancelled", "canceled", "error"})
-
-
-def token_id_fields(engine: str) -> dict[str, Any]:
-    """The top-level body fields that make ``engine`` stream generated token ids."""
-    if engine == "trtllm":
-        return {"detokenize": False}
-    return {"return_token_ids": True}
 
 
 def normalize_finish_reason(reason: str) -> str:

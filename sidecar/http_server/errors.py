@@ -11,8 +11,7 @@ from aiohttp import web
 
 from sidecar import jsonutil
 from sidecar.errors import Overloaded, SidecarError
-
-REQUEST_ID = "X-Request-Id"
+from sidecar.protocol.request_id import REQUEST_ID_HEADER
 
 
 def error_payload(error: SidecarError) -> dict[str, dict[str, str]]:
@@ -21,7 +20,7 @@ def error_payload(error: SidecarError) -> dict[str, dict[str, str]]:
 
 def error_response(error: SidecarError, request_id: str | None = None) -> web.Response:
     """The HTTP response for ``error`` (Retry-After on overload)."""
-    headers = {REQUEST_ID: request_id} if request_id else {}
+    headers = {REQUEST_ID_HEADER: request_id} if request_id else {}
     if isinstance(error, Overloaded):
         headers["Retry-After"] = "1"
     return web.Response(

@@ -15,37 +15,41 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
-import time
-import uuid
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
 from sidecar import jsonutil
-from sidecar.core.orchestrator import PDExchange, PDRequest
+from sidecar.core.exchange import PDExchange
+from sidecar.core.orchestrator import PDRequest
+from sidecar.core.scope import (
+    BROKEN_STREAM,
+    FALLBACK,
+    OK,
+    PASSTHROUGH,
+    REFUSED,
+    RequestScope,
+)
 from sidecar.core.targets import PREFILL_TARGET_HEADER
 from sidecar.core.upstream import forwardable_headers
 from sidecar.errors import (
     BodyTooLarge,
-    ClientCancelled,
     DecodeFailed,
     RequestTimeout,
     SidecarError,
     Stage,
 )
-from sidecar.http_server.errors import REQUEST_ID, error_response, sse_error_event
+from sidecar.http_server.errors import error_response, sse_error_event
 from sidecar.http_server.keys import RUNTIME
 from sidecar.http_server.proxy import proxy_to_engine
 from sidecar.protocol.context import Route
 from sidecar.protocol.request import parse_client_body
+from sidecar.protocol.request_id import REQUEST_ID_HEADER, request_id_or_new
 from sidecar.protocol.sse import answer_as_sse
 from sidecar.runtime import Runtime
 
 logger = logging.getLogger(__name__)
 
-FRONT_DOOR = "http"
-_SAFE_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,200}$")
 _RELAYED_HEADERS = ("Content-Type", "Cache-Control")
 #: Every engine ends a finished stream with this event; its absence means a cut stream.
 _SSE_DONE = b"data: [DONE]"
@@ -65,10 +69,7 @@ class _SSEResponse(web.StreamResponse):
 
 def request_id_of(request: web.Request) -> str:
     """The client's ``X-Request-Id`` when it is sane, else a new one."""
-    given = request.headers.get(REQUEST_ID)
-    if given is not None and _SAFE_REQUEST_ID.match(given):
-        return given
-    return uuid.uuid4().hex
+    return request_id_or_new(request.headers.get(REQUEST_ID_HEADER))
 
 
 async def _read_body(request: web.Request, max_bytes: int, timeout_s: float) -> bytes:
@@ -96,29 +97,19 @@ def _route_handler(route: Route) -> Callable[[web.Request], Awaitable[web.Stream
 async def handle_pd(request: web.Request, route: Route) -> web.StreamResponse:
     """Serve one OpenAI request, as a PD pair when it names a prefill target."""
     runtime = request.app[RUNTIME]
-    metrics = runtime.metrics
     request_id = request_id_of(request)
-    started = time.perf_counter()
-    outcome = "error"
+    scope = runtime.http_scopes.open(route.value, request_id)
     try:
-        runtime.admission.enter()
-    except SidecarError as error:
-        _count_error(runtime, error, route, "refused")
-        return error_response(error, request_id)
-    inflight = metrics.labelled(metrics.inflight, FRONT_DOOR)
-    inflight.inc()
-    try:
+        scope.admit()
         target = await runtime.selector.select(request.headers.getall(PREFILL_TARGET_HEADER, []))
         if target is None:
-            outcome = "passthrough"
-            return await proxy_to_engine(
-                request, runtime.session, runtime.settings.engine_url.rstrip("/"), request_id
-            )
+            scope.outcome = PASSTHROUGH
+            return await proxy_to_engine(request, runtime.orchestrator, request_id)
         raw = await _read_body(request, runtime.settings.max_body_bytes,
                                runtime.settings.client_body_timeout_s)
         client = parse_client_body(raw, route, trusted_router=runtime.settings.trusted_router)
         headers = forwardable_headers(request.headers.items(), drop=("accept-encoding",))
-        headers[REQUEST_ID] = request_id
+        headers[REQUEST_ID_HEADER] = request_id
         exchange = await runtime.orchestrator.start(
             PDRequest(
                 route=route,
@@ -130,66 +121,35 @@ async def handle_pd(request: web.Request, route: Route) -> web.StreamResponse:
             )
         )
         try:
-            _observe_stages(runtime, exchange)
-            response = await _relay(request, runtime, exchange, client.stream, route, request_id)
+            scope.observe_timings(exchange.timings)
+            response = await _relay(request, runtime, scope, exchange, client.stream, route)
         finally:
             await exchange.aclose()
-        outcome = "fallback" if exchange.fallback_reason else "ok"
+        if scope.outcome != BROKEN_STREAM:
+            scope.outcome = FALLBACK if exchange.fallback_reason else OK
         return response
     except SidecarError as error:
-        _count_error(runtime, error, route, "error")
-        logger.warning("request %s failed: %s (%s)", request_id, error.code, error.message)
+        scope.failed(error)
+        if scope.outcome != REFUSED:
+            logger.warning("request %s failed: %s (%s)", request_id, error.code, error.message)
         return error_response(error, request_id)
     except asyncio.CancelledError:
-        outcome = "cancelled"
-        metrics.labelled(metrics.errors, FRONT_DOOR, ClientCancelled.default_stage.value,
-                         ClientCancelled.code).inc()
+        scope.cancelled()
         raise
     finally:
-        runtime.admission.leave()
-        inflight.dec()
-        if outcome != "error":
-            metrics.labelled(
-                metrics.requests,
-                FRONT_DOOR, route.value, runtime.engine_name, runtime.connector_name, outcome,
-            ).inc()
-        metrics.labelled(metrics.stage_seconds, FRONT_DOOR, "total").observe(
-            time.perf_counter() - started
-        )
-
-
-def _count_error(runtime: Runtime, error: SidecarError, route: Route, outcome: str) -> None:
-    metrics = runtime.metrics
-    metrics.labelled(metrics.errors, FRONT_DOOR, error.stage.value, error.code).inc()
-    metrics.labelled(
-        metrics.requests,
-        FRONT_DOOR, route.value, runtime.engine_name, runtime.connector_name, outcome,
-    ).inc()
-
-
-def _observe_stages(runtime: Runtime, exchange: PDExchange) -> None:
-    metrics = runtime.metrics
-    histogram = metrics.stage_seconds
-    timings = exchange.timings
-    if timings.prefill is not None:
-        metrics.labelled(histogram, FRONT_DOOR, "prefill").observe(timings.prefill)
-    if timings.handoff is not None:
-        metrics.labelled(histogram, FRONT_DOOR, "handoff").observe(timings.handoff)
-    if timings.decode_first_byte is not None:
-        metrics.labelled(histogram, FRONT_DOOR, "decode_first_byte").observe(
-            timings.decode_first_byte
-        )
+        scope.close()
 
 
 async def _relay(
     request: web.Request,
     runtime: Runtime,
+    scope: RequestScope,
     exchange: PDExchange,
     stream: bool,
     route: Route,
-    request_id: str,
 ) -> web.StreamResponse:
-    relayed = runtime.metrics.labelled(runtime.metrics.relayed_bytes, FRONT_DOOR)
+    request_id = scope.request_id
+    relayed = scope.relayed_bytes
     if exchange.decode is None:
         answer = exchange.answer or {}
         if stream:
@@ -200,10 +160,10 @@ async def _relay(
             content_type = "application/json"
         relayed.inc(len(body))
         return web.Response(body=body, content_type=content_type,
-                            headers={REQUEST_ID: request_id})
+                            headers={REQUEST_ID_HEADER: request_id})
     headers = {name: value for name in _RELAYED_HEADERS
                if (value := exchange.decode.header(name)) is not None}
-    headers[REQUEST_ID] = request_id
+    headers[REQUEST_ID_HEADER] = request_id
     if not stream:
         body = await exchange.read_all(runtime.settings.max_body_bytes)
         try:
@@ -231,7 +191,7 @@ async def _relay(
                                stage=Stage.DECODE)
     except SidecarError as error:
         relayed.inc(total)
-        _count_error(runtime, error, route, "broken_stream")
+        scope.broken(error)
         logger.warning("request %s: stream broke after %d bytes: %s", request_id, total, error.code)
         # A break mid-event would glue the error event onto the cut one: end that first.
         separator = b"" if not tail or tail.endswith(b"\n\n") else b"\n\n"

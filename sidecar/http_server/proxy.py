@@ -2,6 +2,7 @@
 
 Method, path, query, headers (minus hop-by-hop and routing headers) and body are forwarded
 unchanged and streamed both ways; the engine's status, headers and body come back as they are.
+The engine call itself is the core's (``Orchestrator.passthrough``).
 """
 
 from __future__ import annotations
@@ -10,27 +11,28 @@ import logging
 
 from aiohttp import web
 
+from sidecar.core.orchestrator import Orchestrator
 from sidecar.core.upstream import forwardable_headers, response_headers
-from sidecar.errors import DecodeFailed, EngineNotReady, SidecarError, Stage
-from sidecar.http1 import EngineClient, UpstreamConnectError, UpstreamError
-from sidecar.http_server.errors import REQUEST_ID, error_response
+from sidecar.errors import DecodeFailed, SidecarError, Stage
+from sidecar.http1 import UpstreamError
+from sidecar.http_server.errors import error_response
+from sidecar.protocol.request_id import REQUEST_ID_HEADER
 
 logger = logging.getLogger(__name__)
 
 
 async def proxy_to_engine(
-    request: web.Request, session: EngineClient, engine_url: str, request_id: str
+    request: web.Request, core: Orchestrator, request_id: str
 ) -> web.StreamResponse:
     """Forward ``request`` to the local engine and stream its answer back."""
     headers = forwardable_headers(request.headers.items())
-    headers[REQUEST_ID] = request_id
+    headers[REQUEST_ID_HEADER] = request_id
     body = request.content.iter_any() if request.body_exists else None
-    url = engine_url + request.rel_url.raw_path_qs
     response: web.StreamResponse | None = None
     try:
-        upstream = await session.request(
-            request.method, url, headers=headers.items(), body=body,
-            content_length=request.content_length,
+        upstream = await core.passthrough(
+            request.method, request.rel_url.raw_path_qs, list(headers.items()), body,
+            request.content_length,
         )
         async with upstream:
             response = web.StreamResponse(
@@ -38,14 +40,14 @@ async def proxy_to_engine(
             )
             if upstream.content_length is not None:
                 response.content_length = upstream.content_length
-            response.headers[REQUEST_ID] = request_id
+            response.headers[REQUEST_ID_HEADER] = request_id
             await response.prepare(request)
             while chunk := await upstream.readany():
                 await response.write(chunk)
             await response.write_eof()
             return response
-    except UpstreamConnectError:
-        error: SidecarError = EngineNotReady("local engine refused the connection")
+    except SidecarError as exc:
+        error = exc
     except (UpstreamError, TimeoutError):
         error = DecodeFailed("local engine broke the connection", stage=Stage.DECODE)
     if response is not None and response.prepared:

@@ -27,7 +27,7 @@ from grpc_builders import (
 )
 
 from sidecar.grpc_server.router_cli import route
-from sidecar.handoff_codec import decode_handoff
+from sidecar.kv_wire.handoff import decode_handoff
 
 MAX_NEW_TOKENS = 6
 

@@ -1,0 +1,120 @@
+"""A PD request whose decode response head has arrived: the relay's side of the core.
+
+    orchestrator.start(request) ─▶ PDExchange
+        .decode      the decode engine's response (None when the prefill answered, ``answer``)
+        .chunks()    its body as the engine writes it; a break raises a ``SidecarError``
+        .aclose()    close the decode response, stop a running prefill, abort and release ids
+
+Concurrent flows (SGLang, Mooncake) keep the prefill running while the decode streams:
+``watch_prefill`` closes the decode connection the moment that prefill fails, so the relay's
+pending read fails at once with the prefill's error instead of waiting for the engines'
+bootstrap timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from sidecar.core.scope import Timings
+from sidecar.errors import DeadlineExceeded, DecodeFailed, PrefillFailed, SidecarError, Stage
+from sidecar.http1 import UpstreamError, UpstreamResponse
+from sidecar.protocol.context import HandoffContext
+
+
+@dataclass(slots=True, eq=False)
+class PDExchange:
+    """A PD request whose decode response head has arrived (or whose answer is known)."""
+
+    ctx: HandoffContext
+    decode: UpstreamResponse | None
+    answer: dict[str, Any] | None = None
+    fallback_reason: str | None = None
+    timings: Timings = field(default_factory=Timings)
+    prefill_task: asyncio.Task[dict[str, Any]] | None = None
+    prefill_error: SidecarError | None = None
+    completed: bool = False
+    _release: Callable[[], None] | None = None
+    _abort: Callable[[], None] | None = None
+    _closed: bool = False
+
+    def watch_prefill(self) -> None:
+        """Abort the decode stream at once if the concurrent prefill fails."""
+        if self.prefill_task is not None:
+            self.prefill_task.add_done_callback(self._on_prefill_done)
+
+    def _on_prefill_done(self, task: asyncio.Task[dict[str, Any]]) -> None:
+        if task.cancelled():
+            return
+        error = task.exception()
+        if error is None:
+            return
+        self.prefill_error = as_prefill_error(error)
+        if self.decode is not None:
+            # Closing the connection makes the pending read fail and tells the engine.
+            self.decode.close()
+
+    def _stream_error(self, exc: BaseException) -> SidecarError:
+        if self.prefill_error is not None:
+            return self.prefill_error
+        if isinstance(exc, TimeoutError):
+            return DeadlineExceeded("decode stream stalled past the read deadline",
+                                    stage=Stage.DECODE)
+        return DecodeFailed("decode engine broke its stream", stage=Stage.DECODE)
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        """The decode body as the engine writes it; raises a ``SidecarError`` on a break."""
+        if self.decode is None:
+            raise SidecarError("chunks() called on an exchange answered by its prefill")
+        # readany() hands over everything queued since the last read: under load one chunk
+        # carries several tokens, so the per-chunk costs below are paid once for them all.
+        read = self.decode.readany
+        try:
+            while chunk := await read():
+                yield chunk
+        except (UpstreamError, TimeoutError) as exc:
+            raise self._stream_error(exc) from None
+        if self.prefill_error is not None:
+            raise self.prefill_error
+        self.completed = True
+
+    async def read_all(self, max_bytes: int) -> bytes:
+        """The whole decode body (JSON answers), capped."""
+        buffer = bytearray()
+        async for chunk in self.chunks():
+            buffer += chunk
+            if len(buffer) > max_bytes:
+                raise DecodeFailed("decode answer exceeds the size cap", stage=Stage.DECODE)
+        return bytes(buffer)
+
+    async def aclose(self) -> None:
+        """Close the decode response, stop a running prefill, release ids. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.decode is not None:
+            self.decode.close()
+        if self.prefill_task is not None:
+            await cancel_and_wait(self.prefill_task)
+        if not self.completed and self.decode is not None and self._abort is not None:
+            self._abort()
+        if self._release is not None:
+            self._release()
+
+
+def as_prefill_error(error: BaseException) -> SidecarError:
+    """A prefill leg's failure as the taxonomy names it."""
+    if isinstance(error, SidecarError):
+        return error
+    return PrefillFailed(f"prefill leg failed: {type(error).__name__}")
+
+
+async def cancel_and_wait(task: asyncio.Task[Any]) -> None:
+    """Cancel ``task`` if it still runs and wait for it, raising nothing of its own."""
+    if not task.done():
+        task.cancel()
+    with contextlib.suppress(BaseException):
+        await task

@@ -1,0 +1,184 @@
+"""The bookkeeping of one request, the same for both front doors.
+
+    scope = scopes.open(route, request_id)       route: an HTTP path or a gRPC method name
+    scope.admit()              Overloaded / Draining raise here (503 / RESOURCE_EXHAUSTED...)
+    scope.observe_timings(t)   stage latencies the core measured (prefill, handoff, decode...)
+    scope.outcome = "ok"       or scope.failed(error) / scope.cancelled() / scope.broken(error)
+    scope.close()              counted once: requests{outcome}, stage "total", in-flight gauge,
+                               admission left (once a detached background task ended too)
+
+Every metric carries the front door (``http`` | ``grpc``); the ``route`` label is a closed set
+(the two OpenAI paths, the two gRPC methods). A request refused at admission is counted with
+outcome ``refused``; a stream that broke after its first byte with ``broken_stream``; a
+client that went away with ``cancelled`` (and ``client_cancelled`` in the errors). A
+background engine call that outlives the request (a gRPC Prefill whose SGLang/Mooncake prefill
+runs on) shares the admission slot (``detach``), so draining waits for it too.
+
+Deliberate limits: the scope does not log; the front door says what went wrong in its words.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Final
+
+from prometheus_client import Counter
+
+from sidecar.admission import Admission
+from sidecar.errors import ClientCancelled, SidecarError
+from sidecar.metrics import Metrics
+
+#: Outcomes a request is counted with (``disagg_requests_total{outcome}``).
+OK: Final = "ok"
+ERROR: Final = "error"
+REFUSED: Final = "refused"
+CANCELLED: Final = "cancelled"
+BROKEN_STREAM: Final = "broken_stream"
+FALLBACK: Final = "fallback"
+PASSTHROUGH: Final = "passthrough"
+
+
+@dataclass(slots=True)
+class Timings:
+    """Seconds spent per stage of a PD request (None: the stage did not run or did not end)."""
+
+    prefill: float | None = None
+    handoff: float | None = None
+    decode_first_byte: float | None = None
+
+
+class Scopes:
+    """Opens request scopes for one front door over the process's metrics and admission."""
+
+    def __init__(
+        self,
+        metrics: Metrics,
+        admission: Admission,
+        *,
+        front_door: str,
+        engine: str,
+        connector: str,
+    ) -> None:
+        self.metrics = metrics
+        self.admission = admission
+        self.front_door = front_door
+        self.engine = engine
+        self.connector = connector
+
+    def open(self, route: str, request_id: str = "-") -> RequestScope:
+        return RequestScope(self, route, request_id)
+
+    def count_error(self, error: SidecarError) -> None:
+        """Count an error that no request scope owns (a background prefill's failure)."""
+        metrics = self.metrics
+        metrics.labelled(metrics.errors, self.front_door, error.stage.value, error.code).inc()
+
+    def observe(self, stage: str, seconds: float) -> None:
+        metrics = self.metrics
+        metrics.labelled(metrics.stage_seconds, self.front_door, stage).observe(seconds)
+
+
+class RequestScope:
+    """Admission, in-flight gauge, outcome, errors and stage timings of one request."""
+
+    __slots__ = ("_admitted", "_holders", "_scopes", "_started", "outcome", "request_id",
+                 "route")
+
+    def __init__(self, scopes: Scopes, route: str, request_id: str) -> None:
+        self._scopes = scopes
+        self.route = route
+        #: Named in log lines; a front door may update it once it knows better.
+        self.request_id = request_id
+        self.outcome = ERROR
+        self._started = time.perf_counter()
+        self._admitted = False
+        # Who holds the admission slot: the request itself, plus a detached background task.
+        self._holders = 0
+
+    @property
+    def front_door(self) -> str:
+        return self._scopes.front_door
+
+    def admit(self) -> None:
+        """Take an admission slot; raises ``Overloaded`` or ``Draining`` (outcome refused)."""
+        scopes = self._scopes
+        try:
+            scopes.admission.enter()
+        except SidecarError:
+            self.outcome = REFUSED
+            raise
+        self._admitted = True
+        self._holders = 1
+        metrics = scopes.metrics
+        metrics.labelled(metrics.inflight, scopes.front_door).inc()
+
+    def observe(self, stage: str, seconds: float) -> None:
+        self._scopes.observe(stage, seconds)
+
+    @property
+    def relayed_bytes(self) -> Counter:
+        """The counter of bytes relayed from the decode engine to this front door's clients."""
+        metrics = self._scopes.metrics
+        return metrics.labelled(metrics.relayed_bytes, self._scopes.front_door)
+
+    def observe_timings(self, timings: Timings) -> None:
+        if timings.prefill is not None:
+            self.observe("prefill", timings.prefill)
+        if timings.handoff is not None:
+            self.observe("handoff", timings.handoff)
+        if timings.decode_first_byte is not None:
+            self.observe("decode_first_byte", timings.decode_first_byte)
+
+    def failed(self, error: SidecarError) -> None:
+        """Count ``error``; a request refused at admission keeps its outcome ``refused``."""
+        if self.outcome != REFUSED:
+            self.outcome = ERROR
+        self._scopes.count_error(error)
+
+    def broken(self, error: SidecarError) -> None:
+        """A stream that failed after its first byte: counted as ``broken_stream``."""
+        self.outcome = BROKEN_STREAM
+        self._scopes.count_error(error)
+
+    def cancelled(self) -> None:
+        """The client went away before the request ended."""
+        self.outcome = CANCELLED
+        self._scopes.count_error(ClientCancelled("client went away"))
+
+    def detach(self) -> Callable[[], None]:
+        """Share the admission slot with a background task; call the result once it ends.
+
+        The slot is left when both the request (``close``) and the task have ended, so a
+        ``wait_idle`` that returns has seen the request counted too.
+        """
+        self._holders += 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self._drop_holder()
+
+        return release
+
+    def _drop_holder(self) -> None:
+        self._holders -= 1
+        if self._holders == 0:
+            self._scopes.admission.leave()
+
+    def close(self) -> None:
+        """Count the request, then leave admission (unless a background task still holds it)."""
+        scopes = self._scopes
+        metrics = scopes.metrics
+        metrics.labelled(
+            metrics.requests,
+            scopes.front_door, self.route, scopes.engine, scopes.connector, self.outcome,
+        ).inc()
+        self.observe("total", time.perf_counter() - self._started)
+        if self._admitted:
+            self._admitted = False
+            metrics.labelled(metrics.inflight, scopes.front_door).dec()
+            self._drop_holder()

@@ -1,0 +1,32 @@
+"""The request id: one header name, one rule for which client-given ids are kept.
+
+    X-Request-Id: <id>  ─request_id_or_new()─▶ the id when sane, else a fresh uuid4 hex
+
+The same id rides on both legs to the engines, comes back to the client and names the request
+in logs; over gRPC a ``PreFillRequest``/``DecodeRequest.request_id`` plays the header's part.
+A sane id is 1-200 characters of ``[A-Za-z0-9._:@/+=-]``: it can never inject a header or a
+log line.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from typing import Final
+
+REQUEST_ID_HEADER: Final = "X-Request-Id"
+
+_SAFE_REQUEST_ID: Final = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,200}$")
+
+
+def is_safe_request_id(candidate: str) -> bool:
+    """True when ``candidate`` may be forwarded as a request id as it is."""
+    return _SAFE_REQUEST_ID.match(candidate) is not None
+
+
+def request_id_or_new(*candidates: str | None) -> str:
+    """The first sane request id among ``candidates``, else a fresh one."""
+    for candidate in candidates:
+        if candidate and _SAFE_REQUEST_ID.match(candidate):
+            return candidate
+    return uuid.uuid4().hex
