@@ -53,6 +53,9 @@ logger = logging.getLogger(__name__)
 _RELAYED_HEADERS = ("Content-Type", "Cache-Control")
 #: Every engine ends a finished stream with this event; its absence means a cut stream.
 _SSE_DONE = b"data: [DONE]"
+#: How an engine's in-stream error event starts (vLLM's and SGLang's ``json.dumps`` shape).
+_ERROR_EVENT = b'data: {"error"'
+_DATA = b"data: "
 _TAIL_BYTES = 32
 
 
@@ -178,10 +181,13 @@ async def _relay(
     await response.prepare(request)
     total = 0
     tail = b""
+    engine_error = False
     try:
         async for chunk in exchange.chunks():
             await response.write(chunk)
             total += len(chunk)
+            if not engine_error:
+                engine_error = _carries_error_event(tail, chunk)
             # Only the last bytes matter; slicing a long chunk alone avoids copying it whole.
             tail = chunk[-_TAIL_BYTES:] if len(chunk) >= _TAIL_BYTES else (tail + chunk)[
                 -_TAIL_BYTES:]
@@ -200,8 +206,32 @@ async def _relay(
             request.transport.close()
         return response
     relayed.inc(total)
+    if engine_error:
+        # Relayed as the engine wrote it (its error event, then its [DONE]); counted as what
+        # it is: a decode that failed after its head.
+        scope.failed(DecodeFailed("decode engine reported an error in its stream",
+                                  stage=Stage.DECODE))
+        logger.warning("request %s: the decode engine's stream carried an error event", request_id)
     await response.write_eof()
     return response
+
+
+def _carries_error_event(tail: bytes, chunk: bytes) -> bool:
+    """True when ``chunk`` holds (or completes) an engine's error event.
+
+    vLLM and SGLang end a stream that failed after its head with ``data: {"error": {...}}``
+    and then ``data: [DONE]`` (both write the event with ``json.dumps``); TensorRT-LLM cuts
+    the stream instead, which the missing ``[DONE]`` already tells. Text inside an event is
+    JSON, where a quote is always escaped, so the marker never occurs inside a token. One
+    substring search per chunk; the seam with the previous chunk is looked at only when this
+    one does not start a new event (an event split across reads).
+    """
+    if _ERROR_EVENT in chunk:
+        return True
+    if chunk.startswith(_DATA) or not tail:
+        return False
+    seam = len(_ERROR_EVENT) - 1
+    return _ERROR_EVENT in tail[-seam:] + chunk[:seam]
 
 
 def add_pd_routes(app: web.Application) -> None:
