@@ -23,21 +23,15 @@ from pathlib import Path
 from aiohttp import web
 
 from sidecar import jsonutil
+from sidecar.grpc_server.server import start_grpc_server
 from sidecar.http_server.app import build_http_app
 from sidecar.http_server.keys import RUNTIME
 from sidecar.http_server.ops import metrics as metrics_endpoint
-from sidecar.runtime import Runtime, open_runtime
+from sidecar.runtime import open_runtime
 from sidecar.settings import Settings
 from sidecar.tls import ReloadingServerTLS
 
 logger = logging.getLogger(__name__)
-
-#: Starts the gRPC front door (over TLS when given); returns its port and an async stop(grace).
-GrpcStarter = Callable[
-    [Runtime, ReloadingServerTLS | None],
-    Awaitable[tuple[int, Callable[[float], Awaitable[None]]]],
-]
-
 
 def _bound_port(runner: web.AppRunner) -> int:
     for address in runner.addresses:
@@ -52,14 +46,6 @@ def _write_ports_file(path: str, ports: dict[str, int]) -> None:
     partial = target.with_name(target.name + ".partial")
     partial.write_bytes(jsonutil.dumps(ports))
     partial.replace(target)
-
-
-def _grpc_starter() -> GrpcStarter | None:
-    try:
-        from sidecar.grpc_server.server import start_grpc_server
-    except ImportError:
-        return None
-    return start_grpc_server
 
 
 def server_tls(settings: Settings) -> ReloadingServerTLS | None:
@@ -109,9 +95,8 @@ async def run_server(
             metrics_runner = await _start_site(metrics_app, settings.host, settings.metrics_port)
             ports["metrics"] = _bound_port(metrics_runner)
         stop_grpc: Callable[[float], Awaitable[None]] | None = None
-        starter = _grpc_starter() if settings.grpc_enabled else None
-        if starter is not None:
-            ports["grpc"], stop_grpc = await starter(runtime, tls)
+        if settings.grpc_enabled:
+            ports["grpc"], stop_grpc = await start_grpc_server(runtime, tls)
         watcher = asyncio.ensure_future(runtime.health.watch())
         reloader = asyncio.ensure_future(tls.watch()) if tls is not None else None
         if settings.ports_file:
