@@ -53,7 +53,8 @@ def server_tls(settings: Settings) -> ReloadingServerTLS | None:
     if settings.tls_cert_file is None or settings.tls_key_file is None:
         return None
     return ReloadingServerTLS(
-        settings.tls_cert_file, settings.tls_key_file, settings.tls_reload_interval_s
+        settings.tls_cert_file, settings.tls_key_file, settings.tls_reload_interval_s,
+        client_ca_file=settings.tls_client_ca_file,
     )
 
 

@@ -260,16 +260,18 @@ class Orchestrator:
         if call is None:
             return
         path, body = call
-        for base in (self._engine_url, target.base_url):
-            task = asyncio.ensure_future(self._post_abort(base + path, body))
+        for base, tls_name in ((self._engine_url, None), (target.base_url, target.tls_name)):
+            task = asyncio.ensure_future(self._post_abort(base + path, body, tls_name))
             self._aborts.add(task)
             task.add_done_callback(self._aborts.discard)
 
-    async def _post_abort(self, url: str, body: Mapping[str, Any]) -> None:
+    async def _post_abort(self, url: str, body: Mapping[str, Any],
+                          tls_name: str | None = None) -> None:
         with contextlib.suppress(UpstreamError, TimeoutError):
             async with asyncio.timeout(self.settings.connect_timeout_s):
                 response = await self.session.request(
-                    "POST", url, headers=_JSON_HEADERS, body=jsonutil.dumps(body)
+                    "POST", url, headers=_JSON_HEADERS, body=jsonutil.dumps(body),
+                    server_hostname=tls_name,
                 )
                 async with response:
                     await response.read(_MAX_ABORT_ANSWER)
@@ -292,6 +294,7 @@ class Orchestrator:
             request.headers,
             timeout_s=self.settings.prefill_timeout_s,
             max_bytes=self.settings.max_prefill_response_bytes,
+            server_hostname=request.target.tls_name,
         )
 
     async def _start_sequential(self, request: PDRequest, ctx: HandoffContext) -> PDExchange:
