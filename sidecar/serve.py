@@ -19,12 +19,14 @@ import signal
 import ssl
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 from aiohttp import web
 
 from sidecar import jsonutil
 from sidecar.grpc_server.server import start_grpc_server
 from sidecar.http_server.app import build_http_app
+from sidecar.http_server.head_timeout import HeadTimeoutAppRunner
 from sidecar.http_server.keys import RUNTIME
 from sidecar.http_server.ops import metrics as metrics_endpoint
 from sidecar.runtime import open_runtime
@@ -59,11 +61,16 @@ def server_tls(settings: Settings) -> ReloadingServerTLS | None:
 
 
 async def _start_site(
-    app: web.Application, host: str, port: int, ssl_context: ssl.SSLContext | None = None
+    app: web.Application, host: str, port: int, ssl_context: ssl.SSLContext | None = None,
+    head_timeout_s: float | None = None,
 ) -> web.AppRunner:
     # The drain (drain_grace_s) has already waited for requests; what is left is cut now
     # (with 5 s here aiohttp 3.14 took 10 s more, past Kubernetes' default grace period).
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=0.1)
+    options: dict[str, Any] = {
+        "handler_cancellation": True, "access_log": None, "shutdown_timeout": 0.1,
+    }
+    runner = (web.AppRunner(app, **options) if head_timeout_s is None
+              else HeadTimeoutAppRunner(app, head_timeout_s=head_timeout_s, **options))
     await runner.setup()
     await web.TCPSite(runner, host, port, reuse_address=True, ssl_context=ssl_context).start()
     return runner
@@ -85,7 +92,7 @@ async def run_server(
     async with open_runtime(settings) as runtime:
         http_runner = await _start_site(
             build_http_app(runtime), settings.host, settings.port,
-            tls.context if tls is not None else None,
+            tls.context if tls is not None else None, settings.client_header_timeout_s,
         )
         ports: dict[str, int] = {"http": _bound_port(http_runner)}
         metrics_runner: web.AppRunner | None = None

@@ -223,6 +223,13 @@ class Settings(BaseModel):
         gt=0,
         description="Deadline for receiving a client's request body, seconds (slower: 408).",
     )
+    client_header_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="Deadline for receiving a client's request head (request line and "
+        "headers), seconds, from the connection's start or the first byte of the next "
+        "request on a kept-alive one; slower: the connection is closed.",
+    )
     max_prefill_response_bytes: int = Field(
         default=16 * 1024 * 1024, ge=1024, description="Largest prefill engine response body."
     )
