@@ -100,7 +100,8 @@ async def run_server(
             metrics_app = web.Application()
             metrics_app[RUNTIME] = runtime
             metrics_app.router.add_get("/metrics", metrics_endpoint)
-            metrics_runner = await _start_site(metrics_app, settings.host, settings.metrics_port)
+            metrics_runner = await _start_site(metrics_app, settings.host, settings.metrics_port,
+                                               head_timeout_s=settings.client_header_timeout_s)
             ports["metrics"] = _bound_port(metrics_runner)
         stop_grpc: Callable[[float], Awaitable[None]] | None = None
         if settings.grpc_enabled:

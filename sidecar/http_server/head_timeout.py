@@ -17,9 +17,11 @@ to one that builds the subclass below. The subclass reads two attributes of aioh
 ``RequestHandler`` (``_waiter``: the handler waits for the next request; ``_request_count``:
 heads parsed); ``tests/security/test_slow_headers.py`` breaks if a new aiohttp changes them.
 
-Deliberate limits: a partial head pipelined behind a request still being answered is not
-timed (the handler is busy; its head is timed from when the handler waits for it only if
-more bytes arrive); the TLS handshake has asyncio's own timeout (60 s).
+Deliberate limits: the bytes of a next request that a client pipelines while its current
+one is still being answered are not timed (they are told from a body only once the handler
+waits for a new head; a timer starts then if more bytes arrive); a connection that stays
+idle between requests is left to aiohttp's keep-alive timeout; the TLS handshake has
+asyncio's own timeout (60 s) and ``connection_made`` comes after it.
 """
 
 from __future__ import annotations
