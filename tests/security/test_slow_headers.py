@@ -10,6 +10,7 @@
   baseline. A kept-alive client that stays idle after a whole request is not closed by it
   (that is the keep-alive timeout's job): it went idle before the slow clients' timers were
   armed, so had it been timed it would have been closed first, and it is served again.
+- The separate metrics port closes late heads the same way.
 
 Socket counts come from psutil (this process's TCP sockets whose local port is the
 sidecar's HTTP port); the waits are bounded polls of that count or reads of EOF, not sleeps.
@@ -128,3 +129,16 @@ async def test_late_heads_are_closed_and_sockets_return_to_the_baseline() -> Non
         idle[1].close()
         kept[1].close()
         await wait_for_sockets(port, baseline)
+
+
+async def test_the_metrics_port_closes_late_heads_too() -> None:
+    async with engine_stub(None) as engine, running_sidecar(
+        engine="plain", engine_url=engine.url, client_header_timeout_s=0.5, metrics_port=0,
+    ) as sidecar:
+        port = sidecar.ports["metrics"]
+        baseline = server_sockets(port)
+        async with slow_clients(port, 4, head=b"GET /metrics HTTP/1.1\r\nHo") as partial:
+            async with asyncio.timeout(10):
+                closed = await asyncio.gather(*(closed_by_server(r) for r, _ in partial))
+            assert closed == [True] * 4
+            await wait_for_sockets(port, baseline)
