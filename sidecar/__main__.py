@@ -108,16 +108,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_stub_arguments(stub)
     stub.set_defaults(run=_stub)
 
-    try:
-        from sidecar.grpc_server.router_cli import add_route_arguments
-    except ImportError:
-        pass
-    else:
-        route = commands.add_parser(
-            "route", help="gRPC router client: Prefill on one sidecar, Decode on another"
-        )
-        add_route_arguments(route)
-        route.set_defaults(run=_route)
+    # grpcio is a hard dependency: a broken install fails here, loudly, not without a word.
+    from sidecar.grpc_server.router_cli import add_route_arguments
+
+    route = commands.add_parser(
+        "route", help="gRPC router client: Prefill on one sidecar, Decode on another"
+    )
+    add_route_arguments(route)
+    route.set_defaults(run=_route)
     return parser
 
 

@@ -309,18 +309,32 @@ def _check_ports(settings: Settings, res: _Resolver) -> None:
 
 
 def _check_tls(settings: Settings, res: _Resolver) -> None:
-    """Both server files or neither, and every TLS file loads (checked again at each reload)."""
+    """Both files of a pair or neither, a client CA only with a server pair, and every TLS
+    file loads (the server's are checked again at each reload)."""
     cert, key = settings.tls_cert_file, settings.tls_key_file
     if (cert is None) != (key is None):
         raise ConfigError(
             f"tls_cert_file {cert!r} (from {res.source_of('tls_cert_file')}) and tls_key_file "
             f"{key!r} (from {res.source_of('tls_key_file')}): set both or neither"
         )
+    client_cert, client_key = settings.engine_client_cert_file, settings.engine_client_key_file
+    if (client_cert is None) != (client_key is None):
+        raise ConfigError(
+            f"engine_client_cert_file {client_cert!r} (from "
+            f"{res.source_of('engine_client_cert_file')}) and engine_client_key_file "
+            f"{client_key!r} (from {res.source_of('engine_client_key_file')}): set both or "
+            "neither"
+        )
+    if settings.tls_client_ca_file is not None and cert is None:
+        raise ConfigError(
+            f"tls_client_ca_file (from {res.source_of('tls_client_ca_file')}) needs "
+            "tls_cert_file and tls_key_file: client certificates are asked for over TLS only"
+        )
     try:
         if cert is not None and key is not None:
-            ReloadingServerTLS(cert, key)
-        if settings.engine_ca_file is not None:
-            client_ssl_context(settings.engine_ca_file)
+            ReloadingServerTLS(cert, key, client_ca_file=settings.tls_client_ca_file)
+        if settings.engine_ca_file is not None or client_cert is not None:
+            client_ssl_context(settings.engine_ca_file, client_cert, client_key)
     except TLSFileError as exc:
         raise ConfigError(str(exc)) from None
 

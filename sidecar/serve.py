@@ -19,25 +19,21 @@ import signal
 import ssl
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 from aiohttp import web
 
 from sidecar import jsonutil
+from sidecar.grpc_server.server import start_grpc_server
 from sidecar.http_server.app import build_http_app
+from sidecar.http_server.head_timeout import HeadTimeoutAppRunner
 from sidecar.http_server.keys import RUNTIME
 from sidecar.http_server.ops import metrics as metrics_endpoint
-from sidecar.runtime import Runtime, open_runtime
+from sidecar.runtime import open_runtime
 from sidecar.settings import Settings
 from sidecar.tls import ReloadingServerTLS
 
 logger = logging.getLogger(__name__)
-
-#: Starts the gRPC front door (over TLS when given); returns its port and an async stop(grace).
-GrpcStarter = Callable[
-    [Runtime, ReloadingServerTLS | None],
-    Awaitable[tuple[int, Callable[[float], Awaitable[None]]]],
-]
-
 
 def _bound_port(runner: web.AppRunner) -> int:
     for address in runner.addresses:
@@ -54,29 +50,27 @@ def _write_ports_file(path: str, ports: dict[str, int]) -> None:
     partial.replace(target)
 
 
-def _grpc_starter() -> GrpcStarter | None:
-    try:
-        from sidecar.grpc_server.server import start_grpc_server
-    except ImportError:
-        return None
-    return start_grpc_server
-
-
 def server_tls(settings: Settings) -> ReloadingServerTLS | None:
     """The reloading server certificate when tls_cert_file and tls_key_file are set."""
     if settings.tls_cert_file is None or settings.tls_key_file is None:
         return None
     return ReloadingServerTLS(
-        settings.tls_cert_file, settings.tls_key_file, settings.tls_reload_interval_s
+        settings.tls_cert_file, settings.tls_key_file, settings.tls_reload_interval_s,
+        client_ca_file=settings.tls_client_ca_file,
     )
 
 
 async def _start_site(
-    app: web.Application, host: str, port: int, ssl_context: ssl.SSLContext | None = None
+    app: web.Application, host: str, port: int, ssl_context: ssl.SSLContext | None = None,
+    head_timeout_s: float | None = None,
 ) -> web.AppRunner:
     # The drain (drain_grace_s) has already waited for requests; what is left is cut now
     # (with 5 s here aiohttp 3.14 took 10 s more, past Kubernetes' default grace period).
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=0.1)
+    options: dict[str, Any] = {
+        "handler_cancellation": True, "access_log": None, "shutdown_timeout": 0.1,
+    }
+    runner = (web.AppRunner(app, **options) if head_timeout_s is None
+              else HeadTimeoutAppRunner(app, head_timeout_s=head_timeout_s, **options))
     await runner.setup()
     await web.TCPSite(runner, host, port, reuse_address=True, ssl_context=ssl_context).start()
     return runner
@@ -98,7 +92,7 @@ async def run_server(
     async with open_runtime(settings) as runtime:
         http_runner = await _start_site(
             build_http_app(runtime), settings.host, settings.port,
-            tls.context if tls is not None else None,
+            tls.context if tls is not None else None, settings.client_header_timeout_s,
         )
         ports: dict[str, int] = {"http": _bound_port(http_runner)}
         metrics_runner: web.AppRunner | None = None
@@ -106,12 +100,12 @@ async def run_server(
             metrics_app = web.Application()
             metrics_app[RUNTIME] = runtime
             metrics_app.router.add_get("/metrics", metrics_endpoint)
-            metrics_runner = await _start_site(metrics_app, settings.host, settings.metrics_port)
+            metrics_runner = await _start_site(metrics_app, settings.host, settings.metrics_port,
+                                               head_timeout_s=settings.client_header_timeout_s)
             ports["metrics"] = _bound_port(metrics_runner)
         stop_grpc: Callable[[float], Awaitable[None]] | None = None
-        starter = _grpc_starter() if settings.grpc_enabled else None
-        if starter is not None:
-            ports["grpc"], stop_grpc = await starter(runtime, tls)
+        if settings.grpc_enabled:
+            ports["grpc"], stop_grpc = await start_grpc_server(runtime, tls)
         watcher = asyncio.ensure_future(runtime.health.watch())
         reloader = asyncio.ensure_future(tls.watch()) if tls is not None else None
         if settings.ports_file:

@@ -183,7 +183,8 @@ class Settings(BaseModel):
     prefill_urls: tuple[str, ...] = Field(
         default=(),
         description="Static prefill pool, each http(s)://host:port with nothing else; used "
-        "when a request names no prefill host. Repeat the flag; comma-separated in env.",
+        "when a request names no prefill host (https: TLS verified against engine_ca_file "
+        "and the entry's host name). Repeat the flag; comma-separated in env.",
     )
     prefill_allowlist: tuple[str, ...] = Field(
         default=(),
@@ -221,6 +222,13 @@ class Settings(BaseModel):
         default=30.0,
         gt=0,
         description="Deadline for receiving a client's request body, seconds (slower: 408).",
+    )
+    client_header_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="Deadline for receiving a client's request head (request line and "
+        "headers), seconds, from the connection's start or the first byte of the next "
+        "request on a kept-alive one; slower: the connection is closed.",
     )
     max_prefill_response_bytes: int = Field(
         default=16 * 1024 * 1024, ge=1024, description="Largest prefill engine response body."
@@ -282,10 +290,26 @@ class Settings(BaseModel):
         gt=0,
         description="How often the TLS files are checked for a new certificate, seconds.",
     )
+    tls_client_ca_file: str | None = Field(
+        default=None,
+        description="Mutual TLS: PEM CA bundle; with tls_cert_file, the HTTP and gRPC ports "
+        "require a client certificate it signed (the metrics port does not). Reloaded when "
+        "it changes.",
+    )
     engine_ca_file: str | None = Field(
         default=None,
         description="PEM CA bundle that verifies https engines and prefill targets; unset: "
         "the system store. Verification is never turned off.",
+    )
+    engine_client_cert_file: str | None = Field(
+        default=None,
+        description="Mutual TLS to engines: PEM client certificate chain presented to https "
+        "engines and prefill targets; with engine_client_key_file, both or neither. Read at "
+        "start.",
+    )
+    engine_client_key_file: str | None = Field(
+        default=None,
+        description="PEM private key of engine_client_cert_file.",
     )
 
     # Logging.

@@ -1,22 +1,32 @@
-"""Optional TLS: the server certificate (reloaded when its files change) and the engine CA.
+"""Optional TLS: the server certificate and client CA (reloaded when their files change), and
+the upstream client's context (engine CA, client certificate).
 
-    tls_cert_file + tls_key_file ─▶ ReloadingServerTLS
-        .context            one ssl.SSLContext for the HTTP site (HTTPS on the HTTP port)
+    tls_cert_file + tls_key_file [+ tls_client_ca_file] ─▶ ReloadingServerTLS
+        .context            the listener's ssl.SSLContext for the HTTP site (HTTPS)
         .grpc_credentials() grpc dynamic credentials (TLS on the gRPC port)
         .watch()            every tls_reload_interval_s: check_now()
-        .check_now()        files changed? load the new pair INTO the same context (new
-                            handshakes use it; open connections keep theirs) and bump the
-                            generation the gRPC fetcher hands out on the next connection
-    engine_ca_file ─▶ client_ssl_context() for the upstream session (engines, prefill targets)
+        .check_now()        files changed? build a fresh context from them; new handshakes
+                            are switched to it (the listener's SNI callback) and the pair is
+                            also loaded into the listener's context; open connections keep
+                            theirs; the gRPC fetcher hands the new generation to the next one
+    engine_ca_file, engine_client_cert_file + engine_client_key_file ─▶ client_ssl_context()
+        for the upstream client (engines, prefill targets)
+
+Mutual TLS: with ``tls_client_ca_file`` both front doors require a client certificate that
+chains to that CA (missing, foreign or expired: the handshake fails). The CA is one of the
+watched files: rotating it (with or without the pair) takes effect for new connections
+without a restart, and a CA that is taken out is no longer trusted (each generation is a
+fresh context, not the old one with certificates added).
 
 A change is seen by stat (mtime, size, inode), which also catches Kubernetes' symlink swap of
-a mounted secret. The new pair is read once into memory and checked on a scratch context
-before it touches the live one: a half-written or mismatched pair is logged and the old one
+a mounted secret. The new files are read once into memory and loaded into a fresh context
+before anything live changes: a half-written or mismatched set is logged and the old one
 kept, so a bad rotation never takes the listener down.
 
-Deliberate limits: no client-certificate (mutual TLS) checks and no insecure modes (an
-engine over https is always verified, against ``engine_ca_file`` or the system store); the
-separate metrics port stays plaintext; TLS 1.2 is the floor.
+Deliberate limits: no insecure modes (an engine over https is always verified, against
+``engine_ca_file`` or the system store); the separate metrics port stays plaintext and asks
+for no client certificate; TLS 1.2 is the floor; the outbound client certificate is read at
+start (rotating it needs a restart).
 """
 
 from __future__ import annotations
@@ -28,7 +38,7 @@ import os
 import ssl
 import tempfile
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -50,11 +60,15 @@ class _Stamp(NamedTuple):
 
 @dataclass(frozen=True)
 class _Pair:
-    """One certificate chain and its key, as loaded; ``generation`` counts loads."""
+    """One certificate chain, its key and the client CA (mutual TLS), as loaded.
+
+    ``generation`` counts loads; ``stamps`` are the files' stamps when they were read.
+    """
 
     cert: bytes
     key: bytes
-    stamps: tuple[_Stamp, _Stamp]
+    client_ca: bytes | None
+    stamps: tuple[_Stamp, ...]
     generation: int
 
 
@@ -87,24 +101,54 @@ def _as_paths(cert: bytes, key: bytes) -> Iterator[tuple[str, str]]:
         yield str(cert_path), str(key_path)
 
 
-def _new_server_context() -> ssl.SSLContext:
+def _new_server_context(require_client_cert: bool) -> ssl.SSLContext:
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.minimum_version = ssl.TLSVersion.TLSv1_2
+    if require_client_cert:
+        context.verify_mode = ssl.CERT_REQUIRED
     return context
 
 
 class ReloadingServerTLS:
     """The server side: one SSLContext and gRPC credentials that follow the files."""
 
-    def __init__(self, cert_file: str, key_file: str, reload_interval_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        cert_file: str,
+        key_file: str,
+        reload_interval_s: float = 10.0,
+        client_ca_file: str | None = None,
+    ) -> None:
         self.cert_file = cert_file
         self.key_file = key_file
+        self.client_ca_file = client_ca_file
         self.reload_interval_s = reload_interval_s
-        self.context = _new_server_context()
         pair = self._read(generation=1)
-        self._load(self.context, pair)
+        # The listener's context: its verify mode is fixed for the life of the socket
+        # (OpenSSL copies it into each connection before the SNI callback can switch).
+        self.context = self._build(pair)
+        self._serving = self.context
+        self.context.sni_callback = self._switch_context
         self._pair = pair
         self._grpc_seen = 0  # the generation the gRPC fetcher last handed out
+
+    @property
+    def require_client_cert(self) -> bool:
+        return self.client_ca_file is not None
+
+    def _files(self) -> tuple[str, ...]:
+        files = (self.cert_file, self.key_file)
+        return files if self.client_ca_file is None else (*files, self.client_ca_file)
+
+    def _switch_context(
+        self, connection: ssl.SSLObject | ssl.SSLSocket, server_name: str | None,
+        listener: ssl.SSLContext,
+    ) -> None:
+        # Called in every handshake (also without SNI): hand the connection the context of
+        # the current generation, whose client CA is the one now configured.
+        serving = self._serving
+        if serving is not listener:
+            connection.context = serving
 
     @property
     def generation(self) -> int:
@@ -113,12 +157,16 @@ class ReloadingServerTLS:
 
     def _read(self, generation: int) -> _Pair:
         try:
-            stamps = (_stamp(self.cert_file), _stamp(self.key_file))
+            stamps = tuple(_stamp(path) for path in self._files())
             cert = Path(self.cert_file).read_bytes()
             key = Path(self.key_file).read_bytes()
+            client_ca = (Path(self.client_ca_file).read_bytes()
+                         if self.client_ca_file is not None else None)
         except OSError as exc:
-            raise TLSFileError(f"tls_cert_file/tls_key_file: cannot read: {exc}") from None
-        return _Pair(cert, key, stamps, generation)
+            raise TLSFileError(
+                f"tls_cert_file/tls_key_file/tls_client_ca_file: cannot read: {exc}"
+            ) from None
+        return _Pair(cert, key, client_ca, stamps, generation)
 
     def _load(self, context: ssl.SSLContext, pair: _Pair) -> None:
         try:
@@ -130,10 +178,22 @@ class ReloadingServerTLS:
                 f"not a matching PEM certificate chain and key: {exc}"
             ) from None
 
+    def _build(self, pair: _Pair) -> ssl.SSLContext:
+        """A fresh context serving ``pair`` (and trusting only its client CA)."""
+        context = _new_server_context(self.require_client_cert)
+        self._load(context, pair)
+        if pair.client_ca is not None:
+            try:
+                context.load_verify_locations(cadata=_pem_ca(pair.client_ca))
+            except (ValueError, ssl.SSLError) as exc:
+                raise TLSFileError(f"tls_client_ca_file {self.client_ca_file!r}: not a PEM "
+                                   f"CA bundle: {exc}") from None
+        return context
+
     def check_now(self) -> bool:
         """Reload if the files changed; True when a new pair is now served."""
         try:
-            stamps = (_stamp(self.cert_file), _stamp(self.key_file))
+            stamps = tuple(_stamp(path) for path in self._files())
         except OSError as exc:
             logger.warning("TLS files unreadable, keeping the current certificate: %s", exc)
             return False
@@ -141,15 +201,16 @@ class ReloadingServerTLS:
             return False
         try:
             pair = self._read(self._pair.generation + 1)
-            # A scratch context first: a failed load_cert_chain can leave the live context
-            # with the new certificate and the old key.
-            self._load(_new_server_context(), pair)
+            # A fresh context first: a failed load_cert_chain can leave the context it was
+            # loading into with the new certificate and the old key.
+            fresh = self._build(pair)
             self._load(self.context, pair)
         except TLSFileError as exc:
             logger.error("TLS reload refused, keeping the current certificate: %s", exc)
-            # Remember the stamps so a broken pair is reported once, not every interval.
-            self._pair = _Pair(self._pair.cert, self._pair.key, stamps, self._pair.generation)
+            # Remember the stamps so a broken set is reported once, not every interval.
+            self._pair = replace(self._pair, stamps=stamps)
             return False
+        self._serving = fresh
         self._pair = pair
         logger.info("TLS certificate reloaded from %s (generation %d)",
                     self.cert_file, pair.generation)
@@ -165,7 +226,8 @@ class ReloadingServerTLS:
         import grpc  # here: the config loader uses this module without the gRPC stack
 
         pair = self._pair
-        return grpc.ssl_server_certificate_configuration([(pair.key, pair.cert)])
+        return grpc.ssl_server_certificate_configuration([(pair.key, pair.cert)],
+                                                         root_certificates=pair.client_ca)
 
     def _grpc_fetch(self) -> grpc.ServerCertificateConfiguration | None:
         # gRPC calls this before every new connection's handshake: it must be cheap and
@@ -183,16 +245,39 @@ class ReloadingServerTLS:
         self._grpc_seen = self._pair.generation
         # The stubs say the fetcher never returns None; grpc documents None as "no change".
         return grpc.dynamic_ssl_server_credentials(
-            self._grpc_config(), self._grpc_fetch  # type: ignore[arg-type]
+            self._grpc_config(), self._grpc_fetch,  # type: ignore[arg-type]
+            require_client_authentication=self.require_client_cert,
         )
 
 
-def client_ssl_context(ca_file: str) -> ssl.SSLContext:
-    """Verify upstream servers (engines, prefill targets) against ``ca_file``, TLS >= 1.2."""
+def _pem_ca(data: bytes) -> str:
+    """PEM CA certificates as ``load_verify_locations(cadata=...)`` takes them (a str; bytes
+    would be read as DER). An empty bundle would trust nothing and refuse every client."""
+    text = data.decode("ascii", "replace")
+    if "-----BEGIN CERTIFICATE-----" not in text:
+        raise ValueError("no PEM certificate in it")
+    return text
+
+
+def client_ssl_context(
+    ca_file: str | None,
+    cert_file: str | None = None,
+    key_file: str | None = None,
+) -> ssl.SSLContext:
+    """Verify upstream servers (engines, prefill targets) against ``ca_file`` (None: the
+    system store), TLS >= 1.2; present ``cert_file``/``key_file`` when a server asks."""
     try:
         context = ssl.create_default_context(cafile=ca_file)
     except (OSError, ssl.SSLError) as exc:
         raise TLSFileError(f"engine_ca_file {ca_file!r}: not a readable PEM CA bundle: {exc}") \
             from None
     context.minimum_version = ssl.TLSVersion.TLSv1_2
+    if cert_file is not None and key_file is not None:
+        try:
+            context.load_cert_chain(cert_file, key_file)
+        except (OSError, ssl.SSLError) as exc:
+            raise TLSFileError(
+                f"engine_client_cert_file {cert_file!r} / engine_client_key_file "
+                f"{key_file!r}: not a readable, matching PEM certificate chain and key: {exc}"
+            ) from None
     return context

@@ -67,12 +67,15 @@ async def post_prefill(
     *,
     timeout_s: float,
     max_bytes: int,
+    server_hostname: str | None = None,
 ) -> dict[str, Any]:
-    """POST the prefill body and return its JSON object answer."""
+    """POST the prefill body and return its JSON object answer (``server_hostname``: the
+    name an https target's certificate must carry when ``url`` names its address)."""
     payload = jsonutil.dumps(body)
     try:
         response = await session.request(
-            "POST", url, headers=_json_headers(headers), body=payload, timeout_s=timeout_s
+            "POST", url, headers=_json_headers(headers), body=payload, timeout_s=timeout_s,
+            server_hostname=server_hostname,
         )
         try:
             if response.status != 200:

@@ -2,12 +2,15 @@
 
     header "10.0.0.7:8000" ─parse_target_header()─▶ [PrefillTarget]
         ─TargetSelector.select()─▶ resolve once ─▶ every address allowed? ─▶ PrefillTarget(ip)
+    pool "https://prefill-0.svc:8443" ─parse_prefill_url()─▶ resolve ─▶
+        PrefillTarget(ip, scheme https, tls_name "prefill-0.svc")
 
 The sidecar connects to the address it checked (never re-resolves), so DNS rebinding between
 check and connect cannot redirect a prompt. Headers that name IP literals only are checked
 once and remembered (the allowlist is immutable and no name is resolved, so the verdict
 cannot change); names are resolved and checked on every request. Targets from the static
-pool (``--prefill-url``) are trusted configuration and skip the allowlist.
+pool (``--prefill-url``) are trusted configuration and skip the allowlist; an ``https`` entry
+stays https (verified against its configured name), a router's header is always plain http.
 
 Deliberate limits: one address per request is used (the first resolved); no health tracking
 of pool members (routers pick healthy prefill pods).
@@ -86,11 +89,15 @@ def parse_target_header(values: Sequence[str]) -> list[PrefillTarget]:
 
 
 def parse_prefill_url(url: str) -> PrefillTarget:
-    """A static pool entry ``http://host:port`` (validated again at start-up by the loader)."""
+    """A static pool entry ``http(s)://host:port`` (its shape is checked by the settings).
+
+    The scheme is kept: an ``https`` entry is dialled over TLS and verified, never downgraded.
+    """
     parts = urlsplit(url)
-    if parts.hostname is None or parts.port is None:
-        raise ValueError(f"prefill URL {url!r} needs http://host:port")
-    return PrefillTarget(host=parts.hostname, port=parts.port)
+    scheme = parts.scheme.lower()
+    if scheme not in ("http", "https") or parts.hostname is None or parts.port is None:
+        raise ValueError(f"prefill URL {url!r} needs http(s)://host:port")
+    return PrefillTarget(host=parts.hostname, port=parts.port, scheme=scheme)
 
 
 def _literal(host: str) -> IPAddress | None:
@@ -124,10 +131,6 @@ class TargetSelector:
             self._literal_selections.clear()
         self._literal_selections[key] = checked
 
-    @property
-    def has_pool(self) -> bool:
-        return bool(self._pool)
-
     async def select(self, header_values: Sequence[str]) -> PrefillTarget | None:
         """The checked target for a request, or None when it names none and no pool exists.
 
@@ -152,7 +155,12 @@ class TargetSelector:
         if self._pool_cycle is not None:
             target = next(self._pool_cycle)
             addresses = await self._resolve(target)
-            return PrefillTarget(host=str(addresses[0]), port=target.port)
+            address = str(addresses[0])
+            # Over TLS the certificate names the configured host, not the address it
+            # resolved to: keep the name for verification (an IP literal verifies itself).
+            tls_name = (target.host if target.scheme == "https" and _literal(target.host) is None
+                        else None)
+            return PrefillTarget(address, target.port, target.scheme, tls_name)
         return None
 
     async def _check(self, target: PrefillTarget) -> PrefillTarget:

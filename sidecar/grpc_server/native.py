@@ -36,6 +36,7 @@ skipped, not staged.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from typing import Any
 
@@ -118,8 +119,7 @@ class NativePrefill:
             if core.concurrent:
                 fields = core.concurrent_handoff(ctx)
                 # The engine call outlives this RPC: it gets its own deadline, not the caller's.
-                background = PrefillLeg(leg.url, leg.body, leg.headers,
-                                        core.prefill_timeout())
+                background = dataclasses.replace(leg, timeout_s=core.prefill_timeout())
                 core.background_prefill(background, ctx, self._scopes, scope.detach())
                 handed_off = True
             else:

@@ -16,7 +16,7 @@ seconds, then cancels the background prefills left (``serve`` has already draine
 which includes them, before it calls stop).
 
 Deliberate limits: TLS only when ``serve`` passes a ``ReloadingServerTLS`` (tls_cert_file and
-tls_key_file set; no client certificates), else plaintext; the bind address is
+tls_key_file set; client certificates with tls_client_ca_file), else plaintext; the bind is
 ``settings.host`` (an IPv6 literal is bracketed).
 """
 

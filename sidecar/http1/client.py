@@ -1,7 +1,7 @@
 """The pooled upstream HTTP/1.1 client: one per process, shared by every engine call.
 
     client.request("POST", url, headers, body) ─▶ UpstreamResponse (head arrived)
-        ├── idle connection for (scheme, host, port)?  reuse it (LIFO: the warmest)
+        ├── idle connection for (scheme, host, port, TLS name)?  reuse it (LIFO: the warmest)
         └── else open one (connect deadline), within the global connection limit
 
 Pool rules, and why: idle connections are dropped after ``keepalive_s``, which is set below
@@ -11,6 +11,13 @@ may already have started a prefill; doubling it is worse than one 502); at the c
 limit callers wait for a slot in arrival order. Connections go where the URL says: callers
 pass the address they checked (see ``sidecar.core.targets``), no proxy, no redirect, no
 cookie, no decompression.
+
+TLS: an ``https`` URL is always TLS (never a plain-TCP fallback), verified by the one context
+given (its CA and, for mutual TLS, its client certificate) or the system store. The name
+verified is the URL's host, or ``server_hostname`` when the caller connects to an address it
+resolved itself (a prefill pool entry named by DNS): the connection goes to the checked
+address and the certificate must still carry the configured name. Connections verified for
+different names are never shared.
 
 Deliberate limits: HTTP/1.1 only; request bodies are bytes or an async iterable of bytes
 (streamed with ``Content-Length`` when given, else chunked); TLS uses the one context given.
@@ -38,18 +45,24 @@ _DEFAULT_PORTS = {"http": 80, "https": 443}
 _COPY_LIMIT = 64 * 1024
 
 
+#: Which pooled connections can serve a request: scheme, host, port and the TLS name the
+#: peer's certificate was verified for ("" for plain HTTP).
+PoolKey = tuple[str, str, int, str]
+
+
 @dataclass(frozen=True, slots=True)
 class _Target:
-    key: tuple[str, str, int]
+    key: PoolKey
     host: str
     port: int
-    tls: bool
+    #: The name the server's certificate must carry; None for plain HTTP.
+    tls_name: str | None
     host_header: str
     path: str
 
 
 @functools.lru_cache(maxsize=4096)
-def _target(url: str) -> _Target:
+def _target(url: str, server_hostname: str | None = None) -> _Target:
     parts = urlsplit(url)
     scheme = parts.scheme.lower()
     if scheme not in _DEFAULT_PORTS or not parts.hostname:
@@ -61,7 +74,9 @@ def _target(url: str) -> _Target:
     path = parts.path or "/"
     if parts.query:
         path = f"{path}?{parts.query}"
-    return _Target((scheme, host, port), host, port, scheme == "https", host_header, path)
+    tls_name = (server_hostname or host) if scheme == "https" else None
+    key = (scheme, host, port, tls_name or "")
+    return _Target(key, host, port, tls_name, host_header, path)
 
 
 def _encode_head(method: str, target: _Target, headers: Headers, framing: str) -> bytes:
@@ -106,7 +121,7 @@ class EngineClient:
         self._connect_timeout_s = connect_timeout_s
         self._read_timeout_s = read_timeout_s
         self._ssl = ssl_context
-        self._idle: dict[tuple[str, str, int], list[Connection]] = {}
+        self._idle: dict[PoolKey, list[Connection]] = {}
         self._open = 0
         self._slot_waiters: collections.deque[asyncio.Future[None]] = collections.deque()
         self._sweeper: asyncio.TimerHandle | None = None
@@ -126,6 +141,7 @@ class EngineClient:
         body: Body = None,
         content_length: int | None = None,
         timeout_s: float | None = None,
+        server_hostname: str | None = None,
     ) -> UpstreamResponse:
         """Send one request and return once the response head arrived.
 
@@ -133,9 +149,10 @@ class EngineClient:
         ``close()`` to drop the connection (an engine call abandoned mid-answer).
         ``timeout_s`` bounds the whole exchange (waiting for a slot, connecting, the head and
         every body read): ``TimeoutError`` past it. It costs one timer per wait instead of
-        an ``asyncio.timeout`` scope around the call.
+        an ``asyncio.timeout`` scope around the call. ``server_hostname``: for an https URL
+        naming an address, the name its certificate must carry (default: the URL's host).
         """
-        target = _target(url)
+        target = _target(url, server_hostname)
         head = _encode_head(method, target, headers, _framing(method, body, content_length))
         deadline = None if timeout_s is None else self._loop.time() + timeout_s
         conn = await self._acquire(target, deadline)
@@ -244,8 +261,8 @@ class EngineClient:
                     lambda: Connection(target.key, self._loop, self._on_lost),
                     target.host,
                     target.port,
-                    ssl=self._tls_context() if target.tls else None,
-                    server_hostname=target.host if target.tls else None,
+                    ssl=self._tls_context() if target.tls_name is not None else None,
+                    server_hostname=target.tls_name,
                 )
         except TimeoutError:
             self._free_slot()

@@ -68,7 +68,7 @@ class Connection(asyncio.Protocol):
 
     def __init__(
         self,
-        key: tuple[str, str, int],
+        key: tuple[str, str, int, str],
         loop: asyncio.AbstractEventLoop,
         on_lost: Callable[[Connection], None],
     ) -> None:

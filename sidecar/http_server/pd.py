@@ -186,8 +186,11 @@ async def _relay(
         async for chunk in exchange.chunks():
             await response.write(chunk)
             total += len(chunk)
-            if not engine_error:
-                engine_error = _carries_error_event(tail, chunk)
+            # The common case costs one substring search; the seam check runs only for a chunk
+            # that does not start an event.
+            if not engine_error and (_ERROR_EVENT in chunk or (
+                    tail and not chunk.startswith(_DATA) and _carries_error_event(tail, chunk))):
+                engine_error = True
             # Only the last bytes matter; slicing a long chunk alone avoids copying it whole.
             tail = chunk[-_TAIL_BYTES:] if len(chunk) >= _TAIL_BYTES else (tail + chunk)[
                 -_TAIL_BYTES:]

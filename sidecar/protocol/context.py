@@ -22,10 +22,18 @@ class Route(StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class PrefillTarget:
-    """A prefill engine's address: host (IPv6 without brackets) and port."""
+    """A prefill engine's address: host (IPv6 without brackets), port and scheme.
+
+    ``scheme`` is ``https`` only for a static pool entry written so (a router's header names
+    plain ``host:port``). ``tls_name`` is the name its certificate must carry when ``host``
+    is the address that name resolved to (the sidecar connects to the address it resolved,
+    and the hand-off names that address); None: verify ``host`` itself.
+    """
 
     host: str
     port: int
+    scheme: str = "http"
+    tls_name: str | None = None
 
     @property
     def url_host(self) -> str:
@@ -34,7 +42,7 @@ class PrefillTarget:
 
     @property
     def base_url(self) -> str:
-        return f"http://{self.url_host}:{self.port}"
+        return f"{self.scheme}://{self.url_host}:{self.port}"
 
     def __str__(self) -> str:
         return f"{self.url_host}:{self.port}"

@@ -11,7 +11,7 @@ files. Upstream: an engine over https is reached when engine_ca_file holds its C
 without it the sidecar answers 503 at once (never a hang, never plaintext).
 
 Certificates are made by the ``openssl`` command (no Python crypto dependency). Does not
-prove anything about mutual TLS (not offered) or the metrics port (plaintext by design).
+prove anything about mutual TLS (``test_mtls.py``) or the metrics port (plaintext by design).
 """
 
 from __future__ import annotations
