@@ -8,5 +8,4 @@
     errors.py        SidecarError -> gRPC status
     bookkeeping.py   admission and metrics of one call (front_door="grpc")
     engine_model.py  the local engine's served model name (bodies need one)
-    router_cli.py    ``disagg-sidecar route``: Prefill -> Decode from the command line
 """

@@ -32,9 +32,9 @@ from multidict import CIMultiDict
 from sidecar_harness import RunningSidecar, running_sidecar
 
 from sidecar.protocol.context import Route
-from sidecar.stubs.config import StubConfig
-from sidecar.stubs.faults import Fault, FaultKind
-from sidecar.stubs.server import Stub
+from sidecar.tools.stubs.config import StubConfig
+from sidecar.tools.stubs.faults import Fault, FaultKind
+from sidecar.tools.stubs.server import Stub
 
 PROMPT = "Faults must never hang a request."
 WAIT_S = 10.0
@@ -52,7 +52,7 @@ SEQUENTIAL: tuple[tuple[str, str], ...] = tuple(p for p in PAIRS if p not in CON
 
 
 def stub_available(engine: str) -> bool:
-    return importlib.util.find_spec(f"sidecar.stubs.{engine}") is not None
+    return importlib.util.find_spec(f"sidecar.tools.stubs.{engine}") is not None
 
 
 def engine_param(engine: str, connector: str, *rest: Any) -> Any:

@@ -22,9 +22,9 @@ from sidecar.grpc_gen import disagg_pb2, disagg_pb2_grpc
 from sidecar.grpc_server.server import start_grpc_server
 from sidecar.runtime import Runtime, open_runtime
 from sidecar.settings import Settings
-from sidecar.stubs.config import StubConfig
-from sidecar.stubs.server import Stub, run_stub
-from sidecar.stubs.textgen import PrefillKind, generate, prompt_digest
+from sidecar.tools.stubs.config import StubConfig
+from sidecar.tools.stubs.server import Stub, run_stub
+from sidecar.tools.stubs.textgen import PrefillKind, generate, prompt_digest
 
 #: Every engine/connector pair the sidecar supports (the connector is ignored off vLLM).
 PAIRS: list[tuple[str, str]] = [

@@ -19,8 +19,8 @@ from openai_bodies import client_body
 from sidecar_harness import RunningSidecar, running_sidecar
 
 from sidecar.protocol.context import Route
-from sidecar.stubs.config import StubConfig
-from sidecar.stubs.server import Stub, run_stub
+from sidecar.tools.stubs.config import StubConfig
+from sidecar.tools.stubs.server import Stub, run_stub
 
 #: Every engine/connector pair the sidecar supports.
 PAIRS: list[tuple[str, str]] = [

@@ -17,7 +17,7 @@ import pytest
 from pd_builders import PAIRS, client_body, json_text, pd_pair, sse_events, streamed_text
 
 from sidecar.protocol.context import Route
-from sidecar.stubs.textgen import is_remote_text
+from sidecar.tools.stubs.textgen import is_remote_text
 
 
 def _check_prefill_leg(engine: str, connector: str, seen: dict[str, Any], pair: Any) -> None:
