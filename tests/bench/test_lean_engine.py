@@ -23,8 +23,9 @@ import orjson
 import pytest
 
 from bench.lean_client import Client, Origin
-from bench.lean_engine import Engine, run_engine
-from sidecar.stubs import textgen
+from sidecar.tools.stubs import textgen
+from sidecar.tools.stubs.lean.server import Engine
+from sidecar.tools.stubs.lean.server import run_lean as run_engine
 
 PROMPT = "The quick brown fox jumps over the lazy dog."
 NIXL_KEYS = [

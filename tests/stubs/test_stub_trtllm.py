@@ -15,7 +15,7 @@ import aiohttp
 import pytest
 from stub_helpers import chat, completion, sse_events
 
-from sidecar.stubs import is_local_text, is_remote_text, run_stub
+from sidecar.tools.stubs import is_local_text, is_remote_text, run_stub
 
 
 async def post(session: aiohttp.ClientSession, url: str, body: Any) -> tuple[int, Any]:

@@ -4,11 +4,11 @@ Used by the sidecar's end-to-end tests, its demo and its benchmarks: realistic w
 deterministic outputs (``textgen``), a visible difference when a hand-off is broken, fault
 switches (``faults``) and a recorder tests can await (``recorder``).
 
-    from sidecar.stubs import StubConfig, run_stub
+    from sidecar.tools.stubs import StubConfig, run_stub
     async with run_stub(StubConfig(engine="vllm", role="prefill", kv_connector="shfs")) as p:
         ...
 
-Command line: ``python -m sidecar.stubs --engine vllm --role prefill --port 8100``
+Command line: ``python -m sidecar.tools.stubs --engine vllm --role prefill --port 8100``
 (``add_stub_arguments`` / ``run_stub_command`` let the sidecar expose it as
 ``disagg-sidecar stub-engine``).
 
@@ -18,11 +18,11 @@ Module map: ``config`` (StubConfig), ``server`` (Stub, run_stub, control endpoin
 rendezvous, abort), ``trtllm`` (context_only / generation_only), ``cli``.
 """
 
-from sidecar.stubs.config import StubConfig
-from sidecar.stubs.faults import Fault, FaultBook, FaultKind
-from sidecar.stubs.recorder import Decision, RecordedRequest, Recorder
-from sidecar.stubs.server import Stub, run_stub
-from sidecar.stubs.textgen import PrefillKind, expected_text, is_local_text, is_remote_text
+from sidecar.tools.stubs.config import StubConfig
+from sidecar.tools.stubs.faults import Fault, FaultBook, FaultKind
+from sidecar.tools.stubs.recorder import Decision, RecordedRequest, Recorder
+from sidecar.tools.stubs.server import Stub, run_stub
+from sidecar.tools.stubs.textgen import PrefillKind, expected_text, is_local_text, is_remote_text
 
 __all__ = [
     "Decision",

@@ -1,5 +1,5 @@
-"""``python -m sidecar.stubs``: run one stub engine (see ``sidecar.stubs.cli``)."""
+"""``python -m sidecar.tools.stubs``: run one stub engine (see ``sidecar.tools.stubs.cli``)."""
 
-from sidecar.stubs.cli import main
+from sidecar.tools.stubs.cli import main
 
 raise SystemExit(main())

@@ -39,15 +39,15 @@ from typing import TYPE_CHECKING, Any, Final, TypeVar
 import aiohttp
 from aiohttp import web
 
-from sidecar.stubs import openai, textgen
-from sidecar.stubs.faults import FaultKind
-from sidecar.stubs.openai import BadRequest
-from sidecar.stubs.replies import SSE_DONE, JsonReply, Reply, StreamReply, json_response, sse
-from sidecar.stubs.server import request_fault, request_json
-from sidecar.stubs.textgen import PrefillKind
+from sidecar.tools.stubs import handoff, openai, textgen
+from sidecar.tools.stubs.faults import FaultKind
+from sidecar.tools.stubs.openai import BadRequest
+from sidecar.tools.stubs.replies import SSE_DONE, JsonReply, Reply, StreamReply, json_response, sse
+from sidecar.tools.stubs.server import request_fault, request_json
+from sidecar.tools.stubs.textgen import PrefillKind
 
 if TYPE_CHECKING:
-    from sidecar.stubs.server import Stub
+    from sidecar.tools.stubs.server import Stub
 
 GENERATE: Final = "/generate"
 COMPLETIONS: Final = "/v1/completions"
@@ -237,9 +237,10 @@ class SglangEngine:
         self, request: web.Request, body: dict[str, Any], rid: str, prompt: _Prompt
     ) -> tuple[PrefillKind, bool]:
         """Run this request's side of the rendezvous: (kind, is_prefill)."""
-        room_id = body.get("bootstrap_room")
-        if room_id is not None and (isinstance(room_id, bool) or not isinstance(room_id, int)):
-            raise BadRequest("bootstrap_room must be an integer")
+        try:
+            room_id = handoff.sglang_room(body)
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from None
         abort = self.aborts[rid]
         if self.config.role == "prefill":
             if room_id is None:
@@ -249,25 +250,18 @@ class SglangEngine:
                 return PrefillKind.REMOTE, True  # answers, never meets its decode
             await self._prefill_rendezvous(room_id, rid, prompt, abort)
             return PrefillKind.REMOTE, True
-        if room_id is None:
-            self.stub.recorder.decide(request.path, rid, "local", "no_handoff")
-            return PrefillKind.LOCAL, False
-        host = body.get("bootstrap_host")
-        port = body.get("bootstrap_port")
-        if (
-            not isinstance(host, str)
-            or not host
-            or isinstance(port, bool)
-            or not isinstance(port, int)
-        ):
-            self.stub.recorder.decide(request.path, rid, "local", "missing_params")
-            return PrefillKind.LOCAL, False
-        payload = await self._decode_rendezvous(host, port, room_id, rid, abort)
-        if payload.get("prompt_digest") != f"{prompt.digest:016x}":
-            self.stub.recorder.decide(request.path, rid, "local", "prompt_mismatch")
-            return PrefillKind.LOCAL, False
-        self.stub.recorder.decide(request.path, rid, "remote", "ok")
-        return PrefillKind.REMOTE, False
+        target = handoff.sglang_decode_target(body, room_id)
+        if isinstance(target, handoff.Verdict):
+            self.stub.recorder.judge(request.path, rid, target)
+            return target.kind, False
+        payload = await self._decode_rendezvous(target, rid, abort)
+        try:
+            handed = int(str(payload.get("prompt_digest")), 16)
+        except ValueError:
+            handed = -1
+        verdict = handoff.sglang_judge(handed, prompt.digest)
+        self.stub.recorder.judge(request.path, rid, verdict)
+        return verdict.kind, False
 
     async def _prefill_rendezvous(
         self, room_id: int, rid: str, prompt: _Prompt, abort: asyncio.Event
@@ -278,12 +272,7 @@ class SglangEngine:
             await self._wait(room.decode_arrived.wait(), abort, timeout_s)
         except TimeoutError:
             self._forget(room_id, room)
-            raise _Failed(
-                f"Prefill bootstrap failed for request rank=0 req.rid='{rid}' "
-                f"req.bootstrap_room={room_id} with exception KVTransferError("
-                f"bootstrap_room={room_id}): Request {room_id} timed out after "
-                f"{timeout_s}s in KVPoll.Bootstrapping"
-            ) from None
+            raise _Failed(handoff.sglang_prefill_timeout(rid, room_id, timeout_s)) from None
         except (_Aborted, asyncio.CancelledError):
             self._forget(room_id, room)
             raise
@@ -293,15 +282,13 @@ class SglangEngine:
             )
 
     async def _decode_rendezvous(
-        self, host: str, port: int, room_id: int, rid: str, abort: asyncio.Event
+        self, target: handoff.Rendezvous, rid: str, abort: asyncio.Event
     ) -> dict[str, Any]:
         timeout_s = self.config.waiting_timeout_s
-        host_part = f"[{host}]" if ":" in host and not host.startswith("[") else host
-        url = f"http://{host_part}:{port}/_stub/sglang/rooms/{room_id}?timeout={timeout_s}"
-        prefix = (
-            f"Decode transfer failed for request rank=0 decode_req.req.rid='{rid}' "
-            f"decode_req.req.bootstrap_room={room_id} with exception "
-            f"KVTransferError(bootstrap_room={room_id}): "
+        room_id = target.room
+        url = (
+            f"http://{handoff.url_host(target.host)}:{target.port}"
+            f"/_stub/sglang/rooms/{room_id}?timeout={timeout_s}"
         )
         try:
             status, payload = await self._wait(
@@ -310,13 +297,19 @@ class SglangEngine:
         except TimeoutError:
             status, payload = 408, None
         except (aiohttp.ClientError, ValueError):
-            raise _Failed(prefix + "Failed to fetch bootstrap info from prefill server") from None
-        if status == 408:
             raise _Failed(
-                prefix + f"Request {room_id} timed out after {timeout_s}s in KVPoll.WaitingForInput"
-            )
+                handoff.sglang_decode_failure(
+                    rid, room_id, "Failed to fetch bootstrap info from prefill server"
+                )
+            ) from None
+        if status == 408:
+            raise _Failed(handoff.sglang_decode_timeout(rid, room_id, timeout_s))
         if status != 200 or not isinstance(payload, dict):
-            raise _Failed(prefix + "Failed to get kvcache from prefill instance, it might be dead")
+            raise _Failed(
+                handoff.sglang_decode_failure(
+                    rid, room_id, "Failed to get kvcache from prefill instance, it might be dead"
+                )
+            )
         return payload
 
     async def _get(self, url: str, timeout_s: float) -> tuple[int, Any]:

@@ -35,15 +35,15 @@ from typing import TYPE_CHECKING, Any, Final
 from aiohttp import web
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError
 
-from sidecar.stubs import openai, textgen
-from sidecar.stubs.faults import FaultKind
-from sidecar.stubs.openai import BadRequest, GenRequest
-from sidecar.stubs.replies import JsonReply, Reply, StreamReply
-from sidecar.stubs.server import request_fault, request_json
-from sidecar.stubs.textgen import PrefillKind
+from sidecar.tools.stubs import openai, textgen
+from sidecar.tools.stubs.faults import FaultKind
+from sidecar.tools.stubs.openai import BadRequest, GenRequest
+from sidecar.tools.stubs.replies import JsonReply, Reply, StreamReply
+from sidecar.tools.stubs.server import request_fault, request_json
+from sidecar.tools.stubs.textgen import PrefillKind
 
 if TYPE_CHECKING:
-    from sidecar.stubs.server import Stub
+    from sidecar.tools.stubs.server import Stub
 
 COMPLETIONS: Final = "/v1/completions"
 CHAT: Final = "/v1/chat/completions"

@@ -25,16 +25,17 @@ from typing import TYPE_CHECKING, Any, Final
 
 from aiohttp import web
 
-from sidecar.stubs import openai, textgen
-from sidecar.stubs.faults import FaultKind
-from sidecar.stubs.openai import BadRequest, GenRequest
-from sidecar.stubs.replies import JsonReply, Reply, StreamReply
-from sidecar.stubs.server import request_fault, request_json
-from sidecar.stubs.textgen import PrefillKind
-from sidecar.stubs.vllm_connectors import Verdict, make_connector
+from sidecar.tools.stubs import openai, textgen
+from sidecar.tools.stubs.faults import FaultKind
+from sidecar.tools.stubs.handoff import Verdict
+from sidecar.tools.stubs.openai import BadRequest, GenRequest
+from sidecar.tools.stubs.replies import JsonReply, Reply, StreamReply
+from sidecar.tools.stubs.server import request_fault, request_json
+from sidecar.tools.stubs.textgen import PrefillKind
+from sidecar.tools.stubs.vllm_connectors import make_connector
 
 if TYPE_CHECKING:
-    from sidecar.stubs.server import Stub
+    from sidecar.tools.stubs.server import Stub
 
 COMPLETIONS: Final = "/v1/completions"
 CHAT: Final = "/v1/chat/completions"
@@ -188,5 +189,5 @@ class VllmEngine:
             verdict = Verdict(PrefillKind.LOCAL, "no_handoff")
             if self.config.role != "decode":
                 return verdict  # a plain request on a kv_both engine: nothing to judge
-        self.stub.recorder.decide(request.path, request_id, verdict.kind.value, verdict.reason)
+        self.stub.recorder.judge(request.path, request_id, verdict)
         return verdict

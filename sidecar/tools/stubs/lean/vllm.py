@@ -1,41 +1,49 @@
-"""The lean engine's vLLM flavour: ``/v1/completions`` with NixlConnector hand-offs.
+"""The lean transport's vLLM flavour: ``/v1/completions`` with NixlConnector hand-offs.
 
-    prefill: kv_transfer_params.do_remote_decode ─▶ answer with a signed hand-off
-             (top-level kv_transfer_params, non-streamed answers only, as vLLM)
-    decode:  kv_transfer_params.do_remote_prefill ─▶ lean_nixl.Checker ─▶ verdict counted
+    prefill: kv_transfer_params.do_remote_decode ─▶ handoff.NixlHolder.issue: blocks held
+             under a lease, kv_transfer_params answered (non-streamed answers only, as vLLM)
+             GET /_stub/nixl/<id> ─▶ handoff.NixlHolder.take (the decode's pull, once)
+    decode:  kv_transfer_params.do_remote_prefill ─▶ handoff.nixl_pull_target ─▶ pull
+             (``lean.nixl``) ─▶ handoff.judge_nixl_pull ─▶ verdict counted
              ─▶ remote words (lowercase) or a local recompute (UPPERCASE)
 
-Ids as vLLM makes them: ``cmpl-<X-Request-Id or uuid hex>``. A decode counts a verdict for
+The same rules and verdicts as the aiohttp transport's ``vllm_connectors.NixlConnector``;
+only the bytes move differently. Ids as vLLM makes them: ``cmpl-<X-Request-Id or uuid
+hex>``, the internal request id ``<response id>-0-<counter>``. A decode counts a verdict for
 every completion (``local/no_handoff`` when none came), as the aiohttp stub does.
 
-Deliberate limits: see ``lean_engine`` and ``lean_nixl``.
+Deliberate limits: see ``lean.server``.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 import uuid
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any, Final
+from urllib.parse import unquote
 
 import orjson
 
-from bench import lean_openai
-from bench.lean_client import Client, Origin
-from bench.lean_http import HttpConnection, Request
-from bench.lean_nixl import HANDSHAKE_PATH, Checker, Issuer, Peer, Verdict, local
-from bench.lean_openai import Completion
-from sidecar.stubs.openai import BadRequest
-from sidecar.stubs.textgen import PrefillKind
+from sidecar.tools.stubs import handoff
+from sidecar.tools.stubs.handoff import PullTarget, Verdict
+from sidecar.tools.stubs.lean import openai as lean_openai
+from sidecar.tools.stubs.lean.http import HttpConnection, Request
+from sidecar.tools.stubs.lean.nixl import Puller
+from sidecar.tools.stubs.lean.openai import Completion
+from sidecar.tools.stubs.openai import BadRequest
+from sidecar.tools.stubs.textgen import PrefillKind
 
 if TYPE_CHECKING:
-    from bench.lean_engine import Engine
+    from sidecar.tools.stubs.lean.server import Engine
 
 _CHOICE_EXTRA: Final = {"prompt_token_ids": None, "token_ids": None}
 _ERROR_TYPES: Final = {
     400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError",
     503: "ServiceUnavailableError",
 }
+_NO_HANDOFF: Final = handoff.local("no_handoff")
 
 
 class VllmFlavour:
@@ -45,19 +53,23 @@ class VllmFlavour:
         self.engine = engine
         self.config = engine.config
         self.prefill = self.config.role == "prefill"
-        self.issuer: Issuer | None = None
-        self.client = Client(timeout_s=self.config.pull_timeout_s)
-        self.checker = Checker(self._handshake)
+        self.holder = handoff.NixlHolder(self.config, engine.engine_id)
+        self.puller: Puller | None = None
+        self._ids = itertools.count(1)
 
     async def start(self) -> None:
-        if self.prefill:
-            cfg = self.config
-            self.issuer = Issuer(
-                self.engine.engine_id, self.engine.port, cfg.side_channel_host, cfg.block_size
-            )
+        return None
+
+    def _puller(self) -> Puller:
+        # Made on the first pull: its connection pool belongs to the running loop.
+        if self.puller is None:
+            self.puller = Puller(self.config.pull_timeout_s)
+        return self.puller
 
     async def close(self) -> None:
-        await self.client.close()
+        self.holder.clear()
+        if self.puller is not None:
+            await self.puller.close()
 
     def error_body(self, status: int, message: str) -> bytes:
         kind = _ERROR_TYPES.get(status, "BadRequestError")
@@ -66,17 +78,15 @@ class VllmFlavour:
         )
 
     def extra_route(self, request: Request, conn: HttpConnection) -> bool:
-        if request.path == HANDSHAKE_PATH and request.method == b"GET" and self.issuer:
-            conn.send(200, orjson.dumps(self.issuer.handshake()))
+        path = request.path
+        if self.prefill and request.method == b"GET" and path.startswith(handoff.NIXL_PULL_PREFIX):
+            payload = self.holder.take(unquote(path[len(handoff.NIXL_PULL_PREFIX):]))
+            if payload is None:
+                conn.send(404, b'{"error":"unknown or expired request"}')
+            else:
+                conn.send(200, orjson.dumps(payload))
             return True
         return False
-
-    async def _handshake(self, host: str, port: int) -> Peer:
-        answer = await self.client.request(Origin(host, port), b"GET", HANDSHAKE_PATH)
-        if answer.status != 200:
-            raise ValueError(f"handshake answered HTTP {answer.status}")
-        data = orjson.loads(answer.body)
-        return Peer(str(data["engine_id"]), bytes.fromhex(data["key"]))
 
     def completions(
         self, request: Request, conn: HttpConnection
@@ -97,33 +107,36 @@ class VllmFlavour:
         base = request.headers.get(b"x-request-id")
         response_id = f"cmpl-{base.decode('latin-1') if base else uuid.uuid4().hex}"
         if self.prefill:
-            if self.issuer is None:  # not started: no port to name in a hand-off yet
-                conn.send(503, self.error_body(503, "engine starting"))
-                return None
             # A prefill computes the KV a decode continues from: the "remote" words.
-            handing = bool(params and params.get("do_remote_decode"))
-            kv = self.issuer.issue(response_id, c.digest, c.prompt_tokens) if handing else None
-            kind = PrefillKind.REMOTE if handing else PrefillKind.LOCAL
+            kv = None
+            kind = PrefillKind.LOCAL
+            if handoff.wants_nixl_prefill(params):
+                internal_id = f"{response_id}-0-{next(self._ids):08x}"
+                kv = self.holder.issue(internal_id, c.digest, c.prompt_tokens, self.engine.port)
+                kind = PrefillKind.REMOTE
             self._answer(conn, c, response_id, kind, kv)
             return None
-        verdict = self.checker.check(params, c.digest, c.prompt_tokens)
-        if verdict is None:
-            verdict = local("no_handoff")
-        if isinstance(verdict, tuple):
-            self._judged(conn, c, response_id, verdict)
+        target = handoff.nixl_pull_target(params, c.prompt_tokens, cfg.block_size)
+        if target is None:
+            self._judged(conn, c, response_id, _NO_HANDOFF)
             return None
-        return self._judge_later(conn, c, response_id, verdict)
+        if isinstance(target, Verdict):
+            self._judged(conn, c, response_id, target)
+            return None
+        return self._pull_then_judge(conn, c, response_id, target)
 
-    async def _judge_later(
-        self, conn: HttpConnection, c: Completion, response_id: str,
-        pending: Coroutine[Any, Any, Verdict],
+    async def _pull_then_judge(
+        self, conn: HttpConnection, c: Completion, response_id: str, target: PullTarget
     ) -> None:
-        self._judged(conn, c, response_id, await pending)
+        pulled = await self._puller().pull(target)
+        verdict = handoff.local("pull_failed") if pulled is None else handoff.judge_nixl_pull(
+            target, pulled[0], pulled[1], c.digest
+        )
+        self._judged(conn, c, response_id, verdict)
 
     def _judged(self, conn: HttpConnection, c: Completion, response_id: str, v: Verdict) -> None:
         self.engine.count(v)
-        kind = PrefillKind.REMOTE if v[0] == "remote" else PrefillKind.LOCAL
-        self._answer(conn, c, response_id, kind, None)
+        self._answer(conn, c, response_id, v.kind, None)
 
     def _answer(
         self, conn: HttpConnection, c: Completion, response_id: str, kind: PrefillKind,
