@@ -41,20 +41,12 @@ def add_stub_arguments(parser: argparse.ArgumentParser) -> None:
     d = StubConfig()
     parser.add_argument("--engine", choices=ENGINES, default=d.engine)
     parser.add_argument("--role", choices=ROLES, default=d.role)
-    parser.add_argument(
-        "--kv-connector",
-        choices=VLLM_CONNECTORS,
-        default=d.kv_connector,
-        help="vLLM only: shfs (NIXL pull), nixl (Neuron), mooncake",
-    )
+    parser.add_argument("--kv-connector", choices=VLLM_CONNECTORS, default=d.kv_connector,
+                        help="vLLM only: shfs (NIXL pull), nixl (Neuron), mooncake")
     parser.add_argument("--host", default=d.host)
     parser.add_argument("--port", type=int, default=d.port, help="0: OS-chosen")
-    parser.add_argument(
-        "--bootstrap-port",
-        type=int,
-        default=d.bootstrap_port,
-        help="SGLang / vLLM Mooncake prefill bootstrap server port (0: OS-chosen)",
-    )
+    parser.add_argument("--bootstrap-port", type=int, default=d.bootstrap_port,
+                        help="SGLang / vLLM Mooncake prefill bootstrap server port (0: OS-chosen)")
     parser.add_argument("--model", default=d.model)
     parser.add_argument("--max-model-len", type=int, default=d.max_model_len)
     parser.add_argument("--default-max-tokens", type=int, default=d.default_max_tokens)
@@ -73,17 +65,10 @@ def add_stub_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--keepalive", type=float, default=d.keepalive_s)
     parser.add_argument("--record-limit", type=int, default=d.record_limit)
     parser.add_argument("--secret", default=d.secret)
-    parser.add_argument(
-        "--transport",
-        choices=TRANSPORTS,
-        default=d.transport,
-        help="aiohttp (every engine, faults, recording) or lean (the benchmark's cheap one)",
-    )
-    parser.add_argument(
-        "--faults-endpoint",
-        action="store_true",
-        help="serve /_stub/faults so another process can switch faults (off by default)",
-    )
+    parser.add_argument("--transport", choices=TRANSPORTS, default=d.transport,
+                        help="aiohttp (every engine, faults, recording) or lean (the bench's)")
+    parser.add_argument("--faults-endpoint", action="store_true",
+                        help="serve /_stub/faults so another process can switch faults")
     parser.add_argument(
         "--fault",
         action="append",

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -38,7 +39,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from sidecar import jsonutil
-from sidecar.tools.stubs import handoff
+from sidecar.tools.stubs import handoff, shapes
 from sidecar.tools.stubs.config import StubConfig, flavour_class
 from sidecar.tools.stubs.faults import Fault, FaultBook, FaultKind
 from sidecar.tools.stubs.openai import BadRequest
@@ -46,7 +47,10 @@ from sidecar.tools.stubs.recorder import RecordedRequest, Recorder
 from sidecar.tools.stubs.replies import Reply, json_response, send
 
 EngineHandler = Callable[[web.Request], Awaitable[Reply]]
+OpenAIHandler = Callable[..., Awaitable[Reply]]  # (request, *, kind)
 
+COMPLETIONS: Final = "/v1/completions"
+CHAT: Final = "/v1/chat/completions"
 JSON_KEY: Final = web.RequestKey("stub_json", object)
 FAULT_KEY: Final = web.RequestKey("stub_fault", object)
 _NO_JSON: Final = object()
@@ -276,6 +280,15 @@ class Stub:
 
         return handle
 
+    def add_openai_routes(
+        self, app: web.Application, generate: OpenAIHandler, models: EngineHandler
+    ) -> None:
+        """The OpenAI routes every engine serves, each through ``route``: ``generate`` gets
+        the request and its kind, ``"completion"`` or ``"chat"``."""
+        for path, kind in ((COMPLETIONS, "completion"), (CHAT, "chat")):
+            app.router.add_post(path, self.route(functools.partial(generate, kind=kind)))
+        app.router.add_get("/v1/models", self.route(models))
+
     # -- common routes -----------------------------------------------------------------
 
     def _add_common_routes(self, app: web.Application) -> None:
@@ -303,10 +316,10 @@ class Stub:
     async def _metrics(self, request: web.Request) -> web.StreamResponse:
         lines = list(self.engine.metrics())
         lines += self.recorder.tally.metric_lines()
-        lines.append("# TYPE stub_requests_total counter")
-        lines.append(f"stub_requests_total {self.recorder.total}")
-        lines.append("# TYPE stub_requests_cancelled_total counter")
-        lines.append(f"stub_requests_cancelled_total {self.recorder.cancelled}")
+        lines += shapes.metric_lines([
+            ("counter", "stub_requests_total", "", self.recorder.total),
+            ("counter", "stub_requests_cancelled_total", "", self.recorder.cancelled),
+        ])
         return web.Response(
             text="\n".join(lines) + "\n", content_type="text/plain", charset="utf-8"
         )

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, Final, TypeVar
 import aiohttp
 from aiohttp import web
 
-from sidecar.tools.stubs import handoff, openai, textgen
+from sidecar.tools.stubs import handoff, openai, shapes, textgen
 from sidecar.tools.stubs.faults import FaultKind
 from sidecar.tools.stubs.openai import BadRequest
 from sidecar.tools.stubs.replies import SSE_DONE, JsonReply, Reply, StreamReply, json_response, sse
@@ -61,11 +61,11 @@ class _Aborted(Exception):
     pass
 
 
-class _Failed(Exception):
-    def __init__(self, message: str, status: int = 500) -> None:
-        super().__init__(message)
-        self.message = message
-        self.status = status
+class _Failed(BadRequest):
+    """A rendezvous that failed: answered 500 in SGLang's words (see ``handoff.sglang_*``)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, 500)
 
 
 @dataclass
@@ -101,11 +101,9 @@ class SglangEngine:
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_post(GENERATE, self.stub.route(self._generate))
-        app.router.add_post(COMPLETIONS, self.stub.route(self._completions))
-        app.router.add_post(CHAT, self.stub.route(self._chat))
+        self.stub.add_openai_routes(app, self._openai, self._models)
         app.router.add_post("/abort_request", self._abort_request)
         app.router.add_get("/health_generate", self._health_generate)
-        app.router.add_get("/v1/models", self.stub.route(self._models))
 
     def add_bootstrap_routes(self, app: web.Application) -> None:
         app.router.add_get(ROOM_PATH, self._room_handler)
@@ -119,18 +117,13 @@ class SglangEngine:
 
     def metrics(self) -> list[str]:
         label = f'model_name="{self.config.model}"'
-        return [
-            "# TYPE sglang:num_running_reqs gauge",
-            f"sglang:num_running_reqs{{{label}}} {self.running}",
-            "# TYPE sglang:num_queue_reqs gauge",
-            f"sglang:num_queue_reqs{{{label}}} 0",
-            "# TYPE sglang:prompt_tokens_total counter",
-            f"sglang:prompt_tokens_total{{{label}}} {self.prompt_tokens}",
-            "# TYPE sglang:generation_tokens_total counter",
-            f"sglang:generation_tokens_total{{{label}}} {self.generation_tokens}",
-            "# TYPE stub_bootstrap_rooms gauge",
-            f"stub_bootstrap_rooms {len(self.rooms)}",
-        ]
+        return shapes.metric_lines([
+            ("gauge", "sglang:num_running_reqs", label, self.running),
+            ("gauge", "sglang:num_queue_reqs", label, 0),
+            ("counter", "sglang:prompt_tokens_total", label, self.prompt_tokens),
+            ("counter", "sglang:generation_tokens_total", label, self.generation_tokens),
+            ("gauge", "stub_bootstrap_rooms", "", len(self.rooms)),
+        ])
 
     def close(self) -> None:
         for event in self.aborts.values():
@@ -151,21 +144,8 @@ class SglangEngine:
 
     async def _models(self, request: web.Request) -> Reply:
         model = self.config.model
-        return JsonReply(
-            {
-                "object": "list",
-                "data": [
-                    {
-                        "id": model,
-                        "object": "model",
-                        "created": int(time.time()),
-                        "owned_by": "sglang",
-                        "root": model,
-                        "max_model_len": self.config.max_model_len,
-                    }
-                ],
-            }
-        )
+        limit = self.config.max_model_len
+        return JsonReply(shapes.models_body(model, "sglang", root=model, max_model_len=limit))
 
     async def _abort_request(self, request: web.Request) -> web.StreamResponse:
         try:
@@ -436,13 +416,7 @@ class SglangEngine:
 
     # -- OpenAI routes -------------------------------------------------------------------
 
-    async def _completions(self, request: web.Request) -> Reply:
-        return await self._openai(request, "completion")
-
-    async def _chat(self, request: web.Request) -> Reply:
-        return await self._openai(request, "chat")
-
-    async def _openai(self, request: web.Request, kind: str) -> Reply:
+    async def _openai(self, request: web.Request, *, kind: str) -> Reply:
         body = request_json(request)
         gen = openai.parse(body, kind, self.config)
         rid = self._rid(request, gen.body)

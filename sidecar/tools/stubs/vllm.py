@@ -19,13 +19,12 @@ Deliberate limits: see ``openai`` (one prompt, n=1) and ``vllm_connectors``.
 
 from __future__ import annotations
 
-import time
 import uuid
 from typing import TYPE_CHECKING, Any, Final
 
 from aiohttp import web
 
-from sidecar.tools.stubs import openai, textgen
+from sidecar.tools.stubs import openai, shapes, textgen
 from sidecar.tools.stubs.faults import FaultKind
 from sidecar.tools.stubs.handoff import Verdict
 from sidecar.tools.stubs.openai import BadRequest, GenRequest
@@ -71,9 +70,7 @@ class VllmEngine:
         self.running = 0
 
     def add_routes(self, app: web.Application) -> None:
-        app.router.add_post(COMPLETIONS, self.stub.route(self._completions))
-        app.router.add_post(CHAT, self.stub.route(self._chat))
-        app.router.add_get("/v1/models", self.stub.route(self._models))
+        self.stub.add_openai_routes(app, self._generate, self._models)
         self.connector.add_routes(app)
 
     def add_bootstrap_routes(self, app: web.Application) -> None:
@@ -86,50 +83,25 @@ class VllmEngine:
 
     def metrics(self) -> list[str]:
         label = f'model_name="{self.config.model}"'
-        return [
-            "# TYPE vllm:num_requests_running gauge",
-            f"vllm:num_requests_running{{{label}}} {self.running}",
-            "# TYPE vllm:num_requests_waiting gauge",
-            f"vllm:num_requests_waiting{{{label}}} 0",
-            "# TYPE vllm:prompt_tokens_total counter",
-            f"vllm:prompt_tokens_total{{{label}}} {self.prompt_tokens}",
-            "# TYPE vllm:generation_tokens_total counter",
-            f"vllm:generation_tokens_total{{{label}}} {self.generation_tokens}",
-            "# TYPE stub_kv_blocks_held gauge",
-            f"stub_kv_blocks_held {self.connector.held()}",
-        ]
+        return shapes.metric_lines([
+            ("gauge", "vllm:num_requests_running", label, self.running),
+            ("gauge", "vllm:num_requests_waiting", label, 0),
+            ("counter", "vllm:prompt_tokens_total", label, self.prompt_tokens),
+            ("counter", "vllm:generation_tokens_total", label, self.generation_tokens),
+            ("gauge", "stub_kv_blocks_held", "", self.connector.held()),
+        ])
 
     def close(self) -> None:
         self.connector.close()
 
     async def _models(self, request: web.Request) -> Reply:
-        created = int(time.time())
         model = self.config.model
-        return JsonReply(
-            {
-                "object": "list",
-                "data": [
-                    {
-                        "id": model,
-                        "object": "model",
-                        "created": created,
-                        "owned_by": "vllm",
-                        "root": model,
-                        "parent": None,
-                        "max_model_len": self.config.max_model_len,
-                        "permission": [],
-                    }
-                ],
-            }
-        )
+        return JsonReply(shapes.models_body(
+            model, "vllm", root=model, parent=None, max_model_len=self.config.max_model_len,
+            permission=[],
+        ))
 
-    async def _completions(self, request: web.Request) -> Reply:
-        return await self._generate(request, "completion")
-
-    async def _chat(self, request: web.Request) -> Reply:
-        return await self._generate(request, "chat")
-
-    async def _generate(self, request: web.Request, kind: str) -> Reply:
+    async def _generate(self, request: web.Request, *, kind: str) -> Reply:
         body = request_json(request)
         gen = openai.parse(body, kind, self.config)
         params = gen.body.get("kv_transfer_params")

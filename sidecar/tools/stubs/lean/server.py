@@ -24,7 +24,6 @@ request recording, completions only, vLLM NIXL (``shfs``) and SGLang only.
 from __future__ import annotations
 
 import contextlib
-import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Coroutine
@@ -33,9 +32,12 @@ from typing import Any, Final, Protocol
 
 import orjson
 
-from sidecar.tools.stubs import handoff
+from sidecar.tools.stubs import handoff, shapes
 from sidecar.tools.stubs.config import StubConfig, flavour_class
+from sidecar.tools.stubs.lean import openai as lean_openai
 from sidecar.tools.stubs.lean.http import TEXT, HttpConnection, Request, Server
+from sidecar.tools.stubs.lean.openai import Completion
+from sidecar.tools.stubs.openai import BadRequest
 
 COMPLETIONS: Final = "/v1/completions"
 
@@ -46,8 +48,10 @@ class Flavour(Protocol):
     owned_by: str
 
     def completions(
-        self, request: Request, conn: HttpConnection
-    ) -> Coroutine[Any, Any, None] | None: ...
+        self, request: Request, c: Completion, conn: HttpConnection
+    ) -> Coroutine[Any, Any, None] | None:
+        """Answer a parsed completion now, or return a coroutine that will."""
+        ...
 
     def error_body(self, status: int, message: str) -> bytes: ...
 
@@ -58,6 +62,17 @@ class Flavour(Protocol):
     async def start(self) -> None: ...
 
     async def close(self) -> None: ...
+
+
+class FlavourBase:
+    """What every lean flavour holds: its engine (the HTTP app), config and role."""
+
+    owned_by: str
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.config = engine.config
+        self.prefill = engine.config.role == "prefill"
 
 
 class Engine:
@@ -95,7 +110,7 @@ class Engine:
         await self.flavour.close()
         await self.server.close()
 
-    # -- lean_http.App ----------------------------------------------------------------
+    # -- lean.http.App ----------------------------------------------------------------
 
     def handle(self, request: Request, conn: HttpConnection) -> Coroutine[Any, Any, None] | None:
         path = request.path
@@ -104,7 +119,16 @@ class Engine:
                 conn.send(405, b'{"detail":"Method Not Allowed"}')
                 return None
             self.requests += 1
-            return self.flavour.completions(request, conn)
+            cfg = self.config
+            try:
+                completion = lean_openai.parse(
+                    request.body, default_max_tokens=cfg.default_max_tokens,
+                    max_model_len=cfg.max_model_len, model=cfg.model,
+                )
+            except BadRequest as exc:
+                conn.send(400, self.flavour.error_body(400, exc.message))
+                return None
+            return self.flavour.completions(request, completion, conn)
         if request.method == b"GET":
             if path == "/health":
                 conn.send(200, b"")
@@ -121,23 +145,16 @@ class Engine:
 
     def _models(self) -> bytes:
         model = self.config.model
-        return orjson.dumps({
-            "object": "list",
-            "data": [{
-                "id": model, "object": "model", "created": int(time.time()),
-                "owned_by": self.flavour.owned_by, "root": model, "parent": None,
-                "max_model_len": self.config.max_model_len, "permission": [],
-            }],
-        })
+        return orjson.dumps(shapes.models_body(
+            model, self.flavour.owned_by, root=model, parent=None,
+            max_model_len=self.config.max_model_len, permission=[],
+        ))
 
     def _metrics(self) -> bytes:
-        lines = self.tally.metric_lines()
-        lines += [
-            "# TYPE stub_requests_total counter",
-            f"stub_requests_total {self.requests}",
-            "# TYPE lean_connections_accepted_total counter",
-            f"lean_connections_accepted_total {self.server.accepted}",
-        ]
+        lines = self.tally.metric_lines() + shapes.metric_lines([
+            ("counter", "stub_requests_total", "", self.requests),
+            ("counter", "lean_connections_accepted_total", "", self.server.accepted),
+        ])
         return ("\n".join(lines) + "\n").encode()
 
 

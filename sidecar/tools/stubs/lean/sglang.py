@@ -31,7 +31,7 @@ from sidecar.tools.stubs.lean import openai as lean_openai
 from sidecar.tools.stubs.lean.http import HttpConnection, Request
 from sidecar.tools.stubs.lean.openai import Completion
 from sidecar.tools.stubs.lean.rooms import Board, BoardChannel, RoomClient, RoomFailed, RoomTimeout
-from sidecar.tools.stubs.openai import BadRequest
+from sidecar.tools.stubs.lean.server import FlavourBase
 from sidecar.tools.stubs.textgen import PrefillKind
 
 if TYPE_CHECKING:
@@ -40,13 +40,11 @@ if TYPE_CHECKING:
 _CHOICE_EXTRA: Final = {"matched_stop": None}
 
 
-class SglangFlavour:
+class SglangFlavour(FlavourBase):
     owned_by = "sglang"
 
     def __init__(self, engine: Engine) -> None:
-        self.engine = engine
-        self.config = engine.config
-        self.prefill = self.config.role == "prefill"
+        super().__init__(engine)
         self.board = Board()
         self.rooms = RoomClient(connect_timeout_s=self.config.pull_timeout_s)
         self._bootstrap: asyncio.AbstractServer | None = None
@@ -78,18 +76,10 @@ class SglangFlavour:
         return False
 
     def completions(
-        self, request: Request, conn: HttpConnection
+        self, request: Request, c: Completion, conn: HttpConnection
     ) -> Coroutine[Any, Any, None] | None:
-        cfg = self.config
         try:
-            c = lean_openai.parse(
-                request.body, default_max_tokens=cfg.default_max_tokens,
-                max_model_len=cfg.max_model_len, model=cfg.model,
-            )
             room = handoff.sglang_room(c.body)
-        except BadRequest as exc:
-            conn.send(400, self.error_body(400, exc.message))
-            return None
         except ValueError as exc:
             conn.send(400, self.error_body(400, str(exc)))
             return None

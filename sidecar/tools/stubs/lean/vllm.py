@@ -32,7 +32,7 @@ from sidecar.tools.stubs.lean import openai as lean_openai
 from sidecar.tools.stubs.lean.http import HttpConnection, Request
 from sidecar.tools.stubs.lean.nixl import Puller
 from sidecar.tools.stubs.lean.openai import Completion
-from sidecar.tools.stubs.openai import BadRequest
+from sidecar.tools.stubs.lean.server import FlavourBase
 from sidecar.tools.stubs.textgen import PrefillKind
 
 if TYPE_CHECKING:
@@ -46,13 +46,11 @@ _ERROR_TYPES: Final = {
 _NO_HANDOFF: Final = handoff.local("no_handoff")
 
 
-class VllmFlavour:
+class VllmFlavour(FlavourBase):
     owned_by = "vllm"
 
     def __init__(self, engine: Engine) -> None:
-        self.engine = engine
-        self.config = engine.config
-        self.prefill = self.config.role == "prefill"
+        super().__init__(engine)
         self.holder = handoff.NixlHolder(self.config, engine.engine_id)
         self.puller: Puller | None = None
         self._ids = itertools.count(1)
@@ -89,17 +87,8 @@ class VllmFlavour:
         return False
 
     def completions(
-        self, request: Request, conn: HttpConnection
+        self, request: Request, c: Completion, conn: HttpConnection
     ) -> Coroutine[Any, Any, None] | None:
-        cfg = self.config
-        try:
-            c = lean_openai.parse(
-                request.body, default_max_tokens=cfg.default_max_tokens,
-                max_model_len=cfg.max_model_len, model=cfg.model,
-            )
-        except BadRequest as exc:
-            conn.send(400, self.error_body(400, exc.message))
-            return None
         params = c.body.get("kv_transfer_params")
         if params is not None and not isinstance(params, dict):
             conn.send(400, self.error_body(400, "kv_transfer_params must be an object or null"))
@@ -116,7 +105,7 @@ class VllmFlavour:
                 kind = PrefillKind.REMOTE
             self._answer(conn, c, response_id, kind, kv)
             return None
-        target = handoff.nixl_pull_target(params, c.prompt_tokens, cfg.block_size)
+        target = handoff.nixl_pull_target(params, c.prompt_tokens, self.config.block_size)
         if target is None:
             self._judged(conn, c, response_id, _NO_HANDOFF)
             return None
