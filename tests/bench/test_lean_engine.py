@@ -21,6 +21,7 @@ from typing import Any
 
 import orjson
 import pytest
+from protocol_builders import nixl_prefill_skeleton
 
 from bench.lean_client import Client, Origin
 from sidecar.tools.stubs import textgen
@@ -57,7 +58,7 @@ def text_of(answer: Any) -> str:
 
 async def prefill_params(client: Client, prefill: Engine, prompt: str = PROMPT) -> dict[str, Any]:
     body = {"prompt": prompt, "max_tokens": 1, "stream": False,
-            "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False}}
+            "kv_transfer_params": nixl_prefill_skeleton()}
     answer = await post(client, prefill, body)
     params: dict[str, Any] = orjson.loads(answer.body)["kv_transfer_params"]
     return params

@@ -26,10 +26,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import aiohttp
-import openai_bodies
+import openai_builders
 import pytest
 from multidict import CIMultiDict
-from sidecar_harness import RunningSidecar, running_sidecar
+from sidecar_builders import RunningSidecar, running_sidecar
 
 from sidecar.protocol.context import Route
 from sidecar.tools.stubs.config import StubConfig
@@ -66,7 +66,7 @@ def engine_param(engine: str, connector: str, *rest: Any) -> Any:
 
 def client_body(route: Route = Route.COMPLETIONS, *, stream: bool = False,
                 max_tokens: int = 6, **extra: Any) -> dict[str, Any]:
-    return openai_bodies.client_body(route, stream=stream, max_tokens=max_tokens, prompt=PROMPT,
+    return openai_builders.client_body(route, stream=stream, max_tokens=max_tokens, prompt=PROMPT,
                                      **extra)
 
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hypothesis import HealthCheck, settings
-from sidecar_harness import running_sidecar
+from sidecar_builders import running_sidecar
 
 from sidecar.tools.stubs.config import StubConfig
 from sidecar.tools.stubs.server import run_stub

@@ -110,7 +110,7 @@ async def test_metrics_are_labelled_grpc() -> None:
 
 async def test_serve_runs_the_grpc_front_door_next_to_http() -> None:
     from grpc_builders import expected_tokens
-    from sidecar_harness import running_sidecar
+    from sidecar_builders import running_sidecar
 
     from sidecar.tools.route import route
 

@@ -15,8 +15,8 @@ from typing import Any
 
 import aiohttp
 from multidict import CIMultiDict
-from openai_bodies import client_body
-from sidecar_harness import RunningSidecar, running_sidecar
+from openai_builders import client_body
+from sidecar_builders import RunningSidecar, running_sidecar
 
 from sidecar.protocol.context import Route
 from sidecar.tools.stubs.config import StubConfig

@@ -25,8 +25,8 @@ from typing import Any
 import aiohttp
 import pytest
 from multidict import CIMultiDict
-from sidecar_harness import RunningSidecar, running_sidecar
-from ssrf_kit import fake_names, redirecting_engine, trap
+from sidecar_builders import RunningSidecar, running_sidecar
+from ssrf_builders import fake_names, redirecting_engine, trap
 
 from sidecar.tools.stubs.config import StubConfig
 from sidecar.tools.stubs.server import Stub, run_stub

@@ -17,7 +17,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from stub_helpers import NIXL_PREFILL_PARAMS, completion, sse_events
+from stub_builders import NIXL_PREFILL_PARAMS, completion, sse_events
 
 from sidecar.tools.stubs import Fault, FaultKind, Stub, StubConfig, run_stub
 

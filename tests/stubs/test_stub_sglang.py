@@ -14,7 +14,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from stub_helpers import completion, sse_events
+from stub_builders import completion, sse_events
 
 from sidecar.tools.stubs import Stub, is_local_text, is_remote_text, run_stub
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from stub_helpers import chat, completion, sse_events
+from stub_builders import chat, completion, sse_events
 
 from sidecar.tools.stubs import is_local_text, is_remote_text, run_stub
 
