@@ -29,7 +29,7 @@ import aiohttp
 import openai_builders
 import pytest
 from multidict import CIMultiDict
-from sidecar_builders import RunningSidecar, running_sidecar
+from sidecar_builders import RunningSidecar, decode_sidecar_settings, running_sidecar
 
 from sidecar.protocol.context import Route
 from sidecar.tools.stubs.config import StubConfig
@@ -229,20 +229,9 @@ def faults(*items: dict[str, Any]) -> tuple[Fault, ...]:
                        **{k: v for k, v in item.items() if k != "kind"}) for item in items)
 
 
-def sidecar_settings_for(engine: str, connector: str, prefill: Stub, decode: Stub,
-                         **overrides: Any) -> dict[str, Any]:
-    settings: dict[str, Any] = {
-        "engine": engine,
-        "kv_connector": connector,
-        "engine_url": decode.url,
-        "prefill_allowlist": (f"127.0.0.1:{prefill.port}",),
-        "grpc_enabled": False,
-    }
-    if prefill.bootstrap_port:
-        settings["sglang_bootstrap_port"] = prefill.bootstrap_port
-        settings["mooncake_bootstrap_port"] = prefill.bootstrap_port
-    settings.update(overrides)
-    return settings
+# The one builder of a decode sidecar's settings (sidecar_builders), under the name these
+# suites use.
+sidecar_settings_for = decode_sidecar_settings
 
 
 @contextlib.asynccontextmanager
