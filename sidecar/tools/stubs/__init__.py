@@ -12,10 +12,18 @@ Command line: ``python -m sidecar.tools.stubs --engine vllm --role prefill --por
 (``add_stub_arguments`` / ``run_stub_command`` let the sidecar expose it as
 ``disagg-sidecar stub-engine``).
 
-Module map: ``config`` (StubConfig), ``server`` (Stub, run_stub, control endpoints),
-``openai`` (request parsing, response shapes), ``replies`` (wire writing + faults),
-``vllm`` + ``vllm_connectors`` (NIXL pull, Neuron, Mooncake), ``sglang`` (bootstrap
-rendezvous, abort), ``trtllm`` (context_only / generation_only), ``cli``.
+One behaviour, two transports: ``config`` (StubConfig, the engine dispatch) and ``handoff``
+(identity, verdicts and their metric, the NIXL and SGLang hand-off rules), ``shapes``
+(models body, metric lines) and ``textgen`` are transport-free; the aiohttp transport (this
+package's ``server``, ``replies``, ``faults``, ``recorder`` and the flavours below) serves
+every engine with fault switches and recording, for the test suites; ``lean`` serves vLLM
+NIXL and SGLang completions at ~20 us of CPU a request, for the benchmark
+(``--transport lean``).
+
+Module map: ``server`` (Stub, run_stub, control endpoints; ``/_stub/faults`` only with
+``control_faults``), ``openai`` (request parsing, response shapes), ``replies`` (wire writing
++ faults), ``vllm`` + ``vllm_connectors`` (NIXL pull, Neuron, Mooncake), ``sglang``
+(bootstrap rendezvous, abort), ``trtllm`` (context_only / generation_only), ``cli``.
 """
 
 from sidecar.tools.stubs.config import StubConfig
