@@ -29,15 +29,18 @@ from bench import procs
 from bench.flows import PROMPT
 from bench.lean_client import Client, Origin
 
-_MODULES = {"lean": ["bench.lean_engine"], "aiohttp": ["sidecar.stubs", "--record-limit", "0"]}
+_ARGS = {
+    "lean": ["--transport", "lean"],
+    "aiohttp": ["--transport", "aiohttp", "--record-limit", "0"],
+}
 
 
 def start(stubs: str) -> tuple[subprocess.Popen[bytes], int]:
     """The stub, pinned to core 0; returns it and its port."""
-    module, *extra = _MODULES[stubs]
+    extra = _ARGS[stubs]
     pin = ["taskset", "-c", "0"] if shutil.which("taskset") else []
     popen = subprocess.Popen(
-        [*pin, sys.executable, "-m", module, "--engine", "vllm", "--role", "decode",
+        [*pin, sys.executable, "-m", "sidecar.tools.stubs", "--engine", "vllm", "--role", "decode",
          "--port", "0", *extra],
         stdout=subprocess.PIPE, env=procs.child_env(), cwd=procs.REPO_ROOT,
     )

@@ -1,7 +1,7 @@
 """The benchmark's processes: stub engines and the sidecar, each its own OS process.
 
-    start_stub(...)    ─▶ python -m bench.lean_engine ...  (lean, the default) or
-                          python -m sidecar.stubs ...       (aiohttp); reads its "listening" line
+    start_stub(...)    ─▶ python -m sidecar.tools.stubs --transport lean|aiohttp ...
+                          (lean, the default); reads its "listening" line
     start_sidecar(...) ─▶ python -m bench.sidecar_proc ... (reads its --ports-file)
     cpu_seconds(pid)   ─▶ user + system CPU of that process, from /proc
 
@@ -78,17 +78,17 @@ def start_stub(
     name: str, engine: str, role: str, kv_connector: str, *extra: str, log_dir: Path,
     kind: str = "lean",
 ) -> Proc:
-    """A stub engine in zero-latency mode: ``lean`` (``bench.lean_engine``: vLLM NIXL and
-    SGLang) or ``aiohttp`` (``sidecar.stubs``, recording nothing: ``--record-limit 0``)."""
+    """A stub engine in zero-latency mode, on the ``lean`` transport (vLLM NIXL and SGLang)
+    or the ``aiohttp`` one (recording nothing: ``--record-limit 0``); ``sidecar.tools.stubs``."""
     common = [
         "--engine", engine, "--role", role, "--kv-connector", kv_connector,
         "--host", "127.0.0.1", "--port", "0", "--bootstrap-port", "0",
     ]
     if kind == "lean":
-        args = [sys.executable, "-m", "bench.lean_engine", *common, *extra]
+        args = [sys.executable, "-m", "sidecar.tools.stubs", "--transport", "lean", *common, *extra]
     elif kind == "aiohttp":
         args = [
-            sys.executable, "-m", "sidecar.stubs", *common,
+            sys.executable, "-m", "sidecar.tools.stubs", "--transport", "aiohttp", *common,
             "--record-limit", "0", "--ttft", "0", "--itl", "0", *extra,
         ]
     else:

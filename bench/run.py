@@ -18,10 +18,10 @@ and the sidecar process's CPU (``/proc/<pid>/stat``) per request and per relayed
 The load generator is this process; it shares the machine's cores with the stubs and the
 sidecar, and the JSON records every process's CPU so a reader can see who used them.
 
-The stubs are the lean bench engine (``bench.lean_engine``) and the load generator's client
-the lean one (``bench.lean_client``) unless ``--stubs aiohttp`` / ``--client aiohttp`` ask for
-the aiohttp ones the bench used before (``sidecar.stubs``; for comparison, and for the vLLM
-Mooncake concurrent flow, which only they serve).
+The stubs run on the lean transport (``sidecar.tools.stubs --transport lean``) and the load
+generator's client is the lean one (``bench.lean_client``) unless ``--stubs aiohttp`` /
+``--client aiohttp`` ask for the aiohttp ones the bench used before (for comparison, and for
+the vLLM Mooncake concurrent flow, which only the aiohttp transport serves).
 
 Deliberate limits: loopback only, stubs in zero-latency mode (``--ttft 0 --itl 0``, no
 request recording), so the figures are the software's cost, not an engine's.
@@ -105,7 +105,7 @@ class Stack:
 
 def sglang_stub_available() -> bool:
     with contextlib.suppress(ImportError):
-        return importlib.util.find_spec("sidecar.stubs.sglang") is not None
+        return importlib.util.find_spec("sidecar.tools.stubs.sglang") is not None
     return False
 
 
@@ -265,7 +265,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seconds", type=float, help="measured seconds per closed-loop phase")
     parser.add_argument("--concurrency", help="comma-separated closed-loop concurrencies")
     parser.add_argument("--stubs", choices=procs.STUBS, default="lean",
-                        help="stub engines: lean (bench.lean_engine) or aiohttp (sidecar.stubs)")
+                        help="stub engines' transport (sidecar.tools.stubs): lean or aiohttp")
     parser.add_argument("--client", choices=http_clients.CLIENTS, default="lean",
                         help="the load generator's HTTP client: lean or aiohttp")
     parser.add_argument("--max-connections", type=int, default=1024,

@@ -158,7 +158,7 @@ async def drive(args: argparse.Namespace, sidecar: procs.Proc, target: str) -> d
 def stack(args: argparse.Namespace, log_dir: Path) -> Iterator[tuple[procs.Proc, str]]:
     started: list[procs.Proc] = []
     try:
-        # The reference stubs (sidecar.stubs): the soak sends chat and completions, streamed
+        # The reference stubs (sidecar.tools.stubs): the soak sends chat and completions, streamed
         # and JSON, on every engine; the bench's lean engine serves completions only.
         prefill = procs.start_stub("soak-prefill", args.engine, "prefill", args.connector,
                                    log_dir=log_dir, kind="aiohttp")

@@ -60,20 +60,20 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from sidecar.demo import run_demo
+    from sidecar.tools.demo import run_demo
 
     return run_async(run_demo(args))
 
 
 def _stub(args: argparse.Namespace) -> int:
-    from sidecar.stubs.cli import run_stub_command
+    from sidecar.tools.stubs.cli import run_stub_command
 
     configure_logging("info", "text")
     return run_async(run_stub_command(args))
 
 
 def _route(args: argparse.Namespace) -> int:
-    from sidecar.grpc_server.router_cli import run_route_command
+    from sidecar.tools.route import run_route_command
 
     return run_async(run_route_command(args))
 
@@ -97,19 +97,19 @@ def build_parser() -> argparse.ArgumentParser:
     demo = commands.add_parser(
         "demo", help="run stub engines and the sidecar on loopback, send one PD request, exit"
     )
-    from sidecar.demo import add_demo_arguments
+    from sidecar.tools.demo import add_demo_arguments
 
     add_demo_arguments(demo)
     demo.set_defaults(run=_demo)
 
     stub = commands.add_parser("stub-engine", help="run a stub engine (for tests and demos)")
-    from sidecar.stubs.cli import add_stub_arguments
+    from sidecar.tools.stubs.cli import add_stub_arguments
 
     add_stub_arguments(stub)
     stub.set_defaults(run=_stub)
 
     # grpcio is a hard dependency: a broken install fails here, loudly, not without a word.
-    from sidecar.grpc_server.router_cli import add_route_arguments
+    from sidecar.tools.route import add_route_arguments
 
     route = commands.add_parser(
         "route", help="gRPC router client: Prefill on one sidecar, Decode on another"

@@ -1,4 +1,9 @@
-"""Builders shared by the engine-handler and KV-agent tests: contexts, fixed id sources, bodies."""
+"""Builders shared by the engine-handler and KV-agent tests: contexts, fixed id sources, bodies.
+
+``nixl_prefill_skeleton()`` is the one copy, for every suite, of the ``kv_transfer_params`` a
+vLLM NixlConnector prefill leg carries (contracts.md): the golden tests compare against it,
+the stub and real-engine tests send it.
+"""
 
 from __future__ import annotations
 
@@ -62,3 +67,15 @@ def chat_body(**extra: Any) -> dict[str, Any]:
     }
     body.update(extra)
     return body
+
+
+def nixl_prefill_skeleton() -> dict[str, Any]:
+    """The NIXL (``shfs``) prefill leg's ``kv_transfer_params``: exactly these six keys."""
+    return {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}

@@ -26,7 +26,7 @@ def _run(blocked: str, code: str) -> subprocess.CompletedProcess[str]:
     [
         ("sidecar.grpc_server.server", "import sidecar.serve"),
         ("grpc", "import sidecar.serve"),
-        ("sidecar.grpc_server.router_cli",
+        ("sidecar.tools.route",
          "from sidecar.__main__ import build_parser; build_parser()"),
     ],
 )

@@ -11,7 +11,7 @@ renumber, rename or retype a field; add nothing that changes the wire.
 How the sidecar uses KVBlock (control blocks with layer_idx < 0, data blocks with
 layer_idx >= 0) is documented in README.md next to this file.
 
-Regenerate the Python code after any change: python -m sidecar.grpc_gen.regen
+Regenerate the Python code after any change: python -m sidecar.tools.grpc_regen
 """
 
 from collections import abc as _abc

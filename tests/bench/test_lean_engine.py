@@ -21,10 +21,12 @@ from typing import Any
 
 import orjson
 import pytest
+from protocol_builders import nixl_prefill_skeleton
 
 from bench.lean_client import Client, Origin
-from bench.lean_engine import Engine, run_engine
-from sidecar.stubs import textgen
+from sidecar.tools.stubs import textgen
+from sidecar.tools.stubs.lean.server import Engine
+from sidecar.tools.stubs.lean.server import run_lean as run_engine
 
 PROMPT = "The quick brown fox jumps over the lazy dog."
 NIXL_KEYS = [
@@ -56,7 +58,7 @@ def text_of(answer: Any) -> str:
 
 async def prefill_params(client: Client, prefill: Engine, prompt: str = PROMPT) -> dict[str, Any]:
     body = {"prompt": prompt, "max_tokens": 1, "stream": False,
-            "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False}}
+            "kv_transfer_params": nixl_prefill_skeleton()}
     answer = await post(client, prefill, body)
     params: dict[str, Any] = orjson.loads(answer.body)["kv_transfer_params"]
     return params

@@ -11,7 +11,7 @@ without the header and checks the decode engine then computed the prompt itself,
 off the sidecar's allowlist is refused with 403. Exit status 0 on success, 1 with a message
 otherwise. Standard library only, so it runs with any host Python.
 
-The stub engines' text says where the prompt's KV came from (sidecar/stubs/textgen.py):
+The stub engines' text says where the prompt's KV came from (sidecar/tools/stubs/textgen.py):
 lowercase words after a valid hand-off from a prefill engine, UPPERCASE words when the decode
 engine prefilled locally. So the text alone tells a real PD flow from a silent fallback.
 

@@ -8,7 +8,13 @@ formats are proven in tests/kv_agents.
 from __future__ import annotations
 
 import pytest
-from protocol_builders import chat_body, completions_body, make_ctx, make_ids
+from protocol_builders import (
+    chat_body,
+    completions_body,
+    make_ctx,
+    make_ids,
+    nixl_prefill_skeleton,
+)
 
 from sidecar.engines.vllm import VLLMHandler
 from sidecar.errors import SidecarError
@@ -34,14 +40,7 @@ def test_golden_nixl_pull_through_handler(route: Route) -> None:
     ctx = HANDLER.bind(agent).assign_ids(make_ctx(route, host="10.0.0.9"), make_ids())
     client = completions_body() if route is Route.COMPLETIONS else chat_body()
     prefill = HANDLER.bind(agent).prefill_body(client, ctx)
-    assert prefill["kv_transfer_params"] == {
-        "do_remote_decode": True,
-        "do_remote_prefill": False,
-        "remote_engine_id": None,
-        "remote_block_ids": None,
-        "remote_host": None,
-        "remote_port": None,
-    }
+    assert prefill["kv_transfer_params"] == nixl_prefill_skeleton()
     params = {
         "do_remote_prefill": True,
         "do_remote_decode": False,

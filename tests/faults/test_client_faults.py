@@ -20,7 +20,16 @@ from typing import Any
 
 import aiohttp
 import pytest
-from fault_kit import PAIRS, Rig, client_body, engine_param, eventually, faults, read_reply, rig
+from fault_builders import (
+    PAIRS,
+    Rig,
+    client_body,
+    engine_param,
+    eventually,
+    faults,
+    read_reply,
+    rig,
+)
 
 from sidecar import jsonutil
 from sidecar.engines.sglang import ABORT_PATH

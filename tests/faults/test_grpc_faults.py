@@ -26,11 +26,19 @@ from typing import Any
 
 import grpc
 import pytest
-from fault_kit import CONCURRENT, PAIRS, engine_param, eventually, faults, started_stub, stub_config
-from sidecar_harness import RunningSidecar, running_sidecar
+from fault_builders import (
+    CONCURRENT,
+    PAIRS,
+    engine_param,
+    eventually,
+    faults,
+    started_stub,
+    stub_config,
+)
+from sidecar_builders import RunningSidecar, running_sidecar
 
 from sidecar.grpc_gen import disagg_pb2, disagg_pb2_grpc
-from sidecar.stubs.server import Stub
+from sidecar.tools.stubs.server import Stub
 
 PROMPT_IDS = [72, 101, 108, 108, 111, 44, 32, 100, 105, 115]
 OPTIONS = [("grpc.enable_http_proxy", 0)]

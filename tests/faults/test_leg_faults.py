@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from fault_kit import PAIRS, SEQUENTIAL, engine_param, faults, rig
+from fault_builders import PAIRS, SEQUENTIAL, engine_param, faults, rig
 
 from sidecar.protocol.context import Route
 

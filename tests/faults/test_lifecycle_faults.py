@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 
 import pytest
-from fault_kit import PAIRS, engine_param, rig
+from fault_builders import PAIRS, engine_param, rig
 
 from sidecar.protocol.context import Route
 

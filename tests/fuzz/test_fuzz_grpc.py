@@ -18,7 +18,7 @@ from typing import Any
 
 import grpc
 import pytest
-from fuzz_kit import E2E_TIMEOUT_S, FUZZ, FUZZ_E2E, BackgroundSidecar, background_sidecar
+from fuzz_builders import E2E_TIMEOUT_S, FUZZ, FUZZ_E2E, BackgroundSidecar, background_sidecar
 from hypothesis import given
 from hypothesis import strategies as st
 

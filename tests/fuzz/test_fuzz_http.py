@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from fuzz_kit import E2E_TIMEOUT_S, FUZZ_E2E, BackgroundSidecar, background_sidecar
+from fuzz_builders import E2E_TIMEOUT_S, FUZZ_E2E, BackgroundSidecar, background_sidecar
 from hypothesis import given
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import uvloop
-from fuzz_kit import FUZZ
+from fuzz_builders import FUZZ
 from hypothesis import given
 from hypothesis import strategies as st
 

@@ -16,7 +16,7 @@ import json
 import string
 from typing import Any
 
-from fuzz_kit import FUZZ
+from fuzz_builders import FUZZ
 from hypothesis import given
 from hypothesis import strategies as st
 

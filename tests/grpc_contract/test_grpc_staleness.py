@@ -1,4 +1,4 @@
-"""The committed generated code is exactly what ``python -m sidecar.grpc_gen.regen`` writes.
+"""The committed generated code is exactly what ``python -m sidecar.tools.grpc_regen`` writes.
 
 Proves: regenerating protos/disagg.proto into a temporary directory with this venv's
 grpcio-tools and mypy-protobuf gives byte-identical files; the gRPC modules import the messages
@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from sidecar.grpc_gen import regen
+from sidecar.tools import grpc_regen as regen
 
-REGEN_HINT = "run python -m sidecar.grpc_gen.regen"
+REGEN_HINT = "run python -m sidecar.tools.grpc_regen"
 
 
 def test_committed_generated_code_is_fresh() -> None:

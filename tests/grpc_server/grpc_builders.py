@@ -17,14 +17,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from sidecar_builders import engine_settings, stub_pair
 
 from sidecar.grpc_gen import disagg_pb2, disagg_pb2_grpc
 from sidecar.grpc_server.server import start_grpc_server
 from sidecar.runtime import Runtime, open_runtime
 from sidecar.settings import Settings
-from sidecar.stubs.config import StubConfig
-from sidecar.stubs.server import Stub, run_stub
-from sidecar.stubs.textgen import PrefillKind, generate, prompt_digest
+from sidecar.tools.stubs.server import Stub
+from sidecar.tools.stubs.textgen import PrefillKind, generate, prompt_digest
 
 #: Every engine/connector pair the sidecar supports (the connector is ignored off vLLM).
 PAIRS: list[tuple[str, str]] = [
@@ -115,16 +115,11 @@ async def grpc_pd(
     decode_sidecar: dict[str, Any] | None = None,
 ) -> AsyncIterator[GrpcPD]:
     """Two stub engines, each with its own sidecar: prefill role and decode role."""
-    async with (
-        run_stub(StubConfig(engine=engine, role="prefill", kv_connector=connector,
-                            **(prefill_stub or {}))) as p_stub,
-        run_stub(StubConfig(engine=engine, role="decode", kv_connector=connector,
-                            **(decode_stub or {}))) as d_stub,
+    async with stub_pair(engine, connector, prefill=prefill_stub, decode=decode_stub) as (
+        p_stub,
+        d_stub,
     ):
-        common: dict[str, Any] = {"engine": engine, "kv_connector": connector}
-        if p_stub.bootstrap_port:
-            common["sglang_bootstrap_port"] = p_stub.bootstrap_port
-            common["mooncake_bootstrap_port"] = p_stub.bootstrap_port
+        common = engine_settings(engine, connector, p_stub)
         async with (
             grpc_sidecar(p_stub.url, role="prefill", **common,
                          **(prefill_sidecar or {})) as p_side,

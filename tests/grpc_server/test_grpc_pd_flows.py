@@ -26,8 +26,8 @@ from grpc_builders import (
     prefill_blocks,
 )
 
-from sidecar.grpc_server.router_cli import route
 from sidecar.kv_wire.handoff import decode_handoff
+from sidecar.tools.route import route
 
 MAX_NEW_TOKENS = 6
 

@@ -14,7 +14,7 @@ import pytest
 from grpc_builders import PROMPT_IDS, expected_tokens, grpc_pd
 
 from sidecar.__main__ import build_parser
-from sidecar.grpc_server.router_cli import run_route_command
+from sidecar.tools.route import run_route_command
 
 
 def _args(prefill: str, decode: str, *extra: str) -> list[str]:

@@ -18,8 +18,8 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from sidecar.grpc_gen import disagg_pb2, disagg_pb2_grpc
 from sidecar.grpc_server.server import DECODE_SERVICE, PREFILL_SERVICE
-from sidecar.stubs.faults import Fault, FaultKind
-from sidecar.stubs.server import run_stub
+from sidecar.tools.stubs.faults import Fault, FaultKind
+from sidecar.tools.stubs.server import run_stub
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -110,9 +110,9 @@ async def test_metrics_are_labelled_grpc() -> None:
 
 async def test_serve_runs_the_grpc_front_door_next_to_http() -> None:
     from grpc_builders import expected_tokens
-    from sidecar_harness import running_sidecar
+    from sidecar_builders import running_sidecar
 
-    from sidecar.grpc_server.router_cli import route
+    from sidecar.tools.route import route
 
     async with (
         run_stub(engine="vllm", role="prefill") as p_stub,

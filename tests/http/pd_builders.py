@@ -15,12 +15,11 @@ from typing import Any
 
 import aiohttp
 from multidict import CIMultiDict
-from openai_bodies import client_body
-from sidecar_harness import RunningSidecar, running_sidecar
+from openai_builders import client_body
+from sidecar_builders import RunningSidecar, decode_sidecar_settings, running_sidecar, stub_pair
 
 from sidecar.protocol.context import Route
-from sidecar.stubs.config import StubConfig
-from sidecar.stubs.server import Stub, run_stub
+from sidecar.tools.stubs.server import Stub
 
 #: Every engine/connector pair the sidecar supports.
 PAIRS: list[tuple[str, str]] = [
@@ -74,23 +73,10 @@ async def pd_pair(
     decode_overrides: dict[str, Any] | None = None,
     **sidecar_overrides: Any,
 ) -> AsyncIterator[PDPair]:
-    async with (
-        run_stub(StubConfig(engine=engine, role="prefill", kv_connector=connector,
-                            **(prefill_overrides or {}))) as prefill,
-        run_stub(StubConfig(engine=engine, role="decode", kv_connector=connector,
-                            **(decode_overrides or {}))) as decode,
-    ):
-        settings: dict[str, Any] = {
-            "engine": engine,
-            "kv_connector": connector,
-            "engine_url": decode.url,
-            "prefill_allowlist": (f"127.0.0.1:{prefill.port}",),
-            "grpc_enabled": False,
-        }
-        if prefill.bootstrap_port:
-            settings["sglang_bootstrap_port"] = prefill.bootstrap_port
-            settings["mooncake_bootstrap_port"] = prefill.bootstrap_port
-        settings.update(sidecar_overrides)
+    async with stub_pair(
+        engine, connector, prefill=prefill_overrides, decode=decode_overrides
+    ) as (prefill, decode):
+        settings = decode_sidecar_settings(engine, connector, prefill, decode, **sidecar_overrides)
         async with running_sidecar(**settings) as sidecar:
             yield PDPair(engine, connector, prefill, decode, sidecar)
 

@@ -15,9 +15,10 @@ from typing import Any
 
 import pytest
 from pd_builders import PAIRS, client_body, json_text, pd_pair, sse_events, streamed_text
+from protocol_builders import nixl_prefill_skeleton
 
 from sidecar.protocol.context import Route
-from sidecar.stubs.textgen import is_remote_text
+from sidecar.tools.stubs.textgen import is_remote_text
 
 
 def _check_prefill_leg(engine: str, connector: str, seen: dict[str, Any], pair: Any) -> None:
@@ -25,14 +26,7 @@ def _check_prefill_leg(engine: str, connector: str, seen: dict[str, Any], pair: 
     assert seen["stream"] is False
     assert "stream_options" not in seen
     if engine == "vllm" and connector == "shfs":
-        assert seen["kv_transfer_params"] == {
-            "do_remote_decode": True,
-            "do_remote_prefill": False,
-            "remote_engine_id": None,
-            "remote_block_ids": None,
-            "remote_host": None,
-            "remote_port": None,
-        }
+        assert seen["kv_transfer_params"] == nixl_prefill_skeleton()
     elif engine == "vllm" and connector == "nixl":
         assert "kv_transfer_params" not in seen
     elif engine == "vllm" and connector == "mooncake":

@@ -13,7 +13,13 @@ import copy
 from typing import Any
 
 import pytest
-from protocol_builders import chat_body, completions_body, make_ctx, make_ids
+from protocol_builders import (
+    chat_body,
+    completions_body,
+    make_ctx,
+    make_ids,
+    nixl_prefill_skeleton,
+)
 
 from sidecar.engines.vllm import VLLMHandler
 from sidecar.errors import InvalidHandoff
@@ -59,16 +65,7 @@ def test_flags() -> None:
 
 
 def test_golden_prefill_skeleton_exactly_six_keys() -> None:
-    assert AGENT.prefill_fields(make_ctx()) == {
-        "kv_transfer_params": {
-            "do_remote_decode": True,
-            "do_remote_prefill": False,
-            "remote_engine_id": None,
-            "remote_block_ids": None,
-            "remote_host": None,
-            "remote_port": None,
-        }
-    }
+    assert AGENT.prefill_fields(make_ctx()) == {"kv_transfer_params": nixl_prefill_skeleton()}
 
 
 def test_each_prefill_gets_a_fresh_skeleton() -> None:

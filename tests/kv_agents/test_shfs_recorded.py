@@ -22,7 +22,7 @@ from sidecar.engines import resolve_engine
 from sidecar.ids import IdSources, RoomAllocator, SnowflakeIds
 from sidecar.kv_agents import resolve_agent
 from sidecar.protocol.context import HandoffContext, PrefillTarget, Route
-from sidecar.stubs import StubConfig, run_stub
+from sidecar.tools.stubs import StubConfig, run_stub
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm" / "0.32.0"
 RECORDED = sorted(FIXTURES.glob("nixl_*.json"))

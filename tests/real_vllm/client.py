@@ -17,15 +17,9 @@ import urllib.error
 import urllib.request
 from typing import Any
 
+from protocol_builders import nixl_prefill_skeleton
+
 TIMEOUT_S = 60.0
-NIXL_PREFILL_PARAMS: dict[str, Any] = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
 
 
 class EngineHTTPError(RuntimeError):
@@ -128,7 +122,7 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     out.pop("min_tokens", None)
     out["stream"] = False
     out.pop("stream_options", None)
-    out["kv_transfer_params"] = dict(NIXL_PREFILL_PARAMS)
+    out["kv_transfer_params"] = nixl_prefill_skeleton()
     return out
 
 

@@ -202,8 +202,8 @@ class FakeKubernetesSource(FakeSource):
 
 
 async def test_kubernetes_mode_in_a_running_sidecar(monkeypatch: pytest.MonkeyPatch) -> None:
-    from sidecar_harness import running_sidecar
-    from ssrf_kit import trap
+    from sidecar_builders import running_sidecar
+    from ssrf_builders import trap
     from test_ssrf import engines, post
 
     import sidecar.k8s_allowlist as k8s

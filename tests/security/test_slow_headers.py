@@ -25,8 +25,8 @@ from collections.abc import AsyncIterator
 
 import aiohttp
 import psutil
-from sidecar_harness import RunningSidecar, running_sidecar
-from tls_kit import engine_stub
+from sidecar_builders import RunningSidecar, running_sidecar
+from tls_builders import engine_stub
 
 SLOW_CLIENTS = 64
 PARTIAL_HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: sidecar\r\nContent-Type: applic"

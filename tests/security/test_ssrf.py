@@ -25,11 +25,11 @@ from typing import Any
 import aiohttp
 import pytest
 from multidict import CIMultiDict
-from sidecar_harness import RunningSidecar, running_sidecar
-from ssrf_kit import fake_names, redirecting_engine, trap
+from sidecar_builders import RunningSidecar, running_sidecar
+from ssrf_builders import fake_names, redirecting_engine, trap
 
-from sidecar.stubs.config import StubConfig
-from sidecar.stubs.server import Stub, run_stub
+from sidecar.tools.stubs.config import StubConfig
+from sidecar.tools.stubs.server import Stub, run_stub
 
 BODY = {"model": "stub-model", "prompt": "Where does this prompt go?", "max_tokens": 4}
 PROXY_VARS = ("HTTP_PROXY", "http_proxy", "HTTPS_PROXY", "https_proxy", "ALL_PROXY",

@@ -32,7 +32,7 @@ import grpc
 import pytest
 from aiohttp import web
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from sidecar_harness import RunningSidecar, sidecar_settings
+from sidecar_builders import RunningSidecar, sidecar_settings
 
 from sidecar.config_loader import (
     ConfigError,

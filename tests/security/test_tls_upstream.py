@@ -27,9 +27,9 @@ from typing import Any
 
 import aiohttp
 import pytest
-from sidecar_harness import running_sidecar
-from ssrf_kit import fake_names
-from tls_kit import (
+from sidecar_builders import running_sidecar
+from ssrf_builders import fake_names
+from tls_builders import (
     TLS_HANDSHAKE_START,
     CertAuthority,
     engine_stub,
@@ -40,7 +40,7 @@ from sidecar.http1 import EngineClient, UpstreamConnectError
 from sidecar.tls import client_ssl_context
 
 BODY = {"model": "m", "prompt": "hello", "max_tokens": 4}
-PREFILL_NAME = "prefill.ssrf.test"  # resolved by ssrf_kit.fake_names, to 127.0.0.1
+PREFILL_NAME = "prefill.ssrf.test"  # resolved by ssrf_builders.fake_names, to 127.0.0.1
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,9 @@
-"""The stub engine as a process: ``python -m sidecar.stubs`` and the argparse helpers.
+"""The stub engine as a process: ``python -m sidecar.tools.stubs`` and the argparse helpers.
 
 Proves: the module runs on its own, prints one JSON line with its ports once listening
 (OS-chosen ports, a bootstrap port for an SGLang prefill), serves requests, accepts faults
-on the command line, and exits 0 on SIGTERM; bad flags exit 2.
+on the command line, and exits 0 on SIGTERM; bad flags exit 2; ``--faults-endpoint`` is off
+unless given; ``--transport lean`` builds the same config, refusing what it does not serve.
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ import sys
 from pathlib import Path
 
 import aiohttp
+import pytest
 
-from sidecar.stubs.cli import add_stub_arguments, config_from_args
+from sidecar.tools.stubs import StubConfig
+from sidecar.tools.stubs.cli import add_stub_arguments, config_from_args
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -45,11 +48,40 @@ def test_arguments_build_the_config() -> None:
     assert config.faults[0].status == 503 and config.has_bootstrap_server
 
 
+def parse(argv: list[str]) -> StubConfig:
+    parser = argparse.ArgumentParser()
+    add_stub_arguments(parser)
+    return config_from_args(parser.parse_args(argv))
+
+
+def test_faults_endpoint_and_transport_flags() -> None:
+    default = parse([])
+    assert default.control_faults is False and default.transport == "aiohttp"
+    assert parse(["--faults-endpoint"]).control_faults is True
+    lean = parse(["--transport", "lean", "--engine", "sglang", "--role", "decode"])
+    assert (lean.transport, lean.engine, lean.role) == ("lean", "sglang", "decode")
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--engine", "trtllm", "--role", "decode"],
+        ["--role", "both"],
+        ["--role", "decode", "--kv-connector", "mooncake"],
+        ["--role", "decode", "--faults-endpoint"],
+        ["--role", "decode", "--itl", "0.01"],
+    ],
+)
+def test_lean_transport_refuses_what_it_does_not_serve(argv: list[str]) -> None:
+    with pytest.raises(ValueError, match="lean"):
+        parse(["--transport", "lean", *argv])
+
+
 async def test_module_runs_until_sigterm(session: aiohttp.ClientSession) -> None:
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "sidecar.stubs",
+        "sidecar.tools.stubs",
         "--engine",
         "sglang",
         "--role",
@@ -81,7 +113,7 @@ async def test_bad_flags_exit_2() -> None:
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "sidecar.stubs",
+        "sidecar.tools.stubs",
         "--fault",
         "{not json",
         stdout=asyncio.subprocess.DEVNULL,

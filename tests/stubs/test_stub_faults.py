@@ -4,9 +4,9 @@ Proves: each fault kind does what the sidecar must survive (status with an engin
 delay, hang, truncated and malformed bodies and streams, dropped and stalled streams, wrong
 content type, oversized bodies, a prefill without its hand-off); ``times`` limits a fault to
 the next K requests; path-specific faults; faults set at construction, through the Python
-object and over HTTP (/_stub/faults); a client that goes away cancels the stub's handler,
-which ``wait_idle`` and the cancelled count show. Timing faults are checked by state, not
-by the clock.
+object and over HTTP (/_stub/faults, served only when asked for: 404 by default); a client
+that goes away cancels the stub's handler, which ``wait_idle`` and the cancelled count show.
+Timing faults are checked by state, not by the clock.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from typing import Any
 
 import aiohttp
 import pytest
-from stub_helpers import NIXL_PREFILL_PARAMS, completion, sse_events
+from stub_builders import NIXL_PREFILL_PARAMS, completion, sse_events
 
-from sidecar.stubs import Fault, FaultKind, Stub, StubConfig, run_stub
+from sidecar.tools.stubs import Fault, FaultKind, Stub, StubConfig, run_stub
 
 STREAM = completion(max_tokens=4, stream=True)
 
@@ -65,8 +65,27 @@ async def test_fault_from_config_and_path_filter(session: aiohttp.ClientSession)
         assert status == 500 and json.loads(data) == {"error": {"message": "stub fault"}}
 
 
+async def test_faults_endpoint_only_when_asked_for(session: aiohttp.ClientSession) -> None:
+    async with (
+        run_stub(engine="vllm") as default,
+        run_stub(engine="vllm", control_faults=True) as on,
+    ):
+        for method in ("GET", "POST", "DELETE"):
+            async with session.request(
+                method, default.url + "/_stub/faults", json={"kind": "hang"}
+            ) as resp:
+                assert resp.status == 404
+            async with session.request(
+                method, on.url + "/_stub/faults", json={"kind": "drop"}
+            ) as resp:
+                assert resp.status == 200
+        assert default.faults.active() == [] and default.faults.fired == 0
+        status, _, _ = await raw(session, default.url + "/v1/completions", completion())
+        assert status == 200
+
+
 async def test_http_control_endpoint(session: aiohttp.ClientSession) -> None:
-    async with run_stub(engine="trtllm") as s:
+    async with run_stub(engine="trtllm", control_faults=True) as s:
         async with session.post(
             s.url + "/_stub/faults", json={"kind": "status", "status": 429, "times": 1}
         ) as resp:
@@ -243,7 +262,7 @@ async def test_client_gone_mid_stream_cancels_handler(session: aiohttp.ClientSes
 
 
 async def test_recorder_limit_keeps_cursor_positions() -> None:
-    from sidecar.stubs import Recorder
+    from sidecar.tools.stubs import Recorder
 
     rec = Recorder(limit=4)
     for i in range(3):

@@ -14,9 +14,9 @@ from typing import Any
 
 import aiohttp
 import pytest
-from stub_helpers import completion, sse_events
+from stub_builders import completion, sse_events
 
-from sidecar.stubs import Stub, is_local_text, is_remote_text, run_stub
+from sidecar.tools.stubs import Stub, is_local_text, is_remote_text, run_stub
 
 
 async def post(session: aiohttp.ClientSession, url: str, body: Any) -> tuple[int, Any]:

@@ -13,9 +13,9 @@ from typing import Any
 
 import aiohttp
 import pytest
-from stub_helpers import chat, completion, sse_events
+from stub_builders import chat, completion, sse_events
 
-from sidecar.stubs import is_local_text, is_remote_text, run_stub
+from sidecar.tools.stubs import is_local_text, is_remote_text, run_stub
 
 
 async def post(session: aiohttp.ClientSession, url: str, body: Any) -> tuple[int, Any]:

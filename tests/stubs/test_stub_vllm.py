@@ -14,10 +14,10 @@ from typing import Any
 
 import aiohttp
 import pytest
-from stub_helpers import NIXL_PREFILL_PARAMS, chat, completion, sse_events
+from stub_builders import NIXL_PREFILL_PARAMS, chat, completion, sse_events
 
-from sidecar.stubs import expected_text, is_local_text, is_remote_text, run_stub
-from sidecar.stubs.textgen import encode_text
+from sidecar.tools.stubs import expected_text, is_local_text, is_remote_text, run_stub
+from sidecar.tools.stubs.textgen import encode_text
 
 
 async def post(session: aiohttp.ClientSession, url: str, body: Any) -> tuple[int, Any]:

@@ -23,9 +23,9 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from sidecar.stubs import textgen
-from sidecar.stubs.config import StubConfig
-from sidecar.stubs.replies import SSE_DONE, sse
+from sidecar.tools.stubs import textgen
+from sidecar.tools.stubs.config import StubConfig
+from sidecar.tools.stubs.replies import SSE_DONE, sse
 
 
 class BadRequest(Exception):

@@ -19,22 +19,22 @@ Deliberate limits: see ``openai`` (one prompt, n=1) and ``vllm_connectors``.
 
 from __future__ import annotations
 
-import time
 import uuid
 from typing import TYPE_CHECKING, Any, Final
 
 from aiohttp import web
 
-from sidecar.stubs import openai, textgen
-from sidecar.stubs.faults import FaultKind
-from sidecar.stubs.openai import BadRequest, GenRequest
-from sidecar.stubs.replies import JsonReply, Reply, StreamReply
-from sidecar.stubs.server import request_fault, request_json
-from sidecar.stubs.textgen import PrefillKind
-from sidecar.stubs.vllm_connectors import Verdict, make_connector
+from sidecar.tools.stubs import openai, shapes, textgen
+from sidecar.tools.stubs.faults import FaultKind
+from sidecar.tools.stubs.handoff import Verdict
+from sidecar.tools.stubs.openai import BadRequest, GenRequest
+from sidecar.tools.stubs.replies import JsonReply, Reply, StreamReply
+from sidecar.tools.stubs.server import request_fault, request_json
+from sidecar.tools.stubs.textgen import PrefillKind
+from sidecar.tools.stubs.vllm_connectors import make_connector
 
 if TYPE_CHECKING:
-    from sidecar.stubs.server import Stub
+    from sidecar.tools.stubs.server import Stub
 
 COMPLETIONS: Final = "/v1/completions"
 CHAT: Final = "/v1/chat/completions"
@@ -70,9 +70,7 @@ class VllmEngine:
         self.running = 0
 
     def add_routes(self, app: web.Application) -> None:
-        app.router.add_post(COMPLETIONS, self.stub.route(self._completions))
-        app.router.add_post(CHAT, self.stub.route(self._chat))
-        app.router.add_get("/v1/models", self.stub.route(self._models))
+        self.stub.add_openai_routes(app, self._generate, self._models)
         self.connector.add_routes(app)
 
     def add_bootstrap_routes(self, app: web.Application) -> None:
@@ -85,50 +83,25 @@ class VllmEngine:
 
     def metrics(self) -> list[str]:
         label = f'model_name="{self.config.model}"'
-        return [
-            "# TYPE vllm:num_requests_running gauge",
-            f"vllm:num_requests_running{{{label}}} {self.running}",
-            "# TYPE vllm:num_requests_waiting gauge",
-            f"vllm:num_requests_waiting{{{label}}} 0",
-            "# TYPE vllm:prompt_tokens_total counter",
-            f"vllm:prompt_tokens_total{{{label}}} {self.prompt_tokens}",
-            "# TYPE vllm:generation_tokens_total counter",
-            f"vllm:generation_tokens_total{{{label}}} {self.generation_tokens}",
-            "# TYPE stub_kv_blocks_held gauge",
-            f"stub_kv_blocks_held {self.connector.held()}",
-        ]
+        return shapes.metric_lines([
+            ("gauge", "vllm:num_requests_running", label, self.running),
+            ("gauge", "vllm:num_requests_waiting", label, 0),
+            ("counter", "vllm:prompt_tokens_total", label, self.prompt_tokens),
+            ("counter", "vllm:generation_tokens_total", label, self.generation_tokens),
+            ("gauge", "stub_kv_blocks_held", "", self.connector.held()),
+        ])
 
     def close(self) -> None:
         self.connector.close()
 
     async def _models(self, request: web.Request) -> Reply:
-        created = int(time.time())
         model = self.config.model
-        return JsonReply(
-            {
-                "object": "list",
-                "data": [
-                    {
-                        "id": model,
-                        "object": "model",
-                        "created": created,
-                        "owned_by": "vllm",
-                        "root": model,
-                        "parent": None,
-                        "max_model_len": self.config.max_model_len,
-                        "permission": [],
-                    }
-                ],
-            }
-        )
+        return JsonReply(shapes.models_body(
+            model, "vllm", root=model, parent=None, max_model_len=self.config.max_model_len,
+            permission=[],
+        ))
 
-    async def _completions(self, request: web.Request) -> Reply:
-        return await self._generate(request, "completion")
-
-    async def _chat(self, request: web.Request) -> Reply:
-        return await self._generate(request, "chat")
-
-    async def _generate(self, request: web.Request, kind: str) -> Reply:
+    async def _generate(self, request: web.Request, *, kind: str) -> Reply:
         body = request_json(request)
         gen = openai.parse(body, kind, self.config)
         params = gen.body.get("kv_transfer_params")
@@ -188,5 +161,5 @@ class VllmEngine:
             verdict = Verdict(PrefillKind.LOCAL, "no_handoff")
             if self.config.role != "decode":
                 return verdict  # a plain request on a kv_both engine: nothing to judge
-        self.stub.recorder.decide(request.path, request_id, verdict.kind.value, verdict.reason)
+        self.stub.recorder.judge(request.path, request_id, verdict)
         return verdict

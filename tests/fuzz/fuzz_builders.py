@@ -28,10 +28,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from hypothesis import HealthCheck, settings
-from sidecar_harness import running_sidecar
+from sidecar_builders import running_sidecar
 
-from sidecar.stubs.config import StubConfig
-from sidecar.stubs.server import run_stub
+from sidecar.tools.stubs.config import StubConfig
+from sidecar.tools.stubs.server import run_stub
 
 _LONG = os.environ.get("DISAGG_FUZZ_EXAMPLES")
 _EXAMPLES = int(_LONG) if _LONG else 200

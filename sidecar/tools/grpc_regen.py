@@ -1,7 +1,7 @@
 """Regenerate the committed Python code of ``protos/disagg.proto`` (a developer tool).
 
-    python -m sidecar.grpc_gen.regen            # rewrite the generated files
-    python -m sidecar.grpc_gen.regen --check    # exit 1 and name the files that are stale
+    python -m sidecar.tools.grpc_regen            # rewrite the generated files
+    python -m sidecar.tools.grpc_regen --check    # exit 1 and name the files that are stale
 
     protos/disagg.proto ─protoc (grpcio-tools)─▶ disagg_pb2.py, disagg_pb2.pyi   (messages)
                                                ─▶ disagg_pb2_grpc.py             (stubs, servicers)
@@ -33,8 +33,9 @@ import tempfile
 from pathlib import Path
 
 PACKAGE = "sidecar.grpc_gen"
-PACKAGE_DIR = Path(__file__).resolve().parent
-REPO_ROOT = PACKAGE_DIR.parents[1]
+# This tool lives in the tools wing; what it writes is the serving package's grpc_gen/.
+REPO_ROOT = Path(__file__).resolve().parents[2]
+PACKAGE_DIR = REPO_ROOT / "sidecar" / "grpc_gen"
 PROTO_DIR = REPO_ROOT / "protos"
 PROTO_NAME = "disagg.proto"
 
@@ -153,7 +154,7 @@ def regenerate(target_dir: Path = PACKAGE_DIR) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point; returns the exit status."""
     parser = argparse.ArgumentParser(
-        prog="python -m sidecar.grpc_gen.regen",
+        prog="python -m sidecar.tools.grpc_regen",
         description="Regenerate the Python code of protos/disagg.proto.",
     )
     parser.add_argument(

@@ -1,9 +1,10 @@
-"""The lean engine's SGLang flavour: ``/v1/completions`` with the bootstrap rendezvous.
+"""The lean transport's SGLang flavour: ``/v1/completions`` with the bootstrap rendezvous.
 
-    prefill (room R): lean_rooms.Board.prefill ─ a decode of R waits: hand over now
+    prefill (room R): lean.rooms.Board.prefill ─ a decode of R waits: hand over now
                       ─ else wait for one (bootstrap_timeout_s) ─▶ answer with 1 token
-    decode  (room R): RoomClient.wait(bootstrap_host, bootstrap_port, R) (waiting_timeout_s)
-                      ─▶ same prompt: remote words, verdict remote/ok; else local/prompt_mismatch
+    decode  (room R): handoff.sglang_decode_target ─▶ RoomClient.wait(bootstrap_host,
+                      bootstrap_port, R) (waiting_timeout_s) ─▶ handoff.sglang_judge:
+                      same prompt: remote words, verdict remote/ok; else local/prompt_mismatch
 
 Timeouts answer 500 in SGLang's words (``... timed out after 30.0s in KVPoll.Bootstrapping``
 / ``KVPoll.WaitingForInput``). A decode without a room counts ``local/no_handoff``, one without
@@ -11,7 +12,8 @@ Timeouts answer 500 in SGLang's words (``... timed out after 30.0s in KVPoll.Boo
 The rid is the body's ``rid``, else ``X-Request-Id``, else a fresh uuid.
 
 Deliberate limits: ``/abort_request`` answers 200 but aborts nothing (waits end by their
-timeouts); see ``lean_engine`` and ``lean_rooms``.
+timeouts); see ``lean.server`` and ``lean.rooms``. Verdicts and wording are ``handoff``'s, as
+the aiohttp transport's.
 """
 
 from __future__ import annotations
@@ -24,26 +26,25 @@ from typing import TYPE_CHECKING, Any, Final
 
 import orjson
 
-from bench import lean_openai
-from bench.lean_http import HttpConnection, Request
-from bench.lean_openai import Completion
-from bench.lean_rooms import Board, BoardChannel, RoomClient, RoomFailed, RoomTimeout
-from sidecar.stubs.openai import BadRequest
-from sidecar.stubs.textgen import PrefillKind
+from sidecar.tools.stubs import handoff
+from sidecar.tools.stubs.lean import openai as lean_openai
+from sidecar.tools.stubs.lean.http import HttpConnection, Request
+from sidecar.tools.stubs.lean.openai import Completion
+from sidecar.tools.stubs.lean.rooms import Board, BoardChannel, RoomClient, RoomFailed, RoomTimeout
+from sidecar.tools.stubs.lean.server import FlavourBase
+from sidecar.tools.stubs.textgen import PrefillKind
 
 if TYPE_CHECKING:
-    from bench.lean_engine import Engine
+    from sidecar.tools.stubs.lean.server import Engine
 
 _CHOICE_EXTRA: Final = {"matched_stop": None}
 
 
-class SglangFlavour:
+class SglangFlavour(FlavourBase):
     owned_by = "sglang"
 
     def __init__(self, engine: Engine) -> None:
-        self.engine = engine
-        self.config = engine.config
-        self.prefill = self.config.role == "prefill"
+        super().__init__(engine)
         self.board = Board()
         self.rooms = RoomClient(connect_timeout_s=self.config.pull_timeout_s)
         self._bootstrap: asyncio.AbstractServer | None = None
@@ -75,19 +76,12 @@ class SglangFlavour:
         return False
 
     def completions(
-        self, request: Request, conn: HttpConnection
+        self, request: Request, c: Completion, conn: HttpConnection
     ) -> Coroutine[Any, Any, None] | None:
-        cfg = self.config
         try:
-            c = lean_openai.parse(
-                request.body, default_max_tokens=cfg.default_max_tokens,
-                max_model_len=cfg.max_model_len, model=cfg.model,
-            )
-            room = c.body.get("bootstrap_room")
-            if room is not None and (isinstance(room, bool) or not isinstance(room, int)):
-                raise BadRequest("bootstrap_room must be an integer")
-        except BadRequest as exc:
-            conn.send(400, self.error_body(400, exc.message))
+            room = handoff.sglang_room(c.body)
+        except ValueError as exc:
+            conn.send(400, self.error_body(400, str(exc)))
             return None
         rid = c.body.get("rid")
         if not isinstance(rid, str) or not rid:
@@ -102,16 +96,11 @@ class SglangFlavour:
                 self._answer(conn, c, rid, PrefillKind.REMOTE, 1)
                 return None
             return self._prefill_waits(conn, c, rid, room, arrived)
-        if room is None:
-            self._judged(conn, c, rid, ("local", "no_handoff"))
+        target = handoff.sglang_decode_target(c.body, room)
+        if isinstance(target, handoff.Verdict):
+            self._judged(conn, c, rid, target)
             return None
-        host, port = c.body.get("bootstrap_host"), c.body.get("bootstrap_port")
-        if not isinstance(host, str) or not host or isinstance(port, bool) or not isinstance(
-            port, int
-        ):
-            self._judged(conn, c, rid, ("local", "missing_params"))
-            return None
-        return self._decode_waits(conn, c, rid, host, port, room)
+        return self._decode_waits(conn, c, rid, target)
 
     async def _prefill_waits(
         self, conn: HttpConnection, c: Completion, rid: str, room: int,
@@ -121,45 +110,35 @@ class SglangFlavour:
         try:
             await asyncio.wait_for(arrived, timeout_s)
         except TimeoutError:
-            conn.send(500, self.error_body(500, (
-                f"Prefill bootstrap failed for request rank=0 req.rid='{rid}' "
-                f"req.bootstrap_room={room} with exception KVTransferError("
-                f"bootstrap_room={room}): Request {room} timed out after {timeout_s}s in "
-                "KVPoll.Bootstrapping"
-            )))
+            message = handoff.sglang_prefill_timeout(rid, room, timeout_s)
+            conn.send(500, self.error_body(500, message))
             return
         finally:
             self.board.forget_prefill(room, arrived)
         self._answer(conn, c, rid, PrefillKind.REMOTE, 1)
 
     async def _decode_waits(
-        self, conn: HttpConnection, c: Completion, rid: str, host: str, port: int, room: int
+        self, conn: HttpConnection, c: Completion, rid: str, target: handoff.Rendezvous
     ) -> None:
         timeout_s = self.config.waiting_timeout_s
-        prefix = (
-            f"Decode transfer failed for request rank=0 decode_req.req.rid='{rid}' "
-            f"decode_req.req.bootstrap_room={room} with exception "
-            f"KVTransferError(bootstrap_room={room}): "
-        )
+        room = target.room
         try:
-            digest, _ = await self.rooms.wait(host, port, room, timeout_s)
+            digest, _ = await self.rooms.wait(target.host, target.port, room, timeout_s)
         except RoomTimeout:
-            message = f"Request {room} timed out after {timeout_s}s in KVPoll.WaitingForInput"
-            conn.send(500, self.error_body(500, prefix + message))
+            message = handoff.sglang_decode_timeout(rid, room, timeout_s)
+            conn.send(500, self.error_body(500, message))
             return
         except RoomFailed as exc:
-            message = f"Failed to fetch bootstrap info from prefill server ({exc})"
-            conn.send(500, self.error_body(500, prefix + message))
+            why = f"Failed to fetch bootstrap info from prefill server ({exc})"
+            conn.send(500, self.error_body(500, handoff.sglang_decode_failure(rid, room, why)))
             return
-        verdict = ("remote", "ok") if digest == c.digest else ("local", "prompt_mismatch")
-        self._judged(conn, c, rid, verdict)
+        self._judged(conn, c, rid, handoff.sglang_judge(digest, c.digest))
 
     def _judged(
-        self, conn: HttpConnection, c: Completion, rid: str, verdict: tuple[str, str]
+        self, conn: HttpConnection, c: Completion, rid: str, verdict: handoff.Verdict
     ) -> None:
         self.engine.count(verdict)
-        kind = PrefillKind.REMOTE if verdict[0] == "remote" else PrefillKind.LOCAL
-        self._answer(conn, c, rid, kind, c.max_tokens)
+        self._answer(conn, c, rid, verdict.kind, c.max_tokens)
 
     def _answer(
         self, conn: HttpConnection, c: Completion, rid: str, kind: PrefillKind, n: int

@@ -37,7 +37,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-from sidecar_harness import RunningSidecar, sidecar_settings
+from sidecar_builders import RunningSidecar, sidecar_settings
 
 from sidecar.serve import run_server, server_tls
 from sidecar.tls import ReloadingServerTLS

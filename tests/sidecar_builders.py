@@ -1,7 +1,10 @@
-"""Test harness: the real sidecar (``serve.run_server``) in-process on OS-chosen loopback ports.
+"""Builders of the real sidecar (``serve.run_server``) in-process on OS-chosen loopback ports,
+and of the stub-engine pairs it runs against (one copy for the http, grpc and faults suites).
 
     async with running_sidecar(engine="vllm", engine_url=decode.url, ...) as sidecar:
         sidecar.url, sidecar.grpc_port, await sidecar.metric("disagg_requests_total", ...)
+    async with stub_pair("sglang") as (prefill, decode):
+        running_sidecar(**decode_sidecar_settings("sglang", "shfs", prefill, decode))
 
 It runs exactly what ``disagg-sidecar serve`` runs (both front doors, draining on stop), only
 without signal handlers, so tests see the real app from the real factory.
@@ -20,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from sidecar.serve import run_server
 from sidecar.settings import Settings
+from sidecar.tools.stubs import Stub, StubConfig, run_stub
 
 
 @dataclass
@@ -82,3 +86,43 @@ async def running_sidecar(**overrides: Any) -> AsyncIterator[RunningSidecar]:
     finally:
         stop.set()
         await server
+
+
+@contextlib.asynccontextmanager
+async def stub_pair(
+    engine: str,
+    connector: str = "shfs",
+    *,
+    prefill: dict[str, Any] | None = None,
+    decode: dict[str, Any] | None = None,
+) -> AsyncIterator[tuple[Stub, Stub]]:
+    """A prefill-role and a decode-role stub engine (``prefill``/``decode``: config overrides)."""
+    async with (
+        run_stub(StubConfig(engine=engine, role="prefill", kv_connector=connector,
+                            **(prefill or {}))) as prefill_stub,
+        run_stub(StubConfig(engine=engine, role="decode", kv_connector=connector,
+                            **(decode or {}))) as decode_stub,
+    ):
+        yield prefill_stub, decode_stub
+
+
+def engine_settings(engine: str, connector: str, prefill: Stub) -> dict[str, Any]:
+    """What every sidecar of a stub pair is told: the engine, connector, bootstrap ports."""
+    settings: dict[str, Any] = {"engine": engine, "kv_connector": connector}
+    if prefill.bootstrap_port:
+        settings["sglang_bootstrap_port"] = prefill.bootstrap_port
+        settings["mooncake_bootstrap_port"] = prefill.bootstrap_port
+    return settings
+
+
+def decode_sidecar_settings(
+    engine: str, connector: str, prefill: Stub, decode: Stub, **overrides: Any
+) -> dict[str, Any]:
+    """An HTTP-only decode sidecar in front of ``decode`` that may call ``prefill``."""
+    return {
+        **engine_settings(engine, connector, prefill),
+        "engine_url": decode.url,
+        "prefill_allowlist": (f"127.0.0.1:{prefill.port}",),
+        "grpc_enabled": False,
+        **overrides,
+    }

@@ -39,15 +39,15 @@ from typing import TYPE_CHECKING, Any, Final, TypeVar
 import aiohttp
 from aiohttp import web
 
-from sidecar.stubs import openai, textgen
-from sidecar.stubs.faults import FaultKind
-from sidecar.stubs.openai import BadRequest
-from sidecar.stubs.replies import SSE_DONE, JsonReply, Reply, StreamReply, json_response, sse
-from sidecar.stubs.server import request_fault, request_json
-from sidecar.stubs.textgen import PrefillKind
+from sidecar.tools.stubs import handoff, openai, shapes, textgen
+from sidecar.tools.stubs.faults import FaultKind
+from sidecar.tools.stubs.openai import BadRequest
+from sidecar.tools.stubs.replies import SSE_DONE, JsonReply, Reply, StreamReply, json_response, sse
+from sidecar.tools.stubs.server import request_fault, request_json
+from sidecar.tools.stubs.textgen import PrefillKind
 
 if TYPE_CHECKING:
-    from sidecar.stubs.server import Stub
+    from sidecar.tools.stubs.server import Stub
 
 GENERATE: Final = "/generate"
 COMPLETIONS: Final = "/v1/completions"
@@ -61,11 +61,11 @@ class _Aborted(Exception):
     pass
 
 
-class _Failed(Exception):
-    def __init__(self, message: str, status: int = 500) -> None:
-        super().__init__(message)
-        self.message = message
-        self.status = status
+class _Failed(BadRequest):
+    """A rendezvous that failed: answered 500 in SGLang's words (see ``handoff.sglang_*``)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, 500)
 
 
 @dataclass
@@ -101,11 +101,9 @@ class SglangEngine:
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_post(GENERATE, self.stub.route(self._generate))
-        app.router.add_post(COMPLETIONS, self.stub.route(self._completions))
-        app.router.add_post(CHAT, self.stub.route(self._chat))
+        self.stub.add_openai_routes(app, self._openai, self._models)
         app.router.add_post("/abort_request", self._abort_request)
         app.router.add_get("/health_generate", self._health_generate)
-        app.router.add_get("/v1/models", self.stub.route(self._models))
 
     def add_bootstrap_routes(self, app: web.Application) -> None:
         app.router.add_get(ROOM_PATH, self._room_handler)
@@ -119,18 +117,13 @@ class SglangEngine:
 
     def metrics(self) -> list[str]:
         label = f'model_name="{self.config.model}"'
-        return [
-            "# TYPE sglang:num_running_reqs gauge",
-            f"sglang:num_running_reqs{{{label}}} {self.running}",
-            "# TYPE sglang:num_queue_reqs gauge",
-            f"sglang:num_queue_reqs{{{label}}} 0",
-            "# TYPE sglang:prompt_tokens_total counter",
-            f"sglang:prompt_tokens_total{{{label}}} {self.prompt_tokens}",
-            "# TYPE sglang:generation_tokens_total counter",
-            f"sglang:generation_tokens_total{{{label}}} {self.generation_tokens}",
-            "# TYPE stub_bootstrap_rooms gauge",
-            f"stub_bootstrap_rooms {len(self.rooms)}",
-        ]
+        return shapes.metric_lines([
+            ("gauge", "sglang:num_running_reqs", label, self.running),
+            ("gauge", "sglang:num_queue_reqs", label, 0),
+            ("counter", "sglang:prompt_tokens_total", label, self.prompt_tokens),
+            ("counter", "sglang:generation_tokens_total", label, self.generation_tokens),
+            ("gauge", "stub_bootstrap_rooms", "", len(self.rooms)),
+        ])
 
     def close(self) -> None:
         for event in self.aborts.values():
@@ -151,21 +144,8 @@ class SglangEngine:
 
     async def _models(self, request: web.Request) -> Reply:
         model = self.config.model
-        return JsonReply(
-            {
-                "object": "list",
-                "data": [
-                    {
-                        "id": model,
-                        "object": "model",
-                        "created": int(time.time()),
-                        "owned_by": "sglang",
-                        "root": model,
-                        "max_model_len": self.config.max_model_len,
-                    }
-                ],
-            }
-        )
+        limit = self.config.max_model_len
+        return JsonReply(shapes.models_body(model, "sglang", root=model, max_model_len=limit))
 
     async def _abort_request(self, request: web.Request) -> web.StreamResponse:
         try:
@@ -237,9 +217,10 @@ class SglangEngine:
         self, request: web.Request, body: dict[str, Any], rid: str, prompt: _Prompt
     ) -> tuple[PrefillKind, bool]:
         """Run this request's side of the rendezvous: (kind, is_prefill)."""
-        room_id = body.get("bootstrap_room")
-        if room_id is not None and (isinstance(room_id, bool) or not isinstance(room_id, int)):
-            raise BadRequest("bootstrap_room must be an integer")
+        try:
+            room_id = handoff.sglang_room(body)
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from None
         abort = self.aborts[rid]
         if self.config.role == "prefill":
             if room_id is None:
@@ -249,25 +230,18 @@ class SglangEngine:
                 return PrefillKind.REMOTE, True  # answers, never meets its decode
             await self._prefill_rendezvous(room_id, rid, prompt, abort)
             return PrefillKind.REMOTE, True
-        if room_id is None:
-            self.stub.recorder.decide(request.path, rid, "local", "no_handoff")
-            return PrefillKind.LOCAL, False
-        host = body.get("bootstrap_host")
-        port = body.get("bootstrap_port")
-        if (
-            not isinstance(host, str)
-            or not host
-            or isinstance(port, bool)
-            or not isinstance(port, int)
-        ):
-            self.stub.recorder.decide(request.path, rid, "local", "missing_params")
-            return PrefillKind.LOCAL, False
-        payload = await self._decode_rendezvous(host, port, room_id, rid, abort)
-        if payload.get("prompt_digest") != f"{prompt.digest:016x}":
-            self.stub.recorder.decide(request.path, rid, "local", "prompt_mismatch")
-            return PrefillKind.LOCAL, False
-        self.stub.recorder.decide(request.path, rid, "remote", "ok")
-        return PrefillKind.REMOTE, False
+        target = handoff.sglang_decode_target(body, room_id)
+        if isinstance(target, handoff.Verdict):
+            self.stub.recorder.judge(request.path, rid, target)
+            return target.kind, False
+        payload = await self._decode_rendezvous(target, rid, abort)
+        try:
+            handed = int(str(payload.get("prompt_digest")), 16)
+        except ValueError:
+            handed = -1
+        verdict = handoff.sglang_judge(handed, prompt.digest)
+        self.stub.recorder.judge(request.path, rid, verdict)
+        return verdict.kind, False
 
     async def _prefill_rendezvous(
         self, room_id: int, rid: str, prompt: _Prompt, abort: asyncio.Event
@@ -278,12 +252,7 @@ class SglangEngine:
             await self._wait(room.decode_arrived.wait(), abort, timeout_s)
         except TimeoutError:
             self._forget(room_id, room)
-            raise _Failed(
-                f"Prefill bootstrap failed for request rank=0 req.rid='{rid}' "
-                f"req.bootstrap_room={room_id} with exception KVTransferError("
-                f"bootstrap_room={room_id}): Request {room_id} timed out after "
-                f"{timeout_s}s in KVPoll.Bootstrapping"
-            ) from None
+            raise _Failed(handoff.sglang_prefill_timeout(rid, room_id, timeout_s)) from None
         except (_Aborted, asyncio.CancelledError):
             self._forget(room_id, room)
             raise
@@ -293,15 +262,13 @@ class SglangEngine:
             )
 
     async def _decode_rendezvous(
-        self, host: str, port: int, room_id: int, rid: str, abort: asyncio.Event
+        self, target: handoff.Rendezvous, rid: str, abort: asyncio.Event
     ) -> dict[str, Any]:
         timeout_s = self.config.waiting_timeout_s
-        host_part = f"[{host}]" if ":" in host and not host.startswith("[") else host
-        url = f"http://{host_part}:{port}/_stub/sglang/rooms/{room_id}?timeout={timeout_s}"
-        prefix = (
-            f"Decode transfer failed for request rank=0 decode_req.req.rid='{rid}' "
-            f"decode_req.req.bootstrap_room={room_id} with exception "
-            f"KVTransferError(bootstrap_room={room_id}): "
+        room_id = target.room
+        url = (
+            f"http://{handoff.url_host(target.host)}:{target.port}"
+            f"/_stub/sglang/rooms/{room_id}?timeout={timeout_s}"
         )
         try:
             status, payload = await self._wait(
@@ -310,13 +277,19 @@ class SglangEngine:
         except TimeoutError:
             status, payload = 408, None
         except (aiohttp.ClientError, ValueError):
-            raise _Failed(prefix + "Failed to fetch bootstrap info from prefill server") from None
-        if status == 408:
             raise _Failed(
-                prefix + f"Request {room_id} timed out after {timeout_s}s in KVPoll.WaitingForInput"
-            )
+                handoff.sglang_decode_failure(
+                    rid, room_id, "Failed to fetch bootstrap info from prefill server"
+                )
+            ) from None
+        if status == 408:
+            raise _Failed(handoff.sglang_decode_timeout(rid, room_id, timeout_s))
         if status != 200 or not isinstance(payload, dict):
-            raise _Failed(prefix + "Failed to get kvcache from prefill instance, it might be dead")
+            raise _Failed(
+                handoff.sglang_decode_failure(
+                    rid, room_id, "Failed to get kvcache from prefill instance, it might be dead"
+                )
+            )
         return payload
 
     async def _get(self, url: str, timeout_s: float) -> tuple[int, Any]:
@@ -443,13 +416,7 @@ class SglangEngine:
 
     # -- OpenAI routes -------------------------------------------------------------------
 
-    async def _completions(self, request: web.Request) -> Reply:
-        return await self._openai(request, "completion")
-
-    async def _chat(self, request: web.Request) -> Reply:
-        return await self._openai(request, "chat")
-
-    async def _openai(self, request: web.Request, kind: str) -> Reply:
+    async def _openai(self, request: web.Request, *, kind: str) -> Reply:
         body = request_json(request)
         gen = openai.parse(body, kind, self.config)
         rid = self._rid(request, gen.body)

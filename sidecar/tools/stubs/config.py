@@ -1,20 +1,34 @@
-"""The stub engine's configuration: one frozen dataclass, the same for every engine flavour.
+"""The stub engine's configuration: one frozen dataclass, the same for every engine flavour
+and both transports (``aiohttp``: every engine, fault switches, recording; ``lean``: the
+benchmark's cheap one, vLLM NIXL and SGLang completions only).
 
 Deliberate limits: checks only what would make the stub meaningless (an unknown engine,
-role, connector or query shape); everything else is trusted test input.
+role, connector, query shape or transport, or what the lean transport does not serve);
+everything else is trusted test input.
 """
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Any, Final
 
-from sidecar.stubs.faults import Fault
+from sidecar.tools.stubs.faults import Fault
 
 ENGINES: Final = ("vllm", "sglang", "trtllm")
 ROLES: Final = ("prefill", "decode", "both")
 VLLM_CONNECTORS: Final = ("shfs", "nixl", "mooncake")
 MOONCAKE_QUERY_SHAPES: Final = ("dp_rank", "engine_id")
+TRANSPORTS: Final = ("aiohttp", "lean")
+# The one dispatch by engine name, for both transports: (transport, engine) -> "module:Class",
+# imported on first use (an engine module imports its transport's server for its helpers).
+_FLAVOURS: Final = {
+    ("aiohttp", "vllm"): "sidecar.tools.stubs.vllm:VllmEngine",
+    ("aiohttp", "sglang"): "sidecar.tools.stubs.sglang:SglangEngine",
+    ("aiohttp", "trtllm"): "sidecar.tools.stubs.trtllm:TrtllmEngine",
+    ("lean", "vllm"): "sidecar.tools.stubs.lean.vllm:VllmFlavour",
+    ("lean", "sglang"): "sidecar.tools.stubs.lean.sglang:SglangFlavour",
+}
 
 
 @dataclass(frozen=True)
@@ -59,6 +73,10 @@ class StubConfig:
     faults: tuple[Fault, ...] = field(default_factory=tuple)
     # Shared secret of all stubs of a "deployment" (TRT-LLM opaque state, like a build hash).
     secret: str = "disagg-stub"
+    # Which server carries the behaviour: "aiohttp" (tests) or "lean" (the benchmark).
+    transport: str = "aiohttp"
+    # Serve /_stub/faults (faults switched over HTTP by another process): off unless asked.
+    control_faults: bool = False
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -76,6 +94,26 @@ class StubConfig:
             )
         if self.block_size < 1:
             raise ValueError("block_size must be >= 1")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(
+                f"unknown transport {self.transport!r}; known: {', '.join(TRANSPORTS)}"
+            )
+        if self.transport == "lean":
+            self._check_lean()
+
+    def _check_lean(self) -> None:
+        if self.engine not in ("vllm", "sglang"):
+            raise ValueError(
+                f"the lean transport serves vllm and sglang, not {self.engine!r}"
+            )
+        if self.role not in ("prefill", "decode"):
+            raise ValueError(f"the lean transport serves prefill or decode, not {self.role!r}")
+        if self.engine == "vllm" and self.kv_connector != "shfs":
+            raise ValueError("the lean vLLM engine speaks NixlConnector (shfs) only")
+        if self.faults or self.ttft_s or self.itl_s or self.eos_rate or self.control_faults:
+            raise ValueError(
+                "the lean transport has no fault switches, latency shaping or EOS"
+            )
 
     @property
     def has_bootstrap_server(self) -> bool:
@@ -84,3 +122,9 @@ class StubConfig:
             return False
         mooncake = self.engine == "vllm" and self.kv_connector == "mooncake"
         return self.engine == "sglang" or mooncake
+
+
+def flavour_class(config: StubConfig) -> Any:
+    """The class that plays ``config.engine`` on ``config.transport`` (checked at init)."""
+    module, _, name = _FLAVOURS[(config.transport, config.engine)].partition(":")
+    return getattr(importlib.import_module(module), name)

@@ -11,10 +11,12 @@ Request flow (middleware, then the engine's handler, then ``replies.send``):
 
 Common routes: ``/health``, ``/metrics`` (a few Prometheus lines, engine-named, plus
 ``stub_handoff_total``), and under ``/_stub/`` the control surface for a stub in another
-process: ``GET/POST/DELETE /_stub/faults``, ``GET /_stub/requests``, ``/_stub/decisions``,
-``/_stub/stats``, ``/_stub/info``. Engines add their own routes (``sidecar.stubs.vllm``,
-``.sglang``, ``.trtllm``) and, for prefill roles that rendezvous, a bootstrap server on its
-own port.
+process: ``GET /_stub/requests``, ``/_stub/decisions``, ``/_stub/stats``, ``/_stub/info``, and
+``GET/POST/DELETE /_stub/faults`` only with ``StubConfig(control_faults=True)``
+(``--faults-endpoint``): by default nothing outside the process can switch a fault on.
+Engines add their own routes (``sidecar.tools.stubs.vllm``, ``.sglang``, ``.trtllm``) and, for
+prefill roles that rendezvous, a bootstrap server on its own port. What a stub decides (its
+identity, hand-off verdicts and their metric) comes from ``sidecar.tools.stubs.handoff``.
 
 Handlers are cancelled when the client goes away (``handler_cancellation``), as uvicorn
 does for the real engines, so a test can see upstream work end.
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -36,14 +39,18 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from sidecar import jsonutil
-from sidecar.stubs.config import StubConfig
-from sidecar.stubs.faults import Fault, FaultBook, FaultKind
-from sidecar.stubs.openai import BadRequest
-from sidecar.stubs.recorder import RecordedRequest, Recorder
-from sidecar.stubs.replies import Reply, json_response, send
+from sidecar.tools.stubs import handoff, shapes
+from sidecar.tools.stubs.config import StubConfig, flavour_class
+from sidecar.tools.stubs.faults import Fault, FaultBook, FaultKind
+from sidecar.tools.stubs.openai import BadRequest
+from sidecar.tools.stubs.recorder import RecordedRequest, Recorder
+from sidecar.tools.stubs.replies import Reply, json_response, send
 
 EngineHandler = Callable[[web.Request], Awaitable[Reply]]
+OpenAIHandler = Callable[..., Awaitable[Reply]]  # (request, *, kind)
 
+COMPLETIONS: Final = "/v1/completions"
+CHAT: Final = "/v1/chat/completions"
 JSON_KEY: Final = web.RequestKey("stub_json", object)
 FAULT_KEY: Final = web.RequestKey("stub_fault", object)
 _NO_JSON: Final = object()
@@ -138,16 +145,7 @@ class Stub:
         )
 
     def info(self) -> dict[str, Any]:
-        return {
-            "engine": self.config.engine,
-            "role": self.config.role,
-            "kv_connector": self.config.kv_connector if self.config.engine == "vllm" else None,
-            "engine_id": self.engine_id,
-            "host": self.config.host,
-            "port": self.port,
-            "bootstrap_port": self.bootstrap_port,
-            "model": self.config.model,
-        }
+        return handoff.info(self.config, self.engine_id, self.port, self.bootstrap_port)
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -282,6 +280,15 @@ class Stub:
 
         return handle
 
+    def add_openai_routes(
+        self, app: web.Application, generate: OpenAIHandler, models: EngineHandler
+    ) -> None:
+        """The OpenAI routes every engine serves, each through ``route``: ``generate`` gets
+        the request and its kind, ``"completion"`` or ``"chat"``."""
+        for path, kind in ((COMPLETIONS, "completion"), (CHAT, "chat")):
+            app.router.add_post(path, self.route(functools.partial(generate, kind=kind)))
+        app.router.add_get("/v1/models", self.route(models))
+
     # -- common routes -----------------------------------------------------------------
 
     def _add_common_routes(self, app: web.Application) -> None:
@@ -289,9 +296,11 @@ class Stub:
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/_stub/info", self._info)
         app.router.add_get("/_stub/stats", self._stats)
-        app.router.add_get("/_stub/faults", self._get_faults)
-        app.router.add_post("/_stub/faults", self._post_faults)
-        app.router.add_delete("/_stub/faults", self._delete_faults)
+        if self.config.control_faults:
+            # Another process may switch this stub's faults: only when asked for.
+            app.router.add_get("/_stub/faults", self._get_faults)
+            app.router.add_post("/_stub/faults", self._post_faults)
+            app.router.add_delete("/_stub/faults", self._delete_faults)
         app.router.add_get("/_stub/requests", self._get_requests)
         app.router.add_get("/_stub/decisions", self._get_decisions)
 
@@ -306,14 +315,11 @@ class Stub:
 
     async def _metrics(self, request: web.Request) -> web.StreamResponse:
         lines = list(self.engine.metrics())
-        lines.append("# HELP stub_handoff_total Decode hand-off verdicts of the stub engine.")
-        lines.append("# TYPE stub_handoff_total counter")
-        for (outcome, reason), count in sorted(self.recorder.handoff_counts.items()):
-            lines.append(f'stub_handoff_total{{outcome="{outcome}",reason="{reason}"}} {count}')
-        lines.append("# TYPE stub_requests_total counter")
-        lines.append(f"stub_requests_total {self.recorder.total}")
-        lines.append("# TYPE stub_requests_cancelled_total counter")
-        lines.append(f"stub_requests_cancelled_total {self.recorder.cancelled}")
+        lines += self.recorder.tally.metric_lines()
+        lines += shapes.metric_lines([
+            ("counter", "stub_requests_total", "", self.recorder.total),
+            ("counter", "stub_requests_cancelled_total", "", self.recorder.cancelled),
+        ])
         return web.Response(
             text="\n".join(lines) + "\n", content_type="text/plain", charset="utf-8"
         )
@@ -378,19 +384,8 @@ class Stub:
 
 
 def _make_engine(stub: Stub) -> StubEngine:
-    # Imported here: each engine module imports this one for its helpers.
-    if stub.config.engine == "vllm":
-        from sidecar.stubs.vllm import VllmEngine
-
-        engine: StubEngine = VllmEngine(stub)
-        return engine
-    if stub.config.engine == "sglang":
-        from sidecar.stubs.sglang import SglangEngine
-
-        return SglangEngine(stub)
-    from sidecar.stubs.trtllm import TrtllmEngine
-
-    return TrtllmEngine(stub)
+    engine: StubEngine = flavour_class(stub.config)(stub)
+    return engine
 
 
 @contextlib.asynccontextmanager
@@ -402,6 +397,8 @@ async def run_stub(config: StubConfig | None = None, **overrides: Any) -> AsyncI
         from dataclasses import replace
 
         config = replace(config, **overrides)
+    if config.transport != "aiohttp":
+        raise ValueError("run_stub serves the aiohttp transport; see lean.server.run_lean")
     stub = Stub(config)
     try:
         await stub.start()

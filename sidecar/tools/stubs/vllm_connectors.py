@@ -8,8 +8,10 @@
         HTTP port>, tp_size, dcp_size, pp_size, remote_num_tokens, remote_blocks_expiry_time,
         transfer_mode, remote_prefill_cached_tokens}: the keys and order of vLLM 0.32.0's
         recorded answers (tests/fixtures/vllm/0.32.0)
-    D: kv_transfer_params.do_remote_prefill -> GET http://remote_host:remote_port/_stub/nixl/<id>
-       (so a wrong host or port really fails) -> engine id, block ids and prompt must match
+    D: kv_transfer_params.do_remote_prefill -> block ids must fit its prompt -> GET
+       http://remote_host:remote_port/_stub/nixl/<id> (so a wrong host or port really fails)
+       -> engine id, block ids and prompt must match (``handoff``: the same rules as the
+       lean transport's)
 
 ``nixl`` (vLLM on AWS Neuron): D reads ``disagg_prefill_resp`` (the whole prefill answer)
 and checks its first token and prompt length against its own prompt.
@@ -28,9 +30,7 @@ Deliberate limits: one KV-cache group, tp_size 1, dp_rank 0; the "KV" is the pro
 from __future__ import annotations
 
 import asyncio
-import math
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, Protocol
 from urllib.parse import quote
@@ -38,51 +38,28 @@ from urllib.parse import quote
 import aiohttp
 from aiohttp import web
 
-from sidecar.stubs.faults import Fault, FaultKind
-from sidecar.stubs.openai import GenRequest
-from sidecar.stubs.replies import json_response
-from sidecar.stubs.textgen import PrefillKind, decode_tokens, token_at
+from sidecar.tools.stubs.faults import Fault, FaultKind
+from sidecar.tools.stubs.handoff import (
+    NIXL_PULL_PREFIX,
+    REMOTE_OK,
+    BlockAllocator,
+    HeldKV,
+    NixlHolder,
+    PullTarget,
+    Verdict,
+    judge_nixl_pull,
+    local,
+    nixl_pull_target,
+    wants_nixl_prefill,
+)
+from sidecar.tools.stubs.openai import GenRequest
+from sidecar.tools.stubs.replies import json_response
+from sidecar.tools.stubs.textgen import PrefillKind, decode_tokens, token_at
 
 if TYPE_CHECKING:
-    from sidecar.stubs.server import Stub
+    from sidecar.tools.stubs.server import Stub
 
-NIXL_REQUIRED: Final = (
-    "remote_block_ids",
-    "remote_engine_id",
-    "remote_request_id",
-    "remote_host",
-    "remote_port",
-)
 MOONCAKE_REQUIRED: Final = ("transfer_id", "remote_bootstrap_addr", "remote_engine_id")
-
-
-@dataclass(frozen=True)
-class Verdict:
-    kind: PrefillKind
-    reason: str
-
-
-REMOTE_OK: Final = Verdict(PrefillKind.REMOTE, "ok")
-
-
-def local(reason: str) -> Verdict:
-    return Verdict(PrefillKind.LOCAL, reason)
-
-
-@dataclass
-class HeldKV:
-    digest: int
-    block_ids: list[list[int]]
-    num_tokens: int
-    expires: float
-
-    def payload(self, engine_id: str) -> dict[str, Any]:
-        return {
-            "engine_id": engine_id,
-            "prompt_digest": f"{self.digest:016x}",
-            "block_ids": self.block_ids,
-            "num_tokens": self.num_tokens,
-        }
 
 
 class Connector(Protocol):
@@ -110,41 +87,6 @@ def _params(gen: GenRequest) -> dict[str, Any] | None:
     return value if isinstance(value, dict) else None
 
 
-def _flat(block_ids: Any) -> list[int] | None:
-    """Block ids as one flat list (vLLM sent a flat list before KV-cache groups)."""
-    if not isinstance(block_ids, list):
-        return None
-    if block_ids and all(isinstance(g, list) for g in block_ids):
-        return [b for g in block_ids for b in g]
-    return list(block_ids)
-
-
-def _expire(store: OrderedDict[str, HeldKV]) -> None:
-    # Entries are inserted with a constant lease, so the oldest expires first.
-    now = time.monotonic()
-    while store:
-        key, first = next(iter(store.items()))
-        if first.expires > now:
-            break
-        del store[key]
-
-
-class _Blocks:
-    """A toy block allocator: consecutive ids, wrapping, never 0 (vLLM's null block)."""
-
-    def __init__(self, block_size: int) -> None:
-        self.block_size = block_size
-        self._next = 1
-
-    def allocate(self, num_tokens: int) -> list[int]:
-        n = max(1, math.ceil(num_tokens / self.block_size))
-        if self._next + n >= 1 << 20:
-            self._next = 1
-        start = self._next
-        self._next += n
-        return list(range(start, start + n))
-
-
 async def _get_json(stub: Stub, url: str, timeout_s: float) -> tuple[int, Any]:
     timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=stub.config.pull_timeout_s)
     async with stub.session.get(url, timeout=timeout) as resp:
@@ -152,97 +94,51 @@ async def _get_json(stub: Stub, url: str, timeout_s: float) -> tuple[int, Any]:
         return resp.status, data
 
 
-def _host(host: str) -> str:
-    return f"[{host}]" if ":" in host and not host.startswith("[") else host
-
-
 class NixlConnector:
-    """vLLM NixlConnector (the seed's ``shfs``): pull model."""
+    """vLLM NixlConnector (the seed's ``shfs``): pull model (``handoff.NixlHolder``)."""
 
     def __init__(self, stub: Stub) -> None:
         self.stub = stub
-        self.store: OrderedDict[str, HeldKV] = OrderedDict()
-        self.blocks = _Blocks(stub.config.block_size)
-        self.pulled = 0
+        self.holder = NixlHolder(stub.config, stub.engine_id)
 
     def add_routes(self, app: web.Application) -> None:
-        app.router.add_get("/_stub/nixl/{request_id}", self._pull)
+        app.router.add_get(NIXL_PULL_PREFIX + "{request_id}", self._pull)
 
     def add_bootstrap_routes(self, app: web.Application) -> None:
         return None
 
     async def _pull(self, request: web.Request) -> web.StreamResponse:
-        _expire(self.store)
-        held = self.store.pop(request.match_info["request_id"], None)
-        if held is None:
+        payload = self.holder.take(request.match_info["request_id"])
+        if payload is None:
             return json_response({"error": "unknown or expired request"}, 404)
-        self.pulled += 1
-        return json_response(held.payload(self.stub.engine_id))
+        return json_response(payload)
 
     def after_prefill(
         self, gen: GenRequest, request_id: str, finish: str, fault: Fault | None
     ) -> dict[str, Any] | None:
-        params = _params(gen)
-        if params is None or not params.get("do_remote_decode"):
+        if not wants_nixl_prefill(_params(gen)):
             return None
         # vLLM returns params only when the prefill ended by the length cap.
         if finish != "length" or (fault is not None and fault.kind is FaultKind.NO_HANDOFF):
             return None
-        cfg = self.stub.config
-        _expire(self.store)
-        block_ids = [self.blocks.allocate(len(gen.prompt_ids))]
-        expires = time.monotonic() + cfg.kv_lease_s
-        self.store[request_id] = HeldKV(gen.digest, block_ids, len(gen.prompt_ids), expires)
-        return {
-            "do_remote_prefill": True,
-            "do_remote_decode": False,
-            "remote_block_ids": block_ids,
-            "remote_engine_id": self.stub.engine_id,
-            "remote_request_id": request_id,
-            "remote_host": cfg.side_channel_host,
-            "remote_port": self.stub.port,
-            "tp_size": 1,
-            "dcp_size": 1,
-            "pp_size": 1,
-            "remote_num_tokens": len(gen.prompt_ids),
-            # vLLM 0.32.0 answers null here in pull mode (tests/fixtures/vllm/0.32.0).
-            "remote_blocks_expiry_time": None,
-            "transfer_mode": "pull",
-            "remote_prefill_cached_tokens": 0,
-        }
+        return self.holder.issue(request_id, gen.digest, len(gen.prompt_ids), self.stub.port)
 
     async def check_handoff(self, gen: GenRequest) -> Verdict | None:
-        params = _params(gen)
-        if params is None or not params.get("do_remote_prefill"):
-            return None
-        if any(params.get(key) is None for key in NIXL_REQUIRED):
-            return local("missing_params")
-        url = (
-            f"http://{_host(str(params['remote_host']))}:{params['remote_port']}"
-            f"/_stub/nixl/{quote(str(params['remote_request_id']), safe='')}"
-        )
+        cfg = self.stub.config
+        target = nixl_pull_target(_params(gen), len(gen.prompt_ids), cfg.block_size)
+        if not isinstance(target, PullTarget):
+            return target
         try:
-            status, data = await _get_json(self.stub, url, self.stub.config.pull_timeout_s)
+            status, data = await _get_json(self.stub, target.url, cfg.pull_timeout_s)
         except (aiohttp.ClientError, TimeoutError, ValueError):
             return local("pull_failed")
-        if status == 404:
-            return local("unknown_request")
-        if status != 200 or not isinstance(data, dict):
-            return local("pull_failed")
-        if data.get("engine_id") != params["remote_engine_id"]:
-            return local("engine_mismatch")
-        if _flat(data.get("block_ids")) != _flat(params["remote_block_ids"]):
-            return local("block_mismatch")
-        if data.get("prompt_digest") != f"{gen.digest:016x}":
-            return local("prompt_mismatch")
-        return REMOTE_OK
+        return judge_nixl_pull(target, status, data, gen.digest)
 
     def held(self) -> int:
-        _expire(self.store)
-        return len(self.store)
+        return self.holder.held()
 
     def close(self) -> None:
-        self.store.clear()
+        self.holder.clear()
 
 
 class NeuronConnector:
@@ -300,7 +196,7 @@ class MooncakeConnector:
     def __init__(self, stub: Stub) -> None:
         self.stub = stub
         self.slots: dict[str, _Slot] = {}
-        self.blocks = _Blocks(stub.config.block_size)
+        self.blocks = BlockAllocator(stub.config.block_size)
         self.pushed = 0
 
     def _slot(self, transfer_id: str) -> _Slot:

@@ -22,6 +22,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from sidecar.tools.stubs.handoff import Tally, Verdict
+
 DEFAULT_WAIT_S = 10.0
 
 
@@ -51,7 +53,7 @@ class Recorder:
     limit: int = 10_000
     requests: deque[RecordedRequest] = field(init=False)
     decisions: list[Decision] = field(default_factory=list)
-    handoff_counts: Counter[tuple[str, str]] = field(default_factory=Counter)
+    tally: Tally = field(default_factory=Tally)
     total: int = 0
     in_flight: int = 0
     completed: int = 0
@@ -91,8 +93,16 @@ class Recorder:
             self.cancelled += 1
         self._wake()
 
+    @property
+    def handoff_counts(self) -> Counter[tuple[str, str]]:
+        return self.tally.counts
+
+    def judge(self, path: str, request_id: str, verdict: Verdict) -> None:
+        """Record a decode's verdict (counted, and kept for ``next_decision``)."""
+        self.decide(path, request_id, verdict.outcome, verdict.reason)
+
     def decide(self, path: str, request_id: str, outcome: str, reason: str) -> None:
-        self.handoff_counts[(outcome, reason)] += 1
+        self.tally.counts[(outcome, reason)] += 1
         if self.limit > 0:
             if len(self.decisions) >= self.limit:
                 drop = len(self.decisions) // 2 or 1

@@ -18,7 +18,7 @@ from typing import Any, Final
 from aiohttp import web
 
 from sidecar import jsonutil
-from sidecar.stubs.faults import Fault, FaultBook, FaultKind
+from sidecar.tools.stubs.faults import Fault, FaultBook, FaultKind
 
 SSE_DONE: Final = b"data: [DONE]\n\n"
 JSON_CT: Final = "application/json"

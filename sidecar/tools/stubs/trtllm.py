@@ -28,22 +28,21 @@ import base64
 import binascii
 import hashlib
 import hmac
-import time
 import uuid
 from typing import TYPE_CHECKING, Any, Final
 
 from aiohttp import web
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError
 
-from sidecar.stubs import openai, textgen
-from sidecar.stubs.faults import FaultKind
-from sidecar.stubs.openai import BadRequest, GenRequest
-from sidecar.stubs.replies import JsonReply, Reply, StreamReply
-from sidecar.stubs.server import request_fault, request_json
-from sidecar.stubs.textgen import PrefillKind
+from sidecar.tools.stubs import openai, shapes, textgen
+from sidecar.tools.stubs.faults import FaultKind
+from sidecar.tools.stubs.openai import BadRequest, GenRequest
+from sidecar.tools.stubs.replies import JsonReply, Reply, StreamReply
+from sidecar.tools.stubs.server import request_fault, request_json
+from sidecar.tools.stubs.textgen import PrefillKind
 
 if TYPE_CHECKING:
-    from sidecar.stubs.server import Stub
+    from sidecar.tools.stubs.server import Stub
 
 COMPLETIONS: Final = "/v1/completions"
 CHAT: Final = "/v1/chat/completions"
@@ -155,9 +154,7 @@ class TrtllmEngine:
         self.generation_tokens = 0
 
     def add_routes(self, app: web.Application) -> None:
-        app.router.add_post(COMPLETIONS, self.stub.route(self._completions))
-        app.router.add_post(CHAT, self.stub.route(self._chat))
-        app.router.add_get("/v1/models", self.stub.route(self._models))
+        self.stub.add_openai_routes(app, self._generate, self._models)
 
     def add_bootstrap_routes(self, app: web.Application) -> None:
         return None
@@ -172,30 +169,16 @@ class TrtllmEngine:
         }
 
     def metrics(self) -> list[str]:
-        return [
-            "# TYPE trtllm_prompt_tokens_total counter",
-            f"trtllm_prompt_tokens_total {self.prompt_tokens}",
-            "# TYPE trtllm_generation_tokens_total counter",
-            f"trtllm_generation_tokens_total {self.generation_tokens}",
-        ]
+        return shapes.metric_lines([
+            ("counter", "trtllm_prompt_tokens_total", "", self.prompt_tokens),
+            ("counter", "trtllm_generation_tokens_total", "", self.generation_tokens),
+        ])
 
     def close(self) -> None:
         return None
 
     async def _models(self, request: web.Request) -> Reply:
-        return JsonReply(
-            {
-                "object": "list",
-                "data": [
-                    {
-                        "id": self.config.model,
-                        "object": "model",
-                        "created": int(time.time()),
-                        "owned_by": "tensorrt_llm",
-                    }
-                ],
-            }
-        )
+        return JsonReply(shapes.models_body(self.config.model, "tensorrt_llm"))
 
     # -- opaque state ------------------------------------------------------------------
 
@@ -222,21 +205,15 @@ class TrtllmEngine:
 
     # -- routes ------------------------------------------------------------------------
 
-    async def _completions(self, request: web.Request) -> Reply:
+    async def _generate(self, request: web.Request, *, kind: str) -> Reply:
         body = request_json(request)
+        model = ChatCompletionRequest if kind == "chat" else CompletionRequest
         try:
-            req: CompletionRequest | ChatCompletionRequest = CompletionRequest.model_validate(body)
+            req: CompletionRequest | ChatCompletionRequest = model.model_validate(body)
         except ValidationError as exc:
             raise BadRequest(str(exc)) from None
-        return await self._serve(request, body, req, "completion", None)
-
-    async def _chat(self, request: web.Request) -> Reply:
-        body = request_json(request)
-        try:
-            req = ChatCompletionRequest.model_validate(body)
-        except ValidationError as exc:
-            raise BadRequest(str(exc)) from None
-        return await self._serve(request, body, req, "chat", req.prompt_token_ids)
+        prompt_ids = req.prompt_token_ids if isinstance(req, ChatCompletionRequest) else None
+        return await self._serve(request, body, req, kind, prompt_ids)
 
     async def _serve(
         self,

@@ -22,6 +22,7 @@ import argparse
 import sys
 import uuid
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
@@ -74,17 +75,16 @@ async def route(
     result = RouteResult(request_id=request_id or uuid.uuid4().hex)
     options = channel_options(max_message_bytes)
     blocks: list[disagg_pb2.KVBlock] = []
+    # The fields both requests carry, the same on both legs.
+    common: dict[str, Any] = {
+        "request_id": result.request_id,
+        "token_ids": token_ids,
+        "max_new_tokens": max_new_tokens,
+        "temperature": temperature,
+    }
     async with grpc.aio.insecure_channel(prefill, options=options) as channel:
         prefill_stub = disagg_pb2_grpc.PrefillWorkerStub(channel)
-        call = prefill_stub.Prefill(
-            disagg_pb2.PreFillRequest(
-                request_id=result.request_id,
-                token_ids=token_ids,
-                max_new_tokens=max_new_tokens,
-                temperature=temperature,
-            ),
-            timeout=timeout_s,
-        )
+        call = prefill_stub.Prefill(disagg_pb2.PreFillRequest(**common), timeout=timeout_s)
         try:
             # Read on past `done` to the RPC's status: a trailing error is not missed.
             async for message in call:
@@ -96,14 +96,7 @@ async def route(
     async with grpc.aio.insecure_channel(decode, options=options) as channel:
         decode_stub = disagg_pb2_grpc.DecodeWorkerStub(channel)
         stream = decode_stub.Decode(
-            disagg_pb2.DecodeRequest(
-                request_id=result.request_id,
-                kv_blocks=blocks,
-                token_ids=token_ids,
-                max_new_tokens=max_new_tokens,
-                temperature=temperature,
-            ),
-            timeout=timeout_s,
+            disagg_pb2.DecodeRequest(kv_blocks=blocks, **common), timeout=timeout_s
         )
         try:
             async for token in stream:

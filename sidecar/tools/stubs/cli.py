@@ -1,9 +1,11 @@
-"""The stub engine as a command: ``python -m sidecar.stubs`` / ``disagg-sidecar stub-engine``.
+"""The stub engine as a command: ``python -m sidecar.tools.stubs`` / ``disagg-sidecar stub-engine``.
 
-    python -m sidecar.stubs --engine vllm --role prefill --kv-connector shfs --port 8100
+    python -m sidecar.tools.stubs --engine vllm --role prefill --kv-connector shfs --port 8100
     -> prints one JSON line when listening:
        {"event": "listening", "engine": "vllm", ..., "port": 8100, "bootstrap_port": null}
-    and runs until SIGINT or SIGTERM.
+    and runs until SIGINT or SIGTERM. ``--transport lean`` serves the same behaviour on the
+    benchmark's cheap server (vLLM NIXL and SGLang only); ``--faults-endpoint`` serves
+    ``/_stub/faults`` (aiohttp only), which is off by default.
 
 ``add_stub_arguments(parser)`` adds the flags to any argparse parser (the sidecar's
 ``stub-engine`` subcommand); ``run_stub_command(args)`` runs it and returns the exit code.
@@ -21,9 +23,17 @@ import sys
 from typing import Any
 
 from sidecar import jsonutil
-from sidecar.stubs.config import ENGINES, MOONCAKE_QUERY_SHAPES, ROLES, VLLM_CONNECTORS, StubConfig
-from sidecar.stubs.faults import Fault
-from sidecar.stubs.server import run_stub
+from sidecar.tools.stubs.config import (
+    ENGINES,
+    MOONCAKE_QUERY_SHAPES,
+    ROLES,
+    TRANSPORTS,
+    VLLM_CONNECTORS,
+    StubConfig,
+)
+from sidecar.tools.stubs.faults import Fault
+from sidecar.tools.stubs.lean.server import run_lean
+from sidecar.tools.stubs.server import run_stub
 
 
 def add_stub_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,20 +41,12 @@ def add_stub_arguments(parser: argparse.ArgumentParser) -> None:
     d = StubConfig()
     parser.add_argument("--engine", choices=ENGINES, default=d.engine)
     parser.add_argument("--role", choices=ROLES, default=d.role)
-    parser.add_argument(
-        "--kv-connector",
-        choices=VLLM_CONNECTORS,
-        default=d.kv_connector,
-        help="vLLM only: shfs (NIXL pull), nixl (Neuron), mooncake",
-    )
+    parser.add_argument("--kv-connector", choices=VLLM_CONNECTORS, default=d.kv_connector,
+                        help="vLLM only: shfs (NIXL pull), nixl (Neuron), mooncake")
     parser.add_argument("--host", default=d.host)
     parser.add_argument("--port", type=int, default=d.port, help="0: OS-chosen")
-    parser.add_argument(
-        "--bootstrap-port",
-        type=int,
-        default=d.bootstrap_port,
-        help="SGLang / vLLM Mooncake prefill bootstrap server port (0: OS-chosen)",
-    )
+    parser.add_argument("--bootstrap-port", type=int, default=d.bootstrap_port,
+                        help="SGLang / vLLM Mooncake prefill bootstrap server port (0: OS-chosen)")
     parser.add_argument("--model", default=d.model)
     parser.add_argument("--max-model-len", type=int, default=d.max_model_len)
     parser.add_argument("--default-max-tokens", type=int, default=d.default_max_tokens)
@@ -63,6 +65,10 @@ def add_stub_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--keepalive", type=float, default=d.keepalive_s)
     parser.add_argument("--record-limit", type=int, default=d.record_limit)
     parser.add_argument("--secret", default=d.secret)
+    parser.add_argument("--transport", choices=TRANSPORTS, default=d.transport,
+                        help="aiohttp (every engine, faults, recording) or lean (the bench's)")
+    parser.add_argument("--faults-endpoint", action="store_true",
+                        help="serve /_stub/faults so another process can switch faults")
     parser.add_argument(
         "--fault",
         action="append",
@@ -98,6 +104,8 @@ def config_from_args(args: argparse.Namespace) -> StubConfig:
         record_limit=args.record_limit,
         secret=args.secret,
         faults=faults,
+        transport=args.transport,
+        control_faults=args.faults_endpoint,
     )
 
 
@@ -113,7 +121,8 @@ async def run_stub_command(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     try:
-        async with run_stub(config) as stub:
+        runner = run_stub if config.transport == "aiohttp" else run_lean
+        async with runner(config) as stub:
             line: dict[str, Any] = {"event": "listening", **stub.info(), "url": stub.url}
             print(jsonutil.dumps(line).decode(), flush=True)
             await stop.wait()
@@ -128,8 +137,13 @@ async def run_stub_command(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m sidecar.stubs", description="Run one stub LLM engine."
+        prog="python -m sidecar.tools.stubs", description="Run one stub LLM engine."
     )
     add_stub_arguments(parser)
     args = parser.parse_args(argv)
-    return asyncio.run(run_stub_command(args))
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a project dependency
+        return asyncio.run(run_stub_command(args))
+    # As ``disagg-sidecar stub-engine`` runs it; the lean transport is built for uvloop.
+    return uvloop.run(run_stub_command(args))

@@ -4,14 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-NIXL_PREFILL_PARAMS: dict[str, Any] = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
+from protocol_builders import nixl_prefill_skeleton
+
+#: The NIXL prefill leg's ``kv_transfer_params`` (the one builder's, shared by every suite).
+NIXL_PREFILL_PARAMS: dict[str, Any] = nixl_prefill_skeleton()
 
 
 def completion(

@@ -26,15 +26,15 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import aiohttp
-import openai_bodies
+import openai_builders
 import pytest
 from multidict import CIMultiDict
-from sidecar_harness import RunningSidecar, running_sidecar
+from sidecar_builders import RunningSidecar, decode_sidecar_settings, running_sidecar
 
 from sidecar.protocol.context import Route
-from sidecar.stubs.config import StubConfig
-from sidecar.stubs.faults import Fault, FaultKind
-from sidecar.stubs.server import Stub
+from sidecar.tools.stubs.config import StubConfig
+from sidecar.tools.stubs.faults import Fault, FaultKind
+from sidecar.tools.stubs.server import Stub
 
 PROMPT = "Faults must never hang a request."
 WAIT_S = 10.0
@@ -52,7 +52,7 @@ SEQUENTIAL: tuple[tuple[str, str], ...] = tuple(p for p in PAIRS if p not in CON
 
 
 def stub_available(engine: str) -> bool:
-    return importlib.util.find_spec(f"sidecar.stubs.{engine}") is not None
+    return importlib.util.find_spec(f"sidecar.tools.stubs.{engine}") is not None
 
 
 def engine_param(engine: str, connector: str, *rest: Any) -> Any:
@@ -66,7 +66,7 @@ def engine_param(engine: str, connector: str, *rest: Any) -> Any:
 
 def client_body(route: Route = Route.COMPLETIONS, *, stream: bool = False,
                 max_tokens: int = 6, **extra: Any) -> dict[str, Any]:
-    return openai_bodies.client_body(route, stream=stream, max_tokens=max_tokens, prompt=PROMPT,
+    return openai_builders.client_body(route, stream=stream, max_tokens=max_tokens, prompt=PROMPT,
                                      **extra)
 
 
@@ -229,20 +229,9 @@ def faults(*items: dict[str, Any]) -> tuple[Fault, ...]:
                        **{k: v for k, v in item.items() if k != "kind"}) for item in items)
 
 
-def sidecar_settings_for(engine: str, connector: str, prefill: Stub, decode: Stub,
-                         **overrides: Any) -> dict[str, Any]:
-    settings: dict[str, Any] = {
-        "engine": engine,
-        "kv_connector": connector,
-        "engine_url": decode.url,
-        "prefill_allowlist": (f"127.0.0.1:{prefill.port}",),
-        "grpc_enabled": False,
-    }
-    if prefill.bootstrap_port:
-        settings["sglang_bootstrap_port"] = prefill.bootstrap_port
-        settings["mooncake_bootstrap_port"] = prefill.bootstrap_port
-    settings.update(overrides)
-    return settings
+# The one builder of a decode sidecar's settings (sidecar_builders), under the name these
+# suites use.
+sidecar_settings_for = decode_sidecar_settings
 
 
 @contextlib.asynccontextmanager

@@ -6,7 +6,7 @@
     render_events(...) ─▶ SSE events: one per token, [usage,] ``data: [DONE]``
 
 Token ids, words and the remote/local distinction are the aiohttp stubs' own
-(``sidecar.stubs.textgen``): a decode that used the prefill's KV answers lowercase words, a
+(``sidecar.tools.stubs.textgen``): a decode that used the prefill's KV answers lowercase words, a
 local recompute UPPERCASE ones, so a broken hand-off shows in the text.
 
 Deliberate limits: completions only (no chat), one string prompt or one list of token ids,
@@ -22,9 +22,9 @@ from typing import Any, Final
 
 import orjson
 
-from sidecar.stubs import textgen
-from sidecar.stubs.openai import BadRequest, check_limits, usage
-from sidecar.stubs.textgen import PrefillKind
+from sidecar.tools.stubs import textgen
+from sidecar.tools.stubs.openai import BadRequest, check_limits, usage
+from sidecar.tools.stubs.textgen import PrefillKind
 
 DONE: Final = b"data: [DONE]\n\n"
 _CACHE_LIMIT: Final = 4096

@@ -23,8 +23,8 @@ from sidecar.engines import handoff_keys
 from sidecar.kv_agents import valid_agent_names
 from sidecar.serve import run_server
 from sidecar.settings import Settings
-from sidecar.stubs.config import StubConfig
-from sidecar.stubs.server import run_stub
+from sidecar.tools.stubs.config import StubConfig
+from sidecar.tools.stubs.server import run_stub
 
 #: The fields each engine family's decode leg gets from the hand-off, for printing.
 _HANDOFF_KEYS = handoff_keys()

@@ -1,0 +1,12 @@
+"""The stub engines' lean transport: asyncio Protocols + httptools, for the benchmark.
+
+    server.py    the HTTP app: common routes, dispatch to a flavour, hand-off tally
+    http.py      keep-alive HTTP/1.1 server (answers without a task when nothing waits)
+    vllm.py      vLLM NixlConnector flavour     nixl.py   its pull client
+    sglang.py    SGLang flavour                 rooms.py  its bootstrap rendezvous channel
+    openai.py    ``/v1/completions`` parsing and pre-rendered answers (cached words)
+
+It serves the same behaviour as the aiohttp transport (``sidecar.tools.stubs``: config, verdicts,
+hand-off shapes, metric lines) at a fraction of the CPU, for the subset the bench uses:
+vLLM NIXL and SGLang, completions, zero latency, no faults or recording.
+"""
