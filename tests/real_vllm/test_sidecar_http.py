@@ -14,7 +14,8 @@ decode engine and the prefill engine named by ``x-prefiller-host-port``:
   own request models.
 
 The negative control (a corrupted hand-off changes the output) is in test_engines_direct.py.
-Does not prove SGLang, TensorRT-LLM or Mooncake against real engines (stubs cover those).
+Does not prove SGLang or TensorRT-LLM against real engines (stubs cover those); Mooncake is in
+test_mooncake.py.
 """
 
 from __future__ import annotations
