@@ -103,7 +103,9 @@ fi
 # The transfer engine's extension links libibverbs.so.1 (RDMA verbs) even when only TCP is
 # used; Debian ships it as libibverbs1. Installed only where it is missing, as root.
 install_libibverbs() {
-  if ldconfig -p | grep -q 'libibverbs\.so\.1 '; then
+  # grep reads all of ldconfig's output (no -q): an early exit would SIGPIPE it under
+  # pipefail and read as "missing".
+  if ldconfig -p | grep 'libibverbs\.so\.1 ' >/dev/null; then
     return 0
   fi
   if [[ $(id -u) -ne 0 ]] || ! command -v apt-get >/dev/null; then
