@@ -1,8 +1,9 @@
 """Small synchronous HTTP helpers for talking to real engines on loopback from tests.
 
 Owns: POSTing OpenAI bodies (JSON or SSE-streamed), collecting a stream's text, reading a
-Prometheus metric from ``/metrics``, and building the NIXL prefill/decode bodies the way the
-vLLM docs describe (the reference the sidecar's own builders are compared against).
+Prometheus metric from ``/metrics``, and building the NIXL and Mooncake prefill/decode bodies
+the way the vLLM docs and examples describe (the reference the sidecar's own builders are
+compared against).
 
 Deliberate limits: blocking ``urllib`` only (tests call engines one request at a time, and
 the sidecar's venv needs nothing extra); no retries; bodies are plain dicts.
@@ -135,6 +136,39 @@ def decode_body(
         raise AssertionError(f"prefill reply has no kv_transfer_params: {prefill_reply}")
     out = copy.deepcopy(body)
     out["kv_transfer_params"] = {**params, "remote_host": remote_host}
+    return out
+
+
+def mooncake_prefill_body(body: dict[str, Any], transfer_id: str) -> dict[str, Any]:
+    """The Mooncake prefill leg (vLLM's Mooncake proxy example): one token, not streamed,
+    pushing its KV to whichever decode asks for ``transfer_id``."""
+    out = copy.deepcopy(body)
+    out["max_tokens"] = 1
+    out.pop("max_completion_tokens", None)
+    out.pop("min_tokens", None)
+    out["stream"] = False
+    out.pop("stream_options", None)
+    out["kv_transfer_params"] = {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "transfer_id": transfer_id,
+    }
+    return out
+
+
+def mooncake_decode_body(
+    body: dict[str, Any], transfer_id: str, bootstrap_addr: str, engine_id: str
+) -> dict[str, Any]:
+    """The Mooncake decode leg: the original body asking ``engine_id`` (found through the
+    bootstrap server at ``bootstrap_addr``, ``http://host:port``) for ``transfer_id``."""
+    out = copy.deepcopy(body)
+    out["kv_transfer_params"] = {
+        "do_remote_decode": False,
+        "do_remote_prefill": True,
+        "transfer_id": transfer_id,
+        "remote_bootstrap_addr": bootstrap_addr,
+        "remote_engine_id": engine_id,
+    }
     return out
 
 

@@ -8,7 +8,8 @@ Owns: where the engine environment lives (``EngineEnv``), what one engine is
           --stop: SIGTERM the group, wait, SIGKILL the group--> gone (temp dir removed)
 
 Every engine gets its own temp dir (caches, TMPDIR, HOME, log), ports chosen free by the OS,
-loopback-only networking (UCX on ``lo``, NIXL side channel on 127.0.0.1) and one pinned core.
+loopback-only networking (UCX on ``lo``, NIXL side channel and Mooncake's transfer engine on
+127.0.0.1; a Mooncake producer's bootstrap server on its own free port) and one pinned core.
 Nothing survives: ``EngineGroup`` is a context manager, a module ``atexit`` hook kills any
 group still alive, and each engine asks the kernel to SIGTERM it if the test process dies
 (``PR_SET_PDEATHSIG``; engines are spawned from the main thread for that reason).
@@ -87,6 +88,11 @@ class EngineEnv:
     vllm_version: str = VLLM_VERSION
 
     @property
+    def mooncake_ready(self) -> bool:
+        """setup_env.sh installed Mooncake's transfer engine and patched the connector."""
+        return (self.root / ".mooncake-ready").is_file()
+
+    @property
     def modelinfo_cache(self) -> Path:
         """vLLM's model-info cache made by setup_env.sh (seeded into each engine's cache)."""
         return self.root / "vllm-cache" / "modelinfos"
@@ -126,6 +132,16 @@ class EngineSpec:
         cfg = self.kv_transfer_config
         return cfg is not None and cfg.get("kv_connector") == "NixlConnector"
 
+    @property
+    def serves_mooncake_bootstrap(self) -> bool:
+        """A Mooncake producer runs the bootstrap server (``/query``) decode engines ask."""
+        cfg = self.kv_transfer_config
+        return (
+            cfg is not None
+            and cfg.get("kv_connector") == "MooncakeConnector"
+            and cfg.get("kv_role") != "kv_consumer"
+        )
+
 
 @dataclass
 class Engine:
@@ -138,6 +154,7 @@ class Engine:
     workdir: Path
     started_at: float
     ready_after_s: float | None = None
+    mooncake_bootstrap_port: int | None = None
 
     @property
     def url(self) -> str:
@@ -165,6 +182,19 @@ def free_port() -> int:
 
 def nixl_config(role: str) -> dict[str, Any]:
     return {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu"}
+
+
+def mooncake_config(role: str, engine_id: str | None = None) -> dict[str, Any]:
+    """MooncakeConnector over TCP (the CPU build has no RDMA device); ``engine_id`` fixes the
+    id the producer registers with its bootstrap server (vLLM picks a uuid otherwise)."""
+    config: dict[str, Any] = {
+        "kv_connector": "MooncakeConnector",
+        "kv_role": role,
+        "kv_connector_extra_config": {"mooncake_protocol": "tcp"},
+    }
+    if engine_id is not None:
+        config["engine_id"] = engine_id
+    return config
 
 
 def example_config(storage_dir: Path) -> dict[str, Any]:
@@ -195,7 +225,11 @@ def _base_environ() -> dict[str, str]:
 
 
 def _engine_environ(
-    env: EngineEnv, spec: EngineSpec, workdir: Path, side_port: int | None
+    env: EngineEnv,
+    spec: EngineSpec,
+    workdir: Path,
+    side_port: int | None,
+    bootstrap_port: int | None = None,
 ) -> dict[str, str]:
     environ = _base_environ()
     dirs = {
@@ -233,6 +267,9 @@ def _engine_environ(
     if side_port is not None:
         environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
         environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(side_port)
+    if bootstrap_port is not None:
+        # vLLM's Mooncake bootstrap server binds 0.0.0.0 on this port (default 8998).
+        environ["VLLM_MOONCAKE_BOOTSTRAP_PORT"] = str(bootstrap_port)
     environ.update(spec.extra_env)
     return environ
 
@@ -317,11 +354,12 @@ class EngineGroup:
         workdir.mkdir(parents=True)
         port = free_port()
         side_port = free_port() if spec.uses_nixl else None
+        bootstrap_port = free_port() if spec.serves_mooncake_bootstrap else None
         log = (workdir / "engine.log").open("wb")
         try:
             process = subprocess.Popen(
                 _engine_argv(self.env, spec, port),
-                env=_engine_environ(self.env, spec, workdir, side_port),
+                env=_engine_environ(self.env, spec, workdir, side_port, bootstrap_port),
                 cwd=workdir,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
@@ -339,6 +377,7 @@ class EngineGroup:
             process=process,
             workdir=workdir,
             started_at=time.monotonic(),
+            mooncake_bootstrap_port=bootstrap_port,
         )
         self.engines[spec.name] = engine
         return engine

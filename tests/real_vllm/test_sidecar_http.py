@@ -14,24 +14,19 @@ decode engine and the prefill engine named by ``x-prefiller-host-port``:
   own request models.
 
 The negative control (a corrupted hand-off changes the output) is in test_engines_direct.py.
-Does not prove SGLang, TensorRT-LLM or Mooncake against real engines (stubs cover those).
+Does not prove SGLang or TensorRT-LLM against real engines (stubs cover those); Mooncake is in
+test_mooncake.py.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import signal
 import socket
-import subprocess
-import sys
-import threading
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -47,6 +42,8 @@ from real_vllm.client import (
     text_of_stream,
 )
 from real_vllm.engine_schema import VllmSchema
+from real_vllm.sidecar_process import PREFILL_HEADER, Sidecar, through
+from real_vllm.sidecar_process import sidecar_process as _sidecar_process
 from real_vllm.stack import RealVllm
 from sidecar.engines import resolve_engine
 from sidecar.ids import IdSources, RoomAllocator, SnowflakeIds
@@ -56,41 +53,7 @@ from sidecar.protocol.context import HandoffContext, PrefillTarget, Route
 ROUTES = {"completion": "/v1/completions", "chat": "/v1/chat/completions"}
 NIXL_BYTES = "vllm:nixl_bytes_transferred_sum"
 EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"
-HEADER = "x-prefiller-host-port"
-
-
-@dataclass(frozen=True)
-class Sidecar:
-    url: str
-
-
-def _sidecar_process(tmp: Path, *args: str) -> Iterator[Sidecar]:
-    ports_file = tmp / "ports.json"
-    process = subprocess.Popen(
-        [sys.executable, "-m", "sidecar", "serve", "--host", "127.0.0.1", "--port", "0",
-         "--no-grpc", "--ports-file", str(ports_file), "--prefill-allowlist", "127.0.0.1:*",
-         "--log-level", "info", *args],
-        stderr=subprocess.PIPE, text=True,
-    )
-    assert process.stderr is not None
-    try:
-        # The sidecar logs "listening:" after writing the ports file; stderr ends if it dies.
-        for line in process.stderr:
-            if "listening:" in line:
-                break
-        else:
-            raise AssertionError(f"sidecar exited with {process.wait()} before listening")
-        # Keep draining its log so a chatty sidecar never blocks on a full pipe.
-        threading.Thread(target=process.stderr.read, daemon=True).start()
-        ports = json.loads(ports_file.read_text())
-        yield Sidecar(url=f"http://127.0.0.1:{ports['http']}")
-    finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+HEADER = PREFILL_HEADER
 
 
 @pytest.fixture(scope="module")
@@ -119,19 +82,7 @@ def _body(kind: str, tag: str, **extra: Any) -> dict[str, Any]:
 
 
 def _through(sidecar: Sidecar, kind: str, body: dict[str, Any], target: str) -> str:
-    url = sidecar.url + ROUTES[kind]
-    request = urllib.request.Request(
-        url, data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json", HEADER: target}, method="POST",
-    )
-    with urllib.request.urlopen(request, timeout=120) as response:
-        raw = response.read().decode()
-    if body.get("stream"):
-        events = [json.loads(line[6:]) for line in raw.splitlines()
-                  if line.startswith("data: ") and line != "data: [DONE]"]
-        assert raw.rstrip().endswith("data: [DONE]")
-        return text_of_stream(events)
-    return text_of(json.loads(raw))
+    return through(sidecar, ROUTES[kind], body, target)
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])

@@ -1,0 +1,76 @@
+"""The sidecar as its own process in front of a real engine, and requests through it.
+
+Owns: starting ``python -m sidecar serve`` on an OS-chosen port (HTTP only, loopback, every
+loopback prefill target allowed) and stopping it, and sending one OpenAI request through its
+HTTP front door with ``x-prefiller-host-port`` (JSON or streamed) to get the generated text.
+
+Deliberate limits: blocking ``urllib`` only; a stream must end with ``data: [DONE]``.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from real_vllm.client import text_of, text_of_stream
+
+PREFILL_HEADER = "x-prefiller-host-port"
+
+
+@dataclass(frozen=True)
+class Sidecar:
+    url: str
+
+
+def sidecar_process(tmp: Path, *args: str) -> Iterator[Sidecar]:
+    """Run a sidecar with ``args`` until the generator is closed (a fixture's body)."""
+    ports_file = tmp / "ports.json"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "sidecar", "serve", "--host", "127.0.0.1", "--port", "0",
+         "--no-grpc", "--ports-file", str(ports_file), "--prefill-allowlist", "127.0.0.1:*",
+         "--log-level", "info", *args],
+        stderr=subprocess.PIPE, text=True,
+    )
+    assert process.stderr is not None
+    try:
+        # The sidecar logs "listening:" after writing the ports file; stderr ends if it dies.
+        for line in process.stderr:
+            if "listening:" in line:
+                break
+        else:
+            raise AssertionError(f"sidecar exited with {process.wait()} before listening")
+        # Keep draining its log so a chatty sidecar never blocks on a full pipe.
+        threading.Thread(target=process.stderr.read, daemon=True).start()
+        ports = json.loads(ports_file.read_text())
+        yield Sidecar(url=f"http://127.0.0.1:{ports['http']}")
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def through(sidecar: Sidecar, path: str, body: dict[str, Any], target: str) -> str:
+    """POST ``body`` to the sidecar's ``path`` with prefill target ``target``; the text."""
+    request = urllib.request.Request(
+        sidecar.url + path, data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", PREFILL_HEADER: target}, method="POST",
+    )
+    with urllib.request.urlopen(request, timeout=120) as response:
+        raw = response.read().decode()
+    if body.get("stream"):
+        events = [json.loads(line[6:]) for line in raw.splitlines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+        assert raw.rstrip().endswith("data: [DONE]")
+        return text_of_stream(events)
+    return text_of(json.loads(raw))
