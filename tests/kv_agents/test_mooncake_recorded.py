@@ -25,7 +25,7 @@ from sidecar.engines import resolve_engine
 from sidecar.kv_agents import resolve_agent
 from sidecar.kv_agents.mooncake import engine_id_from_query
 from sidecar.protocol.context import HandoffContext, PrefillTarget, Route
-from sidecar.stubs import StubConfig, run_stub
+from sidecar.tools.stubs import StubConfig, run_stub
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm" / "0.32.0"
 QUERY = FIXTURES / "mooncake_query.json"
@@ -65,10 +65,10 @@ def test_sidecar_bodies_equal_the_recorded_ones(path: Path) -> None:
         mooncake_bootstrap_port=bootstrap.port,
     ).with_ids(mooncake_transfer_id=recorded["transfer_id"], mooncake_engine_id=engine_id)
 
-    assert handler.prefill_body(client, ctx, agent) == recorded["prefill_request"]
+    assert handler.bind(agent).prefill_body(client, ctx) == recorded["prefill_request"]
     # The push flow reads nothing from the prefill's answer (vLLM returns no params).
     assert recorded["prefill_response"]["kv_transfer_params"] is None
-    handoff = handler.handoff(recorded["prefill_response"], ctx, agent)
+    handoff = handler.bind(agent).handoff(recorded["prefill_response"], ctx)
     assert handler.decode_body(client, handoff) == recorded["decode_request"]
 
 

@@ -56,7 +56,6 @@ from real_vllm.harness import (
 from real_vllm.sidecar_process import Sidecar, sidecar_process, through
 from real_vllm.stack import RealVllm
 from sidecar.engines import resolve_engine
-from sidecar.grpc_server.router_cli import route
 from sidecar.grpc_server.server import start_grpc_server
 from sidecar.ids import IdSources, RoomAllocator, SnowflakeIds
 from sidecar.kv_agents import resolve_agent
@@ -64,6 +63,7 @@ from sidecar.kv_agents.mooncake import engine_id_from_query
 from sidecar.protocol.context import HandoffContext, PrefillTarget, Route
 from sidecar.runtime import open_runtime
 from sidecar.settings import Settings
+from sidecar.tools.route import route
 
 ROUTES = {"completion": "/v1/completions", "chat": "/v1/chat/completions"}
 EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"
@@ -294,8 +294,8 @@ def test_sidecar_mooncake_bodies_validate_against_vllm_models(
         ctx = HandoffContext(route=path, request_id="schema", advertise_host="127.0.0.1",
                              prefill=PrefillTarget("127.0.0.1", mooncake.prefill_engine.port),
                              mooncake_bootstrap_port=mooncake.bootstrap_port)
-        ctx = handler.assign_ids(ctx, ids, agent).with_ids(mooncake_engine_id=engine_id)
-        prefill = handler.prefill_body(body, ctx, agent)
-        decode = handler.decode_body(body, handler.handoff(None, ctx, agent))
+        ctx = handler.bind(agent).assign_ids(ctx, ids).with_ids(mooncake_engine_id=engine_id)
+        prefill = handler.bind(agent).prefill_body(body, ctx)
+        decode = handler.decode_body(body, handler.bind(agent).handoff(None, ctx))
         items += [(kind, prefill), (kind, decode)]
     assert vllm_schema.validate_many(items) == [None] * len(items)

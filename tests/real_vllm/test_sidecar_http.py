@@ -175,9 +175,9 @@ def test_sidecar_bodies_validate_against_vllm_models(
                      stream_options={"include_usage": True}, min_tokens=2)
         ctx = HandoffContext(route=route, request_id="schema", advertise_host="127.0.0.1",
                              prefill=PrefillTarget("127.0.0.1", real_vllm.nixl.prefill_engine.port))
-        ctx = handler.assign_ids(ctx, ids, agent)
-        prefill = handler.prefill_body(body, ctx, agent)
+        ctx = handler.bind(agent).assign_ids(ctx, ids)
+        prefill = handler.bind(agent).prefill_body(body, ctx)
         reply = post_json(real_vllm.nixl.prefill + ROUTES[kind], prefill)
-        decode = handler.decode_body(body, handler.handoff(reply, ctx, agent))
+        decode = handler.decode_body(body, handler.bind(agent).handoff(reply, ctx))
         items += [(kind, prefill), (kind, decode)]
     assert vllm_schema.validate_many(items) == [None] * len(items)
