@@ -6,6 +6,10 @@ Both front doors (HTTP and gRPC) take the same ``Runtime``: one pooled upstream 
 (``sidecar.http1.EngineClient``, called ``session``), one orchestrator, one metrics registry,
 one admission counter. ``open_runtime`` must run inside the event loop (the client binds to
 it).
+
+In a pool of workers (``worker``: ``sidecar.workers.WorkerIdentity``) each process has its own
+Runtime; the worker's lane keeps its ids apart from the other workers' and its admission
+counts the whole pool's requests (``sidecar.workers.shared_inflight``).
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ from sidecar.ids import INT32_ROOMS, IdSources, RoomAllocator, SnowflakeIds
 from sidecar.kv_agents import KVTransferAgent, resolve_agent
 from sidecar.metrics import Metrics
 from sidecar.settings import Settings
+from sidecar.workers.identity import INFLIGHT_FILE, SOLO, WorkerIdentity
+from sidecar.workers.shared_inflight import InflightSlots
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +52,7 @@ class Runtime:
     selector: TargetSelector
     admission: Admission
     health: EngineHealth
+    worker: WorkerIdentity = SOLO
 
     @property
     def engine_name(self) -> str:
@@ -63,9 +70,17 @@ def resolve_parts(settings: Settings) -> tuple[EngineHandler, KVTransferAgent | 
     return handler, agent
 
 
+def _admission(settings: Settings, worker: WorkerIdentity) -> Admission:
+    """The in-flight bound: this process's, or (in a pool) the whole pool's."""
+    if not worker.pooled or worker.run_dir is None:
+        return Admission(settings.max_inflight)
+    slots = InflightSlots.open(worker.run_dir / INFLIGHT_FILE, worker.count, worker.index)
+    return Admission(settings.max_inflight, slots)
+
+
 @contextlib.asynccontextmanager
 async def open_runtime(
-    settings: Settings, metrics: Metrics | None = None
+    settings: Settings, metrics: Metrics | None = None, worker: WorkerIdentity = SOLO
 ) -> AsyncIterator[Runtime]:
     """Build the shared services; close the client session on exit."""
     metrics = metrics or Metrics()
@@ -80,8 +95,11 @@ async def open_runtime(
             engine_ids = EngineIdCache(
                 session, engine_id_from_query, timeout_s=settings.connect_timeout_s
             )
-        snowflake = SnowflakeIds(settings.trtllm_machine_id)
-        rooms = RoomAllocator()
+        # Each worker of a pool draws ids from its own lane (see sidecar.ids).
+        snowflake = SnowflakeIds(
+            settings.trtllm_machine_id, lane=worker.index, lanes=worker.count
+        )
+        rooms = RoomAllocator(lane=worker.index, lanes=worker.count)
 
         def orchestrator(ids: IdSources, front_door: str) -> Orchestrator:
             fallbacks = metrics.prefill_fallbacks
@@ -119,8 +137,9 @@ async def open_runtime(
                 IdSources(snowflake, rooms.narrowed(INT32_ROOMS)), "grpc"
             ),
             selector=selector,
-            admission=Admission(settings.max_inflight),
+            admission=_admission(settings, worker),
             health=EngineHealth(session, settings.engine_url, timeout_s=settings.connect_timeout_s),
+            worker=worker,
         )
         runtime.health.on_change(lambda ready: metrics.engine_ready.set(1 if ready else 0))
         yield runtime

@@ -132,6 +132,8 @@ def _services(
         root,
         lambda: prefill.active_keys | area.owned_keys(),
         older_than_s=settings.prefill_timeout_s + _ORPHAN_MARGIN_S,
+        sweeps=runtime.worker.runs_pod_chores,  # one sweep per pod (worker 0)
+        touches=runtime.worker.pooled,
     )
     return prefill, InlineDecodeService(runtime, decode_model, area), sweeper
 
