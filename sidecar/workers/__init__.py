@@ -7,6 +7,6 @@
     supervisor        spawns the workers, restarts a dead one, forwards SIGTERM, cleans up
     entry             a worker process: its settings from the run directory, then serve
 
-Nothing here is imported by a lone process beyond ``identity`` and ``shared_inflight``'s
-type; with ``--workers 1`` (the default) ``disagg-sidecar serve`` runs as it always did.
+With ``--workers 1`` (the default) ``disagg-sidecar serve`` runs as it always did: no
+supervisor, and the lone process is ``identity.SOLO`` (one lane, nothing shared).
 """

@@ -66,7 +66,7 @@ async def serve_worker(
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     settings = Settings.model_validate_json((args.run_dir / SETTINGS_FILE).read_bytes())
-    configure_logging(settings.log_level, settings.log_format)
+    configure_logging(settings.log_level, settings.log_format, worker=args.index)
     worker = WorkerIdentity(args.index, args.count, args.run_dir)
     from sidecar.__main__ import run_async
 

@@ -1,6 +1,7 @@
 """Proves that ``serve --workers 2`` is one sidecar on one set of ports:
 
-- both worker processes accept connections on the same HTTP port and serve PD requests;
+- both worker processes accept connections on the same HTTP port and serve PD requests (and
+  name themselves in their log lines);
 - ``/metrics``, from whichever worker answers, adds up every worker's counters, histograms and
   gauges, with the same metric names and labels as one process (``--workers 1``);
 - identifiers stay unique across the workers under concurrent requests, as the stub engines
@@ -37,6 +38,8 @@ async def test_both_workers_serve_and_metrics_add_up() -> None:
                       for pid in pool.pids.values()]
         assert len(per_worker) == 2 and all(n > 0 for n in per_worker), per_worker
         assert sum(per_worker) == 40
+        for index in (0, 1):  # each worker names itself in its log lines
+            assert pool.count(f"worker={index} sidecar.serve: listening:") == 1
         for _ in range(4):  # each scrape is a fresh connection: any worker may answer
             text = await pool.scrape()
             assert sample_sum(text, "disagg_requests_total", outcome="ok") == 40
