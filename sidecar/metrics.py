@@ -14,8 +14,9 @@ same names and labels. Counters and histograms add up across workers, a dead wor
 included (they never go backwards); the gauges say how they combine: ``livesum`` for what
 each worker holds (requests in flight, staged KV bytes), ``livemax`` for the engine's
 readiness (every worker probes the same engine; a worker just restarted and not yet probing
-must not report it down). Without the variable (one worker) the registry is exposed as it
-is, exactly as before. prometheus-client's multiprocess mode keeps no ``_created`` samples.
+must not report it down). One worker (no pool) exposes its registry as it is, exactly as
+before, even where someone else set that variable. prometheus-client's multiprocess mode
+keeps no ``_created`` samples.
 """
 
 from __future__ import annotations
@@ -40,22 +41,27 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 
-def _pool_registry() -> CollectorRegistry | None:
-    """The registry that reads every worker's files, when this process is a pool's worker."""
-    directory = os.environ.get(MULTIPROC_DIR_ENV)
-    if not directory:
-        return None
+def _pool_registry(directory: str) -> CollectorRegistry:
+    """The registry that reads every worker's files in ``directory``."""
     registry = CollectorRegistry()
     MultiProcessCollector(registry, path=directory)  # type: ignore[no-untyped-call]
     return registry
 
 
+def pool_metrics_dir(pooled: bool) -> str | None:
+    """Where a pool's workers keep their values (set by the supervisor), None for one process."""
+    return (os.environ.get(MULTIPROC_DIR_ENV) or None) if pooled else None
+
+
 class Metrics:
     """The sidecar's metric families, registered in their own registry."""
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(
+        self, registry: CollectorRegistry | None = None, pool_dir: str | None = None
+    ) -> None:
+        """``pool_dir``: a pool's multiprocess directory; ``/metrics`` then reads them all."""
         self.registry = registry or CollectorRegistry(auto_describe=True)
-        self._exposed = _pool_registry() or self.registry
+        self._exposed = self.registry if pool_dir is None else _pool_registry(pool_dir)
         self._children: dict[tuple[int, tuple[str, ...]], MetricWrapperBase] = {}
         r = self.registry
         self.requests = Counter(

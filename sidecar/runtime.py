@@ -30,7 +30,7 @@ from sidecar.engines import EngineHandler, resolve_engine
 from sidecar.http1 import EngineClient
 from sidecar.ids import INT32_ROOMS, IdSources, RoomAllocator, SnowflakeIds
 from sidecar.kv_agents import KVTransferAgent, resolve_agent
-from sidecar.metrics import Metrics
+from sidecar.metrics import Metrics, pool_metrics_dir
 from sidecar.settings import Settings
 from sidecar.workers.identity import INFLIGHT_FILE, SOLO, WorkerIdentity
 from sidecar.workers.shared_inflight import InflightSlots
@@ -83,7 +83,7 @@ async def open_runtime(
     settings: Settings, metrics: Metrics | None = None, worker: WorkerIdentity = SOLO
 ) -> AsyncIterator[Runtime]:
     """Build the shared services; close the client session on exit."""
-    metrics = metrics or Metrics()
+    metrics = metrics or Metrics(pool_dir=pool_metrics_dir(worker.pooled))
     handler, agent = resolve_parts(settings)
     session = make_session(settings)
     resources = contextlib.AsyncExitStack()

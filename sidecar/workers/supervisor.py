@@ -205,41 +205,56 @@ def _write_ports_file(path: str, ports: dict[str, int]) -> None:
 
 async def _run(pool: _Pool) -> int:
     loop = asyncio.get_running_loop()
-    first_starts = [loop.create_future() for _ in range(pool.count)]
+    first_starts: list[asyncio.Future[bool]] = [loop.create_future() for _ in range(pool.count)]
     keepers = [
         asyncio.ensure_future(pool.keep(index, first))
         for index, first in enumerate(first_starts)
     ]
     stopping = asyncio.ensure_future(pool.stop.wait())
     all_started = asyncio.gather(*first_starts)
+    failed = False
     try:
-        waiting: set[asyncio.Future[Any]] = {stopping, all_started}
+        # A keeper ends before the stop only when its worker could not start or it broke.
+        waiting: set[asyncio.Future[Any]] = {stopping, all_started, *keepers}
         await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-        failed_start = any(f.done() and not f.result() for f in first_starts)
+        failed = any(f.done() and not f.result() for f in first_starts) or any(
+            k.done() for k in keepers
+        )
         if not pool.stop.is_set():
-            if failed_start:
+            if failed:
                 pool.stop.set()  # one worker could not start: the pool does not either
             else:
-                ports = _pool_ports(pool.settings, pool)
-                if pool.settings.ports_file:
-                    _write_ports_file(pool.settings.ports_file, ports)
-                logger.info("pool listening: %s (%d workers, pids %s)",
-                            " ".join(f"{k}={pool.settings.host}:{v}" for k, v in ports.items()),
-                            pool.count,
-                            ",".join(str(p.pid) for p in pool.processes.values()))
-        await stopping
+                _announce(pool)
+                await asyncio.wait({stopping, *keepers}, return_when=asyncio.FIRST_COMPLETED)
+                if not pool.stop.is_set():  # a keeper broke (it never returns otherwise)
+                    failed = True
+                    pool.stop.set()
         logger.info("stopping %d workers", pool.count)
         pool.terminate_all()
-        returncodes = await asyncio.gather(*keepers)
+        outcomes = await asyncio.gather(*keepers, return_exceptions=True)
     finally:
         stopping.cancel()
         all_started.cancel()
         for keeper in keepers:
             keeper.cancel()
         pool.terminate_all()
-    if failed_start:
-        return 1
-    return 0 if all(_clean_exit(code) for code in returncodes) else 1
+    for index, outcome in enumerate(outcomes):
+        if isinstance(outcome, BaseException):
+            logger.error("supervising worker %d failed: %r", index, outcome)
+            failed = True
+        elif not _clean_exit(outcome):
+            failed = True
+    return 1 if failed else 0
+
+
+def _announce(pool: _Pool) -> None:
+    """Every worker listens: write the ports file and say so."""
+    ports = _pool_ports(pool.settings, pool)
+    if pool.settings.ports_file:
+        _write_ports_file(pool.settings.ports_file, ports)
+    logger.info("pool listening: %s (%d workers, pids %s)",
+                " ".join(f"{k}={pool.settings.host}:{v}" for k, v in ports.items()),
+                pool.count, ",".join(str(p.pid) for p in pool.processes.values()))
 
 
 def _pool_ports(settings: Settings, pool: _Pool) -> dict[str, int]:
