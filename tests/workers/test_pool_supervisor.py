@@ -112,7 +112,6 @@ async def test_a_worker_dying_after_listening_is_restarted_then_all_stop(
 ) -> None:
     spawner = FakeSpawner(failing=set())
     monkeypatch.setattr(supervisor._Pool, "spawn", spawner.method)
-    monkeypatch.setattr(supervisor, "FIRST_BACKOFF_S", 0.0)
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     stop = asyncio.Event()
