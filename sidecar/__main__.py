@@ -1,6 +1,7 @@
 """The composition root: ``disagg-sidecar <command>``.
 
-    serve        run the sidecar (HTTP + gRPC front doors) next to an engine
+    serve        run the sidecar (HTTP + gRPC front doors) next to an engine; with
+                 --workers N, N processes on the same ports under one supervisor
     config       print the resolved settings (with their sources) as JSON and exit
     demo         stub engines + sidecar on loopback, one streamed PD request, exit
     stub-engine  run one stub engine (vLLM, SGLang or TensorRT-LLM; prefill or decode)
@@ -54,6 +55,10 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     configure_logging(loaded.settings.log_level, loaded.settings.log_format)
     log_effective_settings(loaded, logger)
+    if loaded.settings.workers > 1:
+        from sidecar.workers.supervisor import supervise
+
+        return run_async(supervise(loaded.settings))
     from sidecar.serve import serve_until_signalled
 
     return run_async(serve_until_signalled(loaded.settings))

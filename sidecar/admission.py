@@ -3,22 +3,36 @@
     enter() ─▶ Overloaded (over --max-inflight) | Draining (after SIGTERM) | admitted
     leave() ─▶ wakes wait_idle() when the last request ends
 
+With ``--workers N`` the bound is the pool's: ``pool`` (this worker's view of every worker's
+in-flight count, ``sidecar.workers.shared_inflight``) adds the other workers' requests to
+this one's before comparing, and each change is published there.
+
 Deliberate limits: a plain counter, not a queue; a refused client retries (HTTP 503 carries
-Retry-After) rather than waiting here.
+Retry-After) rather than waiting here. Draining is per process (every worker gets SIGTERM).
 """
 
 from __future__ import annotations
 
 import asyncio
+from typing import Protocol
 
 from sidecar.errors import Draining, Overloaded
+
+
+class PoolInflight(Protocol):
+    """The other workers' requests in flight, and where this worker's count is published."""
+
+    def others(self) -> int: ...
+
+    def publish(self, inflight: int) -> None: ...
 
 
 class Admission:
     """Counts requests in flight and refuses new ones when full or draining."""
 
-    def __init__(self, max_inflight: int) -> None:
+    def __init__(self, max_inflight: int, pool: PoolInflight | None = None) -> None:
         self._max_inflight = max_inflight
+        self._pool = pool
         self._inflight = 0
         self._draining = False
         self._idle = asyncio.Event()
@@ -35,13 +49,21 @@ class Admission:
     def enter(self) -> None:
         if self._draining:
             raise Draining("the sidecar is shutting down")
-        if self._inflight >= self._max_inflight:
+        pool = self._pool
+        if pool is None:
+            if self._inflight >= self._max_inflight:
+                raise Overloaded("too many requests in flight")
+        elif self._inflight + pool.others() >= self._max_inflight:
             raise Overloaded("too many requests in flight")
         self._inflight += 1
         self._idle.clear()
+        if pool is not None:
+            pool.publish(self._inflight)
 
     def leave(self) -> None:
         self._inflight -= 1
+        if self._pool is not None:
+            self._pool.publish(self._inflight)
         if self._inflight == 0:
             self._idle.set()
 

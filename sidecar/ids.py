@@ -6,6 +6,16 @@
 - ``RoomAllocator``: SGLang ``bootstrap_room``: random, non-negative, unique among the rooms
   in flight (a reused room can inherit a stale failure). ``INT32_ROOMS`` fits SGLang's gRPC.
 - ``IdSources``: the bundle the orchestrator hands to handlers.
+
+Workers (``--workers N``): each worker process draws from its own *lane* (its index of N) so
+no two workers of one pod can produce the same id, while every worker keeps the configured
+machine id (the pod's identity towards TRT-LLM):
+
+- snowflake: the 12-bit counter runs ``lane, lane + N, lane + 2N, ...`` below
+  ``N * (4096 // N)``, so ``counter % N`` is the lane: each worker has ``4096 // N`` ids per
+  millisecond (one worker: 0..4095, exactly the seed's counter);
+- rooms: ``room % N`` is the lane, in the int64 HTTP range and the int32 gRPC range alike, so
+  one worker's gRPC rooms never meet another's HTTP rooms either.
 """
 
 from __future__ import annotations
@@ -45,30 +55,58 @@ def snowflake_id(now_ms: int, machine_id: int, counter: int) -> int:
     return raw % _FOLD_MODULUS + TRT_MIN_GLOBAL_ID
 
 
-class SnowflakeIds:
-    """Generates TRT-LLM disagg request ids for one machine id."""
+def _check_lane(lane: int, lanes: int, most: int) -> None:
+    if not 1 <= lanes <= most:
+        raise ValueError(f"lanes {lanes} is outside 1..{most}")
+    if not 0 <= lane < lanes:
+        raise ValueError(f"lane {lane} is outside 0..{lanes - 1}")
 
-    def __init__(self, machine_id: int, clock_ms: Callable[[], int] | None = None) -> None:
+
+class SnowflakeIds:
+    """Generates TRT-LLM disagg request ids for one machine id (and one worker's lane)."""
+
+    def __init__(
+        self,
+        machine_id: int,
+        clock_ms: Callable[[], int] | None = None,
+        *,
+        lane: int = 0,
+        lanes: int = 1,
+    ) -> None:
         validate_trt_machine_id(machine_id)
+        _check_lane(lane, lanes, _COUNTER_MASK + 1)
         self._machine_id = machine_id
         self._clock_ms = clock_ms or (lambda: time.time_ns() // 1_000_000)
-        self._counter = 0
+        self._lane = lane
+        self._lanes = lanes
+        #: How many counter values this lane owns: lane + lanes * step, step < _steps.
+        self._steps = (_COUNTER_MASK + 1) // lanes
+        self._step = 0
         self._lock = threading.Lock()
 
     def next(self) -> int:
         with self._lock:
-            counter = self._counter
-            self._counter = (counter + 1) & _COUNTER_MASK
+            step = self._step
+            self._step = (step + 1) % self._steps
+        counter = self._lane + self._lanes * step
         return snowflake_id(self._clock_ms(), self._machine_id, counter)
 
 
 class RoomAllocator:
-    """Random SGLang bootstrap rooms in ``[0, max_room]``, unique among those in flight."""
+    """Random SGLang bootstrap rooms in ``[0, max_room]``, unique among those in flight.
 
-    def __init__(self, max_room: int = INT64_ROOMS) -> None:
+    ``lane`` of ``lanes``: only rooms with ``room % lanes == lane`` (one worker's share).
+    """
+
+    def __init__(self, max_room: int = INT64_ROOMS, *, lane: int = 0, lanes: int = 1) -> None:
         if max_room < 1:
             raise ValueError("max_room must be positive")
+        _check_lane(lane, lanes, max_room)
         self._max_room = max_room
+        self._lane = lane
+        self._lanes = lanes
+        #: Rooms of this lane: lane + lanes * k for k < _capacity.
+        self._capacity = (max_room - lane) // lanes + 1
         self._in_flight: set[int] = set()
         self._lock = threading.Lock()
 
@@ -78,7 +116,7 @@ class RoomAllocator:
         gRPC paths need int32 rooms; sharing the in-flight set keeps them unique against the
         HTTP path's int64 rooms on the same prefill engine.
         """
-        view = RoomAllocator(min(max_room, self._max_room))
+        view = RoomAllocator(min(max_room, self._max_room), lane=self._lane, lanes=self._lanes)
         view._in_flight = self._in_flight
         view._lock = self._lock
         return view
@@ -89,10 +127,10 @@ class RoomAllocator:
 
     def allocate(self) -> int:
         with self._lock:
-            if len(self._in_flight) > self._max_room:
+            if len(self._in_flight) >= self._capacity:
                 raise ResourceExhausted("every SGLang bootstrap room is in flight")
             while True:
-                room = secrets.randbelow(self._max_room + 1)
+                room = self._lane + self._lanes * secrets.randbelow(self._capacity)
                 if room not in self._in_flight:
                     self._in_flight.add(room)
                     return room

@@ -1,4 +1,8 @@
-"""Process logging: plain text or one JSON object per line (``--log-format json``)."""
+"""Process logging: plain text or one JSON object per line (``--log-format json``).
+
+A worker of a pool (``--workers N``) names itself on every line (``worker=I`` in text, a
+``worker`` field in JSON): the workers share the supervisor's stderr.
+"""
 
 from __future__ import annotations
 
@@ -8,24 +12,34 @@ import sys
 
 
 class _JsonFormatter(logging.Formatter):
+    def __init__(self, worker: int | None = None) -> None:
+        super().__init__()
+        self._worker = worker
+
     def format(self, record: logging.LogRecord) -> str:
-        entry = {
+        entry: dict[str, object] = {
             "ts": self.formatTime(record, "%Y-%m-%dT%H:%M:%S"),
             "level": record.levelname.lower(),
             "logger": record.name,
             "msg": record.getMessage(),
         }
+        if self._worker is not None:
+            entry["worker"] = self._worker
         if record.exc_info:
             entry["exc"] = self.formatException(record.exc_info)
         return json.dumps(entry, separators=(",", ":"))
 
 
-def configure_logging(level: str, fmt: str) -> None:
+def configure_logging(level: str, fmt: str, worker: int | None = None) -> None:
+    """Log to stderr at ``level`` in ``fmt``; ``worker``: this process's index in a pool."""
     handler = logging.StreamHandler(sys.stderr)
     if fmt == "json":
-        handler.setFormatter(_JsonFormatter())
+        handler.setFormatter(_JsonFormatter(worker))
     else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        tag = "" if worker is None else f"worker={worker} "
+        handler.setFormatter(
+            logging.Formatter(f"%(asctime)s %(levelname)s {tag}%(name)s: %(message)s")
+        )
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

@@ -1,4 +1,4 @@
-"""Prometheus metrics of one sidecar process (one registry, shared by both front doors).
+"""Prometheus metrics of one sidecar (one registry, shared by both front doors).
 
 Every metric carries ``front_door`` (http | grpc). Names and labels are the public contract
 documented in README's metrics table; ``tests`` read them through the real exposition.
@@ -6,15 +6,28 @@ documented in README's metrics table; ``tests`` read them through the real expos
 Deliberate limits: label values come from closed sets (routes, engines, connectors, error
 codes, stages), never from client input, so cardinality stays bounded; that also bounds
 ``Metrics.labelled``'s cache of labelled children (the hot path's way to skip ``labels()``).
+
+Workers (``--workers N``, N > 1): the supervisor sets ``PROMETHEUS_MULTIPROC_DIR`` for every
+worker, so prometheus-client keeps each process's values in files there and every worker's
+``/metrics`` reads all of them (``MultiProcessCollector``): the pod is one sidecar, with the
+same names and labels. Counters and histograms add up across workers, a dead worker's
+included (they never go backwards); the gauges say how they combine: ``livesum`` for what
+each worker holds (requests in flight, staged KV bytes), ``livemax`` for the engine's
+readiness (every worker probes the same engine; a worker just restarted and not yet probing
+must not report it down). One worker (no pool) exposes its registry as it is, exactly as
+before, even where someone else set that variable. prometheus-client's multiprocess mode
+keeps no ``_created`` samples.
 """
 
 from __future__ import annotations
 
+import os
 from typing import TypeVar, cast
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.metrics import MetricWrapperBase
+from prometheus_client.multiprocess import MultiProcessCollector
 
 _M = TypeVar("_M", bound=MetricWrapperBase)
 
@@ -24,13 +37,31 @@ _LATENCY_BUCKETS = (
 )
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+#: Read by prometheus-client when it is first imported: set by the supervisor for its workers.
+MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+
+def _pool_registry(directory: str) -> CollectorRegistry:
+    """The registry that reads every worker's files in ``directory``."""
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry, path=directory)  # type: ignore[no-untyped-call]
+    return registry
+
+
+def pool_metrics_dir(pooled: bool) -> str | None:
+    """Where a pool's workers keep their values (set by the supervisor), None for one process."""
+    return (os.environ.get(MULTIPROC_DIR_ENV) or None) if pooled else None
 
 
 class Metrics:
     """The sidecar's metric families, registered in their own registry."""
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(
+        self, registry: CollectorRegistry | None = None, pool_dir: str | None = None
+    ) -> None:
+        """``pool_dir``: a pool's multiprocess directory; ``/metrics`` then reads them all."""
         self.registry = registry or CollectorRegistry(auto_describe=True)
+        self._exposed = self.registry if pool_dir is None else _pool_registry(pool_dir)
         self._children: dict[tuple[int, tuple[str, ...]], MetricWrapperBase] = {}
         r = self.registry
         self.requests = Counter(
@@ -51,6 +82,7 @@ class Metrics:
             "Requests in flight, by front door.",
             ["front_door"],
             registry=r,
+            multiprocess_mode="livesum",
         )
         self.errors = Counter(
             "disagg_errors",
@@ -80,11 +112,13 @@ class Metrics:
             "disagg_staged_kv_bytes",
             "KV bytes staged for decode requests (inline KV transport).",
             registry=r,
+            multiprocess_mode="livesum",
         )
         self.engine_ready = Gauge(
             "disagg_engine_ready",
             "1 when the local engine answered its health check, else 0.",
             registry=r,
+            multiprocess_mode="livemax",
         )
 
     def labelled(self, metric: _M, *values: str) -> _M:
@@ -99,5 +133,5 @@ class Metrics:
         return cast(_M, child)
 
     def exposition(self) -> bytes:
-        """The registry in Prometheus text format."""
-        return generate_latest(self.registry)
+        """The registry (with workers: every worker's values) in Prometheus text format."""
+        return generate_latest(self._exposed)

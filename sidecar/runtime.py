@@ -9,6 +9,10 @@ gRPC: SGLang's gRPC path carries rooms as int32, so gRPC requests draw from thei
 range). The engine handler is built once here, with its KV agent bound. One pooled upstream
 client (``sidecar.http1.EngineClient``), one metrics registry, one admission counter.
 ``open_runtime`` must run inside the event loop (the client binds to it).
+
+In a pool of workers (``worker``: ``sidecar.workers.WorkerIdentity``) each process has its own
+Runtime; the worker's lane keeps its ids apart from the other workers' and its admission
+counts the whole pool's requests (``sidecar.workers.shared_inflight``).
 """
 
 from __future__ import annotations
@@ -29,8 +33,10 @@ from sidecar.engine_health import EngineHealth
 from sidecar.engines import EngineHandler, build_handler
 from sidecar.http1 import EngineClient
 from sidecar.ids import INT32_ROOMS, IdSources, RoomAllocator, SnowflakeIds
-from sidecar.metrics import Metrics
+from sidecar.metrics import Metrics, pool_metrics_dir
 from sidecar.settings import Settings
+from sidecar.workers.identity import INFLIGHT_FILE, SOLO, WorkerIdentity
+from sidecar.workers.shared_inflight import InflightSlots
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +58,7 @@ class Runtime:
     selector: TargetSelector
     admission: Admission
     health: EngineHealth
+    worker: WorkerIdentity = SOLO
 
     @property
     def engine_name(self) -> str:
@@ -72,12 +79,20 @@ def build_engine_handler(settings: Settings) -> EngineHandler:
     return build_handler(settings.engine, settings.kv_connector)
 
 
+def _admission(settings: Settings, worker: WorkerIdentity) -> Admission:
+    """The in-flight bound: this process's, or (in a pool) the whole pool's."""
+    if not worker.pooled or worker.run_dir is None:
+        return Admission(settings.max_inflight)
+    slots = InflightSlots.open(worker.run_dir / INFLIGHT_FILE, worker.count, worker.index)
+    return Admission(settings.max_inflight, slots)
+
+
 @contextlib.asynccontextmanager
 async def open_runtime(
-    settings: Settings, metrics: Metrics | None = None
+    settings: Settings, metrics: Metrics | None = None, worker: WorkerIdentity = SOLO
 ) -> AsyncIterator[Runtime]:
     """Build the shared services; close the client session on exit."""
-    metrics = metrics or Metrics()
+    metrics = metrics or Metrics(pool_dir=pool_metrics_dir(worker.pooled))
     handler = build_engine_handler(settings)
     session = make_session(settings)
     resources = contextlib.AsyncExitStack()
@@ -87,9 +102,12 @@ async def open_runtime(
             engine_ids = EngineIdCache(
                 session, handler.parse_engine_id, timeout_s=settings.connect_timeout_s
             )
-        snowflake = SnowflakeIds(settings.trtllm_machine_id)
-        rooms = RoomAllocator()
-        admission = Admission(settings.max_inflight)
+        # Each worker of a pool draws ids from its own lane (see sidecar.ids).
+        snowflake = SnowflakeIds(
+            settings.trtllm_machine_id, lane=worker.index, lanes=worker.count
+        )
+        rooms = RoomAllocator(lane=worker.index, lanes=worker.count)
+        admission = _admission(settings, worker)
         connector = handler.connector_name or "none"
 
         def orchestrator(ids: IdSources, front_door: str) -> Orchestrator:
@@ -133,6 +151,7 @@ async def open_runtime(
             selector=selector,
             admission=admission,
             health=EngineHealth(session, settings.engine_url, timeout_s=settings.connect_timeout_s),
+            worker=worker,
         )
         runtime.health.on_change(lambda ready: metrics.engine_ready.set(1 if ready else 0))
         yield runtime

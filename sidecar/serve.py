@@ -8,6 +8,10 @@ With tls_cert_file and tls_key_file the HTTP port serves HTTPS and the gRPC port
 
 ``--port 0`` / ``--grpc-port 0`` let the OS choose; the bound ports are logged and, with
 ``--ports-file``, written as JSON once both servers listen (tests and scripts read it).
+
+With ``--workers N`` (N > 1) this runs in each worker process (``sidecar.workers``), given the
+worker's identity: the HTTP sites bind with SO_REUSEPORT so every worker listens on the same
+ports (grpcio sets SO_REUSEPORT on Linux by default) and the kernel spreads connections.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from sidecar.http_server.ops import metrics as metrics_endpoint
 from sidecar.runtime import open_runtime
 from sidecar.settings import Settings
 from sidecar.tls import ReloadingServerTLS
+from sidecar.workers.identity import SOLO, WorkerIdentity
 
 logger = logging.getLogger(__name__)
 
@@ -61,8 +66,12 @@ def server_tls(settings: Settings) -> ReloadingServerTLS | None:
 
 
 async def _start_site(
-    app: web.Application, host: str, port: int, ssl_context: ssl.SSLContext | None = None,
+    app: web.Application,
+    host: str,
+    port: int,
+    ssl_context: ssl.SSLContext | None = None,
     head_timeout_s: float | None = None,
+    reuse_port: bool = False,
 ) -> web.AppRunner:
     # The drain (drain_grace_s) has already waited for requests; what is left is cut now
     # (with 5 s here aiohttp 3.14 took 10 s more, past Kubernetes' default grace period).
@@ -72,7 +81,9 @@ async def _start_site(
     runner = (web.AppRunner(app, **options) if head_timeout_s is None
               else HeadTimeoutAppRunner(app, head_timeout_s=head_timeout_s, **options))
     await runner.setup()
-    await web.TCPSite(runner, host, port, reuse_address=True, ssl_context=ssl_context).start()
+    site = web.TCPSite(runner, host, port, reuse_address=True, reuse_port=reuse_port or None,
+                       ssl_context=ssl_context)
+    await site.start()
     return runner
 
 
@@ -81,18 +92,20 @@ async def run_server(
     stop: asyncio.Event,
     on_listening: Callable[[dict[str, int]], None] | None = None,
     tls: ReloadingServerTLS | None = None,
+    worker: WorkerIdentity = SOLO,
 ) -> int:
     """Serve until ``stop`` is set, then drain and return the exit code.
 
     ``on_listening`` gets the bound ports (``http``, ``grpc``, ``metrics``) once all listen.
     ``tls``: the server certificate (default: ``server_tls(settings)``); HTTPS and gRPC TLS
-    use it, and a task reloads it while serving.
+    use it, and a task reloads it while serving. ``worker``: this process's place in a pool.
     """
     tls = tls if tls is not None else server_tls(settings)
-    async with open_runtime(settings) as runtime:
+    async with open_runtime(settings, worker=worker) as runtime:
         http_runner = await _start_site(
             build_http_app(runtime), settings.host, settings.port,
             tls.context if tls is not None else None, settings.client_header_timeout_s,
+            reuse_port=worker.pooled,
         )
         ports: dict[str, int] = {"http": _bound_port(http_runner)}
         metrics_runner: web.AppRunner | None = None
@@ -101,7 +114,8 @@ async def run_server(
             metrics_app[RUNTIME] = runtime
             metrics_app.router.add_get("/metrics", metrics_endpoint)
             metrics_runner = await _start_site(metrics_app, settings.host, settings.metrics_port,
-                                               head_timeout_s=settings.client_header_timeout_s)
+                                               head_timeout_s=settings.client_header_timeout_s,
+                                               reuse_port=worker.pooled)
             ports["metrics"] = _bound_port(metrics_runner)
         stop_grpc: Callable[[float], Awaitable[None]] | None = None
         if settings.grpc_enabled:

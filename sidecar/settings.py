@@ -27,6 +27,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from sidecar.allowlist import parse_entry
 from sidecar.kv_agents import DEFAULT_CONNECTOR, valid_agent_names
+from sidecar.workers.cores import available_cores
+from sidecar.workers.identity import MAX_WORKERS
 
 
 class Role(StrEnum):
@@ -151,6 +153,16 @@ class Settings(BaseModel):
         "port 0).",
     )
 
+    workers: int = Field(
+        default=1,
+        ge=1,
+        le=MAX_WORKERS,
+        description="Processes serving the same HTTP and gRPC ports (SO_REUSEPORT), each with "
+        f"its own event loop and engine connections; auto: the cores the container may use "
+        f"(CPU affinity and cgroup quota), 1..{MAX_WORKERS}. One supervisor restarts a worker "
+        "that dies; /metrics and --max-inflight cover them all.",
+    )
+
     # Pod information.
     podinfo_dir: str | None = Field(
         default=None,
@@ -234,7 +246,10 @@ class Settings(BaseModel):
         default=16 * 1024 * 1024, ge=1024, description="Largest prefill engine response body."
     )
     max_inflight: int = Field(
-        default=1024, ge=1, description="Requests in flight before new ones get 503."
+        default=1024,
+        ge=1,
+        description="Requests in flight before new ones get 503; with workers, in all of them "
+        "together (workers admitting at the same instant may pass it by workers-1).",
     )
     connect_timeout_s: float = Field(
         default=5.0, gt=0, description="Upstream connect timeout, seconds."
@@ -264,7 +279,9 @@ class Settings(BaseModel):
         "stream; vLLM with this project's connector).",
     )
     max_staged_bytes: int = Field(
-        default=1024 * 1024 * 1024, ge=0, description="Inline mode: KV bytes staged at once."
+        default=1024 * 1024 * 1024,
+        ge=0,
+        description="Inline mode: KV bytes staged at once (by each worker).",
     )
     max_kv_blocks: int = Field(
         default=100_000, ge=1, description="Inline mode: KV blocks accepted per request."
@@ -317,6 +334,13 @@ class Settings(BaseModel):
         default="info", description="Log level: debug, info, warning, error, critical."
     )
     log_format: str = Field(default="text", description="Log format: text or json.")
+
+    @field_validator("workers", mode="before")
+    @classmethod
+    def _workers_auto(cls, value: object) -> object:
+        if isinstance(value, str) and value.strip().lower() == "auto":
+            return min(available_cores(), MAX_WORKERS)
+        return value
 
     @field_validator("engine")
     @classmethod

@@ -134,6 +134,8 @@ def _services(runtime: Runtime) -> tuple[PrefillService, DecodeService, OrphanSw
         root,
         lambda: inline_prefill.active_keys | area.owned_keys(),
         older_than_s=settings.prefill_timeout_s + _ORPHAN_MARGIN_S,
+        sweeps=runtime.worker.runs_pod_chores,  # one sweep per pod (worker 0)
+        touches=runtime.worker.pooled,
     )
     return (
         PrefillService(scopes, inline_prefill),

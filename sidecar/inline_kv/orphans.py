@@ -16,9 +16,15 @@ engine's late writes come within one forward pass, so the age also guards a dire
 engine is still writing). Nothing else in the root is touched (``engine.json``, other
 tenants' files).
 
+Workers (``--workers N``): the staging root is the pod's, the owned sets are each worker's.
+Worker 0 alone sweeps (``sweeps``); every worker keeps the entries it owns fresh (``touches``:
+their mtime set to now, more often than ``older_than_s``), so an entry another worker still
+owns (a decode staged for minutes) is never old enough to be swept, and one whose worker
+died stops being refreshed and goes after ``older_than_s``.
+
 Deliberate limits: age is the entry's own mtime (a directory's changes with every file the
 connector creates, the layer files being written under a temporary name and renamed); one
-sidecar process per staging root (the owned set is in memory).
+sidecar (one pool of workers) per staging root.
 """
 
 from __future__ import annotations
@@ -72,15 +78,44 @@ def sweep_orphans(
     return removed
 
 
+def touch_owned(root: Path, owned: Collection[str]) -> int:
+    """Set the mtime of ``owned`` entries under ``root`` to now; how many were touched."""
+    touched = 0
+    for key in owned:
+        for name in (key, f".{key}.notify"):
+            try:
+                os.utime(root / name, follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            touched += 1
+    return touched
+
+
 class OrphanSweeper:
-    """Sweeps ``root`` now and then every ``interval_s`` (run as a task; cancel to stop)."""
+    """Sweeps ``root`` now and then every ``interval_s`` (run as a task; cancel to stop).
+
+    ``sweeps`` False: only keeps this process's entries fresh (another worker sweeps);
+    ``touches`` True: keeps them fresh, for the sweeps of another worker.
+    """
 
     def __init__(
-        self, root: Path, owned: Callable[[], Collection[str]], older_than_s: float
+        self,
+        root: Path,
+        owned: Callable[[], Collection[str]],
+        older_than_s: float,
+        *,
+        sweeps: bool = True,
+        touches: bool = False,
     ) -> None:
         self.root = root
         self._owned = owned
         self.older_than_s = older_than_s
+        self.sweeps = sweeps
+        self.touches = touches
+
+    async def touch(self) -> int:
+        owned = frozenset(self._owned())
+        return await asyncio.to_thread(touch_owned, self.root, owned) if owned else 0
 
     async def sweep(self) -> list[str]:
         # The owned set is read on the loop (it changes there); the file work in a thread.
@@ -92,9 +127,17 @@ class OrphanSweeper:
         return removed
 
     async def run(self, interval_s: float) -> None:
+        if self.touches:
+            # Three refreshes per age limit: an owned entry never looks old to a sweep.
+            interval_s = min(interval_s, self.older_than_s / 3)
+        if self.sweeps:
+            logger.info("sweeping KV staging %s for orphans every %.0f s", self.root, interval_s)
         while True:
             try:
-                await self.sweep()
+                if self.touches:
+                    await self.touch()
+                if self.sweeps:
+                    await self.sweep()
             except OSError as exc:  # a volume problem must not end the sweeper
                 logger.warning("KV staging sweep of %s failed: %s", self.root, exc)
             await asyncio.sleep(interval_s)
