@@ -23,7 +23,6 @@ from sidecar import jsonutil
 from sidecar.core.exchange import PDExchange
 from sidecar.core.orchestrator import PDRequest
 from sidecar.core.scope import (
-    BROKEN_STREAM,
     FALLBACK,
     OK,
     PASSTHROUGH,
@@ -123,14 +122,13 @@ async def handle_pd(request: web.Request, route: Route) -> web.StreamResponse:
                 headers=headers,
             )
         )
+        # The relay may still turn it into broken_stream or error (an engine's error event).
+        scope.outcome = FALLBACK if exchange.fallback_reason else OK
         try:
             scope.observe_timings(exchange.timings)
-            response = await _relay(request, runtime, scope, exchange, client.stream, route)
+            return await _relay(request, runtime, scope, exchange, client.stream, route)
         finally:
             await exchange.aclose()
-        if scope.outcome != BROKEN_STREAM:
-            scope.outcome = FALLBACK if exchange.fallback_reason else OK
-        return response
     except SidecarError as error:
         scope.failed(error)
         if scope.outcome != REFUSED:

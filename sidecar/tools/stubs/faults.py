@@ -41,6 +41,9 @@ class FaultKind(StrEnum):
     CONTENT_TYPE = "content_type"
     OVERSIZED = "oversized"
     NO_HANDOFF = "no_handoff"
+    #: A stream that fails after its head the way vLLM and SGLang end one: an error event,
+    #: then ``data: [DONE]`` (streams only; ``after_chunks`` events first).
+    ERROR_EVENT = "error_event"
 
 
 @dataclass(frozen=True)

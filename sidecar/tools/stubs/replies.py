@@ -11,6 +11,7 @@ incomplete chunked body, never a clean end.
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Final
@@ -25,6 +26,10 @@ JSON_CT: Final = "application/json"
 SSE_CT: Final = "text/event-stream"
 _MALFORMED_BODY: Final = b'{"id": "cmpl-stub", "choices": [{"text": "oops"}, ]'
 _MALFORMED_EVENT: Final = b"data: {'this is': not json}\n\n"
+#: vLLM's and SGLang's in-stream error event, as their ``json.dumps`` writes it.
+_ERROR_EVENT: Final = ("data: " + json.dumps({"error": {
+    "message": "stub fault: KV load failed", "type": "InternalServerError", "code": 500,
+}}) + "\n\n").encode()
 
 ErrorRenderer = Callable[[int, str], Any]
 
@@ -129,6 +134,11 @@ async def _write_events(
                 return
             if kind is FaultKind.TRUNCATE:
                 await resp.write(event[: max(1, len(event) // 2)])
+                await resp.write_eof()
+                return
+            if kind is FaultKind.ERROR_EVENT:
+                await resp.write(_ERROR_EVENT)
+                await resp.write(SSE_DONE)
                 await resp.write_eof()
                 return
             if kind is FaultKind.MALFORMED:

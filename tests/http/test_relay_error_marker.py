@@ -3,7 +3,7 @@ and nothing else: the event shapes vLLM and SGLang write (``data: {"error": ...}
 every byte across two reads, and streams whose text merely talks about errors.
 
 The end-to-end counting (metrics, log) is proven with the stub engines in
-``tests/faults/test_leg_faults.py``.
+``tests/faults/test_stream_error_events.py``.
 """
 
 from __future__ import annotations
