@@ -16,6 +16,7 @@ import aiohttp
 import pytest
 from stub_builders import NIXL_PREFILL_PARAMS, chat, completion, sse_events
 
+from sidecar.kv_agents.mooncake import engine_id_from_query
 from sidecar.tools.stubs import expected_text, is_local_text, is_remote_text, run_stub
 from sidecar.tools.stubs.textgen import encode_text
 
@@ -315,6 +316,7 @@ async def test_mooncake_pairs_in_either_order(
             assert query["0"]["engine_id"] == p.engine_id
         else:
             assert p.engine_id in query
+        assert engine_id_from_query(query) == p.engine_id  # the agent reads either shape
         pre, dec = mooncake_bodies(p.bootstrap_url, p.engine_id, "xfer-1", "mooncake prompt")
         if decode_first:
             decode = asyncio.create_task(post(session, d.url + "/v1/completions", dec))

@@ -217,7 +217,8 @@ class MooncakeConnector:
         addr = f"{self.stub.config.host}:{self.stub.bootstrap_port}"
         entry = {"engine_id": self.stub.engine_id, "worker_addr": {"0": {"0": addr}}}
         if self.stub.config.mooncake_query_shape == "engine_id":
-            return {self.stub.engine_id: {"dp_rank": 0, "worker_addr": {"0": {"0": addr}}}}
+            # The other shape vLLM has shipped: engine id -> dp rank -> tp rank -> pp rank -> addr.
+            return {self.stub.engine_id: {"0": {"0": {"0": addr}}}}
         return {"0": entry}
 
     async def _query(self, request: web.Request) -> web.StreamResponse:
