@@ -73,6 +73,7 @@ class VllmEngine:
         app.router.add_post(COMPLETIONS, self.stub.route(self._completions))
         app.router.add_post(CHAT, self.stub.route(self._chat))
         app.router.add_get("/v1/models", self.stub.route(self._models))
+        app.router.add_post("/tokenize", self.stub.route(self._tokenize))
         self.connector.add_routes(app)
 
     def add_bootstrap_routes(self, app: web.Application) -> None:
@@ -121,6 +122,10 @@ class VllmEngine:
                 ],
             }
         )
+
+    async def _tokenize(self, request: web.Request) -> Reply:
+        return JsonReply(openai.tokenize(request_json(request), self.config.max_model_len,
+                                         chat=True))
 
     async def _completions(self, request: web.Request) -> Reply:
         return await self._generate(request, "completion")
