@@ -156,6 +156,8 @@ async def _relay_stream(
         logger.warning("request %s: fanned-out stream broke after %d bytes: %s",
                        scope.request_id, total, error.code)
         await response.write(sse_error_event(error))
+        # Close the legs before the connection: closing it cancels this handler.
+        await fanout.aclose()
         if request.transport is not None:
             request.transport.close()
         return response
