@@ -14,7 +14,9 @@ Prompt length:
 - ``tokenize``: the local engine's tokenizer endpoint (``TOKENIZE_ENDPOINTS``: vLLM's
   ``/tokenize`` takes ``prompt`` or chat ``messages``; SGLang's ``/v1/tokenize`` takes
   ``prompt`` only, so SGLang chat prompts are estimated). A tokenize call that fails in any
-  way disaggregates the request (never an error), counted by reason.
+  way disaggregates the request (never an error), counted in
+  ``disagg_tokenize_failures_total{reason}``: ``timeout``, ``rejected`` (4xx), ``failed``
+  (unreachable, 5xx, not JSON), ``malformed_answer`` (no usable ``count``).
 
 The decision is logged at debug level and the request counted with outcome ``local_short``.
 
@@ -34,7 +36,7 @@ from typing import Any, Final
 
 from sidecar.core.exchange import PDExchange
 from sidecar.core.orchestrator import Orchestrator, PDRequest
-from sidecar.errors import SidecarError
+from sidecar.errors import DeadlineExceeded, EngineRejected, SidecarError
 from sidecar.protocol.context import HandoffContext, Route
 from sidecar.settings import PromptLengthSource, Settings
 
@@ -168,10 +170,12 @@ class LocalPrefill:
             async with asyncio.timeout(self._timeout_s):
                 answer = await orchestrator.post_local(endpoint.path, request, _JSON_HEADERS,
                                                        max_bytes=_MAX_TOKENIZE_ANSWER)
-        except TimeoutError:
+        except (TimeoutError, DeadlineExceeded):
             raise TokenizeFailed("timeout") from None
-        except SidecarError as error:
-            raise TokenizeFailed(error.code) from None
+        except EngineRejected:
+            raise TokenizeFailed("rejected") from None
+        except SidecarError:
+            raise TokenizeFailed("failed") from None
         count = answer.get("count")
         if not isinstance(count, int) or isinstance(count, bool) or count < 0:
             raise TokenizeFailed("malformed_answer")
