@@ -8,9 +8,8 @@
 Prompt length:
 
 - token-id prompts: exact (the array's length);
-- text and chat, ``--prompt-length-source estimate``: ``estimate_tokens``: the UTF-8 bytes of
-  the prompt (chat: of every message's text) divided by 4, rounded up, plus 4 per chat
-  message for the template's role markers (README states its measured error);
+- text and chat, ``--prompt-length-source estimate``: ``sidecar.protocol.prompt_length``
+  (UTF-8 bytes / 4; README states its measured error);
 - ``tokenize``: the local engine's tokenizer endpoint (``TOKENIZE_ENDPOINTS``: vLLM's
   ``/tokenize`` takes ``prompt`` or chat ``messages``; SGLang's ``/v1/tokenize`` takes
   ``prompt`` only, so SGLang chat prompts are estimated). A tokenize call that fails in any
@@ -29,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
@@ -38,14 +36,11 @@ from sidecar.core.exchange import PDExchange
 from sidecar.core.orchestrator import Orchestrator, PDRequest
 from sidecar.errors import DeadlineExceeded, EngineRejected, SidecarError
 from sidecar.protocol.context import HandoffContext, Route
+from sidecar.protocol.prompt_length import estimate_tokens, exact_tokens
 from sidecar.settings import PromptLengthSource, Settings
 
 logger = logging.getLogger(__name__)
 
-#: Bytes per token of the estimate (typical of BPE vocabularies on English text).
-BYTES_PER_TOKEN: Final = 4
-#: Tokens a chat template adds per message (role markers, separators), estimated.
-TOKENS_PER_MESSAGE: Final = 4
 _MAX_TOKENIZE_ANSWER: Final = 16 * 1024 * 1024
 _JSON_HEADERS: Final = {"Content-Type": "application/json"}
 
@@ -69,39 +64,6 @@ _CHAT_TEMPLATE_FIELDS: Final = (
     "add_generation_prompt", "continue_final_message", "add_special_tokens", "chat_template",
     "chat_template_kwargs", "tools", "mm_processor_kwargs",
 )
-
-
-def exact_tokens(route: Route, body: Mapping[str, Any]) -> int | None:
-    """The prompt's token count when it is given as token ids, else None."""
-    if route is not Route.COMPLETIONS:
-        return None
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and prompt:
-        if isinstance(prompt[0], list):
-            return len(prompt[0]) if len(prompt) == 1 else None
-        if not isinstance(prompt[0], str):
-            return len(prompt)
-    return None
-
-
-def _text_bytes(content: object) -> int:
-    if isinstance(content, str):
-        return len(content.encode())
-    if isinstance(content, list):  # content parts: count the text ones
-        return sum(_text_bytes(part.get("text")) for part in content if isinstance(part, dict))
-    return 0
-
-
-def estimate_tokens(route: Route, body: Mapping[str, Any]) -> int:
-    """The byte-based estimate of a text or chat prompt's token count."""
-    if route is Route.COMPLETIONS:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1:
-            prompt = prompt[0]
-        return math.ceil(_text_bytes(prompt) / BYTES_PER_TOKEN)
-    messages = body.get("messages") or ()
-    text = sum(_text_bytes(m.get("content")) for m in messages if isinstance(m, dict))
-    return math.ceil(text / BYTES_PER_TOKEN) + TOKENS_PER_MESSAGE * len(messages)
 
 
 class TokenizeFailed(Exception):
