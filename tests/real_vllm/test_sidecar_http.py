@@ -21,17 +21,11 @@ from __future__ import annotations
 
 import contextlib
 import json
-import signal
 import socket
-import subprocess
-import sys
-import threading
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -47,6 +41,7 @@ from real_vllm.client import (
     text_of_stream,
 )
 from real_vllm.engine_schema import VllmSchema
+from real_vllm.sidecar_proc import Sidecar, sidecar_process
 from real_vllm.stack import RealVllm
 from sidecar.engines import resolve_engine
 from sidecar.ids import IdSources, RoomAllocator, SnowflakeIds
@@ -59,44 +54,10 @@ EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"
 HEADER = "x-prefiller-host-port"
 
 
-@dataclass(frozen=True)
-class Sidecar:
-    url: str
-
-
-def _sidecar_process(tmp: Path, *args: str) -> Iterator[Sidecar]:
-    ports_file = tmp / "ports.json"
-    process = subprocess.Popen(
-        [sys.executable, "-m", "sidecar", "serve", "--host", "127.0.0.1", "--port", "0",
-         "--no-grpc", "--ports-file", str(ports_file), "--prefill-allowlist", "127.0.0.1:*",
-         "--log-level", "info", *args],
-        stderr=subprocess.PIPE, text=True,
-    )
-    assert process.stderr is not None
-    try:
-        # The sidecar logs "listening:" after writing the ports file; stderr ends if it dies.
-        for line in process.stderr:
-            if "listening:" in line:
-                break
-        else:
-            raise AssertionError(f"sidecar exited with {process.wait()} before listening")
-        # Keep draining its log so a chatty sidecar never blocks on a full pipe.
-        threading.Thread(target=process.stderr.read, daemon=True).start()
-        ports = json.loads(ports_file.read_text())
-        yield Sidecar(url=f"http://127.0.0.1:{ports['http']}")
-    finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
 @pytest.fixture(scope="module")
 def nixl_sidecar(real_vllm: RealVllm, tmp_path_factory: pytest.TempPathFactory
                  ) -> Iterator[Sidecar]:
-    yield from _sidecar_process(
+    yield from sidecar_process(
         tmp_path_factory.mktemp("nixl-sidecar"),
         "--engine", "vllm", "--kv-connector", "shfs", "--engine-url", real_vllm.nixl.decode,
     )
@@ -106,7 +67,7 @@ def nixl_sidecar(real_vllm: RealVllm, tmp_path_factory: pytest.TempPathFactory
 def example_sidecar(real_vllm: RealVllm, tmp_path_factory: pytest.TempPathFactory
                     ) -> Iterator[Sidecar]:
     # ExampleConnector needs no hand-off fields: the default handler's P-then-D flow.
-    yield from _sidecar_process(
+    yield from sidecar_process(
         tmp_path_factory.mktemp("example-sidecar"),
         "--engine", "example-connector", "--engine-url", real_vllm.example.decode,
     )
