@@ -22,7 +22,7 @@ from sidecar import jsonutil
 from sidecar.core.exchange import PDExchange
 from sidecar.core.fanout import FanOut, start_all, sub_request_id
 from sidecar.core.orchestrator import PDRequest
-from sidecar.core.scope import BROKEN_STREAM, LOCAL_SHORT, OK, RequestScope
+from sidecar.core.scope import BROKEN_STREAM, FALLBACK, LOCAL_SHORT, OK, RequestScope
 from sidecar.errors import DecodeFailed, SidecarError, Stage
 from sidecar.http_server.errors import sse_error_event
 from sidecar.protocol.fanout import SSEEvents, StreamMerger, check_fanout, merge_answers, sub_bodies
@@ -80,7 +80,9 @@ async def relay_fanout(
     finally:
         await fanout.aclose()
     if scope.outcome != BROKEN_STREAM:
-        scope.outcome = (LOCAL_SHORT if all(e.local for e in fanout.exchanges) else OK)
+        exchanges = fanout.exchanges
+        scope.outcome = (LOCAL_SHORT if all(e.local for e in exchanges)
+                         else FALLBACK if any(e.fallback_reason for e in exchanges) else OK)
     return response
 
 
