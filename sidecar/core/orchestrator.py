@@ -270,6 +270,7 @@ class Orchestrator:
             with self.choice.leg(target):
                 answer = await self._post(leg)
             outcome = "ok"
+            self.choice.answered(target)
             return answer
         except PrefillUnreachable:
             outcome = "connect_refused"

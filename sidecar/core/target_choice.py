@@ -7,6 +7,7 @@
                                                within the cool-down
     with choice.leg(target): ...            counts a prefill leg in flight on ``target``
     choice.refused(target)                  its connect was refused: cool it down
+    choice.answered(target)                 it answered a prefill: the cool-down ends
 
 The state is this sidecar's own view (no coordination between sidecars): in-flight counts of
 the legs it runs, and the time each refusing target may be tried again. When every candidate
@@ -103,6 +104,10 @@ class TargetChoice:
                 self._in_flight[target] = left
             else:
                 del self._in_flight[target]
+
+    def answered(self, target: PrefillTarget) -> None:
+        """``target`` answered a prefill: whatever refusal it had is over."""
+        self._cool_until.pop(target, None)
 
     def refused(self, target: PrefillTarget) -> None:
         """``target`` refused a connection: skip it for the cool-down."""

@@ -1,9 +1,9 @@
 """Proves the choice among several prefill targets and the one retry of a refused connect:
 
 - ``TargetChoice``: the target with the fewest legs in flight wins, ties go either way, a
-  target whose connect was refused is skipped for the cool-down (and used again after it, or
-  when nothing else is left), long lists compare two random targets; metric labels are
-  bounded (pool addresses, else ``header``);
+  target whose connect was refused is skipped for the cool-down (and used again after it,
+  once it answered, or when nothing else is left), long lists compare two random targets;
+  metric labels are bounded (pool addresses, else ``header``);
 - on the core with real sockets: a prefill refused at connect succeeds on another listed
   target (counted), and that target then gets no prefill within the cool-down; a prefill cut
   after its request was sent is not retried (the engine saw it once, the other none);
@@ -62,6 +62,9 @@ def test_a_refusing_target_cools_down() -> None:
     assert {choice.pick([A, B]) for _ in range(50)} == {B}
     assert choice.pick([A]) == A  # nothing else left: a refusal alone never fails a request
     clock.now += 5
+    assert {choice.pick([A, B]) for _ in range(50)} == {A, B}
+    choice.refused(A)
+    choice.answered(A)  # picked when nothing else was left, and it answered
     assert {choice.pick([A, B]) for _ in range(50)} == {A, B}
     never = TargetChoice(cooldown_s=0, rng=random.Random(3))
     never.refused(A)
