@@ -191,23 +191,27 @@ async def test_each_choice_gets_a_derived_seed_and_echo_works_per_prompt() -> No
         assert seeds == sorted((p, s) for p in PROMPTS for s in (7, 8, 9))
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
 @pytest.mark.parametrize(("engine", "connector"), PAIRS, ids=[f"{e}-{c}" for e, c in PAIRS])
-async def test_a_failing_sub_request_fails_the_request_and_ends_the_others(
-    engine: str, connector: str
+async def test_a_failing_sub_request_fails_the_request_and_cancels_the_others(
+    engine: str, connector: str, stream: bool
 ) -> None:
-    # The decode engine refuses one of the three decodes: the request fails with that leg's
-    # error and the two others end on both engines.
-    async with pd_pair(engine, connector, decode_overrides={"faults": (
+    # The decode engine refuses the first of three decodes; the two others would take 20 s
+    # (100 tokens, 0.2 s apart): they end only because the sidecar cancels them, and the
+    # stubs' idle wait (10 s) would fail otherwise.
+    async with pd_pair(engine, connector, decode_overrides={"itl_s": 0.2, "faults": (
             Fault(kind=FaultKind.STATUS, status=500, times=1),)}) as pair:
-        status, _, text = await pair.send(body=client_body(n=3))
+        status, _, text = await pair.send(body=client_body(n=3, max_tokens=100, stream=stream))
         assert status == 502, text
         assert json.loads(text)["error"]["code"] == "decode_failed"
         await pair.decode.wait_idle()
         await pair.prefill.wait_idle()
         assert pair.decode.recorder.in_flight == 0 and pair.prefill.recorder.in_flight == 0
-        assert await pair.sidecar.metric("disagg_inflight_requests", front_door="http") == 0
+        decodes = _inference(pair.decode)
+        assert pair.decode.recorder.cancelled == decodes - 1  # all but the refused one
+        await metric_reaches(pair.sidecar, "disagg_inflight_requests", 0, front_door="http")
         # The same sidecar then serves a fan-out.
-        status, _, text = await pair.send(body=client_body(n=2))
+        status, _, text = await pair.send(body=client_body(n=2, max_tokens=2))
         assert status == 200, text
 
 
@@ -241,7 +245,7 @@ async def test_a_stream_broken_after_the_first_byte_ends_with_one_error_event() 
         await metric_reaches(pair.sidecar, "disagg_requests_total", 1, outcome="broken_stream")
 
 
-@pytest.mark.parametrize(("engine", "connector"), [("vllm", "shfs"), ("sglang", "shfs")])
+@pytest.mark.parametrize(("engine", "connector"), PAIRS, ids=[f"{e}-{c}" for e, c in PAIRS])
 async def test_a_client_that_goes_away_ends_every_sub_request(
     engine: str, connector: str
 ) -> None:
