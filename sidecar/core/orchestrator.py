@@ -265,7 +265,7 @@ class Orchestrator:
         if leg.target is None:
             return await self._post(leg)
         target = leg.target
-        outcome = "failed"
+        outcome: str | None = "failed"
         try:
             with self.choice.leg(target):
                 answer = await self._post(leg)
@@ -276,8 +276,11 @@ class Orchestrator:
             outcome = "connect_refused"
             self.choice.refused(target)
             raise
+        except asyncio.CancelledError:
+            outcome = None  # the request went away: not the target's doing
+            raise
         finally:
-            if self._on_prefill_leg is not None:
+            if self._on_prefill_leg is not None and outcome is not None:
                 self._on_prefill_leg(self.choice.label(target), outcome)
 
     async def _post(self, leg: PrefillLeg) -> dict[str, Any]:
