@@ -34,11 +34,12 @@ from urllib.parse import urlsplit
 
 from pydantic import ValidationError
 
+from sidecar.core.local_prefill import TOKENIZE_ENDPOINTS
 from sidecar.engines import valid_engine_names
 from sidecar.kv_agents import AGENTS, resolve_connector_type, valid_agent_names
 from sidecar.podinfo import PodInfo, PodInfoError, read_podinfo
 from sidecar.protocol.hostfmt import is_loopback_host
-from sidecar.settings import EXTRA_ENV, POD_SOURCES, Settings
+from sidecar.settings import EXTRA_ENV, POD_SOURCES, PromptLengthSource, Settings
 from sidecar.tls import ReloadingServerTLS, TLSFileError, client_ssl_context
 
 ENV_PREFIX = "DISAGG_"
@@ -355,6 +356,17 @@ def _check_connector_engine(settings: Settings, res: _Resolver) -> None:
         )
 
 
+def _check_prompt_length_source(settings: Settings, res: _Resolver) -> None:
+    if settings.prompt_length_source is not PromptLengthSource.TOKENIZE:
+        return
+    if settings.engine not in TOKENIZE_ENDPOINTS:
+        raise ConfigError(
+            f"prompt_length_source 'tokenize' (from {res.source_of('prompt_length_source')}) "
+            f"needs an engine with a tokenizer endpoint ({', '.join(sorted(TOKENIZE_ENDPOINTS))}"
+            f"), not engine {settings.engine!r} (from {res.source_of('engine')}); use 'estimate'"
+        )
+
+
 def _read_pod(res: _Resolver) -> PodInfo | None:
     """The pod's labels and annotations; None when no readable directory is configured."""
     podinfo_dir = res.get("podinfo_dir")
@@ -386,6 +398,7 @@ def load_settings(args: argparse.Namespace, environ: Mapping[str, str]) -> Loade
     _check_ports(settings, res)
     _check_connector_engine(settings, res)
     _check_tls(settings, res)
+    _check_prompt_length_source(settings, res)
     all_sources = {name: res.source_of(name) for name in field_names()}
     return LoadedSettings(settings, MappingProxyType(all_sources), tuple(res.warnings))
 

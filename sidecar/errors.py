@@ -98,6 +98,14 @@ class PrefillFailed(SidecarError):
     default_stage = Stage.PREFILL
 
 
+class PrefillUnreachable(PrefillFailed):
+    """The prefill engine refused the connection: it never saw the request (retryable).
+
+    The same code and statuses as ``PrefillFailed``; the core tells it apart to move the
+    prefill to another target.
+    """
+
+
 class EngineRejected(SidecarError):
     """An engine refused the request as invalid (it answered 4xx); the client must change it."""
 

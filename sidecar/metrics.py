@@ -102,6 +102,25 @@ class Metrics:
             ["front_door", "reason"],
             registry=r,
         )
+        self.prefill_legs = Counter(
+            "disagg_prefill_legs",
+            "Prefill legs to remote targets by target (its address for static-pool members, "
+            "'header' for router-named ones) and outcome (ok, failed, connect_refused).",
+            ["target", "outcome"],
+            registry=r,
+        )
+        self.prefill_retries = Counter(
+            "disagg_prefill_retries",
+            "Prefills moved to another target after a refused connect.",
+            ["front_door"],
+            registry=r,
+        )
+        self.tokenize_failures = Counter(
+            "disagg_tokenize_failures",
+            "Prompt-length tokenize calls that failed (the request was disaggregated).",
+            ["reason"],
+            registry=r,
+        )
         self.kv_bytes = Counter(
             "disagg_kv_bytes",
             "KV block bytes streamed through the gRPC front door, by direction (out|in).",

@@ -25,8 +25,10 @@ from dataclasses import dataclass
 from sidecar.admission import Admission
 from sidecar.allowlist import Allowlist
 from sidecar.core.engine_ids import EngineIdCache
+from sidecar.core.local_prefill import LocalPrefill
 from sidecar.core.orchestrator import Orchestrator
 from sidecar.core.scope import Scopes
+from sidecar.core.target_choice import TargetChoice
 from sidecar.core.targets import AllowlistLike, TargetSelector, parse_prefill_url
 from sidecar.core.upstream import make_session
 from sidecar.engine_health import EngineHealth
@@ -58,6 +60,7 @@ class Runtime:
     selector: TargetSelector
     admission: Admission
     health: EngineHealth
+    local_prefill: LocalPrefill
     worker: WorkerIdentity = SOLO
 
     @property
@@ -110,8 +113,14 @@ async def open_runtime(
         admission = _admission(settings, worker)
         connector = handler.connector_name or "none"
 
+        pool = [parse_prefill_url(url) for url in settings.prefill_urls]
+        # One view of the prefill targets for the whole process: both front doors' legs count.
+        choice = TargetChoice(cooldown_s=settings.prefill_cooldown_s)
+
         def orchestrator(ids: IdSources, front_door: str) -> Orchestrator:
             fallbacks = metrics.prefill_fallbacks
+            legs = metrics.prefill_legs
+            retries = metrics.labelled(metrics.prefill_retries, front_door)
             return Orchestrator(
                 settings=settings,
                 handler=handler,
@@ -119,6 +128,10 @@ async def open_runtime(
                 ids=ids,
                 engine_ids=engine_ids,
                 on_fallback=lambda reason: fallbacks.labels(front_door, reason).inc(),
+                choice=choice,
+                on_prefill_leg=lambda target, outcome: metrics.labelled(
+                    legs, target, outcome).inc(),
+                on_retry=retries.inc,
             )
 
         def scopes(front_door: str) -> Scopes:
@@ -133,9 +146,7 @@ async def open_runtime(
                 watched_pod_allowlist(settings, Allowlist.parse(settings.prefill_allowlist))
             )
         selector = TargetSelector(
-            allowlist,
-            [parse_prefill_url(url) for url in settings.prefill_urls],
-            resolve_timeout_s=settings.connect_timeout_s,
+            allowlist, pool, resolve_timeout_s=settings.connect_timeout_s, choice=choice
         )
         runtime = Runtime(
             settings=settings,
@@ -152,6 +163,11 @@ async def open_runtime(
             admission=admission,
             health=EngineHealth(session, settings.engine_url, timeout_s=settings.connect_timeout_s),
             worker=worker,
+            local_prefill=LocalPrefill(
+                settings,
+                on_tokenize_failure=lambda reason: metrics.labelled(
+                    metrics.tokenize_failures, reason).inc(),
+            ),
         )
         runtime.health.on_change(lambda ready: metrics.engine_ready.set(1 if ready else 0))
         yield runtime

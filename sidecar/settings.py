@@ -44,6 +44,13 @@ class PrefillFailurePolicy(StrEnum):
     LOCAL = "local"
 
 
+class PromptLengthSource(StrEnum):
+    """How a text or chat prompt's length is known for conditional disaggregation."""
+
+    ESTIMATE = "estimate"
+    TOKENIZE = "tokenize"
+
+
 class KVTransport(StrEnum):
     """How the gRPC front door moves KV: engine-native hand-off, or bytes in the stream."""
 
@@ -226,6 +233,32 @@ class Settings(BaseModel):
         default=False,
         description="Accept hand-off fields (e.g. kv_transfer_params) in client bodies: only "
         "when the sole caller is a router that computes them itself.",
+    )
+    max_fanout: int = Field(
+        default=16,
+        ge=1,
+        le=1024,
+        description="Most PD pairs one request may fan out to: prompts x n (batched prompts, "
+        "n > 1); more: 400.",
+    )
+    local_prefill_max_tokens: int = Field(
+        default=0,
+        ge=0,
+        description="Prompts of at most this many tokens run whole on the local engine, with "
+        "no prefill leg (0: off, every request is disaggregated).",
+    )
+    prompt_length_source: PromptLengthSource = Field(
+        default=PromptLengthSource.ESTIMATE,
+        description="How a text or chat prompt's length is known for "
+        "local_prefill_max_tokens: estimate (UTF-8 bytes / 4, see README) or tokenize (the "
+        "local engine's tokenize endpoint: vLLM, SGLang). Token-id prompts are counted "
+        "exactly.",
+    )
+    prefill_cooldown_s: float = Field(
+        default=5.0,
+        ge=0,
+        description="Seconds a prefill target whose connect was refused is skipped while "
+        "other listed targets remain (0: never skipped).",
     )
     max_body_bytes: int = Field(
         default=32 * 1024 * 1024, ge=1024, description="Largest client request body."

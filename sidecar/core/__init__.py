@@ -1,1 +1,2 @@
-"""The transport-agnostic core: upstream client, prefill targets, the legs and the orchestrator."""
+"""The transport-agnostic core: upstream client, prefill targets (and the choice among them),
+the legs, the orchestrator, and the request shapes built on it (fan-out, local prefill)."""

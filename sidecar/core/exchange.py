@@ -37,6 +37,8 @@ class PDExchange:
     prefill_task: asyncio.Task[dict[str, Any]] | None = None
     prefill_error: SidecarError | None = None
     completed: bool = False
+    #: Run whole on the local engine (a short prompt): no prefill leg, no hand-off.
+    local: bool = False
     _release: Callable[[], None] | None = None
     _abort: Callable[[], None] | None = None
     _closed: bool = False

@@ -21,6 +21,7 @@ from sidecar.errors import (
     EngineNotReady,
     EngineRejected,
     PrefillFailed,
+    PrefillUnreachable,
     SidecarError,
     Stage,
 )
@@ -88,6 +89,10 @@ async def post_prefill(
         raise DeadlineExceeded(
             f"prefill leg exceeded its {timeout_s:g} s deadline", stage=Stage.PREFILL
         ) from None
+    except UpstreamConnectError as exc:
+        # No connection, so not one byte of the request reached the engine: safe to retry.
+        raise PrefillUnreachable(f"prefill engine unreachable or broke the connection: "
+                                 f"{type(exc).__name__}") from None
     except UpstreamError as exc:
         raise PrefillFailed(f"prefill engine unreachable or broke the connection: "
                             f"{type(exc).__name__}") from None

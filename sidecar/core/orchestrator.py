@@ -23,8 +23,10 @@ Only this package talks to engines; the front doors translate their wire into th
 chunks and must call ``aclose()``. Cancellation (a client gone) propagates: every upstream
 call is closed on the way out.
 
-Deliberate limits: no retries (a retry of a prefill that half-ran would double the engine's
-work; routers pick another pair); the local-prefill fallback applies to sequential flows only
+Deliberate limits: one retry, only of a prefill whose connect was refused (the engine never
+saw it) and only on another of the request's targets; a prefill that may have half-run is
+never retried (it would double the engine's work; routers pick another pair); the
+local-prefill fallback applies to sequential flows only
 (SGLang and Mooncake decode engines cannot run without their prefill).
 """
 
@@ -35,7 +37,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterable, Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from sidecar import jsonutil
@@ -44,6 +46,7 @@ from sidecar.core.engine_model import EngineModel
 from sidecar.core.exchange import PDExchange, as_prefill_error, cancel_and_wait
 from sidecar.core.legs import open_decode, post_prefill
 from sidecar.core.scope import Scopes, Timings
+from sidecar.core.target_choice import TargetChoice
 from sidecar.engines.base import EngineHandler
 from sidecar.errors import (
     DeadlineExceeded,
@@ -51,6 +54,7 @@ from sidecar.errors import (
     EngineNotReady,
     InvalidHandoff,
     PrefillFailed,
+    PrefillUnreachable,
     SidecarError,
     Stage,
 )
@@ -80,6 +84,9 @@ class PDRequest:
     target: PrefillTarget
     request_id: str
     headers: Mapping[str, str]
+    #: Every target the request may use (``target`` among them): a prefill whose connect is
+    #: refused moves once to another of these.
+    candidates: tuple[PrefillTarget, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +99,8 @@ class PrefillLeg:
     timeout_s: float
     #: The name an https target's certificate must carry when ``url`` names its address.
     server_hostname: str | None = None
+    #: The prefill target this leg goes to, when it is a remote one (counted per target).
+    target: PrefillTarget | None = None
 
 
 @dataclass(slots=True)
@@ -120,6 +129,9 @@ class Orchestrator:
         ids: IdSources,
         engine_ids: EngineIdCache | None = None,
         on_fallback: Callable[[str], None] | None = None,
+        choice: TargetChoice | None = None,
+        on_prefill_leg: Callable[[str, str], None] | None = None,
+        on_retry: Callable[[], None] | None = None,
     ) -> None:
         self.settings = settings
         self.handler = handler
@@ -128,6 +140,9 @@ class Orchestrator:
         self.engine_ids = engine_ids
         self.concurrent = handler.concurrent
         self._on_fallback = on_fallback
+        self.choice = choice if choice is not None else TargetChoice(cooldown_s=0.0)
+        self._on_prefill_leg = on_prefill_leg
+        self._on_retry = on_retry
         self._engine_url = settings.engine_url.rstrip("/")
         self._aborts: set[asyncio.Task[None]] = set()
         self._background: set[asyncio.Task[None]] = set()
@@ -246,11 +261,44 @@ class Orchestrator:
         return timeout_s
 
     async def post_plain(self, leg: PrefillLeg) -> dict[str, Any]:
-        """POST a prefill-style leg and return its JSON object answer (no hand-off read)."""
-        return await post_prefill(
+        """POST a prefill-style leg and return its JSON object answer (no hand-off read).
+
+        A leg to a remote target counts as in flight there while it runs; a refused connect
+        cools the target down (``TargetChoice``).
+        """
+        post = post_prefill(
             self.session, leg.url, leg.body, leg.headers,
             timeout_s=leg.timeout_s, max_bytes=self.settings.max_prefill_response_bytes,
             server_hostname=leg.server_hostname,
+        )
+        if leg.target is None:
+            return await post
+        target = leg.target
+        outcome: str | None = "failed"
+        try:
+            with self.choice.leg(target):
+                answer = await post
+            outcome = "ok"
+            self.choice.answered(target)
+            return answer
+        except PrefillUnreachable:
+            outcome = "connect_refused"
+            self.choice.refused(target)
+            raise
+        except asyncio.CancelledError:
+            outcome = None  # the request went away: not the target's doing
+            raise
+        finally:
+            if self._on_prefill_leg is not None and outcome is not None:
+                self._on_prefill_leg(self.choice.label(target), outcome)
+
+    async def post_local(
+        self, path: str, body: Mapping[str, Any], headers: Mapping[str, str], *, max_bytes: int
+    ) -> dict[str, Any]:
+        """POST a small JSON call to the local engine (its tokenizer) and return its answer."""
+        return await post_prefill(
+            self.session, self._engine_url + path, body, headers,
+            timeout_s=self.settings.connect_timeout_s, max_bytes=max_bytes,
         )
 
     async def prefill(
@@ -263,13 +311,7 @@ class Orchestrator:
         """
         timings = Timings() if timings is None else timings
         started = time.perf_counter()
-        # post_prefill directly, not through post_plain: every coroutine layer is crossed again
-        # on each resumption of the leg (measured: a few percent of a request's instructions).
-        response = await post_prefill(
-            self.session, leg.url, leg.body, leg.headers,
-            timeout_s=leg.timeout_s, max_bytes=self.settings.max_prefill_response_bytes,
-            server_hostname=leg.server_hostname,
-        )
+        response = await self.post_plain(leg)
         timings.prefill = time.perf_counter() - started
         if self.handler.answered_by_prefill(response):
             return Handoff(fields={}, answer=self.handler.prefill_answer(response), timings=timings)
@@ -358,19 +400,48 @@ class Orchestrator:
     # -- the PD flow ------------------------------------------------------------------------
 
     async def start(self, request: PDRequest) -> PDExchange:
-        """Run the request's legs until the decode response head has arrived."""
-        ctx = await self.context(request.route, request.request_id, request.target)
+        """Run the request's legs until the decode response head has arrived.
+
+        A prefill whose connect was refused (the engine never saw it) is run once more on
+        another of the request's candidates, with a new hand-off context; a concurrent
+        flow's decode, already sent, is aborted first. Nothing else is retried.
+        """
+        target = request.target
+        alternative = self._alternative(request, target)
+        try:
+            return await self._start_on(request, target, may_retry=alternative is not None)
+        except PrefillUnreachable:
+            if alternative is None:
+                raise
+        # Picked again now: the first pick may have cooled down meanwhile, others changed.
+        retry_target = self._alternative(request, target) or alternative
+        logger.info("request %s: prefill target %s refused the connection; retrying on %s",
+                    request.request_id, target, retry_target)
+        if self._on_retry is not None:
+            self._on_retry()
+        return await self._start_on(replace(request, target=retry_target), retry_target,
+                                    may_retry=False)
+
+    def _alternative(self, request: PDRequest, target: PrefillTarget) -> PrefillTarget | None:
+        if len(request.candidates) < 2:
+            return None
+        return self.choice.pick(request.candidates, exclude=(target,))
+
+    async def _start_on(
+        self, request: PDRequest, target: PrefillTarget, *, may_retry: bool
+    ) -> PDExchange:
+        ctx = await self.context(request.route, request.request_id, target)
         try:
             if self.concurrent:
                 exchange = await self._start_concurrent(request, ctx)
             else:
-                exchange = await self._start_sequential(request, ctx)
+                exchange = await self._start_sequential(request, ctx, may_retry=may_retry)
         except BaseException:
-            self.abort(ctx, request.target)
+            self.abort(ctx, target)
             self.release(ctx)
             raise
         exchange._release = lambda: self.release(ctx)
-        exchange._abort = lambda: self.abort(ctx, request.target)
+        exchange._abort = lambda: self.abort(ctx, target)
         return exchange
 
     def _leg(self, request: PDRequest, ctx: HandoffContext) -> PrefillLeg:
@@ -380,9 +451,12 @@ class Orchestrator:
             headers=request.headers,
             timeout_s=self.settings.prefill_timeout_s,
             server_hostname=request.target.tls_name,
+            target=request.target,
         )
 
-    async def _start_sequential(self, request: PDRequest, ctx: HandoffContext) -> PDExchange:
+    async def _start_sequential(
+        self, request: PDRequest, ctx: HandoffContext, *, may_retry: bool = False
+    ) -> PDExchange:
         timings = Timings()
         fallback_reason: str | None = None
         try:
@@ -394,6 +468,8 @@ class Orchestrator:
         except _FALLBACK_ERRORS as error:
             if self.settings.on_prefill_failure is not PrefillFailurePolicy.LOCAL:
                 raise
+            if may_retry and isinstance(error, PrefillUnreachable):
+                raise  # another target comes first; the local fallback is the last resort
             fallback_reason = error.code
             if self._on_fallback is not None:
                 self._on_fallback(fallback_reason)

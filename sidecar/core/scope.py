@@ -38,6 +38,8 @@ CANCELLED: Final = "cancelled"
 BROKEN_STREAM: Final = "broken_stream"
 FALLBACK: Final = "fallback"
 PASSTHROUGH: Final = "passthrough"
+#: A short prompt run whole on the local engine (``--local-prefill-max-tokens``).
+LOCAL_SHORT: Final = "local_short"
 
 
 @dataclass(slots=True)

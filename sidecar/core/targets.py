@@ -12,22 +12,25 @@ cannot change); names are resolved and checked on every request. Targets from th
 pool (``--prefill-url``) are trusted configuration and skip the allowlist; an ``https`` entry
 stays https (verified against its configured name), a router's header is always plain http.
 
-Deliberate limits: one address per request is used (the first resolved); no health tracking
-of pool members (routers pick healthy prefill pods).
+Of several targets (a header list, or the static pool) ``TargetChoice`` picks the one with
+the fewest prefill legs in flight and skips targets whose connect was just refused;
+``candidates()`` gives the whole checked list, so a refused prefill can move to another.
+
+Deliberate limits: one address per target is used (the first resolved); no active health
+checks of targets (a refused connect is the only signal).
 """
 
 from __future__ import annotations
 
 import asyncio
 import ipaddress
-import itertools
-import random
 import re
 import socket
 from collections.abc import Sequence
 from typing import Protocol
 from urllib.parse import urlsplit
 
+from sidecar.core.target_choice import TargetChoice
 from sidecar.errors import InvalidRequest, PrefillFailed, TargetNotAllowed
 from sidecar.protocol.context import PrefillTarget
 
@@ -116,10 +119,12 @@ class TargetSelector:
         pool: Sequence[PrefillTarget],
         *,
         resolve_timeout_s: float,
+        choice: TargetChoice | None = None,
     ) -> None:
         self._allowlist = allowlist
         self._pool = list(pool)
-        self._pool_cycle = itertools.cycle(self._pool) if self._pool else None
+        self._resolved_pool: tuple[PrefillTarget, ...] | None = None
+        self.choice = choice if choice is not None else TargetChoice(cooldown_s=0.0)
         self._resolve_timeout_s = resolve_timeout_s
         # Routers name the same few prefill pods again and again: a header naming IP
         # literals only (no DNS, so nothing to rebind) checks the same way every time.
@@ -135,7 +140,24 @@ class TargetSelector:
         """The checked target for a request, or None when it names none and no pool exists.
 
         Every named target must be allowed (a list with one foreign entry is refused whole);
-        one of them is picked at random. Returns the target with its resolved address.
+        of several, ``choice`` picks the one with the fewest prefill legs in flight, skipping
+        targets cooling down after a refused connect. Returns it with its resolved address.
+        """
+        candidates = await self.candidates(header_values)
+        return self.choose(candidates) if candidates else None
+
+    def choose(self, candidates: Sequence[PrefillTarget]) -> PrefillTarget:
+        """One of ``candidates`` (non-empty) for the next prefill leg."""
+        if len(candidates) == 1:
+            return candidates[0]
+        chosen = self.choice.pick(candidates)
+        assert chosen is not None  # nothing excluded, so one is always left
+        return chosen
+
+    async def candidates(self, header_values: Sequence[str]) -> tuple[PrefillTarget, ...]:
+        """Every checked target a request may use (the header's, else the pool's; may be empty).
+
+        A prefill whose connect is refused is retried on another of these (``Orchestrator``).
         """
         if header_values:
             # A live allowlist (Kubernetes mode) bumps ``version`` on every change: the
@@ -151,17 +173,25 @@ class TargetSelector:
                 checked = tuple([await self._check(target) for target in targets])
                 if all(_literal(target.host) is not None for target in targets):
                     self._remember(key, checked)
-            return random.choice(checked) if len(checked) > 1 else checked[0]
-        if self._pool_cycle is not None:
-            target = next(self._pool_cycle)
-            addresses = await self._resolve(target)
-            address = str(addresses[0])
-            # Over TLS the certificate names the configured host, not the address it
-            # resolved to: keep the name for verification (an IP literal verifies itself).
-            tls_name = (target.host if target.scheme == "https" and _literal(target.host) is None
-                        else None)
-            return PrefillTarget(address, target.port, target.scheme, tls_name)
-        return None
+            return checked
+        if self._resolved_pool is not None:
+            return self._resolved_pool
+        if self._pool:
+            resolved = tuple([await self._pool_member(target) for target in self._pool])
+            if all(_literal(target.host) is not None for target in self._pool):
+                self._resolved_pool = resolved  # literals resolve the same way every time
+            return resolved
+        return ()
+
+    async def _pool_member(self, target: PrefillTarget) -> PrefillTarget:
+        addresses = await self._resolve(target)
+        # Over TLS the certificate names the configured host, not the address it resolved
+        # to: keep the name for verification (an IP literal verifies itself).
+        tls_name = (target.host if target.scheme == "https" and _literal(target.host) is None
+                    else None)
+        member = PrefillTarget(str(addresses[0]), target.port, target.scheme, tls_name)
+        self.choice.add_pool_member(member)
+        return member
 
     async def _check(self, target: PrefillTarget) -> PrefillTarget:
         literal = _literal(target.host)

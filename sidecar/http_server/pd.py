@@ -4,7 +4,10 @@
                             │yes
                             ▼
         read body (capped) ─▶ parse_client_body ─▶ orchestrator.start ─▶ relay ─▶ client
-                                                                         JSON or SSE bytes
+                                      │             (or the local engine,    JSON or SSE bytes
+                                      │              for a short prompt)
+                                      └─ n > 1 or a batch ─▶ http_server.fanout (one PD pair
+                                                             per prompt and choice, merged)
 
 The relay writes the decode engine's bytes as they arrive (no re-encoding). A failure after
 the first byte ends the stream with one error event and an unterminated body: no second
@@ -24,6 +27,7 @@ from sidecar.core.exchange import PDExchange
 from sidecar.core.orchestrator import PDRequest
 from sidecar.core.scope import (
     FALLBACK,
+    LOCAL_SHORT,
     OK,
     PASSTHROUGH,
     REFUSED,
@@ -39,6 +43,7 @@ from sidecar.errors import (
     Stage,
 )
 from sidecar.http_server.errors import error_response, sse_error_event
+from sidecar.http_server.fanout import relay_fanout
 from sidecar.http_server.keys import RUNTIME
 from sidecar.http_server.proxy import proxy_to_engine
 from sidecar.protocol.context import Route
@@ -103,8 +108,9 @@ async def handle_pd(request: web.Request, route: Route) -> web.StreamResponse:
     scope = runtime.http_scopes.open(route.value, request_id)
     try:
         scope.admit()
-        target = await runtime.selector.select(request.headers.getall(PREFILL_TARGET_HEADER, []))
-        if target is None:
+        selector = runtime.selector
+        candidates = await selector.candidates(request.headers.getall(PREFILL_TARGET_HEADER, []))
+        if not candidates:
             scope.outcome = PASSTHROUGH
             return await proxy_to_engine(request, runtime.orchestrator, request_id)
         raw = await _read_body(request, runtime.settings.max_body_bytes,
@@ -112,18 +118,24 @@ async def handle_pd(request: web.Request, route: Route) -> web.StreamResponse:
         client = parse_client_body(raw, route, trusted_router=runtime.settings.trusted_router)
         headers = forwardable_headers(request.headers.items(), drop=("accept-encoding",))
         headers[REQUEST_ID_HEADER] = request_id
-        exchange = await runtime.orchestrator.start(
-            PDRequest(
-                route=route,
-                body=client.body,
-                stream=client.stream,
-                target=target,
-                request_id=request_id,
-                headers=headers,
-            )
+        pd_request = PDRequest(
+            route=route,
+            body=client.body,
+            stream=client.stream,
+            target=selector.choose(candidates),
+            request_id=request_id,
+            headers=headers,
+            candidates=candidates,
         )
+        if client.sub_requests > 1:
+            return await relay_fanout(request, runtime, scope, client, pd_request)
+        if runtime.local_prefill.enabled:
+            exchange = await runtime.local_prefill.start(runtime.orchestrator, pd_request)
+        else:
+            exchange = await runtime.orchestrator.start(pd_request)
         # The relay may still turn it into broken_stream or error (an engine's error event).
-        scope.outcome = FALLBACK if exchange.fallback_reason else OK
+        scope.outcome = (LOCAL_SHORT if exchange.local
+                         else FALLBACK if exchange.fallback_reason else OK)
         try:
             scope.observe_timings(exchange.timings)
             return await _relay(request, runtime, scope, exchange, client.stream, route)

@@ -13,7 +13,11 @@ leaves everything else to the engine: no model of the whole body. Refused:
   otherwise act on foreign KV coordinates);
 - duplicated top-level control keys (orjson silently keeps the last one; another parser on
   the path may keep the first);
-- ``n > 1`` and batched prompts: one hand-off per request only, for now.
+- a ``prompt`` array that mixes strings and token-id arrays, or holds an empty one.
+
+``n > 1`` and batched prompts (an array of several strings or of several token-id arrays)
+are accepted and described by ``ClientRequest.batch`` and ``.n``: the core runs them as one
+PD pair per (prompt, choice) (``sidecar.protocol.fanout``).
 
 Duplicate detection is cheap: a key the body holds is re-checked only when its quoted name
 occurs more than once in the raw bytes, and then the top level is re-parsed with the standard
@@ -69,6 +73,15 @@ class ClientRequest:
     route: Route
     body: dict[str, Any]
     stream: bool
+    #: The prompts of a batched completions request (two or more), else None.
+    batch: list[str | list[int]] | None = None
+    #: Choices asked per prompt (``n``; 1 when absent or below 1, which the engine judges).
+    n: int = 1
+
+    @property
+    def sub_requests(self) -> int:
+        """How many PD pairs the request needs: prompts x choices."""
+        return (len(self.batch) if self.batch else 1) * self.n
 
 
 def _type_name(value: object) -> str:
@@ -125,11 +138,8 @@ def _check_types(body: dict[str, Any], route: Route) -> None:
         if value is not None and not _is_int(value):
             raise InvalidRequest(f"'{key}' must be an integer or null, got {_type_name(value)}")
     n = body.get(N)
-    if n is not None:
-        if not _is_int(n):
-            raise InvalidRequest(f"'n' must be an integer, got {_type_name(n)}")
-        if n > 1:
-            raise InvalidRequest("n > 1 is not supported yet with prefill/decode disaggregation")
+    if n is not None and not _is_int(n):
+        raise InvalidRequest(f"'n' must be an integer, got {_type_name(n)}")
     if route is Route.COMPLETIONS:
         _check_prompt(body)
     else:
@@ -150,17 +160,13 @@ def _check_prompt(body: dict[str, Any]) -> None:
         raise InvalidRequest("'prompt' must not be an empty array")
     if _is_token_ids(prompt):
         return
-    if all(isinstance(item, str | list) for item in prompt):
-        if len(prompt) > 1:
-            raise InvalidRequest(
-                "batched prompts (an array of several prompts) are not supported yet with "
-                "prefill/decode disaggregation"
-            )
-        only = prompt[0]
-        if isinstance(only, str) or (only and _is_token_ids(only)):
-            return
+    if all(isinstance(item, str) for item in prompt):
+        return
+    if all(isinstance(item, list) and item and _is_token_ids(item) for item in prompt):
+        return
     raise InvalidRequest(
-        "'prompt' must be a string, an array of token ids, or a one-item array of either"
+        "'prompt' must be a string, an array of token ids, or an array of strings or of "
+        "non-empty token-id arrays (not both)"
     )
 
 
@@ -193,4 +199,19 @@ def parse_client_body(
             )
     _check_duplicates(raw, body)
     _check_types(body, route)
-    return ClientRequest(route=route, body=body, stream=body.get(STREAM) is True)
+    n = body.get(N)
+    return ClientRequest(
+        route=route,
+        body=body,
+        stream=body.get(STREAM) is True,
+        batch=_batch(body) if route is Route.COMPLETIONS else None,
+        n=n if isinstance(n, int) and n > 1 else 1,
+    )
+
+
+def _batch(body: dict[str, Any]) -> list[str | list[int]] | None:
+    """The prompts of a checked completions body holding several, else None."""
+    prompt = body[PROMPT]
+    if isinstance(prompt, list) and len(prompt) > 1 and not _is_token_ids(prompt):
+        return list(prompt)
+    return None

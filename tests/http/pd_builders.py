@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator
@@ -30,7 +31,8 @@ PAIRS: list[tuple[str, str]] = [
     ("trtllm", "shfs"),
 ]
 
-__all__ = ["PAIRS", "PDPair", "client_body", "pd_pair", "sse_events", "streamed_text"]
+__all__ = ["PAIRS", "PDPair", "client_body", "metric_reaches", "pd_pair", "sse_events",
+           "streamed_text"]
 
 
 @dataclass
@@ -99,3 +101,17 @@ def streamed_text(text: str) -> str:
 def json_text(text: str) -> str:
     choice = json.loads(text)["choices"][0]
     return str(choice.get("text") or (choice.get("message") or {}).get("content") or "")
+
+
+async def metric_reaches(
+    sidecar: RunningSidecar, name: str, value: float, *, timeout_s: float = 10.0,
+    **labels: str,
+) -> None:
+    """Wait until a metric reads ``value`` (a request is counted after its last byte left).
+
+    Polls the real exposition: the state decides, and a broken test fails at ``timeout_s``.
+    """
+    async with asyncio.timeout(timeout_s):
+        # Metrics are only observable by scraping /metrics: there is no event to wait on.
+        while await sidecar.metric(name, **labels) != value:  # noqa: ASYNC110
+            await asyncio.sleep(0.01)

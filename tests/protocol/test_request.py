@@ -3,7 +3,8 @@
 Refusals (InvalidRequest, HTTP 400, with a message naming the problem): malformed JSON, a
 non-object body, wrong types of the fields the sidecar reads, client-supplied hand-off fields
 (allowed for a trusted router), duplicated top-level control keys (found via the raw bytes,
-confirmed at the top level only), n > 1 and batched prompts. The body is returned as parsed.
+confirmed at the top level only), mixed prompt batches. The body is returned as parsed; n > 1
+and batched prompts are described (``batch``, ``n``) for the fan-out.
 """
 
 from __future__ import annotations
@@ -88,17 +89,27 @@ def test_n_must_be_int(value: object) -> None:
 
 
 @pytest.mark.parametrize("route", list(Route))
-def test_n_above_one_not_supported(route: Route) -> None:
+def test_n_above_one_is_a_fanout(route: Route) -> None:
     base = COMPLETION if route is Route.COMPLETIONS else CHAT
-    _refused(_raw({**base, "n": 2}), route, match="not supported yet")
+    client = parse_client_body(_raw({**base, "n": 3}), route)
+    assert (client.n, client.batch, client.sub_requests) == (3, None, 3)
 
 
 @pytest.mark.parametrize(
-    "prompt",
-    [["a", "b"], [[1, 2], [3, 4]], ["a", [1]]],
+    ("prompt", "batch"),
+    [(["a", "b"], ["a", "b"]), ([[1, 2], [3, 4]], [[1, 2], [3, 4]]), (["a"], None),
+     ([[1, 2]], None), ([1, 2], None), ("a", None)],
 )
-def test_batched_prompts_not_supported(prompt: object) -> None:
-    _refused(_raw({**COMPLETION, "prompt": prompt}), match="batched prompts.*not supported yet")
+def test_batched_prompts_are_a_fanout(prompt: object, batch: object) -> None:
+    client = parse_client_body(_raw({**COMPLETION, "prompt": prompt, "n": 2}),
+                               Route.COMPLETIONS)
+    assert client.batch == batch
+    assert client.sub_requests == 2 * (len(batch) if isinstance(batch, list) else 1)
+
+
+@pytest.mark.parametrize("prompt", [["a", [1]], [[1], "a"], [[1, 2], []]])
+def test_mixed_batches_refused(prompt: object) -> None:
+    _refused(_raw({**COMPLETION, "prompt": prompt}), match="'prompt' must")
 
 
 @pytest.mark.parametrize(

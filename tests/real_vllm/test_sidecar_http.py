@@ -42,8 +42,7 @@ from real_vllm.client import (
     text_of_stream,
 )
 from real_vllm.engine_schema import VllmSchema
-from real_vllm.sidecar_process import PREFILL_HEADER, Sidecar, through
-from real_vllm.sidecar_process import sidecar_process as _sidecar_process
+from real_vllm.sidecar_process import PREFILL_HEADER, Sidecar, sidecar_process, through
 from real_vllm.stack import RealVllm
 from sidecar.engines import resolve_engine
 from sidecar.ids import IdSources, RoomAllocator, SnowflakeIds
@@ -59,7 +58,7 @@ HEADER = PREFILL_HEADER
 @pytest.fixture(scope="module")
 def nixl_sidecar(real_vllm: RealVllm, tmp_path_factory: pytest.TempPathFactory
                  ) -> Iterator[Sidecar]:
-    yield from _sidecar_process(
+    yield from sidecar_process(
         tmp_path_factory.mktemp("nixl-sidecar"),
         "--engine", "vllm", "--kv-connector", "shfs", "--engine-url", real_vllm.nixl.decode,
     )
@@ -69,7 +68,7 @@ def nixl_sidecar(real_vllm: RealVllm, tmp_path_factory: pytest.TempPathFactory
 def example_sidecar(real_vllm: RealVllm, tmp_path_factory: pytest.TempPathFactory
                     ) -> Iterator[Sidecar]:
     # ExampleConnector needs no hand-off fields: the default handler's P-then-D flow.
-    yield from _sidecar_process(
+    yield from sidecar_process(
         tmp_path_factory.mktemp("example-sidecar"),
         "--engine", "example-connector", "--engine-url", real_vllm.example.decode,
     )

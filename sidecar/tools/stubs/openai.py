@@ -90,6 +90,20 @@ def prompt_ids_of(body: dict[str, Any], kind: str) -> list[int]:
     raise BadRequest("prompt must be a string or a non-empty list of token ids")
 
 
+def tokenize(body: Any, max_model_len: int, *, chat: bool) -> dict[str, Any]:
+    """A tokenizer endpoint's answer: vLLM's ``/tokenize`` (``chat``: messages too) and
+    SGLang's ``/v1/tokenize`` (prompt only), as ``count``, ``max_model_len`` and ``tokens``."""
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    if "messages" in body:
+        if not chat:
+            raise BadRequest("this tokenizer endpoint takes 'prompt' only")
+        ids = prompt_ids_of(body, "chat")
+    else:
+        ids = prompt_ids_of(body, "completion")
+    return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids}
+
+
 def check_limits(
     body: dict[str, Any],
     prompt_tokens: int,

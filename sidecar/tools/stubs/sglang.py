@@ -104,6 +104,7 @@ class SglangEngine:
         self.stub.add_openai_routes(app, self._openai, self._models)
         app.router.add_post("/abort_request", self._abort_request)
         app.router.add_get("/health_generate", self._health_generate)
+        app.router.add_post("/v1/tokenize", self.stub.route(self._tokenize))
 
     def add_bootstrap_routes(self, app: web.Application) -> None:
         app.router.add_get(ROOM_PATH, self._room_handler)
@@ -141,6 +142,10 @@ class SglangEngine:
 
     async def _health_generate(self, request: web.Request) -> web.StreamResponse:
         return web.Response(status=200)
+
+    async def _tokenize(self, request: web.Request) -> Reply:
+        return JsonReply(openai.tokenize(request_json(request), self.config.max_model_len,
+                                         chat=False))
 
     async def _models(self, request: web.Request) -> Reply:
         model = self.config.model

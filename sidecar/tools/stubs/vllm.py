@@ -71,6 +71,7 @@ class VllmEngine:
 
     def add_routes(self, app: web.Application) -> None:
         self.stub.add_openai_routes(app, self._generate, self._models)
+        app.router.add_post("/tokenize", self.stub.route(self._tokenize))
         self.connector.add_routes(app)
 
     def add_bootstrap_routes(self, app: web.Application) -> None:
@@ -100,6 +101,10 @@ class VllmEngine:
             model, "vllm", root=model, parent=None, max_model_len=self.config.max_model_len,
             permission=[],
         ))
+
+    async def _tokenize(self, request: web.Request) -> Reply:
+        return JsonReply(openai.tokenize(request_json(request), self.config.max_model_len,
+                                         chat=True))
 
     async def _generate(self, request: web.Request, *, kind: str) -> Reply:
         body = request_json(request)

@@ -1,0 +1,150 @@
+"""Several PD pairs for one client request, run concurrently, failing and ending together.
+
+    start_all(start, [PDRequest ...]) ─▶ FanOut   every pair's decode head has arrived
+        .exchanges        one PDExchange per sub-request, in choice-index order
+        .read_all(cap)    every decode body (JSON answers), read concurrently
+        .chunks()         (k, chunk) from every decode stream as it arrives, interleaved
+        .aclose()         close every exchange (engines aborted where they have an abort)
+
+Failure semantics: the first sub-request to fail (starting, or reading its body) cancels all
+the others and its error is the request's; a client that goes away cancels them all (the
+caller's task is cancelled, and ``aclose`` runs on the way out). Nothing stays in flight on
+any engine: each sub-request's own ``PDExchange.aclose`` closes its decode, stops a running
+prefill and aborts both legs where the engine has an abort call.
+
+The sub-requests are ordinary single requests of the core (``Orchestrator.start`` or the
+local run of a short prompt): each has its own hand-off context (its own
+``kv_transfer_params`` / bootstrap room / ``disagg_request_id``) and its own request id.
+
+Deliberate limits: decode streams are read into a bounded queue, so a slow client slows
+every leg alike; the interleaving follows arrival, not choice order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Final
+
+from sidecar.core.exchange import PDExchange, cancel_and_wait
+from sidecar.core.orchestrator import PDRequest
+from sidecar.errors import SidecarError
+
+#: Chunks buffered from all legs before their readers wait for the client.
+_QUEUE_CHUNKS: Final = 64
+
+StartOne = Callable[[PDRequest], Awaitable[PDExchange]]
+
+
+def sub_request_id(request_id: str, index: int) -> str:
+    """The request id sub-request ``index`` carries to the engines (``<id>-<index>``)."""
+    return f"{request_id}-{index}"
+
+
+async def _first_failure(tasks: Sequence[asyncio.Task[object]]) -> None:
+    """Wait for every task; on the first failure cancel the rest and raise its error."""
+    pending = set(tasks)
+    while pending:
+        done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
+        for task in done:
+            if not task.cancelled() and task.exception() is not None:
+                for other in pending:
+                    other.cancel()
+                for other in pending:
+                    with contextlib.suppress(BaseException):
+                        await other
+                error = task.exception()
+                assert error is not None
+                raise error
+
+
+class FanOut:
+    """The running sub-requests of one client request."""
+
+    def __init__(self, exchanges: list[PDExchange]) -> None:
+        self.exchanges = exchanges
+        self._closed = False
+
+    async def read_all(self, max_bytes: int) -> list[bytes]:
+        """Every decode body, in order; the first failure cancels the other reads."""
+        tasks = [asyncio.ensure_future(self._read(exchange, max_bytes))
+                 for exchange in self.exchanges]
+        try:
+            await _first_failure(tasks)
+        finally:
+            for task in tasks:
+                await cancel_and_wait(task)
+        return [task.result() for task in tasks]
+
+    @staticmethod
+    async def _read(exchange: PDExchange, max_bytes: int) -> bytes:
+        if exchange.decode is None:
+            return b""  # answered by its prefill: the caller reads ``exchange.answer``
+        return await exchange.read_all(max_bytes)
+
+    async def chunks(self) -> AsyncIterator[tuple[int, bytes | None]]:
+        """``(k, chunk)`` from every decode stream as it arrives; ``(k, None)`` ends leg k.
+
+        A leg's failure raises its ``SidecarError`` here (the others are stopped by
+        ``aclose``). Legs answered by their prefill yield nothing: the caller renders their
+        ``answer``.
+        """
+        queue: asyncio.Queue[tuple[int, bytes | None] | BaseException] = asyncio.Queue(
+            _QUEUE_CHUNKS)
+        readers = [asyncio.ensure_future(self._pump(k, exchange, queue))
+                   for k, exchange in enumerate(self.exchanges) if exchange.decode is not None]
+        remaining = len(readers)
+        try:
+            while remaining:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item[1] is None:
+                    remaining -= 1
+                yield item
+        finally:
+            for reader in readers:
+                await cancel_and_wait(reader)
+
+    @staticmethod
+    async def _pump(
+        k: int,
+        exchange: PDExchange,
+        queue: asyncio.Queue[tuple[int, bytes | None] | BaseException],
+    ) -> None:
+        try:
+            async for chunk in exchange.chunks():
+                await queue.put((k, chunk))
+        except SidecarError as error:
+            await queue.put(error)
+            return
+        await queue.put((k, None))
+
+    async def aclose(self) -> None:
+        """Close every sub-request (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        await asyncio.gather(*(exchange.aclose() for exchange in self.exchanges),
+                             return_exceptions=True)
+
+
+async def start_all(start: StartOne, requests: Sequence[PDRequest]) -> FanOut:
+    """Start every sub-request concurrently; returns once every decode head has arrived.
+
+    The first failure cancels the others (each cleans up after itself) and is raised; a
+    cancelled caller cancels them all.
+    """
+    tasks = [asyncio.ensure_future(start(request)) for request in requests]
+    try:
+        await _first_failure(tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(BaseException):
+                exchange = await task
+                await exchange.aclose()
+        raise
+    return FanOut([task.result() for task in tasks])

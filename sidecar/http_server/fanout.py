@@ -1,0 +1,182 @@
+"""The HTTP door's side of a fanned-out request (``n > 1`` or batched prompts).
+
+    ClientRequest ─check_fanout─▶ sub_bodies ─▶ core.fanout.start_all ─▶ FanOut
+        JSON:     read every answer ─merge_answers─▶ one answer (choices k, usage summed)
+        streamed: legs' events as they arrive ─StreamMerger─▶ index k, one id ─▶ client
+                  then one usage chunk (when the legs sent usage) and one ``data: [DONE]``
+
+Each sub-request k carries ``X-Request-Id: <id>-<k>`` to the engines and gets its own prefill
+target choice; the client sees its own request id. A failure before the client's first byte
+is the request's error status; after it, the stream ends with one error event and no
+``[DONE]`` (as for single requests). The caller closes the fan-out (every leg) on the way out.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+
+from aiohttp import web
+
+from sidecar import jsonutil
+from sidecar.core.exchange import PDExchange
+from sidecar.core.fanout import FanOut, start_all, sub_request_id
+from sidecar.core.orchestrator import PDRequest
+from sidecar.core.scope import BROKEN_STREAM, FALLBACK, LOCAL_SHORT, OK, RequestScope
+from sidecar.errors import DecodeFailed, SidecarError, Stage
+from sidecar.http_server.errors import sse_error_event
+from sidecar.protocol.fanout import SSEEvents, StreamMerger, check_fanout, merge_answers, sub_bodies
+from sidecar.protocol.request import ClientRequest
+from sidecar.protocol.request_id import REQUEST_ID_HEADER
+from sidecar.protocol.sse import DONE_EVENT, answer_as_sse
+from sidecar.runtime import Runtime
+
+logger = logging.getLogger(__name__)
+
+
+class _SSEResponse(web.StreamResponse):
+    """Its head leaves with the first event (one send instead of two)."""
+
+    _send_headers_immediately = False
+
+
+def _sub_requests(
+    runtime: Runtime, client: ClientRequest, base: PDRequest
+) -> list[PDRequest]:
+    subs = []
+    for k, body in enumerate(sub_bodies(client)):
+        request_id = sub_request_id(base.request_id, k)
+        target = runtime.selector.choose(base.candidates) if base.candidates else base.target
+        subs.append(replace(base, body=body, request_id=request_id, target=target,
+                            headers={**base.headers, REQUEST_ID_HEADER: request_id}))
+    return subs
+
+
+async def relay_fanout(
+    request: web.Request,
+    runtime: Runtime,
+    scope: RequestScope,
+    client: ClientRequest,
+    base: PDRequest,
+) -> web.StreamResponse:
+    """Run and answer a request that needs several PD pairs."""
+    check_fanout(client, runtime.settings.max_fanout)
+    orchestrator = runtime.orchestrator
+    local = runtime.local_prefill
+
+    async def start(sub: PDRequest) -> PDExchange:
+        if local.enabled:
+            return await local.start(orchestrator, sub)
+        return await orchestrator.start(sub)
+
+    fanout = await start_all(start, _sub_requests(runtime, client, base))
+    try:
+        for exchange in fanout.exchanges:
+            scope.observe_timings(exchange.timings)
+        if client.stream:
+            response = await _relay_stream(request, scope, fanout, client)
+        else:
+            response = await _relay_json(runtime, scope, fanout, client)
+    finally:
+        await fanout.aclose()
+    if scope.outcome != BROKEN_STREAM:
+        exchanges = fanout.exchanges
+        scope.outcome = (LOCAL_SHORT if all(e.local for e in exchanges)
+                         else FALLBACK if any(e.fallback_reason for e in exchanges) else OK)
+    return response
+
+
+async def _relay_json(
+    runtime: Runtime, scope: RequestScope, fanout: FanOut, client: ClientRequest
+) -> web.Response:
+    bodies = await fanout.read_all(runtime.settings.max_body_bytes)
+    answers = []
+    for exchange, raw in zip(fanout.exchanges, bodies, strict=True):
+        if exchange.decode is None:
+            answers.append(exchange.answer or {})
+            continue
+        try:
+            answer = jsonutil.loads(raw)
+        except jsonutil.JSONDecodeError:
+            answer = None
+        if not isinstance(answer, dict):
+            # A cut or garbled answer must not reach the client as a 200.
+            raise DecodeFailed("decode engine answered malformed JSON", stage=Stage.DECODE)
+        answers.append(answer)
+    body = jsonutil.dumps(merge_answers(answers, client.n))
+    scope.relayed_bytes.inc(len(body))
+    return web.Response(body=body, content_type="application/json",
+                        headers={REQUEST_ID_HEADER: scope.request_id})
+
+
+async def _relay_stream(
+    request: web.Request, scope: RequestScope, fanout: FanOut, client: ClientRequest
+) -> web.StreamResponse:
+    merger = StreamMerger(client.n)
+    splitters = {k: SSEEvents() for k in range(len(fanout.exchanges))}
+    response: _SSEResponse | None = None
+    total = 0
+
+    async def write(event: bytes) -> None:
+        nonlocal response, total
+        if response is None:
+            response = _SSEResponse(status=200, headers=_stream_headers(fanout, scope))
+            await response.prepare(request)
+        await response.write(event)
+        total += len(event)
+
+    async def relay(k: int, payloads: list[bytes]) -> None:
+        for payload in payloads:
+            try:
+                event = merger.event(k, payload)
+            except ValueError:
+                raise DecodeFailed("decode engine streamed malformed JSON",
+                                   stage=Stage.DECODE) from None
+            if event is not None:
+                await write(event)
+
+    try:
+        for k, exchange in enumerate(fanout.exchanges):
+            if exchange.decode is None:  # answered by its prefill (TensorRT-LLM)
+                await relay(k, SSEEvents().feed(answer_as_sse(exchange.answer or {},
+                                                              client.route)))
+        async for k, chunk in fanout.chunks():
+            if chunk is not None:
+                await relay(k, splitters[k].feed(chunk))
+            elif k not in merger.done or splitters[k].pending.strip():
+                raise DecodeFailed("decode stream ended without its [DONE] event",
+                                   stage=Stage.DECODE)
+        usage = merger.usage_event()
+        if usage is not None:
+            await write(usage)
+        await write(DONE_EVENT)
+    except SidecarError as error:
+        if response is None:
+            raise  # nothing sent yet: the request's error status
+        scope.relayed_bytes.inc(total)
+        scope.broken(error)
+        logger.warning("request %s: fanned-out stream broke after %d bytes: %s",
+                       scope.request_id, total, error.code)
+        await response.write(sse_error_event(error))
+        # Close the legs before the connection: closing it cancels this handler.
+        await fanout.aclose()
+        if request.transport is not None:
+            request.transport.close()
+        return response
+    scope.relayed_bytes.inc(total)
+    assert response is not None
+    await response.write_eof()
+    return response
+
+
+def _stream_headers(fanout: FanOut, scope: RequestScope) -> dict[str, str]:
+    headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    for exchange in fanout.exchanges:
+        if exchange.decode is not None:
+            for name in ("Content-Type", "Cache-Control"):
+                value = exchange.decode.header(name)
+                if value is not None:
+                    headers[name] = value
+            break
+    headers[REQUEST_ID_HEADER] = scope.request_id
+    return headers

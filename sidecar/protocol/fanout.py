@@ -1,0 +1,209 @@
+"""One OpenAI request of several prompts or choices, as single requests and back (pure).
+
+    ClientRequest(batch, n) ─check_fanout()─▶ refusals (the cap, fields that cannot merge)
+                            ─sub_bodies()──▶ one body per (prompt i, choice j), in order
+                                              k = i * n + j (vLLM's and OpenAI's choice index)
+    answers ─merge_answers()─▶ one answer: choices indexed k, one id, usage summed
+    events  ─StreamMerger──▶ each leg's chunks with index k and one id; usage summed at the end
+
+Each sub-request is a plain single request: ``prompt`` is prompt i (a string or token ids),
+``n`` is 1 (when the client sent ``n``), every other field is the client's. With a ``seed``,
+choice j of a prompt gets ``seed + j`` (wrapping into 0..2^63-1), so choice 0 keeps the
+client's seed and a batch of prompts with ``n`` 1 sends every prompt the client's seed.
+
+Usage is summed as the engine counts it: completion tokens over every choice, prompt tokens
+once per prompt (the first choice of each prompt reports them), total = prompt + completion.
+
+Refused when fanning out (400): ``best_of`` above 1 (the engine would rank best_of samples
+per prompt; separate pairs cannot), ``prompt_logprobs`` (vLLM answers it per request, and
+its shape differs between routes), ``stream_options.continuous_usage_stats`` (per-chunk usage
+of one leg is not the request's). ``echo``, ``logprobs`` and ``top_logprobs`` work: they are
+per choice, and each leg answers them for its own prompt.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from sidecar import jsonutil
+from sidecar.errors import InvalidRequest
+from sidecar.protocol.request import ClientRequest
+
+_SEED_SPAN = 1 << 63
+_USAGE_FIELDS = ("prompt_tokens", "completion_tokens", "total_tokens")
+_DATA = b"data: "
+_DONE = b"[DONE]"
+
+
+def check_fanout(request: ClientRequest, max_fanout: int) -> None:
+    """Refuse a fanned-out request the sidecar cannot answer as the engine would."""
+    count = request.sub_requests
+    if count > max_fanout:
+        raise InvalidRequest(
+            f"the request needs {count} prefill/decode pairs (prompts x n); the limit is "
+            f"{max_fanout} (--max-fanout)"
+        )
+    body = request.body
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != 1:
+        raise InvalidRequest("'best_of' is not supported with n > 1 or batched prompts")
+    if body.get("prompt_logprobs") is not None:
+        raise InvalidRequest("'prompt_logprobs' is not supported with n > 1 or batched prompts")
+    options = body.get("stream_options")
+    if isinstance(options, Mapping) and options.get("continuous_usage_stats"):
+        raise InvalidRequest(
+            "'stream_options.continuous_usage_stats' is not supported with n > 1 or batched "
+            "prompts"
+        )
+
+
+def derived_seed(seed: int, choice: int) -> int:
+    """The seed of choice ``choice`` of a prompt (choice 0 keeps the client's)."""
+    return (seed + choice) % _SEED_SPAN if choice else seed
+
+
+def sub_bodies(request: ClientRequest) -> list[dict[str, Any]]:
+    """One single-request body per (prompt, choice), in choice-index order."""
+    body = request.body
+    prompts: Sequence[Any] = request.batch if request.batch else (None,)
+    seed = body.get("seed")
+    bodies = []
+    for prompt in prompts:
+        for choice in range(request.n):
+            sub = dict(body)
+            if prompt is not None:
+                sub["prompt"] = prompt
+            if "n" in sub:
+                sub["n"] = 1
+            if isinstance(seed, int) and not isinstance(seed, bool):
+                sub["seed"] = derived_seed(seed, choice)
+            bodies.append(sub)
+    return bodies
+
+
+def summed_usage(usages: Mapping[int, Mapping[str, Any]], n: int) -> dict[str, Any]:
+    """The request's usage from its legs' (keyed by choice index k; prompt = k // n)."""
+    prompt_tokens: dict[int, int] = {}
+    completion = 0
+    base: dict[str, Any] = {}
+    for k in sorted(usages):
+        usage = usages[k]
+        if not base:
+            base = dict(usage)
+        prompt = k // n
+        if prompt not in prompt_tokens:
+            prompt_tokens[prompt] = _int(usage.get("prompt_tokens"))
+        completion += _int(usage.get("completion_tokens"))
+    prompt_total = sum(prompt_tokens.values())
+    merged = {key: value for key, value in base.items() if key not in _USAGE_FIELDS}
+    merged.update(prompt_tokens=prompt_total, total_tokens=prompt_total + completion,
+                  completion_tokens=completion)
+    return merged
+
+
+def _int(value: object) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def merge_answers(answers: Sequence[Mapping[str, Any]], n: int) -> dict[str, Any]:
+    """One JSON answer from the legs' answers (leg k's choice becomes choice k)."""
+    merged = dict(answers[0])
+    choices: list[Any] = []
+    usages: dict[int, Mapping[str, Any]] = {}
+    for k, answer in enumerate(answers):
+        for choice in answer.get("choices") or ():
+            if isinstance(choice, Mapping):
+                choices.append({**choice, "index": k})
+        usage = answer.get("usage")
+        if isinstance(usage, Mapping):
+            usages[k] = usage
+    merged["choices"] = choices
+    if usages:
+        merged["usage"] = summed_usage(usages, n)
+    return merged
+
+
+class SSEEvents:
+    """Splits one leg's SSE bytes into its events' ``data`` payloads as they complete."""
+
+    __slots__ = ("_buffer",)
+
+    def __init__(self) -> None:
+        self._buffer = b""
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        self._buffer += chunk
+        if b"\n\n" not in self._buffer:
+            return []
+        *events, self._buffer = self._buffer.replace(b"\r\n", b"\n").split(b"\n\n")
+        payloads = []
+        for event in events:
+            for line in event.split(b"\n"):
+                if line.startswith(_DATA):
+                    payloads.append(line[len(_DATA):])
+                elif line.startswith(b"data:"):
+                    payloads.append(line[5:])
+        return payloads
+
+    @property
+    def pending(self) -> bytes:
+        """Bytes of an event not yet ended (a leg that closed here was cut)."""
+        return self._buffer
+
+
+class StreamMerger:
+    """Rewrites the legs' stream chunks into one stream: index k, one id, usage summed.
+
+    ``event(k, payload)`` returns the SSE event to send for leg k's payload, None when the
+    payload is absorbed (``[DONE]``, a usage-only chunk) or raises ``ValueError`` when it is
+    not JSON; ``usage_event()`` is the one usage chunk at the end, when any leg reported usage
+    (the client asked ``include_usage``, or the engine sends usage by default).
+    """
+
+    def __init__(self, n: int) -> None:
+        self._n = n
+        self._id: Any = None
+        self._last: dict[str, Any] = {}
+        self._usages: dict[int, Mapping[str, Any]] = {}
+        self.done: set[int] = set()
+
+    def event(self, k: int, payload: bytes) -> bytes | None:
+        if payload.strip() == _DONE:
+            self.done.add(k)
+            return None
+        chunk = jsonutil.loads(payload)
+        if not isinstance(chunk, dict):
+            raise ValueError("stream chunk is not a JSON object")
+        usage = chunk.get("usage")
+        if isinstance(usage, Mapping):
+            self._usages[k] = usage
+            chunk["usage"] = None
+        choices = chunk.get("choices")
+        if not choices:
+            if isinstance(usage, Mapping):
+                self._remember(chunk)
+                return None  # the leg's usage chunk: summed into one at the end
+        else:
+            chunk["choices"] = [
+                {**choice, "index": k} if isinstance(choice, Mapping) else choice
+                for choice in choices
+            ]
+        if self._id is None:
+            self._id = chunk.get("id")
+        elif "id" in chunk:
+            chunk["id"] = self._id
+        self._remember(chunk)
+        return b"data: " + jsonutil.dumps(chunk) + b"\n\n"
+
+    def _remember(self, chunk: Mapping[str, Any]) -> None:
+        if not self._last:
+            self._last = {key: chunk[key] for key in ("object", "created", "model")
+                          if key in chunk}
+
+    def usage_event(self) -> bytes | None:
+        if not self._usages:
+            return None
+        chunk: dict[str, Any] = {"id": self._id, **self._last, "choices": [],
+                                 "usage": summed_usage(self._usages, self._n)}
+        return b"data: " + jsonutil.dumps(chunk) + b"\n\n"

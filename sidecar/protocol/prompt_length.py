@@ -1,0 +1,57 @@
+"""How many tokens a prompt has, without a tokenizer (pure; conditional disaggregation).
+
+- ``exact_tokens``: a prompt given as token ids (completions) has exactly that many;
+- ``estimate_tokens``: a text or chat prompt is estimated from its UTF-8 bytes: bytes / 4,
+  rounded up (chat: the text of every message, plus 4 per message for the template's role
+  markers). Multimodal parts are not counted.
+
+``python -m bench.estimate_error TOKENIZER_JSON`` measures the estimate against a real
+tokenizer (README states the result); this module imports nothing beyond the standard
+library and ``sidecar.protocol.context`` so that it runs in an engine's environment too.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any, Final
+
+from sidecar.protocol.context import Route
+
+#: Bytes per token of the estimate (typical of BPE vocabularies on English text).
+BYTES_PER_TOKEN: Final = 4
+#: Tokens a chat template adds per message (role markers, separators), estimated.
+TOKENS_PER_MESSAGE: Final = 4
+
+
+def exact_tokens(route: Route, body: Mapping[str, Any]) -> int | None:
+    """The prompt's token count when it is given as token ids, else None."""
+    if route is not Route.COMPLETIONS:
+        return None
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt:
+        if isinstance(prompt[0], list):
+            return len(prompt[0]) if len(prompt) == 1 else None
+        if not isinstance(prompt[0], str):
+            return len(prompt)
+    return None
+
+
+def _text_bytes(content: object) -> int:
+    if isinstance(content, str):
+        return len(content.encode())
+    if isinstance(content, list):  # content parts: count the text ones
+        return sum(_text_bytes(part.get("text")) for part in content if isinstance(part, dict))
+    return 0
+
+
+def estimate_tokens(route: Route, body: Mapping[str, Any]) -> int:
+    """The byte-based estimate of a text or chat prompt's token count."""
+    if route is Route.COMPLETIONS:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1:
+            prompt = prompt[0]
+        return math.ceil(_text_bytes(prompt) / BYTES_PER_TOKEN)
+    messages = body.get("messages") or ()
+    text = sum(_text_bytes(m.get("content")) for m in messages if isinstance(m, dict))
+    return math.ceil(text / BYTES_PER_TOKEN) + TOKENS_PER_MESSAGE * len(messages)
