@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import shutil
 import time
 import uuid
@@ -72,7 +73,9 @@ from sidecar.grpc_server.decode import DecodeInput
 from sidecar.grpc_server.prefill import Send
 from sidecar.inline_kv.layer_watch import LayerNotices
 from sidecar.inline_kv.prefill_files import (
+    LayerMessage,
     announced_meta,
+    pages_per_block,
     read_layer_messages,
     read_staged_meta,
     ready_layer_messages,
@@ -151,10 +154,11 @@ class InlinePrefill:
             try:
                 sent = 0
                 if announced is not None:
-                    head = meta_block(request_id, announced)
+                    wire = self._wire_meta(announced)
+                    head = meta_block(request_id, wire)
                     await send(disagg_pb2.KVBlockStream(block=head), len(head.k_data))
                     sent = await self._while_computing(
-                        request_id, announced, directory, notices, engine, send
+                        request_id, wire, directory, notices, engine, send
                     )
                 await engine  # the engine's errors end the stream here
                 await self._after_answer(request_id, announced, directory, sent, send)
@@ -180,9 +184,10 @@ class InlinePrefill:
     ) -> None:
         """The engine answered: check its meta.json, send the layers not sent yet."""
         meta = read_staged_meta(directory)
+        wire = self._wire_meta(meta)
         if announced is None:
             self._check_bound(meta.layout.num_layers * meta.num_blocks * meta.layout.block_bytes)
-            head = meta_block(request_id, meta)
+            head = meta_block(request_id, wire)
             await send(disagg_pb2.KVBlockStream(block=head), len(head.k_data))
         elif meta != announced:
             raise FailedPrecondition(
@@ -192,9 +197,9 @@ class InlinePrefill:
             )
         for layer_idx in range(sent, meta.layout.num_layers):
             messages = await asyncio.to_thread(
-                read_layer_messages, request_id, meta, directory, layer_idx
+                read_layer_messages, request_id, wire, directory, layer_idx
             )
-            await _send_layer(messages, meta.layout.tile_bytes, send)
+            await _send_layer(messages, send)
 
     async def _while_computing(
         self,
@@ -214,11 +219,16 @@ class InlinePrefill:
                     ready_layer_messages, request_id, meta, directory, sent
                 )
                 if found is not None:
-                    await _send_layer(found, meta.layout.tile_bytes, send)
+                    await _send_layer(found, send)
                     sent += 1
                     continue
             await notices.wait()
         return sent
+
+    def _wire_meta(self, meta: InlineMeta) -> InlineMeta:
+        """``meta`` as streamed: runs of as many pages as fit ``kv_block_bytes``."""
+        ppb = pages_per_block(meta.layout, self._settings.kv_block_bytes)
+        return dataclasses.replace(meta, pages_per_block=ppb)
 
     def _check_bound(self, nbytes: int) -> None:
         limit = self._settings.max_staged_bytes
@@ -229,11 +239,9 @@ class InlinePrefill:
             )
 
 
-async def _send_layer(
-    messages: list[disagg_pb2.KVBlockStream], tile_bytes: int, send: Send
-) -> None:
-    for message in messages:
-        await send(message, 2 * tile_bytes)
+async def _send_layer(messages: list[LayerMessage], send: Send) -> None:
+    for message, kv_bytes in messages:
+        await send(message, kv_bytes)
 
 
 async def _settle(task: asyncio.Future[None]) -> None:
