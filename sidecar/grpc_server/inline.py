@@ -227,7 +227,7 @@ class InlinePrefill:
 
     def _wire_meta(self, meta: InlineMeta) -> InlineMeta:
         """``meta`` as streamed: runs of as many pages as fit ``kv_block_bytes``."""
-        ppb = pages_per_block(meta.layout, self._settings.kv_block_bytes)
+        ppb = pages_per_block(meta, self._settings.kv_block_bytes)
         return dataclasses.replace(meta, pages_per_block=ppb)
 
     def _check_bound(self, nbytes: int) -> None:

@@ -2,7 +2,7 @@
 
     announced_meta(root, key, num_tokens)  ─▶ InlineMeta from engine.json, before any compute
                                               (None: no or unreadable engine.json)
-    pages_per_block(layout, kv_block_bytes)─▶ engine pages per streamed block (at least 1)
+    pages_per_block(meta, kv_block_bytes)  ─▶ engine pages per streamed block (at least 1)
     read_staged_meta(dir)                  ─▶ the metadata the connector wrote (meta.json)
     read_layer_messages(rid, meta, dir, l) ─▶ layer l's KVBlockStream messages, serialized,
                                               block order (``meta.pages_per_block`` pages each)
@@ -26,7 +26,6 @@ from pathlib import Path
 
 from connectors.inline_layout import (
     META_FILE,
-    InlineLayout,
     InlineMeta,
     LayoutError,
     layer_file,
@@ -50,10 +49,10 @@ def announced_meta(root: Path, key: str, num_tokens: int) -> InlineMeta | None:
     return InlineMeta(layout, num_tokens, -(-num_tokens // layout.block_size), key)
 
 
-def pages_per_block(layout: InlineLayout, kv_block_bytes: int) -> int:
+def pages_per_block(meta: InlineMeta, kv_block_bytes: int) -> int:
     """How many engine pages one streamed block carries: as many as fit ``kv_block_bytes``
-    (K and V together), at least one."""
-    return max(1, kv_block_bytes // layout.block_bytes)
+    (K and V together), at least one, at most the request's pages per layer."""
+    return max(1, min(meta.num_blocks, kv_block_bytes // meta.layout.block_bytes))
 
 
 def read_staged_meta(directory: Path) -> InlineMeta:
