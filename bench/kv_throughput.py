@@ -66,6 +66,7 @@ import argparse
 import asyncio
 import collections
 import json
+import os
 import shutil
 import socket
 import statistics
@@ -218,8 +219,11 @@ async def route_once(
     prompt: list[int],
     options: list[Any],
     times: dict[str, list[float]],
-) -> tuple[float, float, int]:
-    """The router: Prefill's blocks, in order, into Decode's ``kv_blocks``."""
+) -> tuple[float, float, int, int]:
+    """The router: Prefill's blocks, in order, into Decode's ``kv_blocks``.
+
+    Returns Prefill's and Decode's seconds, the K+V bytes carried and the DecodeRequest's size.
+    """
     async with grpc.aio.insecure_channel(pre, options=options) as ch:
         started = time.perf_counter()
         prefill: grpc.aio.UnaryStreamMultiCallable[disagg_pb2.PreFillRequest, bytes]
@@ -248,6 +252,7 @@ async def route_once(
         )
         head = disagg_pb2.DecodeRequest(request_id=rid, token_ids=prompt, max_new_tokens=1)
         framed = decode_request_bytes(head, blocks)
+        message_bytes = len(framed)
         times["router_frame_s"].append(time.perf_counter() - started)
         call2 = decode(framed)
         del framed
@@ -258,7 +263,102 @@ async def route_once(
     for serialized in blocks:
         parsed = disagg_pb2.KVBlock.FromString(bytes(serialized))
         wire += len(parsed.k_data) + len(parsed.v_data)
-    return prefill_s, decode_s, wire
+    return prefill_s, decode_s, wire, message_bytes
+
+
+def vm_rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return -1
+
+
+async def measure_block_size(
+    args: argparse.Namespace,
+    layout: InlineLayout,
+    kv_block_bytes: int,
+    stub_port: int,
+    dirs: tuple[Path, Path, Path],
+    stub_times: dict[str, list[float]],
+) -> dict[str, Any]:
+    """One sidecar pair whose prefill streams ``kv_block_bytes`` blocks: warm-up, then
+    ``args.requests`` requests one after another."""
+    prefill_dir, decode_dir, logs = dirs
+    kv_bytes = layout.num_layers * args.blocks * layout.block_bytes
+    max_message = kv_bytes + (16 << 20)
+    max_staged = args.max_staged_mib << 20
+    times: dict[str, list[float]] = collections.defaultdict(list)
+    sidecars: list[procs.Proc] = []
+    try:
+        for role, staging in (("prefill", prefill_dir), ("decode", decode_dir)):
+            flags = [
+                "--engine", "vllm", "--kv-connector", "shfs", "--role", role,
+                "--engine-url", f"http://127.0.0.1:{stub_port}",
+                "--advertise-host", "127.0.0.1",
+                "--grpc", "--grpc-port", "0",
+                "--grpc-max-message-bytes", str(max_message),
+                "--kv-transport", "inline",
+                "--kv-staging-dir", str(staging),
+                "--max-staged-bytes", str(max_staged),
+                "--kv-block-bytes", str(kv_block_bytes),
+            ]
+            sidecars.append(procs.start_sidecar(role, flags, log_dir=logs, prefix=[]))
+        pre = f"127.0.0.1:{sidecars[0].info['ports']['grpc']}"
+        dec = f"127.0.0.1:{sidecars[1].info['ports']['grpc']}"
+        options = [
+            ("grpc.max_receive_message_length", max_message),
+            ("grpc.max_send_message_length", max_message),
+        ]
+        prompt = list(range(1, args.blocks * layout.block_size + 1))
+        # Resident size once started and idle: what the decode sidecar holds before any KV.
+        idle_rss = {p.name: vm_rss_bytes(p.pid) for p in sidecars}
+        await route_once(pre, dec, "warmup", prompt, options, times)
+        times.clear()
+        stub_times.clear()  # the stub engine's file times, from here on
+        pids = {"prefill": sidecars[0].pid, "decode": sidecars[1].pid, "router+stub": os.getpid()}
+        cpu_before = {name: procs.cpu_seconds(pid) for name, pid in pids.items()}
+        runs = [
+            await route_once(pre, dec, f"r{i}", prompt, options, times)
+            for i in range(args.requests)
+        ]
+        cpu_ms = {
+            name: round((procs.cpu_seconds(pid) - cpu_before[name]) / args.requests * 1e3, 1)
+            for name, pid in pids.items()
+        }
+        leftovers = [p.name for d in (prefill_dir, decode_dir) for p in d.iterdir() if p.is_dir()]
+        hwm = {p.name: vm_hwm_bytes(p.pid) for p in sidecars}
+    finally:
+        for proc in sidecars:
+            procs.stop(proc)
+    best = min(p + d for p, d, _, _ in runs)
+    message = max(m for _, _, _, m in runs)
+    pages = max(1, min(args.blocks, kv_block_bytes // layout.block_bytes))
+    return {
+        "kv_block_bytes": kv_block_bytes,
+        "pages_per_block": pages,
+        "data_blocks_per_request": layout.num_layers * -(-args.blocks // pages),
+        "wire_bytes_per_request": runs[0][2],
+        "decode_request_bytes": message,
+        "prefill_s": [round(p, 4) for p, _, _, _ in runs],
+        "decode_s": [round(d, 4) for _, d, _, _ in runs],
+        "median_stage_s": {
+            k: round(statistics.median(v), 4) for k, v in {**times, **stub_times}.items() if v
+        },
+        # The KV crosses loopback twice (prefill sidecar -> router -> decode sidecar).
+        "grpc_path_mb_s": round(2 * kv_bytes / best / 1e6, 1),
+        "median_grpc_path_mb_s": round(
+            2 * kv_bytes / statistics.median(p + d for p, d, _, _ in runs) / 1e6, 1
+        ),
+        "cpu_ms_per_request": cpu_ms,
+        "sidecar_idle_rss_bytes": idle_rss,
+        "sidecar_peak_rss_bytes": hwm,
+        # Requests run one at a time: one concurrent Decode.
+        "decode_peak_over_message": round(hwm["decode"] / message, 2),
+        "decode_peak_above_idle_over_message": round(
+            (hwm["decode"] - idle_rss["decode"]) / message, 2
+        ),
+        "staged_leftovers": leftovers,
+    }
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -271,8 +371,6 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         fingerprint="bench",
     )
     kv_bytes = layout.num_layers * args.blocks * layout.block_bytes
-    max_staged = args.max_staged_mib << 20
-    max_message = kv_bytes + (16 << 20)
     root = make_root()
     prefill_dir, decode_dir, logs = root / "prefill", root / "decode", root / "logs"
     for d in (prefill_dir, decode_dir, logs):
@@ -288,71 +386,31 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     stub_port = runner.addresses[0][1]
-    sidecars: list[procs.Proc] = []
+    results: list[dict[str, Any]] = []
+    raw: list[float] = []
     try:
-        for role, staging in (("prefill", prefill_dir), ("decode", decode_dir)):
-            flags = [
-                "--engine",
-                "vllm",
-                "--kv-connector",
-                "shfs",
-                "--role",
-                role,
-                "--engine-url",
-                f"http://127.0.0.1:{stub_port}",
-                "--advertise-host",
-                "127.0.0.1",
-                "--grpc",
-                "--grpc-port",
-                "0",
-                "--grpc-max-message-bytes",
-                str(max_message),
-                "--kv-transport",
-                "inline",
-                "--kv-staging-dir",
-                str(staging),
-                "--max-staged-bytes",
-                str(max_staged),
-            ]
-            sidecars.append(procs.start_sidecar(role, flags, log_dir=logs, prefix=[]))
-        pre = f"127.0.0.1:{sidecars[0].info['ports']['grpc']}"
-        dec = f"127.0.0.1:{sidecars[1].info['ports']['grpc']}"
-        options = [
-            ("grpc.max_receive_message_length", max_message),
-            ("grpc.max_send_message_length", max_message),
-        ]
-        prompt = list(range(1, args.blocks * layout.block_size + 1))
-        await route_once(pre, dec, "warmup", prompt, options, times)
-        times.clear()
-        runs = [
-            await route_once(pre, dec, f"r{i}", prompt, options, times)
-            for i in range(args.requests)
-        ]
-        leftovers = [p.name for d in (prefill_dir, decode_dir) for p in d.iterdir() if p.is_dir()]
-        hwm = {p.name: vm_hwm_bytes(p.pid) for p in sidecars}
+        # Raw loopback before and after each block size: its spread is the machine's noise.
+        raw.append(raw_loopback_mb_s(2 * kv_bytes))
+        for kv_block_bytes in args.kv_block_bytes:
+            result = await measure_block_size(
+                args, layout, kv_block_bytes, stub_port, (prefill_dir, decode_dir, logs), times
+            )
+            results.append(result)
+            raw.append(raw_loopback_mb_s(2 * kv_bytes))
     finally:
-        for proc in sidecars:
-            procs.stop(proc)
         await runner.cleanup()
         shutil.rmtree(root, ignore_errors=True)
-    best = min(p + d for p, d, _ in runs)
-    grpc_mb_s = 2 * kv_bytes / best / 1e6  # two hops, as the raw reference
-    # The KV crosses loopback twice (prefill sidecar -> router -> decode sidecar).
-    raw_mb_s = raw_loopback_mb_s(2 * kv_bytes)
+    raw_mb_s = max(raw)
+    for result in results:
+        result["raw_over_grpc"] = round(raw_mb_s / result["grpc_path_mb_s"], 2)
+        result["within_3x"] = raw_mb_s / result["grpc_path_mb_s"] <= 3.0
     return {
         "kv_bytes_per_request": kv_bytes,
-        "wire_bytes_per_request": runs[0][2],
         "requests": args.requests,
-        "prefill_s": [round(p, 4) for p, _, _ in runs],
-        "decode_s": [round(d, 4) for _, d, _ in runs],
-        "median_stage_s": {k: round(statistics.median(v), 4) for k, v in times.items()},
-        "grpc_path_mb_s": round(grpc_mb_s, 1),
+        "max_staged_bytes": args.max_staged_mib << 20,
         "raw_loopback_mb_s": round(raw_mb_s, 1),
-        "raw_over_grpc": round(raw_mb_s / grpc_mb_s, 2),
-        "within_3x": raw_mb_s / grpc_mb_s <= 3.0,
-        "max_staged_bytes": max_staged,
-        "sidecar_peak_rss_bytes": hwm,
-        "staged_leftovers": leftovers,
+        "raw_loopback_runs_mb_s": [round(r, 1) for r in raw],
+        "by_kv_block_bytes": results,
     }
 
 
@@ -366,6 +424,11 @@ def main() -> None:
     parser.add_argument("--dtype", default="float16")
     parser.add_argument("--requests", type=int, default=5)
     parser.add_argument("--max-staged-mib", type=int, default=256)
+    parser.add_argument("--kv-block-bytes", type=lambda v: [int(x) for x in v.split(",")],
+                        default=[65536, 2 * 1024 * 1024],
+                        help="the prefill sidecar's --kv-block-bytes, one pair of sidecars per "
+                        "value, in this order, in one run (default: 65536,2097152: page-sized "
+                        "blocks at the default shape, then 2 MiB runs)")
     parser.add_argument("--no-notices", action="store_true",
                         help="the stub engine sends no layer notices: the stream starts at its "
                         "answer")
