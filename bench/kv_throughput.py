@@ -276,12 +276,14 @@ def vm_rss_bytes(pid: int) -> int:
 async def measure_block_size(
     args: argparse.Namespace,
     layout: InlineLayout,
-    kv_block_bytes: int,
+    kv_block_bytes: int | None,
     stub_port: int,
     dirs: tuple[Path, Path, Path],
     stub_times: dict[str, list[float]],
+    code_root: Path = procs.REPO_ROOT,
 ) -> dict[str, Any]:
-    """One sidecar pair whose prefill streams ``kv_block_bytes`` blocks: warm-up, then
+    """One sidecar pair whose prefill streams ``kv_block_bytes`` blocks (None: a tree that
+    predates the setting, page-sized blocks), run from ``code_root``: warm-up, then
     ``args.requests`` requests one after another."""
     prefill_dir, decode_dir, logs = dirs
     kv_bytes = layout.num_layers * args.blocks * layout.block_bytes
@@ -300,9 +302,12 @@ async def measure_block_size(
                 "--kv-transport", "inline",
                 "--kv-staging-dir", str(staging),
                 "--max-staged-bytes", str(max_staged),
-                "--kv-block-bytes", str(kv_block_bytes),
             ]
-            sidecars.append(procs.start_sidecar(role, flags, log_dir=logs, prefix=[]))
+            if kv_block_bytes is not None:
+                flags += ["--kv-block-bytes", str(kv_block_bytes)]
+            sidecars.append(
+                procs.start_sidecar(role, flags, log_dir=logs, prefix=[], code_root=code_root)
+            )
         pre = f"127.0.0.1:{sidecars[0].info['ports']['grpc']}"
         dec = f"127.0.0.1:{sidecars[1].info['ports']['grpc']}"
         options = [
@@ -332,8 +337,11 @@ async def measure_block_size(
             procs.stop(proc)
     best = min(p + d for p, d, _, _ in runs)
     message = max(m for _, _, _, m in runs)
-    pages = max(1, min(args.blocks, kv_block_bytes // layout.block_bytes))
+    pages = 1 if kv_block_bytes is None else max(
+        1, min(args.blocks, kv_block_bytes // layout.block_bytes)
+    )
     return {
+        "sidecar_tree": str(code_root),
         "kv_block_bytes": kv_block_bytes,
         "pages_per_block": pages,
         "data_blocks_per_request": layout.num_layers * -(-args.blocks // pages),
@@ -391,9 +399,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         # Raw loopback before and after each block size: its spread is the machine's noise.
         raw.append(raw_loopback_mb_s(2 * kv_bytes))
-        for kv_block_bytes in args.kv_block_bytes:
+        cases: list[tuple[int | None, Path]] = [(b, procs.REPO_ROOT) for b in args.kv_block_bytes]
+        if args.sidecar_tree is not None:
+            cases.insert(0, (None, args.sidecar_tree.resolve()))
+        for kv_block_bytes, code_root in cases:
             result = await measure_block_size(
-                args, layout, kv_block_bytes, stub_port, (prefill_dir, decode_dir, logs), times
+                args, layout, kv_block_bytes, stub_port, (prefill_dir, decode_dir, logs), times,
+                code_root,
             )
             results.append(result)
             raw.append(raw_loopback_mb_s(2 * kv_bytes))
@@ -429,6 +441,9 @@ def main() -> None:
                         help="the prefill sidecar's --kv-block-bytes, one pair of sidecars per "
                         "value, in this order, in one run (default: 65536,2097152: page-sized "
                         "blocks at the default shape, then 2 MiB runs)")
+    parser.add_argument("--sidecar-tree", type=Path,
+                        help="also run, first, the sidecars of this tree (e.g. `git archive` "
+                        "of an older commit) without --kv-block-bytes: before/after in one run")
     parser.add_argument("--no-notices", action="store_true",
                         help="the stub engine sends no layer notices: the stream starts at its "
                         "answer")
