@@ -402,13 +402,16 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         cases: list[tuple[int | None, Path]] = [(b, procs.REPO_ROOT) for b in args.kv_block_bytes]
         if args.sidecar_tree is not None:
             cases.insert(0, (None, args.sidecar_tree.resolve()))
-        for kv_block_bytes, code_root in cases:
-            result = await measure_block_size(
-                args, layout, kv_block_bytes, stub_port, (prefill_dir, decode_dir, logs), times,
-                code_root,
-            )
-            results.append(result)
-            raw.append(raw_loopback_mb_s(2 * kv_bytes))
+        # Rounds interleave the cases: each sees the machine's load swings alike.
+        for round_idx in range(args.rounds):
+            for kv_block_bytes, code_root in cases:
+                result = await measure_block_size(
+                    args, layout, kv_block_bytes, stub_port, (prefill_dir, decode_dir, logs),
+                    times, code_root,
+                )
+                result["round"] = round_idx
+                results.append(result)
+                raw.append(raw_loopback_mb_s(2 * kv_bytes))
     finally:
         await runner.cleanup()
         shutil.rmtree(root, ignore_errors=True)
@@ -419,11 +422,40 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "kv_bytes_per_request": kv_bytes,
         "requests": args.requests,
+        "rounds": args.rounds,
         "max_staged_bytes": args.max_staged_mib << 20,
         "raw_loopback_mb_s": round(raw_mb_s, 1),
         "raw_loopback_runs_mb_s": [round(r, 1) for r in raw],
+        "summary": summarize(results, raw_mb_s),
         "by_kv_block_bytes": results,
     }
+
+
+def summarize(results: list[dict[str, Any]], raw_mb_s: float) -> list[dict[str, Any]]:
+    """Per case over its rounds: the best MB/s (against the best raw loopback), the median
+    CPU per request of each process, the highest decode peak per message."""
+    by_case: dict[tuple[str, int | None], list[dict[str, Any]]] = {}
+    for result in results:
+        by_case.setdefault((result["sidecar_tree"], result["kv_block_bytes"]), []).append(result)
+    out = []
+    for (tree, block_bytes), rounds in by_case.items():
+        best = max(r["grpc_path_mb_s"] for r in rounds)
+        out.append({
+            "sidecar_tree": tree,
+            "kv_block_bytes": block_bytes,
+            "best_grpc_path_mb_s": best,
+            "raw_over_best": round(raw_mb_s / best, 2),
+            "grpc_path_mb_s_by_round": [r["grpc_path_mb_s"] for r in rounds],
+            "median_cpu_ms_per_request": {
+                name: statistics.median(r["cpu_ms_per_request"][name] for r in rounds)
+                for name in rounds[0]["cpu_ms_per_request"]
+            },
+            "max_decode_peak_over_message": max(r["decode_peak_over_message"] for r in rounds),
+            "max_decode_peak_above_idle_over_message": max(
+                r["decode_peak_above_idle_over_message"] for r in rounds
+            ),
+        })
+    return out
 
 
 def main() -> None:
@@ -441,6 +473,8 @@ def main() -> None:
                         help="the prefill sidecar's --kv-block-bytes, one pair of sidecars per "
                         "value, in this order, in one run (default: 65536,2097152: page-sized "
                         "blocks at the default shape, then 2 MiB runs)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run every case this many times, interleaved")
     parser.add_argument("--sidecar-tree", type=Path,
                         help="also run, first, the sidecars of this tree (e.g. `git archive` "
                         "of an older commit) without --kv-block-bytes: before/after in one run")
