@@ -5,14 +5,18 @@
 A server process (this module with ``--serve``) offers two bytes-only methods (identity
 serializers: no protobuf at all): ``/ceiling.C/Stream`` answers one request with ``count``
 pre-built messages of ``size`` bytes (the Prefill stream's shape), ``/ceiling.C/Sink`` takes
-one request of any size and answers its length (Decode's request shape). This process is the
-client. Reported per shape: best MB/s over ``--repeat`` runs, next to raw loopback TCP of the
-same total (one hop). What the grpcio path through the sidecars can ever reach is bounded by
-these figures: the Prefill stream by ``stream``, the router's DecodeRequest by ``unary``, and
-the whole path by ``chain_two_hops``: the path's shape with nothing else on it (a second
-server process; a stream of ``--chain-size`` messages from the first, joined by this process,
-sent as one request to the second; MB/s counted over both hops as ``bench.kv_throughput``
-does, so directly comparable with its ``grpc_path_mb_s`` and raw loopback).
+one request of any size and answers its length and the server's peak resident size (Decode's
+request shape; sent to the second server, which holds no cached stream messages, so
+``unary_server_peak_above_idle_over_message`` is what grpcio alone holds to hand a servicer
+one message). This process is the client. Reported per shape: best MB/s over ``--repeat``
+runs, next to raw loopback TCP of the same total (one hop). What the grpcio path through the
+sidecars can ever reach is bounded by these figures: the Prefill stream by ``stream``, the
+router's DecodeRequest by ``unary``, and the whole path by ``chain_two_hops``: the path's
+shape with nothing else on it (a second server process; a stream of ``--chain-size``
+messages (default 1 MiB: the Prefill stream's KV blocks at ``bench.kv_throughput``'s default
+shape) from the first, joined by this process, sent as one request to the second; MB/s
+counted over both hops as ``bench.kv_throughput`` does, so directly comparable with its
+``grpc_path_mb_s`` and raw loopback).
 
 ``--retain-heap`` makes both ends keep freed heap memory (``sidecar.inline_kv.heap``, what
 the sidecars do in inline mode): without it every large message is faulted in anew.
@@ -23,6 +27,10 @@ Figures on the 2-core machine (32 MiB total, MB/s, best of 5, machine shared):
     --retain-heap:  stream 64 KiB ~500-820, 1 MiB ~2,500-2,900; unary 32 MiB ~1,250-1,490;
                     chain ~800-930 (512 MiB: ~960)
     raw loopback TCP, one hop, same total: ~2,700-4,900
+    2026-12-01, --retain-heap, load average 5-12 from other work: stream 64 KiB 500-910,
+                    1 MiB 1,380-1,750, 2 MiB 1,900; unary 32 MiB 1,250-1,430; chain with
+                    1 MiB messages 880-1,000 (64 KiB: 590); raw one hop 1,750-6,000; unary
+                    server peak 3.3x the message above idle (3.0-3.65x over 32-256 MiB)
 
 So grpcio alone, with no protobuf, no files and no checks, moves the path's shape at 4.3-5.5x
 below raw loopback on this machine: the factor 3 is out of its reach here.

@@ -1,6 +1,7 @@
 """Inline KV throughput: the gRPC path through two sidecars vs raw loopback TCP.
 
-    python -m bench.kv_throughput [--layers 32 --blocks 16 --requests 5 --max-staged-mib 256]
+    python -m bench.kv_throughput [--layers 32 --blocks 16 --requests 5 --max-staged-mib 256
+        --kv-block-bytes 65536,2097152 --rounds 1 --sidecar-tree DIR]
 
 What runs: a stub engine (in this process, aiohttp on loopback) that plays the
 SidecarKVConnector's part on the shared volume: both staging dirs get its ``engine.json``; a
@@ -8,56 +9,42 @@ prefill with ``action: save`` writes the layer files (each complete, then a laye
 the connector does: the prefill sidecar streams a layer as soon as it is noticed;
 ``--no-notices``: the stream starts at the engine's answer) and ``meta.json`` into the
 prefill sidecar's staging dir, a decode with ``action: load`` reads every staged layer file
-back and streams one token. Two real sidecars run as
-their own processes (``bench.sidecar_proc``, ``--kv-transport inline``, staging dirs on
-``/dev/shm``). This process is the router: Prefill on one, collect the blocks, Decode on the
-other (it keeps each block serialized and frames DecodeRequest's ``kv_blocks`` from them, see
-``decode_request_bytes``: what a router that does not look inside the KV would do). The KV
-crosses loopback twice (prefill sidecar -> router -> decode sidecar) and passes
-through tmpfs on both sides, as in a pod.
+back and streams one token. Two real sidecars run as their own processes
+(``bench.sidecar_proc``, ``--kv-transport inline``, staging dirs on ``/dev/shm``), one pair
+per case: each ``--kv-block-bytes`` value (the prefill's KV block size: runs of that many
+bytes of consecutive engine pages; 65536 is one page of the default shape, 2 MiB the
+default, here a whole layer), and first, with ``--sidecar-tree``, the sidecars of another
+tree (e.g. ``git archive`` of main) without the flag: before and after in one run.
+``--rounds`` repeats the cases interleaved. This process is the router: Prefill on one,
+collect the blocks, Decode on the other (it keeps each block serialized and frames
+DecodeRequest's ``kv_blocks`` from them, see ``decode_request_bytes``: what a router that
+does not look inside the KV would do). The KV crosses loopback twice (prefill sidecar ->
+router -> decode sidecar) and passes through tmpfs on both sides, as in a pod.
 
 Raw loopback reference: the same number of bytes sent twice over a loopback TCP socket
-(1 MiB ``sendall`` chunks to a reader thread), best of three. Reported: MB/s of both, their
-ratio (the goal is the gRPC path within a factor of 3), per-request Prefill / Decode times,
-median stage times (``engine_save_s`` / ``engine_load_s``: the stub engine's file writes and
-reads; ``prefill_first_kv_block_s``: the first data block at the router;
-``router_frame_s``: building DecodeRequest), and each
-sidecar's peak resident memory (``VmHWM``) next to the staging limit and the KV size. This
-process keeps freed heap for reuse like the sidecars do (``sidecar.inline_kv.heap``).
+(1 MiB ``sendall`` chunks to a reader thread), best of three, measured before the first
+case and after each (their spread shows the machine's noise; the best is the reference).
+Reported per case and round: MB/s of the best and the median request, the ratio to raw (the
+goal is the gRPC path within a factor of 3), per-request Prefill / Decode times, median
+stage times (``engine_save_s`` / ``engine_load_s``: the stub engine's file writes and reads;
+``prefill_first_kv_block_s``: the first data block at the router; ``router_frame_s``:
+building DecodeRequest), CPU milliseconds per request of each sidecar and of this process
+(router and stub engine, from ``/proc``), each sidecar's idle and peak resident memory
+(``VmRSS`` once started, ``VmHWM`` at the end) and the decode's peak over the largest
+DecodeRequest (requests run one at a time: one concurrent Decode); ``summary`` gives each
+case's best round. This process keeps freed heap for reuse like the sidecars do
+(``sidecar.inline_kv.heap``).
 
-Figures (2-core machine shared with other work, load average 0.5-1.7; MB/s of the best
-request; "before" is the tree before the heap tuning and the decode wire walk, same runs):
-
-    32 MiB (defaults), --requests 10:   before 240-249 vs raw 3,774-4,454 = 15.2-18.5x
-                                        after  386-487 vs raw 2,941-3,681 =  7.6x
-      after (--no-notices): Prefill 0.080-0.097 s (engine save 14 ms, first KV 18 ms),
-      Decode 0.056-0.073 s (before 0.18 s; frame 4 ms, engine load 6-9 ms); peak RSS prefill
-      74 MB, decode 206-218 MB (before 213-223 MB; 186 MB over 100 requests with
-      MALLOC_ARENA_MAX=1 from process start); staging limit 256 MiB. With notices (the
-      default since): first KV block after 3-7 ms instead of 10-18 ms, same totals (418-531
-      MB/s, 6.6-9.0x): both cores are busy either way, the overlap buys no throughput here
-    512 MiB (--blocks 256 --requests 3 --max-staged-mib 1024: a 4k-token prompt of an
-      8B-class model, 32 layers x 8 KV heads x 128, fp16): before 255 vs raw 3,514 = 13.8x,
-      after 359-451 vs raw 3,142-4,608 = 8.0-11.9x over six runs with and without notices;
-      Prefill 1.46-1.99 s, Decode 1.04-1.24 s (before 2.63-2.81 s); peak RSS prefill 106 MB
-      (one layer at a time), decode 1.80-2.01 GB (before 2.18 GB): 3.4-3.7x the KV,
-      grpcio's receive path (below)
-
-Where the time goes: grpcio's ceilings on this machine (``python -m bench.grpc_ceiling
---retain-heap``, cross-process, bytes only, no protobuf): a stream of 64 KiB messages (the
-Prefill stream's shape: one block per message) ~530-820 MB/s, one 32-512 MiB unary request
-(Decode's shape) ~1,050-1,900 MB/s, against ~3,200-4,900 MB/s raw per hop; the two chained
-as this path chains them, with nothing else on it, 800-960 MB/s: 4.3-5.5x below raw
-loopback. The factor 3 is out of reach with grpcio here; this path runs at about half that
-ceiling. The rest is work the path does: the stub engine's files (save and load), the files
-read by the prefill sidecar, the staging files written by the decode sidecar, the router's
-DecodeRequest. The decode sidecar's peak
-is grpcio's: it receives a message into slices, joins them into a bytearray and copies that
-into the ``bytes`` the servicer gets (three copies of the request at once); the sidecar's
-own wire walk adds none.
+Figures: bench/RESULTS.md ("Inline KV over gRPC"). On the shared 2-vCPU machine, 32 MiB
+per request, three rounds: main's page-sized blocks 417-489 MB/s, 2 MiB runs 474-574 MB/s,
+raw loopback up to 4,800-5,900 MB/s (8.4-10.6x); CPU per request prefill sidecar 62 -> 40
+ms, router + stub 89 -> 66 ms, decode sidecar 45-53 ms either way; decode peak 4.0-4.4x the
+message above its idle 70 MB (3.2x at 512 MiB). grpcio's share of that, and why a factor 3
+is out of reach with grpcio and tmpfs hand-offs here: ``bench.grpc_ceiling``.
 
 Deliberate limits: the stub engine's file writes and reads are inside the measured time
-(they are part of the real path too, done by the connector); requests run one after another.
+(they are part of the real path too, done by the connector), and the stub shares this
+process's loop with the router; requests run one after another.
 """
 
 from __future__ import annotations
