@@ -267,7 +267,8 @@ class Settings(BaseModel):
         le=1024 * 1024 * 1024,
         description="Inline mode, prefill: K+V bytes per KV block streamed: each block carries "
         "as many consecutive engine pages of one layer as fit, at least one (below one page: "
-        "one page per block, as earlier versions sent). Decode accepts any block size.",
+        "one page per block, as earlier versions sent), never more than grpc_max_message_bytes "
+        "less 4 KiB allows. Decode accepts any block size.",
     )
     kv_staging_dir: str = Field(
         default="/dev/shm/disagg-kv",

@@ -6,8 +6,10 @@ Prefill (``InlinePrefill``):
       ─▶ bind <kv_staging_dir>/.K.notify, then in a task: core.post_plain(POST /v1/completions
          {"prompt": ids, "max_tokens": 1, "kv_transfer_params": <inline agent: save K>})
       ─▶ KVBlock{layer -2: metadata}                      at once, before the engine computes
-      ─▶ KVBlock{layer l, block 0..n-1} per layer l       as the connector finishes layer l
+      ─▶ KVBlock{layer l, block 0..r-1} per layer l       as the connector finishes layer l
                                                           (file K/layer-l.kv + a notice)
+         block j a run of ``pages_per_block`` engine pages: as many as fit kv_block_bytes
+         (the metadata names the run size; meta.json and the files stay page-based)
       ─▶ engine answered: K/meta.json must equal the announced metadata, then the layers not
          yet sent, from their files
       ─▶ K/ and .K.notify removed, the engine call ended (always: success, failure, cancel)
@@ -17,7 +19,8 @@ Decode (``InlineDecode``):
     DecodeRequest wire bytes (registered without a protobuf deserializer)
       ─split_decode_request─▶ head (parsed by upb: ids, tokens, limits) + blocks whose tiles
          are memoryviews into the request (INVALID_ARGUMENT: malformed wire)
-      ─parse_entries (INVALID_ARGUMENT: missing/duplicated/malformed blocks)─▶
+      ─parse_entries (INVALID_ARGUMENT: missing/duplicated/malformed blocks; runs of any
+         declared size, page-sized ones of older prefill sidecars included)─▶
       check_compatible with <kv_staging_dir>/engine.json (FAILED_PRECONDITION: other model,
       dtype or shapes) ─StagingArea.stage (RESOURCE_EXHAUSTED over max_staged_bytes)─▶ key
       ─▶ body {"prompt", "max_tokens", "stream": true, "kv_transfer_params": <load K>}
@@ -88,6 +91,9 @@ from sidecar.metrics import Metrics
 from sidecar.protocol.context import Route
 from sidecar.protocol.request_id import REQUEST_ID_HEADER, request_id_or_new
 from sidecar.settings import Settings
+
+#: Bytes of a stream message besides its K and V: the request id and the framing.
+_MESSAGE_SLACK = 4096
 
 
 class InlinePrefill:
@@ -226,9 +232,11 @@ class InlinePrefill:
         return sent
 
     def _wire_meta(self, meta: InlineMeta) -> InlineMeta:
-        """``meta`` as streamed: runs of as many pages as fit ``kv_block_bytes``."""
-        ppb = pages_per_block(meta, self._settings.kv_block_bytes)
-        return dataclasses.replace(meta, pages_per_block=ppb)
+        """``meta`` as streamed: runs of as many pages as fit ``kv_block_bytes``, and the gRPC
+        message limit whatever ``kv_block_bytes`` says (a message also carries the ids)."""
+        settings = self._settings
+        budget = min(settings.kv_block_bytes, settings.grpc_max_message_bytes - _MESSAGE_SLACK)
+        return dataclasses.replace(meta, pages_per_block=pages_per_block(meta, budget))
 
     def _check_bound(self, nbytes: int) -> None:
         limit = self._settings.max_staged_bytes

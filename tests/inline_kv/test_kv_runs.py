@@ -9,6 +9,7 @@
 - The decode side maps runs back to the connector's page layout, and refuses runs of the
   wrong size, outside the metadata, duplicated or missing (INVALID_ARGUMENT) and more runs
   than ``max_kv_blocks`` (RESOURCE_EXHAUSTED).
+- A run never outgrows the gRPC message limit, whatever ``kv_block_bytes`` says.
 - End to end, on real sidecars and stub engines: one decode sidecar takes page-sized,
   two-page and whole-layer blocks from prefill sidecars of this one version (differing only
   in ``kv_block_bytes``), from a generated client and from a router that frames the
@@ -219,3 +220,17 @@ async def test_one_decode_takes_page_and_run_sized_blocks_of_this_version(
             assert await decode(dec, router_framed(received.blocks)) == [7, 8]
     wrote = {i: layer_bytes(i) for i in range(LAYOUT.num_layers)}
     assert loader.loaded == [wrote] * (2 * len(cases))
+
+
+async def test_runs_stay_within_the_grpc_message_limit(roots: tuple[Path, Path]) -> None:
+    prefill_root, _ = roots
+    # Room for two pages besides the 4 KiB kept for ids and framing, whatever kv_block_bytes.
+    limit = 4096 + 2 * LAYOUT.block_bytes + 100
+    async with kv_engine(prefill_root, _compute) as engine, inline_sidecar(
+        engine, kv_block_bytes=1 << 20, grpc_max_message_bytes=limit
+    ) as pre:
+        received = await route(pre.address)
+    assert received.status == grpc.StatusCode.OK and received.done
+    head, *data = received.blocks
+    assert json.loads(head.k_data)[PAGES_PER_BLOCK_KEY] == 2
+    assert [len(b.k_data) // TILE for b in data] == [2, 1] * LAYOUT.num_layers
