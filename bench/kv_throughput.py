@@ -36,11 +36,12 @@ case's best round. This process keeps freed heap for reuse like the sidecars do
 (``sidecar.inline_kv.heap``).
 
 Figures: bench/RESULTS.md ("Inline KV over gRPC"). On the shared 2-vCPU machine, 32 MiB
-per request, three rounds: main's page-sized blocks 417-489 MB/s, 2 MiB runs 474-574 MB/s,
-raw loopback up to 4,800-5,900 MB/s (8.4-10.6x); CPU per request prefill sidecar 62 -> 40
-ms, router + stub 89 -> 66 ms, decode sidecar 45-53 ms either way; decode peak 4.0-4.4x the
-message above its idle 70 MB (3.2x at 512 MiB). grpcio's share of that, and why a factor 3
-is out of reach with grpcio and tmpfs hand-offs here: ``bench.grpc_ceiling``.
+per request, three rounds per run: main's page-sized blocks 417-494 MB/s, 2 MiB runs 474-588
+MB/s, raw loopback up to 4,800-5,900 MB/s (8.4-10.6x); CPU per request prefill sidecar
+54-62 -> 36-40 ms, router + stub 76-89 -> 59-66 ms, decode sidecar 43-53 ms either way;
+decode peak 4.0-4.5x the message above its idle 70 MB (3.2x at 512 MiB). grpcio's share of
+that, and why a factor 3 is out of reach with grpcio and tmpfs hand-offs here:
+``bench.grpc_ceiling``.
 
 Deliberate limits: the stub engine's file writes and reads are inside the measured time
 (they are part of the real path too, done by the connector), and the stub shares this
