@@ -54,6 +54,8 @@ META_FILE = "meta.json"
 ENGINE_FILE = "engine.json"
 ITEMSIZE: Mapping[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "uint8": 1}
 NOTICE_SUFFIX = ".notify"
+#: Optional metadata key: engine pages per data block on the wire (absent: 1).
+PAGES_PER_BLOCK_KEY = "pages_per_block"
 #: Longest datagram a valid notice can be (a 128-character key, a space, a layer number).
 NOTICE_MAX_BYTES = 160
 _KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -126,16 +128,35 @@ class InlineLayout:
 
 @dataclass(frozen=True)
 class InlineMeta:
-    """One request's KV: its layout, how many tokens and blocks it covers, its key."""
+    """One request's KV: its layout, how many tokens and engine pages it covers, its key.
+
+    ``num_blocks`` counts engine pages (vLLM blocks of ``block_size`` tokens) per layer, as in
+    the layer files. ``pages_per_block`` is the wire's granularity only: each data block of
+    the gRPC stream carries that many consecutive pages of one layer (the last run of a layer
+    may carry fewer). It is 1 in every file the connector reads or writes, and the document
+    names it only when it is not 1, so page-sized streams are byte for byte what they were
+    before the key existed.
+    """
 
     layout: InlineLayout
     num_tokens: int
     num_blocks: int
     key: str
     version: int = 1
+    pages_per_block: int = 1
+
+    @property
+    def runs_per_layer(self) -> int:
+        """Data blocks per layer on the wire: ``ceil(num_blocks / pages_per_block)``."""
+        return -(-self.num_blocks // self.pages_per_block)
+
+    def run_pages(self, run_idx: int) -> range:
+        """The engine pages that data block ``run_idx`` of a layer carries."""
+        first = run_idx * self.pages_per_block
+        return range(first, min(first + self.pages_per_block, self.num_blocks))
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        doc: dict[str, Any] = {
             "version": self.version,
             "kind": "inline_kv",
             "key": self.key,
@@ -143,6 +164,9 @@ class InlineMeta:
             "num_blocks": self.num_blocks,
             **self.layout.to_dict(),
         }
+        if self.pages_per_block != 1:
+            doc[PAGES_PER_BLOCK_KEY] = self.pages_per_block
+        return doc
 
     def to_json(self) -> bytes:
         return json.dumps(self.to_dict(), sort_keys=True).encode()
@@ -158,6 +182,8 @@ class InlineMeta:
             num_tokens = _pos_int(doc["num_tokens"])
             num_blocks = _pos_int(doc["num_blocks"])
             key = check_key(str(doc["key"]))
+            # Absent in documents of senders that predate runs: one page per block.
+            pages_per_block = _pos_int(doc.get(PAGES_PER_BLOCK_KEY, 1))
         except (KeyError, TypeError) as exc:
             raise LayoutError(f"bad inline KV metadata: {exc}") from exc
         if num_blocks != -(-num_tokens // layout.block_size):
@@ -165,7 +191,8 @@ class InlineMeta:
                 f"inline KV metadata: {num_blocks} blocks do not cover {num_tokens} tokens "
                 f"at block size {layout.block_size}"
             )
-        return cls(layout=layout, num_tokens=num_tokens, num_blocks=num_blocks, key=key)
+        return cls(layout=layout, num_tokens=num_tokens, num_blocks=num_blocks, key=key,
+                   pages_per_block=pages_per_block)
 
     @classmethod
     def from_json(cls, data: bytes) -> InlineMeta:

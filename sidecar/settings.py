@@ -319,6 +319,15 @@ class Settings(BaseModel):
     max_kv_blocks: int = Field(
         default=100_000, ge=1, description="Inline mode: KV blocks accepted per request."
     )
+    kv_block_bytes: int = Field(
+        default=2 * 1024 * 1024,
+        ge=1,
+        le=1024 * 1024 * 1024,
+        description="Inline mode, prefill: K+V bytes per KV block streamed: each block carries "
+        "as many consecutive engine pages of one layer as fit, at least one (below one page: "
+        "one page per block, as earlier versions sent), never more than grpc_max_message_bytes "
+        "less 4 KiB allows. Decode accepts any block size.",
+    )
     kv_staging_dir: str = Field(
         default="/dev/shm/disagg-kv",
         description="Inline mode: directory shared with the engine's SidecarKVConnector "

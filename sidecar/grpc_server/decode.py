@@ -16,11 +16,18 @@ Errors: a stream that breaks after tokens were sent ends the RPC with the error'
 (tokens already sent stay sent, no fabricated ``done``). A client that cancels, or whose
 deadline passes, closes the engine connection: the engine aborts the request.
 
+Keep-alive: ``data: [DONE]`` ends the token stream, not the engine's HTTP response; its
+chunked terminator (``0\r\n\r\n``) often comes in a later read. After the last
+``TokenStream`` the relay reads on to the response's end, so the connection goes back to the
+pool instead of being closed; it waits at most ``_TAIL_WAIT_S`` and reads at most
+``_TAIL_MAX_BYTES`` (an engine that sends more, or nothing, only costs its connection).
+
 Deliberate limits: one sequence per request (the contract's ``TokenStream`` has one).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
@@ -44,6 +51,11 @@ SERVICE: Final = disagg_pb2.DESCRIPTOR.services_by_name["DecodeWorker"].full_nam
 METHOD: Final = f"/{SERVICE}/Decode"
 #: The sidecar reads the stream as is: no compression (the client does not decompress).
 _DECODE_HEADERS: Final = {"Accept-Encoding": "identity"}
+#: What follows ``[DONE]`` is read for at most this long, and this much (module docstring):
+#: engines send the terminator right after ``[DONE]``; the bound only stops a broken engine
+#: from holding the RPC's trailers (the client already has every token and ``done``).
+_TAIL_WAIT_S: Final = 5.0
+_TAIL_MAX_BYTES: Final = 64 * 1024
 
 Context = grpc.aio.ServicerContext[Any, disagg_pb2.TokenStream]
 
@@ -148,3 +160,17 @@ class DecodeService:
             yield disagg_pb2.TokenStream(request_id=request_id, token_id=token_id)
         finish_reason = parser.finish()
         yield disagg_pb2.TokenStream(request_id=request_id, done=True, finish_reason=finish_reason)
+        # After the client has its ``done``: the rest of the engine's answer.
+        await _read_to_the_end(response)
+
+
+async def _read_to_the_end(response: UpstreamResponse) -> None:
+    """Read what follows ``[DONE]`` (the chunked terminator) so that ``release`` can pool the
+    connection; a failure or an over-long tail leaves it unfinished (``release`` closes it)."""
+    tail = 0
+    try:
+        async with asyncio.timeout(_TAIL_WAIT_S):
+            while tail <= _TAIL_MAX_BYTES and (chunk := await response.readany()):
+                tail += len(chunk)
+    except (UpstreamError, TimeoutError):
+        pass  # the answer was complete at [DONE]: only the connection is lost

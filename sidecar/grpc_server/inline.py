@@ -6,8 +6,10 @@ Prefill (``InlinePrefill``):
       ─▶ bind <kv_staging_dir>/.K.notify, then in a task: core.post_plain(POST /v1/completions
          {"prompt": ids, "max_tokens": 1, "kv_transfer_params": <inline agent: save K>})
       ─▶ KVBlock{layer -2: metadata}                      at once, before the engine computes
-      ─▶ KVBlock{layer l, block 0..n-1} per layer l       as the connector finishes layer l
+      ─▶ KVBlock{layer l, block 0..r-1} per layer l       as the connector finishes layer l
                                                           (file K/layer-l.kv + a notice)
+         block j a run of ``pages_per_block`` engine pages: as many as fit kv_block_bytes
+         (the metadata names the run size; meta.json and the files stay page-based)
       ─▶ engine answered: K/meta.json must equal the announced metadata, then the layers not
          yet sent, from their files
       ─▶ K/ and .K.notify removed, the engine call ended (always: success, failure, cancel)
@@ -17,7 +19,8 @@ Decode (``InlineDecode``):
     DecodeRequest wire bytes (registered without a protobuf deserializer)
       ─split_decode_request─▶ head (parsed by upb: ids, tokens, limits) + blocks whose tiles
          are memoryviews into the request (INVALID_ARGUMENT: malformed wire)
-      ─parse_entries (INVALID_ARGUMENT: missing/duplicated/malformed blocks)─▶
+      ─parse_entries (INVALID_ARGUMENT: missing/duplicated/malformed blocks; runs of any
+         declared size, page-sized ones of older prefill sidecars included)─▶
       check_compatible with <kv_staging_dir>/engine.json (FAILED_PRECONDITION: other model,
       dtype or shapes) ─StagingArea.stage (RESOURCE_EXHAUSTED over max_staged_bytes)─▶ key
       ─▶ body {"prompt", "max_tokens", "stream": true, "kv_transfer_params": <load K>}
@@ -54,6 +57,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import shutil
 import time
 import uuid
@@ -72,7 +76,9 @@ from sidecar.grpc_server.decode import DecodeInput
 from sidecar.grpc_server.prefill import Send
 from sidecar.inline_kv.layer_watch import LayerNotices
 from sidecar.inline_kv.prefill_files import (
+    LayerMessage,
     announced_meta,
+    pages_per_block,
     read_layer_messages,
     read_staged_meta,
     ready_layer_messages,
@@ -85,6 +91,9 @@ from sidecar.metrics import Metrics
 from sidecar.protocol.context import Route
 from sidecar.protocol.request_id import REQUEST_ID_HEADER, request_id_or_new
 from sidecar.settings import Settings
+
+#: Bytes of a stream message besides its K and V: the request id and the framing.
+_MESSAGE_SLACK = 4096
 
 
 class InlinePrefill:
@@ -151,10 +160,11 @@ class InlinePrefill:
             try:
                 sent = 0
                 if announced is not None:
-                    head = meta_block(request_id, announced)
+                    wire = self._wire_meta(announced)
+                    head = meta_block(request_id, wire)
                     await send(disagg_pb2.KVBlockStream(block=head), len(head.k_data))
                     sent = await self._while_computing(
-                        request_id, announced, directory, notices, engine, send
+                        request_id, wire, directory, notices, engine, send
                     )
                 await engine  # the engine's errors end the stream here
                 await self._after_answer(request_id, announced, directory, sent, send)
@@ -180,9 +190,10 @@ class InlinePrefill:
     ) -> None:
         """The engine answered: check its meta.json, send the layers not sent yet."""
         meta = read_staged_meta(directory)
+        wire = self._wire_meta(meta)
         if announced is None:
             self._check_bound(meta.layout.num_layers * meta.num_blocks * meta.layout.block_bytes)
-            head = meta_block(request_id, meta)
+            head = meta_block(request_id, wire)
             await send(disagg_pb2.KVBlockStream(block=head), len(head.k_data))
         elif meta != announced:
             raise FailedPrecondition(
@@ -192,9 +203,9 @@ class InlinePrefill:
             )
         for layer_idx in range(sent, meta.layout.num_layers):
             messages = await asyncio.to_thread(
-                read_layer_messages, request_id, meta, directory, layer_idx
+                read_layer_messages, request_id, wire, directory, layer_idx
             )
-            await _send_layer(messages, meta.layout.tile_bytes, send)
+            await _send_layer(messages, send)
 
     async def _while_computing(
         self,
@@ -214,11 +225,18 @@ class InlinePrefill:
                     ready_layer_messages, request_id, meta, directory, sent
                 )
                 if found is not None:
-                    await _send_layer(found, meta.layout.tile_bytes, send)
+                    await _send_layer(found, send)
                     sent += 1
                     continue
             await notices.wait()
         return sent
+
+    def _wire_meta(self, meta: InlineMeta) -> InlineMeta:
+        """``meta`` as streamed: runs of as many pages as fit ``kv_block_bytes``, and the gRPC
+        message limit whatever ``kv_block_bytes`` says (a message also carries the ids)."""
+        settings = self._settings
+        budget = min(settings.kv_block_bytes, settings.grpc_max_message_bytes - _MESSAGE_SLACK)
+        return dataclasses.replace(meta, pages_per_block=pages_per_block(meta, budget))
 
     def _check_bound(self, nbytes: int) -> None:
         limit = self._settings.max_staged_bytes
@@ -229,11 +247,9 @@ class InlinePrefill:
             )
 
 
-async def _send_layer(
-    messages: list[disagg_pb2.KVBlockStream], tile_bytes: int, send: Send
-) -> None:
-    for message in messages:
-        await send(message, 2 * tile_bytes)
+async def _send_layer(messages: list[LayerMessage], send: Send) -> None:
+    for message, kv_bytes in messages:
+        await send(message, kv_bytes)
 
 
 async def _settle(task: asyncio.Future[None]) -> None:

@@ -36,9 +36,17 @@ SERVICE: Final = disagg_pb2.DESCRIPTOR.services_by_name["PrefillWorker"].full_na
 METHOD: Final = f"/{SERVICE}/Prefill"
 _DEFAULT_PORTS: Final = {"http": 80, "https": 443}
 
+#: One stream message: a KVBlockStream, or one already serialized (inline KV data blocks,
+#: framed straight from the engine's files by ``sidecar.inline_kv.prefill_files``).
+StreamMessage = disagg_pb2.KVBlockStream | bytes
 #: Sends one stream message and counts its K+V bytes.
-Send = Callable[[disagg_pb2.KVBlockStream, int], Awaitable[None]]
-Context = grpc.aio.ServicerContext[disagg_pb2.PreFillRequest, disagg_pb2.KVBlockStream]
+Send = Callable[[StreamMessage, int], Awaitable[None]]
+Context = grpc.aio.ServicerContext[disagg_pb2.PreFillRequest, StreamMessage]
+
+
+def serialize_stream_message(message: StreamMessage) -> bytes:
+    """The wire bytes of a stream message (serialized ones pass through as they are)."""
+    return message if isinstance(message, bytes) else message.SerializeToString()
 
 
 class PrefillStrategy(Protocol):
@@ -84,11 +92,11 @@ class PrefillService:
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
         """Serve ``Prefill`` (a coroutine handler, registered by its method handler)."""
-        handler: grpc.RpcMethodHandler[disagg_pb2.PreFillRequest, disagg_pb2.KVBlockStream]
+        handler: grpc.RpcMethodHandler[disagg_pb2.PreFillRequest, StreamMessage]
         handler = grpc.unary_stream_rpc_method_handler(
             self.Prefill,
             request_deserializer=disagg_pb2.PreFillRequest.FromString,
-            response_serializer=disagg_pb2.KVBlockStream.SerializeToString,
+            response_serializer=serialize_stream_message,
         )
         server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler(SERVICE, {"Prefill": handler}),)
@@ -98,7 +106,7 @@ class PrefillService:
         scope = self._scopes.open(METHOD, request.request_id or "-")
         kv_out = self._kv_out
 
-        async def send(message: disagg_pb2.KVBlockStream, nbytes: int) -> None:
+        async def send(message: StreamMessage, nbytes: int) -> None:
             kv_out.inc(nbytes)
             await context.write(message)
 

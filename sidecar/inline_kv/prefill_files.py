@@ -2,8 +2,10 @@
 
     announced_meta(root, key, num_tokens)  ─▶ InlineMeta from engine.json, before any compute
                                               (None: no or unreadable engine.json)
+    pages_per_block(meta, kv_block_bytes)  ─▶ engine pages per streamed block (at least 1)
     read_staged_meta(dir)                  ─▶ the metadata the connector wrote (meta.json)
-    read_layer_messages(rid, meta, dir, l) ─▶ layer l's KVBlockStream messages, block order
+    read_layer_messages(rid, meta, dir, l) ─▶ layer l's KVBlockStream messages, serialized,
+                                              block order (``meta.pages_per_block`` pages each)
     ready_layer_messages(...)              ─▶ the same, or None while the file is not there
 
 ``announced_meta`` predicts what the connector will write to ``meta.json`` for a prompt of
@@ -13,8 +15,8 @@ two once the engine has answered (a restarted engine with another configuration,
 connector that saved a different token count, must not pass).
 
 Deliberate limits: the messages of one layer are built in memory at once (one layer, not the
-request); a layer file of the wrong size is FAILED_PRECONDITION (the engine wrote something
-else than announced).
+request: the file's bytes and its messages, about twice the layer); a layer file of the
+wrong size is FAILED_PRECONDITION (the engine wrote something else than announced).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from connectors.inline_layout import (
     read_engine_layout,
 )
 from sidecar.errors import FailedPrecondition, Stage
-from sidecar.grpc_gen import disagg_pb2
+from sidecar.kv_wire.protowire import frame_stream_block
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +47,12 @@ def announced_meta(root: Path, key: str, num_tokens: int) -> InlineMeta | None:
     if layout is None:
         return None
     return InlineMeta(layout, num_tokens, -(-num_tokens // layout.block_size), key)
+
+
+def pages_per_block(meta: InlineMeta, kv_block_bytes: int) -> int:
+    """How many engine pages one streamed block carries: as many as fit ``kv_block_bytes``
+    (K and V together), at least one, at most the request's pages per layer."""
+    return max(1, min(meta.num_blocks, kv_block_bytes // meta.layout.block_bytes))
 
 
 def read_staged_meta(directory: Path) -> InlineMeta:
@@ -65,9 +73,13 @@ def read_staged_meta(directory: Path) -> InlineMeta:
         ) from None
 
 
+#: One Prefill stream message, serialized, and the K+V bytes it carries (for the metrics).
+LayerMessage = tuple[bytes, int]
+
+
 def read_layer_messages(
     request_id: str, meta: InlineMeta, directory: Path, layer_idx: int
-) -> list[disagg_pb2.KVBlockStream]:
+) -> list[LayerMessage]:
     """Layer ``layer_idx``'s data blocks as stream messages; no file: FAILED_PRECONDITION."""
     messages = ready_layer_messages(request_id, meta, directory, layer_idx)
     if messages is None:
@@ -79,11 +91,14 @@ def read_layer_messages(
 
 def ready_layer_messages(
     request_id: str, meta: InlineMeta, directory: Path, layer_idx: int
-) -> list[disagg_pb2.KVBlockStream] | None:
-    """Layer ``layer_idx``'s data blocks as Prefill stream messages, None if no file yet.
+) -> list[LayerMessage] | None:
+    """Layer ``layer_idx``'s data blocks as serialized Prefill stream messages, None if no
+    file yet: block ``j`` carries pages ``meta.run_pages(j)``, their K tiles one after the
+    other in ``k_data`` and their V tiles in ``v_data``.
 
-    Built in place: each tile is read from the file into its own bytes and copied once into
-    its message (``KVBlockStream(block=KVBlock(...))`` would copy the block again).
+    The file (K tile, V tile per page) is read once; each message is framed from slices of
+    it (``frame_stream_block``): one copy from the file to the message, none through
+    protobuf objects.
     """
     tile = meta.layout.tile_bytes
     expected = meta.num_blocks * 2 * tile
@@ -99,14 +114,12 @@ def ready_layer_messages(
                 stage=Stage.PREFILL,
             )
         fh.seek(0)
-        messages: list[disagg_pb2.KVBlockStream] = []
-        for j in range(meta.num_blocks):
-            message = disagg_pb2.KVBlockStream()
-            block = message.block
-            block.request_id = request_id
-            block.layer_idx = layer_idx
-            block.block_idx = j
-            block.k_data = fh.read(tile)
-            block.v_data = fh.read(tile)
-            messages.append(message)
+        data = memoryview(fh.read())
+    messages: list[LayerMessage] = []
+    for run_idx in range(meta.runs_per_layer):
+        pages = meta.run_pages(run_idx)
+        k_parts = [data[2 * p * tile : (2 * p + 1) * tile] for p in pages]
+        v_parts = [data[(2 * p + 1) * tile : (2 * p + 2) * tile] for p in pages]
+        message = frame_stream_block(request_id, layer_idx, run_idx, k_parts, v_parts)
+        messages.append((message, 2 * tile * len(pages)))
     return messages

@@ -13,8 +13,12 @@ the local engine's -> FAILED_PRECONDITION.
 The ``-2`` block: ``block_idx`` 0, ``k_data`` the UTF-8 JSON of ``InlineMeta`` (keys
 ``version`` 1, ``kind`` "inline_kv", ``dtype``, ``block_size``, ``num_kv_heads``,
 ``head_size``, ``num_layers``, ``num_tokens``, ``num_blocks``, ``fingerprint``, ``layout``
-"HNC", ``key``), ``v_data`` empty. Deliberate limit: the metadata fits one block (it is a few
-hundred bytes).
+"HNC", ``key``, and ``pages_per_block`` when it is not 1), ``v_data`` empty. Data block
+``(layer, j)`` carries the engine pages ``meta.run_pages(j)`` of that layer: their K tiles
+back to back in ``k_data``, their V tiles in ``v_data``; a decode accepts any
+``pages_per_block`` (1, what senders without the key send, included) within
+``max_kv_blocks`` and the message size. Deliberate limit: the metadata fits one block (it
+is a few hundred bytes).
 """
 
 from __future__ import annotations
@@ -42,7 +46,8 @@ Entry = tuple[int, int, Tile, Tile]
 
 @dataclass(frozen=True)
 class InlineKV:
-    """A request's KV as the decode side received it: ``tiles[layer][block] = (k, v)``."""
+    """A request's KV as the decode side received it: ``tiles[layer][block] = (k, v)``, one
+    entry per data block (``meta.run_pages(block)`` pages: K tiles back to back, V tiles)."""
 
     meta: InlineMeta
     tiles: list[list[tuple[Tile, Tile]]]
@@ -58,8 +63,18 @@ class InlineKV:
         return b"".join(self.layer_chunks(layer_idx))
 
     def layer_chunks(self, layer_idx: int) -> list[Tile]:
-        """The same, as the tiles in file order (written without joining: no copy)."""
-        return [tile for pair in self.tiles[layer_idx] for tile in pair]
+        """The same, as the page tiles in file order (K, V per page): views into the blocks,
+        written without joining (no copy)."""
+        tile = self.meta.layout.tile_bytes
+        chunks: list[Tile] = []
+        for k_run, v_run in self.tiles[layer_idx]:
+            if len(k_run) == tile:  # one page: the block's own K and V
+                chunks += (k_run, v_run)
+                continue
+            k_view, v_view = memoryview(k_run), memoryview(v_run)
+            for offset in range(0, len(k_view), tile):
+                chunks += (k_view[offset : offset + tile], v_view[offset : offset + tile])
+        return chunks
 
 
 def _bad(message: str) -> InvalidRequest:
@@ -87,28 +102,33 @@ def parse_entries(entries: Sequence[Entry], *, max_blocks: int) -> InlineKV:
     except LayoutError as exc:
         raise _bad(str(exc)) from None
     layout = meta.layout
-    expected = layout.num_layers * meta.num_blocks
+    runs = meta.runs_per_layer
+    expected = layout.num_layers * runs
     if expected > max_blocks:
         raise ResourceExhausted(
             f"inline KV has {expected} blocks; this sidecar accepts {max_blocks} per request",
             stage=Stage.HANDOFF,
         )
     tiles: list[list[tuple[Tile, Tile] | None]] = [
-        [None] * meta.num_blocks for _ in range(layout.num_layers)
+        [None] * runs for _ in range(layout.num_layers)
     ]
     tile = layout.tile_bytes
-    num_layers, num_blocks = layout.num_layers, meta.num_blocks
+    num_layers = layout.num_layers
+    # Every block carries pages_per_block pages but a layer's last, which carries the rest.
+    full_run = meta.pages_per_block * tile
+    last_run = len(meta.run_pages(runs - 1)) * tile
     for layer_idx, block_idx, k_data, v_data in entries:
         if layer_idx == INLINE_META_LAYER:
             continue
         if layer_idx < 0:
             raise _bad(f"unexpected control block layer_idx {layer_idx}")
-        if layer_idx >= num_layers or not 0 <= block_idx < num_blocks:
+        if layer_idx >= num_layers or not 0 <= block_idx < runs:
             raise _bad(f"block ({layer_idx}, {block_idx}) is outside the metadata")
-        if len(k_data) != tile or len(v_data) != tile:
+        size = last_run if block_idx == runs - 1 else full_run
+        if len(k_data) != size or len(v_data) != size:
             raise _bad(
                 f"block ({layer_idx}, {block_idx}) has K/V of "
-                f"{len(k_data)}/{len(v_data)} bytes, expected {tile}"
+                f"{len(k_data)}/{len(v_data)} bytes, expected {size}"
             )
         row = tiles[layer_idx]
         if row[block_idx] is not None:
@@ -118,7 +138,8 @@ def parse_entries(entries: Sequence[Entry], *, max_blocks: int) -> InlineKV:
     if missing:
         raise _bad(f"{len(missing)} of {expected} blocks are missing, first {missing[0]}")
     full = [[t for t in row if t is not None] for row in tiles]
-    return InlineKV(meta=meta, tiles=full, wire_bytes=len(meta_json) + expected * 2 * tile)
+    kv_bytes = num_layers * meta.num_blocks * 2 * tile
+    return InlineKV(meta=meta, tiles=full, wire_bytes=len(meta_json) + kv_bytes)
 
 
 def check_compatible(meta: InlineMeta, engine: InlineLayout | None) -> None:

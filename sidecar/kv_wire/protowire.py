@@ -8,6 +8,8 @@
     kv_block_of_stream(data) ─▶ the KVBlock bytes inside a serialized KVBlockStream (a router
                                 that forwards blocks opaquely frames DecodeRequest from them)
     frame_decode_request(head, blocks) ─▶ that framing: ``head`` then each block as field 2
+    frame_stream_block(rid, layer, block, k_parts, v_parts) ─▶ a serialized KVBlockStream
+                                whose K and V are parts joined (the inline Prefill's blocks)
 
 Why: upb parsing a 32 MiB DecodeRequest copies every tile into its arena, and reading a
 ``bytes`` field copies it again; this walk copies nothing, so the decode side holds the KV
@@ -24,7 +26,7 @@ and 4, proto2 only, never emitted for this proto3 contract) are refused as malfo
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Final
 
@@ -191,6 +193,44 @@ def frame_decode_request(head: bytes, blocks: Iterable[bytes | memoryview]) -> b
     for block in blocks:
         parts += (_KV_BLOCKS_KEY, encode_varint(len(block)), block)
     return b"".join(parts)
+
+
+def _len_field(number: int, length: int) -> bytes:
+    """The key and length prefix of a ``LEN`` field of ``length`` bytes."""
+    return encode_varint(number << 3 | LEN) + encode_varint(length)
+
+
+def _int_field(number: int, value: int) -> bytes:
+    # proto3 leaves a zero scalar out; a negative int32 is its 64-bit two's complement.
+    return encode_varint(number << 3 | VARINT) + encode_varint(value) if value else b""
+
+
+def frame_stream_block(
+    request_id: str,
+    layer_idx: int,
+    block_idx: int,
+    k_parts: Sequence[bytes | memoryview],
+    v_parts: Sequence[bytes | memoryview],
+) -> bytes:
+    """A serialized ``KVBlockStream{block: KVBlock{...}}`` whose ``k_data`` is ``k_parts``
+    joined and ``v_data`` is ``v_parts`` joined: the bytes ``SerializeToString`` gives for
+    that message, built with one copy of the parts (no message object, no join per field).
+    """
+    k_len = sum(len(part) for part in k_parts)
+    v_len = sum(len(part) for part in v_parts)
+    rid = request_id.encode("utf-8")
+    fields = [
+        _len_field(BLOCK_REQUEST_ID, len(rid)) + rid if rid else b"",
+        _int_field(BLOCK_LAYER, layer_idx),
+        _int_field(BLOCK_INDEX, block_idx),
+    ]
+    head = b"".join(fields)
+    k_key = _len_field(BLOCK_K, k_len) if k_len else b""
+    v_key = _len_field(BLOCK_V, v_len) if v_len else b""
+    block_len = len(head) + len(k_key) + k_len + len(v_key) + v_len
+    return b"".join(
+        [_len_field(STREAM_BLOCK, block_len), head, k_key, *k_parts, v_key, *v_parts]
+    )
 
 
 def kv_block_of_stream(data: bytes | memoryview) -> memoryview | None:

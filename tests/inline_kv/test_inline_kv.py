@@ -61,7 +61,10 @@ def test_prefill_side_reads_engine_files(tmp_path: Path) -> None:
     (tmp_path / META_FILE).write_bytes(META.to_json())
     (tmp_path / layer_file(0)).write_bytes(layer_data(0))
     assert read_staged_meta(tmp_path) == META
-    read = [message.block for message in read_layer_messages("r", META, tmp_path, 0)]
+    read = [
+        disagg_pb2.KVBlockStream.FromString(message).block
+        for message, _ in read_layer_messages("r", META, tmp_path, 0)
+    ]
     assert read == layer_blocks("r", META, 0, layer_data(0))
     (tmp_path / layer_file(2)).write_bytes(layer_data(2)[:-1])
     for layer in (1, 2):

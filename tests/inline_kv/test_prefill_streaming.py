@@ -154,6 +154,8 @@ def root() -> Iterator[Path]:
 
 @contextlib.asynccontextmanager
 async def inline_sidecar(engine: KVEngine, **overrides: Any) -> AsyncIterator[GrpcSidecar]:
+    # Page-sized blocks unless a test asks for runs (test_kv_runs.py covers those).
+    overrides.setdefault("kv_block_bytes", LAYOUT.block_bytes)
     async with grpc_sidecar(
         engine.url,
         engine="vllm",

@@ -1,10 +1,13 @@
 """Real vLLM engines (CPU) with this project's SidecarKVConnector, KV bytes through gRPC.
 
 Proves: a prefill sidecar (``--kv-transport inline``) streams its engine's real KV cache
-(metadata block, then one block per layer and block); a test router collects the blocks and
-calls Decode on a decode sidecar, whose engine loads them and streams exactly the greedy
-tokens the engine gives without disaggregation, for prompts of several blocks, several
-requests at once. Corrupting one block's bytes changes the output (the KV really is used).
+(metadata block, then per layer one KV block per run of ``RUN_PAGES`` engine pages, the
+last run of a layer shorter); a test router collects the blocks and calls Decode on a
+decode sidecar, whose engine loads them and streams exactly the greedy tokens the engine
+gives without disaggregation, for prompts of several blocks, several requests at once; the
+same decode sidecar gives the same tokens from page-sized blocks (``kv_block_bytes`` below
+one page, the stream of earlier versions). Corrupting one block's bytes changes the output
+(the KV really is used).
 Blocks claiming another model configuration are refused (FAILED_PRECONDITION), missing blocks
 are INVALID_ARGUMENT, KV over the staging bound is RESOURCE_EXHAUSTED, and after every case
 no staged KV is left on either side. The layers stream while the engine computes: with the
@@ -33,6 +36,7 @@ import grpc
 import pytest
 from aiohttp import web
 
+from connectors.inline_layout import InlineLayout, read_engine_layout
 from real_vllm.client import post_json
 from real_vllm.harness import SERVED_MODEL_NAME, EngineEnv, EngineGroup, EngineSpec
 from sidecar.grpc_gen import disagg_pb2, disagg_pb2_grpc
@@ -43,6 +47,11 @@ from sidecar.settings import KVTransport, Role, Settings
 REPO = Path(__file__).resolve().parents[2]
 MAX_NEW_TOKENS = 12
 PROMPT_LENGTHS = (70, 100, 129)  # 3, 4 and 5 blocks of 32 tokens
+#: Engine pages per streamed KV block: 3, 4 and 5 pages make one full run, a full run and a
+#: run of one, a full run and a run of two.
+RUN_PAGES = 3
+#: One page per KV block: the stream of earlier versions.
+PAGE_SIZED = 1
 
 
 def connector_config(staging: Path) -> dict[str, Any]:
@@ -93,8 +102,14 @@ def inline_pair(engine_env: EngineEnv) -> Iterator[InlinePair]:
 
 @contextlib.asynccontextmanager
 async def sidecar(
-    engine_url: str, role: str, staging: Path, max_staged_bytes: int = 1 << 30
+    engine_url: str,
+    role: str,
+    staging: Path,
+    max_staged_bytes: int = 1 << 30,
+    pages_per_block: int = RUN_PAGES,
 ) -> AsyncIterator[str]:
+    # The engine's connector published its layout at start-up: one page's K+V bytes.
+    page_bytes = read_engine_layout_or_fail(staging).block_bytes
     settings = Settings(
         engine="vllm",
         kv_connector="shfs",
@@ -108,6 +123,7 @@ async def sidecar(
         kv_transport=KVTransport.INLINE,
         kv_staging_dir=str(staging),
         max_staged_bytes=max_staged_bytes,
+        kv_block_bytes=pages_per_block * page_bytes,
     )
     async with open_runtime(settings) as runtime:
         await runtime.health.check()
@@ -116,6 +132,17 @@ async def sidecar(
             yield f"127.0.0.1:{port}"
         finally:
             await stop(1.0)
+
+
+def read_engine_layout_or_fail(staging: Path) -> InlineLayout:
+    layout = read_engine_layout(staging)
+    assert layout is not None, f"no engine.json in {staging}"
+    return layout
+
+
+def data_blocks_per_layer(length: int) -> int:
+    pages = -(-length // 32)
+    return -(-pages // RUN_PAGES)
 
 
 def prompt(length: int, salt: int) -> list[int]:
@@ -180,16 +207,23 @@ async def test_inline_kv_through_grpc_gives_the_baseline(inline_pair: InlinePair
     expected = [baseline(inline_pair.prefill, p) for p in prompts]
     async with (
         sidecar(inline_pair.prefill, "prefill", inline_pair.prefill_dir) as pre,
+        sidecar(
+            inline_pair.prefill, "prefill", inline_pair.prefill_dir, pages_per_block=PAGE_SIZED
+        ) as pre_pages,
         sidecar(inline_pair.decode, "decode", inline_pair.decode_dir) as dec,
     ):
 
-        async def one(i: int, token_ids: list[int]) -> tuple[list[int], int]:
-            blocks = await prefill_blocks(pre, token_ids, f"inline-{i}")
+        async def one(i: int, token_ids: list[int], via: str) -> tuple[list[int], int]:
+            blocks = await prefill_blocks(via, token_ids, f"inline-{i}")
             return await decode(dec, token_ids, blocks, f"inline-{i}"), len(blocks)
 
-        results = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+        results = await asyncio.gather(*(one(i, p, pre) for i, p in enumerate(prompts)))
+        paged = await asyncio.gather(*(one(i, p, pre_pages) for i, p in enumerate(prompts)))
     for (tokens, nblocks), want, n in zip(results, expected, PROMPT_LENGTHS, strict=True):
-        assert nblocks == 1 + 2 * -(-n // 32)  # metadata + 2 layers x blocks
+        assert nblocks == 1 + 2 * data_blocks_per_layer(n)  # metadata + 2 layers x runs
+        assert tokens == want
+    for (tokens, nblocks), want, n in zip(paged, expected, PROMPT_LENGTHS, strict=True):
+        assert nblocks == 1 + 2 * -(-n // 32)  # metadata + 2 layers x pages
         assert tokens == want
     assert staged(inline_pair.prefill_dir) == []
     assert staged(inline_pair.decode_dir) == []
@@ -212,7 +246,7 @@ async def test_corrupted_block_changes_output_and_foreign_kv_is_refused(
 
         corrupted = list(blocks)
         victim = disagg_pb2.KVBlock()
-        victim.CopyFrom(blocks[1])  # layer 0, block 0
+        victim.CopyFrom(blocks[1])  # layer 0, the run of pages 0-2
         victim.k_data = struct.pack("<f", 3.0) * (len(victim.k_data) // 4)
         corrupted[1] = victim
         assert await decode(dec, token_ids, corrupted, "corrupted") != want
@@ -311,7 +345,7 @@ async def test_kv_blocks_reach_the_router_before_the_engine_answer(
         assert proxy.engine_answered.is_set()
         assert [b.layer_idx for b in early] == [0]  # layer 0, before the answer was let through
         assert [(b.layer_idx, b.block_idx) for b in blocks[1:]] == [
-            (layer, j) for layer in range(2) for j in range(5)
+            (layer, j) for layer in range(2) for j in range(data_blocks_per_layer(129))
         ]
         assert await decode(dec, token_ids, blocks, "early") == want
     assert staged(inline_pair.prefill_dir) == []
