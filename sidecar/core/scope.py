@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
 
-from prometheus_client import Counter
+from prometheus_client import Counter, Histogram
 
 from sidecar.admission import Admission
 from sidecar.errors import ClientCancelled, SidecarError
@@ -68,6 +68,11 @@ class Scopes:
         self.front_door = front_door
         self.engine = engine
         self.connector = connector
+        # Labelled children used by every request, looked up once (the hot path's share).
+        self.inflight = metrics.labelled(metrics.inflight, front_door)
+        self.relayed_bytes = metrics.labelled(metrics.relayed_bytes, front_door)
+        self._stages: dict[str, Histogram] = {}
+        self._requests: dict[tuple[str, str], Counter] = {}
 
     def open(self, route: str, request_id: str = "-") -> RequestScope:
         return RequestScope(self, route, request_id)
@@ -78,8 +83,20 @@ class Scopes:
         metrics.labelled(metrics.errors, self.front_door, error.stage.value, error.code).inc()
 
     def observe(self, stage: str, seconds: float) -> None:
-        metrics = self.metrics
-        metrics.labelled(metrics.stage_seconds, self.front_door, stage).observe(seconds)
+        histogram = self._stages.get(stage)
+        if histogram is None:
+            metrics = self.metrics
+            histogram = self._stages[stage] = metrics.labelled(
+                metrics.stage_seconds, self.front_door, stage)
+        histogram.observe(seconds)
+
+    def count_request(self, route: str, outcome: str) -> None:
+        counter = self._requests.get((route, outcome))
+        if counter is None:
+            metrics = self.metrics
+            counter = self._requests[(route, outcome)] = metrics.labelled(
+                metrics.requests, self.front_door, route, self.engine, self.connector, outcome)
+        counter.inc()
 
 
 class RequestScope:
@@ -113,8 +130,7 @@ class RequestScope:
             raise
         self._admitted = True
         self._holders = 1
-        metrics = scopes.metrics
-        metrics.labelled(metrics.inflight, scopes.front_door).inc()
+        scopes.inflight.inc()
 
     def observe(self, stage: str, seconds: float) -> None:
         self._scopes.observe(stage, seconds)
@@ -122,8 +138,7 @@ class RequestScope:
     @property
     def relayed_bytes(self) -> Counter:
         """The counter of bytes relayed from the decode engine to this front door's clients."""
-        metrics = self._scopes.metrics
-        return metrics.labelled(metrics.relayed_bytes, self._scopes.front_door)
+        return self._scopes.relayed_bytes
 
     def observe_timings(self, timings: Timings) -> None:
         if timings.prefill is not None:
@@ -174,13 +189,9 @@ class RequestScope:
     def close(self) -> None:
         """Count the request, then leave admission (unless a background task still holds it)."""
         scopes = self._scopes
-        metrics = scopes.metrics
-        metrics.labelled(
-            metrics.requests,
-            scopes.front_door, self.route, scopes.engine, scopes.connector, self.outcome,
-        ).inc()
-        self.observe("total", time.perf_counter() - self._started)
+        scopes.count_request(self.route, self.outcome)
+        scopes.observe("total", time.perf_counter() - self._started)
         if self._admitted:
             self._admitted = False
-            metrics.labelled(metrics.inflight, scopes.front_door).dec()
+            scopes.inflight.dec()
             self._drop_holder()
