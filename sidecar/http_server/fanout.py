@@ -22,7 +22,7 @@ from sidecar import jsonutil
 from sidecar.core.exchange import PDExchange
 from sidecar.core.fanout import FanOut, start_all, sub_request_id
 from sidecar.core.orchestrator import PDRequest
-from sidecar.core.scope import BROKEN_STREAM, FALLBACK, LOCAL_SHORT, OK, RequestScope
+from sidecar.core.scope import FALLBACK, LOCAL_SHORT, OK, RequestScope
 from sidecar.errors import DecodeFailed, SidecarError, Stage
 from sidecar.http_server.errors import sse_error_event
 from sidecar.protocol.fanout import SSEEvents, StreamMerger, check_fanout, merge_answers, sub_bodies
@@ -32,6 +32,9 @@ from sidecar.protocol.sse import DONE_EVENT, answer_as_sse
 from sidecar.runtime import Runtime
 
 logger = logging.getLogger(__name__)
+
+#: How an engine's in-stream error event's payload starts (vLLM's and SGLang's shape).
+_ERROR_PAYLOAD = b'{"error"'
 
 
 class _SSEResponse(web.StreamResponse):
@@ -70,20 +73,18 @@ async def relay_fanout(
         return await orchestrator.start(sub)
 
     fanout = await start_all(start, _sub_requests(runtime, client, base))
+    exchanges = fanout.exchanges
+    # The relay may still turn it into broken_stream or error (an engine's error event).
+    scope.outcome = (LOCAL_SHORT if all(e.local for e in exchanges)
+                     else FALLBACK if any(e.fallback_reason for e in exchanges) else OK)
     try:
-        for exchange in fanout.exchanges:
+        for exchange in exchanges:
             scope.observe_timings(exchange.timings)
         if client.stream:
-            response = await _relay_stream(request, scope, fanout, client)
-        else:
-            response = await _relay_json(runtime, scope, fanout, client)
+            return await _relay_stream(request, scope, fanout, client)
+        return await _relay_json(runtime, scope, fanout, client)
     finally:
         await fanout.aclose()
-    if scope.outcome != BROKEN_STREAM:
-        exchanges = fanout.exchanges
-        scope.outcome = (LOCAL_SHORT if all(e.local for e in exchanges)
-                         else FALLBACK if any(e.fallback_reason for e in exchanges) else OK)
-    return response
 
 
 async def _relay_json(
@@ -116,6 +117,7 @@ async def _relay_stream(
     splitters = {k: SSEEvents() for k in range(len(fanout.exchanges))}
     response: _SSEResponse | None = None
     total = 0
+    engine_error = False
 
     async def write(event: bytes) -> None:
         nonlocal response, total
@@ -126,7 +128,10 @@ async def _relay_stream(
         total += len(event)
 
     async def relay(k: int, payloads: list[bytes]) -> None:
+        nonlocal engine_error
         for payload in payloads:
+            # An engine's own error event (vLLM, SGLang) is relayed, and counted at the end.
+            engine_error = engine_error or payload.startswith(_ERROR_PAYLOAD)
             try:
                 event = merger.event(k, payload)
             except ValueError:
@@ -164,6 +169,11 @@ async def _relay_stream(
             request.transport.close()
         return response
     scope.relayed_bytes.inc(total)
+    if engine_error:
+        scope.failed(DecodeFailed("decode engine reported an error in its stream",
+                                  stage=Stage.DECODE))
+        logger.warning("request %s: a decode engine's stream carried an error event",
+                       scope.request_id)
     assert response is not None
     await response.write_eof()
     return response

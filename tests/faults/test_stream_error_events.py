@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from fault_builders import PAIRS, engine_param, faults, rig
+from fault_builders import PAIRS, client_body, engine_param, faults, rig
 
 
 @pytest.mark.parametrize(("engine", "connector"), [engine_param(*pair) for pair in PAIRS])
@@ -39,4 +39,26 @@ async def test_an_engine_error_event_is_a_counted_decode_error(
                                     outcome="error") == 1
         assert await sidecar.metric("disagg_requests_total", front_door="http",
                                     outcome="ok") == 0
+        await r.check_recovered()
+
+
+@pytest.mark.parametrize(("engine", "connector"),
+                         [engine_param("vllm", "shfs"), engine_param("sglang", "shfs")])
+async def test_an_error_event_in_one_leg_of_a_fan_out_is_counted(
+    engine: str, connector: str
+) -> None:
+    error_event = {"kind": "error_event", "after_chunks": 2, "times": 1}
+    async with rig(engine, connector, decode={"faults": faults(error_event)}) as r:
+        body = client_body(stream=True, n=2)
+        reply = await r.post(stream=True, body=body)
+
+        assert reply.status == 200 and not reply.broken
+        events = reply.events()
+        assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
+        assert sum("error" in json.loads(e) for e in events[:-1]) == 1
+        sidecar = r.sidecar
+        assert await sidecar.metric("disagg_errors_total", front_door="http", stage="decode",
+                                    code="decode_failed") == 1
+        assert await sidecar.metric("disagg_requests_total", front_door="http",
+                                    outcome="error") == 1
         await r.check_recovered()
