@@ -6,12 +6,15 @@
 
 Only the subset deploy/ uses is implemented, and anything else fails loudly rather than
 rendering something kustomize would not: ``resources`` (files or directories holding a
-kustomization.yaml) and ``patches`` given by ``path`` with a ``target`` of ``kind`` and
-``name``, holding JSON 6902 operations (add, remove, replace, test). Where ``kubectl`` is
-installed, the tests compare this renderer's output with ``kubectl kustomize``.
+kustomization.yaml), ``patches`` given by ``path`` with a ``target`` of ``kind`` and
+``name``, holding JSON 6902 operations (add, remove, replace, test), and
+``configMapGenerator`` entries made of plain ``files`` with ``disableNameSuffixHash`` and
+``labels`` options. Where ``kubectl`` is installed, the tests compare this renderer's output
+with ``kubectl kustomize``.
 
-Deliberate limits: no strategic-merge patches, generators, name prefixes, namespaces, images
-or label transformers; no ``copy``/``move`` operations.
+Deliberate limits: no strategic-merge patches, name prefixes, namespaces, images or label
+transformers; no ``copy``/``move`` operations; no generator name hashes, ``literals``,
+``envs`` or ``KEY=path`` file entries.
 """
 
 from __future__ import annotations
@@ -25,7 +28,9 @@ import yaml
 DEPLOY_DIR = Path(__file__).resolve().parents[2] / "deploy"
 OVERLAYS = ("vllm", "sglang", "trtllm")
 
-_KNOWN_KEYS = frozenset({"apiVersion", "kind", "resources", "patches"})
+_KNOWN_KEYS = frozenset({"apiVersion", "kind", "resources", "patches", "configMapGenerator"})
+_GENERATOR_KEYS = frozenset({"name", "files", "options"})
+_GENERATOR_OPTIONS = frozenset({"disableNameSuffixHash", "labels"})
 
 Obj = dict[str, Any]
 
@@ -108,6 +113,25 @@ def apply_json_patch(doc: Obj, ops: list[Obj]) -> Obj:
     return out
 
 
+def generate_config_map(directory: Path, spec: Obj) -> Obj:
+    """The ConfigMap one ``configMapGenerator`` entry makes: each file's text under its name."""
+    if set(spec) - _GENERATOR_KEYS or "name" not in spec:
+        raise RenderError(f"{directory}: unsupported configMapGenerator entry {spec!r}")
+    options = spec.get("options", {})
+    if set(options) - _GENERATOR_OPTIONS or options.get("disableNameSuffixHash") is not True:
+        # kustomize's name hash is not reproduced here, so only unhashed names render.
+        raise RenderError(f"{directory}: configMapGenerator options must disable the name hash")
+    data: dict[str, str] = {}
+    for entry in spec.get("files", []):
+        if "=" in entry or "/" in entry:
+            raise RenderError(f"{directory}: only plain file names are supported, not {entry!r}")
+        data[entry] = (directory / entry).read_text(encoding="utf-8")
+    metadata: Obj = {"name": spec["name"]}
+    if options.get("labels"):
+        metadata["labels"] = dict(options["labels"])
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": metadata, "data": data}
+
+
 def render(directory: Path) -> list[Obj]:
     """The objects the kustomization in ``directory`` produces, in kustomize's resource order."""
     kustomization = load_documents(directory / "kustomization.yaml")[0]
@@ -121,6 +145,9 @@ def render(directory: Path) -> list[Obj]:
             objects.extend(render(target))
         else:
             objects.extend(load_documents(target))
+    objects.extend(
+        generate_config_map(directory, spec) for spec in kustomization.get("configMapGenerator", [])
+    )
     for patch in kustomization.get("patches", []):
         if set(patch) != {"path", "target"} or set(patch["target"]) != {"kind", "name"}:
             raise RenderError(f"{directory}: unsupported patch form {patch!r}")
