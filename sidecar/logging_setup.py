@@ -1,7 +1,9 @@
 """Process logging: plain text or one JSON object per line (``--log-format json``).
 
 A worker of a pool (``--workers N``) names itself on every line (``worker=I`` in text, a
-``worker`` field in JSON): the workers share the supervisor's stderr.
+``worker`` field in JSON): the workers share the supervisor's stderr. A JSON line written
+while a traced request's span is current carries ``trace_id`` and ``span_id`` (W3C hex), so
+a log search and a trace view meet on the same request.
 """
 
 from __future__ import annotations
@@ -9,6 +11,8 @@ from __future__ import annotations
 import json
 import logging
 import sys
+
+from opentelemetry import trace
 
 
 class _JsonFormatter(logging.Formatter):
@@ -25,6 +29,10 @@ class _JsonFormatter(logging.Formatter):
         }
         if self._worker is not None:
             entry["worker"] = self._worker
+        span = trace.get_current_span().get_span_context()
+        if span.is_valid:
+            entry["trace_id"] = trace.format_trace_id(span.trace_id)
+            entry["span_id"] = trace.format_span_id(span.span_id)
         if record.exc_info:
             entry["exc"] = self.formatException(record.exc_info)
         return json.dumps(entry, separators=(",", ":"))

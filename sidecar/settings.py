@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from sidecar.allowlist import parse_entry
 from sidecar.kv_agents import DEFAULT_CONNECTOR, valid_agent_names
+from sidecar.tracing import check_endpoint
 from sidecar.workers.cores import available_cores
 from sidecar.workers.identity import MAX_WORKERS
 
@@ -371,6 +372,15 @@ class Settings(BaseModel):
         description="PEM private key of engine_client_cert_file.",
     )
 
+    # Tracing (optional).
+    otlp_endpoint: str | None = Field(
+        default=None,
+        description="OpenTelemetry collector for the sidecar's request spans; unset: tracing "
+        "off. grpc://HOST:PORT or grpcs://HOST:PORT: OTLP/gRPC (plaintext or TLS); "
+        "http(s)://HOST[:PORT][/PATH]: OTLP/HTTP (path default /v1/traces). OTEL_SERVICE_NAME, "
+        "OTEL_RESOURCE_ATTRIBUTES and OTEL_TRACES_SAMPLER(_ARG) apply.",
+    )
+
     # Logging.
     log_level: str = Field(
         default="info", description="Log level: debug, info, warning, error, critical."
@@ -426,6 +436,11 @@ class Settings(BaseModel):
         for entry in value:
             parse_entry(entry)
         return value
+
+    @field_validator("otlp_endpoint")
+    @classmethod
+    def _otlp_endpoint(cls, value: str | None) -> str | None:
+        return None if value is None else check_endpoint(value)
 
     @field_validator("log_level")
     @classmethod

@@ -1,0 +1,413 @@
+"""Distributed tracing: each request's spans, exported over OTLP; off unless --otlp-endpoint.
+
+    settings.otlp_endpoint ──start_tracing()──▶ Tracing: SDK provider + batch exporter thread
+         (unset) ──────────────────────────────▶ NO_TRACING: no SDK import, no thread, no spans
+
+    trace = tracing.request(front_door=, route=, ..., carrier=)   (continues a client's W3C
+      │                                                           traceparent/tracestate)
+      ├─ trace.span(PREFILL_SPAN, client=True)  leg.headers(h) ─▶ the prefill engine's request
+      ├─ trace.span(HANDOFF_SPAN)
+      ├─ trace.span(DECODE_FIRST_BYTE_SPAN, client=True)  leg.headers(h) ─▶ the decode engine's
+      ├─ trace.span(RELAY_SPAN)   relayed bytes (HTTP) or tokens (gRPC)
+      └─ trace.end(outcome, error)
+
+The endpoint's scheme picks the transport: ``grpc://HOST:PORT`` (plaintext) and
+``grpcs://HOST:PORT`` (TLS) export OTLP/gRPC; ``http://`` and ``https://`` export OTLP/HTTP
+(protobuf) to the URL's path, ``/v1/traces`` when it has none. The SDK itself reads the
+standard variables: ``OTEL_SERVICE_NAME`` and ``OTEL_RESOURCE_ATTRIBUTES`` (over this module's
+defaults, service name ``disagg-sidecar``), ``OTEL_TRACES_SAMPLER``/``_ARG`` (default: parent
+based, always on), ``OTEL_BSP_*`` (batching), ``OTEL_EXPORTER_OTLP_HEADERS``/``_TIMEOUT``/
+``_COMPRESSION``/``_CERTIFICATE``.
+
+When tracing is off, the front doors get ``NOOP_TRACE``: every call on it returns at once and
+``headers()`` hands back the caller's mapping untouched, so a client's own ``traceparent``
+travels to the engines exactly as it did without this module. When on, the sidecar's leg span
+replaces the client's ``traceparent``/``tracestate`` on each engine request, so an engine
+started with tracing puts its spans under the sidecar's.
+
+Deliberate limits: W3C trace context only (``OTEL_PROPAGATORS`` is not read; ``baggage`` is an
+ordinary client header and is forwarded as such); no prompt or completion text, and no error
+message, is ever an attribute (messages may quote upstream state; the stable error code is
+enough); the provider is this process's own, not the OpenTelemetry global one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Final, Protocol
+from urllib.parse import urlsplit
+
+from opentelemetry import context as otel_context
+from opentelemetry import trace as otel_trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+from opentelemetry.util.types import AttributeValue
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SpanExporter
+
+    from sidecar.settings import Settings
+
+SERVICE_NAME: Final = "disagg-sidecar"
+TRACER_NAME: Final = "disagg_sidecar"
+
+# Span names.
+REQUEST_SPAN: Final = "disagg.request"
+PREFILL_SPAN: Final = "disagg.prefill"
+HANDOFF_SPAN: Final = "disagg.handoff"
+DECODE_FIRST_BYTE_SPAN: Final = "disagg.decode_first_byte"
+RELAY_SPAN: Final = "disagg.relay"
+
+# Attribute keys (OpenTelemetry semantic conventions where one fits, else ``disagg.*``).
+FRONT_DOOR: Final = "disagg.front_door"
+ROUTE: Final = "disagg.route"
+ENGINE: Final = "disagg.engine"
+CONNECTOR: Final = "disagg.connector"
+OUTCOME: Final = "disagg.outcome"
+REQUEST_ID: Final = "disagg.request_id"
+ERROR_STAGE: Final = "disagg.error.stage"
+ERROR_TYPE: Final = "error.type"
+PREFILL_TARGET: Final = "disagg.prefill.target"
+SERVER_ADDRESS: Final = "server.address"
+SERVER_PORT: Final = "server.port"
+HTTP_STATUS: Final = "http.response.status_code"
+RELAYED_BYTES: Final = "disagg.relay.bytes"
+RELAYED_TOKENS: Final = "disagg.relay.tokens"
+
+TRACEPARENT: Final = "traceparent"
+TRACESTATE: Final = "tracestate"
+_TRACE_HEADERS: Final = frozenset({TRACEPARENT, TRACESTATE})
+_PROPAGATOR: Final = TraceContextTextMapPropagator()
+
+GRPC_SCHEMES: Final = ("grpc", "grpcs")
+HTTP_SCHEMES: Final = ("http", "https")
+_DEFAULT_HTTP_PATH: Final = "/v1/traces"
+
+Carrier = Mapping[str, str] | Iterable[tuple[str, str | bytes]]
+
+
+class LegSpan(Protocol):
+    """One span of a request (a leg, the hand-off, the relay); ends once."""
+
+    def set(self, key: str, value: AttributeValue) -> None:
+        """Set an attribute (never prompt or completion text)."""
+
+    def fail(self, error: BaseException) -> None:
+        """Mark the span failed with the error's stable code (or its type)."""
+
+    def headers(self, base: Mapping[str, str]) -> Mapping[str, str]:
+        """``base`` with this span as the ``traceparent`` (and ``tracestate``) of a request."""
+
+    def end(self) -> None:
+        """End the span (later calls do nothing)."""
+
+    def __enter__(self) -> LegSpan: ...
+
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None: ...
+
+
+class RequestTrace(Protocol):
+    """The spans of one client request, rooted at its request span."""
+
+    def span(
+        self,
+        name: str,
+        *,
+        client: bool = False,
+        attributes: Mapping[str, AttributeValue] | None = None,
+    ) -> LegSpan:
+        """A child span of the request span, started now."""
+
+    def set(self, key: str, value: AttributeValue) -> None:
+        """Set an attribute of the request span."""
+
+    def current(self) -> contextlib.AbstractContextManager[None]:
+        """Make the request span current (log lines inside carry its ids)."""
+
+    def end(self, outcome: str, error: BaseException | None = None) -> None:
+        """End the request span with its outcome (later calls do nothing)."""
+
+
+class _NoopSpan:
+    """The span of a request that is not traced: nothing to do, nothing to add."""
+
+    __slots__ = ()
+
+    def set(self, key: str, value: AttributeValue) -> None:
+        return None
+
+    def fail(self, error: BaseException) -> None:
+        return None
+
+    def headers(self, base: Mapping[str, str]) -> Mapping[str, str]:
+        return base
+
+    def end(self) -> None:
+        return None
+
+    def __enter__(self) -> LegSpan:
+        return self
+
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        return None
+
+
+class _NoopTrace:
+    __slots__ = ()
+
+    def span(
+        self,
+        name: str,
+        *,
+        client: bool = False,
+        attributes: Mapping[str, AttributeValue] | None = None,
+    ) -> LegSpan:
+        return NOOP_SPAN
+
+    def set(self, key: str, value: AttributeValue) -> None:
+        return None
+
+    def current(self) -> contextlib.AbstractContextManager[None]:
+        return _NULL_CONTEXT
+
+    def end(self, outcome: str, error: BaseException | None = None) -> None:
+        return None
+
+
+NOOP_SPAN: Final[LegSpan] = _NoopSpan()
+NOOP_TRACE: Final[RequestTrace] = _NoopTrace()
+_NULL_CONTEXT: Final = contextlib.nullcontext()
+
+
+def _mark_failed(span: otel_trace.Span, error: BaseException) -> None:
+    code = getattr(error, "code", None)
+    kind = code if isinstance(code, str) else type(error).__name__
+    span.set_attribute(ERROR_TYPE, kind)
+    stage = getattr(error, "stage", None)
+    stage_name = getattr(stage, "value", None)
+    if isinstance(stage_name, str):
+        span.set_attribute(ERROR_STAGE, stage_name)
+    # The code, never the message: a message may quote upstream state.
+    span.set_status(Status(StatusCode.ERROR, kind))
+
+
+class _Span:
+    __slots__ = ("_ended", "_span")
+
+    def __init__(self, span: otel_trace.Span) -> None:
+        self._span = span
+        self._ended = False
+
+    def set(self, key: str, value: AttributeValue) -> None:
+        self._span.set_attribute(key, value)
+
+    def fail(self, error: BaseException) -> None:
+        _mark_failed(self._span, error)
+
+    def headers(self, base: Mapping[str, str]) -> Mapping[str, str]:
+        out = {name: value for name, value in base.items() if name.lower() not in _TRACE_HEADERS}
+        _PROPAGATOR.inject(out, otel_trace.set_span_in_context(self._span))
+        return out
+
+    def end(self) -> None:
+        if not self._ended:
+            self._ended = True
+            self._span.end()
+
+    def __enter__(self) -> LegSpan:
+        return self
+
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        if exc is not None:
+            self.fail(exc)
+        self.end()
+
+
+class _Trace:
+    __slots__ = ("_context", "_ended", "_span", "_tracer")
+
+    def __init__(self, tracer: otel_trace.Tracer, span: otel_trace.Span) -> None:
+        self._tracer = tracer
+        self._span = span
+        self._context = otel_trace.set_span_in_context(span)
+        self._ended = False
+
+    def span(
+        self,
+        name: str,
+        *,
+        client: bool = False,
+        attributes: Mapping[str, AttributeValue] | None = None,
+    ) -> LegSpan:
+        kind = SpanKind.CLIENT if client else SpanKind.INTERNAL
+        return _Span(
+            self._tracer.start_span(name, self._context, kind=kind, attributes=attributes)
+        )
+
+    def set(self, key: str, value: AttributeValue) -> None:
+        self._span.set_attribute(key, value)
+
+    @contextlib.contextmanager
+    def current(self) -> Iterator[None]:
+        token = otel_context.attach(self._context)
+        try:
+            yield
+        finally:
+            otel_context.detach(token)
+
+    def end(self, outcome: str, error: BaseException | None = None) -> None:
+        if self._ended:
+            return
+        self._ended = True
+        self._span.set_attribute(OUTCOME, outcome)
+        if error is not None:
+            _mark_failed(self._span, error)
+        self._span.end()
+
+
+def carrier_headers(carrier: Carrier) -> dict[str, str]:
+    """The W3C trace headers of an HTTP header mapping or of gRPC metadata pairs."""
+    out: dict[str, str] = {}
+    if isinstance(carrier, Mapping):
+        for name in _TRACE_HEADERS:
+            value = carrier.get(name)
+            if isinstance(value, str):
+                out[name] = value
+        return out
+    for name, value in carrier:
+        lower = name.lower()
+        if lower in _TRACE_HEADERS and isinstance(value, str):
+            out[lower] = value
+    return out
+
+
+class Tracing:
+    """Tracing on: this process's tracer provider, exporting through a batch processor."""
+
+    enabled: Final = True
+
+    def __init__(self, provider: TracerProvider) -> None:
+        self.provider = provider
+        self._tracer = provider.get_tracer(TRACER_NAME)
+
+    def request(
+        self,
+        *,
+        front_door: str,
+        route: str,
+        engine: str,
+        connector: str,
+        request_id: str,
+        carrier: Carrier | None = None,
+    ) -> RequestTrace:
+        """Start a request span: a child of the client's trace context when it sent one."""
+        parent = (
+            _PROPAGATOR.extract(carrier_headers(carrier)) if carrier is not None else None
+        )
+        span = self._tracer.start_span(
+            REQUEST_SPAN,
+            parent,
+            kind=SpanKind.SERVER,
+            attributes={
+                FRONT_DOOR: front_door,
+                ROUTE: route,
+                ENGINE: engine,
+                CONNECTOR: connector,
+                REQUEST_ID: request_id,
+            },
+        )
+        return _Trace(self._tracer, span)
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        """Export every ended span now (blocks: call it off the event loop)."""
+        return self.provider.force_flush(int(timeout_s * 1000))
+
+    def shutdown(self) -> None:
+        """Flush and stop the exporter (blocks: call it off the event loop)."""
+        self.provider.shutdown()
+
+
+class NoTracing:
+    """Tracing off: no provider, no exporter thread; every request gets ``NOOP_TRACE``."""
+
+    enabled: Final = False
+
+    def request(
+        self,
+        *,
+        front_door: str,
+        route: str,
+        engine: str,
+        connector: str,
+        request_id: str,
+        carrier: Carrier | None = None,
+    ) -> RequestTrace:
+        return NOOP_TRACE
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        return True
+
+    def shutdown(self) -> None:
+        return None
+
+
+NO_TRACING: Final = NoTracing()
+
+
+def check_endpoint(url: str) -> str:
+    """``url`` if it is an OTLP endpoint this module can export to, else ValueError."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as exc:
+        raise ValueError(f"OTLP endpoint {url!r}: {exc}") from None
+    if parts.scheme not in GRPC_SCHEMES + HTTP_SCHEMES or not parts.hostname:
+        raise ValueError(
+            f"OTLP endpoint {url!r} must be grpc://, grpcs://, http:// or https://HOST[:PORT]"
+        )
+    if parts.query or parts.fragment or parts.username or parts.password:
+        raise ValueError(f"OTLP endpoint {url!r} must not carry a query, fragment or credentials")
+    if parts.scheme in GRPC_SCHEMES and (port is None or parts.path not in ("", "/")):
+        raise ValueError(f"OTLP/gRPC endpoint {url!r} must be {parts.scheme}://HOST:PORT")
+    return url
+
+
+def make_exporter(url: str) -> SpanExporter:
+    """The OTLP span exporter the endpoint's scheme names (see the module docstring)."""
+    check_endpoint(url)
+    parts = urlsplit(url)
+    if parts.scheme in GRPC_SCHEMES:
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
+            OTLPSpanExporter as GrpcExporter,
+        )
+
+        return GrpcExporter(endpoint=parts.netloc, insecure=parts.scheme == "grpc")
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
+        OTLPSpanExporter as HttpExporter,
+    )
+
+    path = parts.path if parts.path not in ("", "/") else _DEFAULT_HTTP_PATH
+    return HttpExporter(endpoint=f"{parts.scheme}://{parts.netloc}{path}")
+
+
+def start_tracing(settings: Settings) -> Tracing | NoTracing:
+    """Tracing as ``settings`` asks: ``NO_TRACING`` without an endpoint (nothing started)."""
+    if settings.otlp_endpoint is None:
+        return NO_TRACING
+    # Imported here: a sidecar without tracing never loads the SDK or starts its thread.
+    from opentelemetry.sdk.resources import OTELResourceDetector, Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    from sidecar import __version__
+
+    # Our defaults first, then OTEL_SERVICE_NAME / OTEL_RESOURCE_ATTRIBUTES over them.
+    resource = Resource.create(
+        {"service.name": SERVICE_NAME, "service.version": __version__}
+    ).merge(OTELResourceDetector().detect())
+    # sampler=None: the SDK reads OTEL_TRACES_SAMPLER / OTEL_TRACES_SAMPLER_ARG.
+    provider = TracerProvider(resource=resource, shutdown_on_exit=False)
+    provider.add_span_processor(BatchSpanProcessor(make_exporter(settings.otlp_endpoint)))
+    return Tracing(provider)
