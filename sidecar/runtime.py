@@ -1,13 +1,14 @@
 """The shared services of one sidecar process, opened and closed together.
 
     Settings ─open_runtime()─▶ Runtime(core per front door, scopes per front door, selector,
-                                       admission, health, metrics)
+                                       admission, health, metrics, tracing)
 
 Both front doors (HTTP and gRPC) take the same ``Runtime`` and reach engines only through
 their ``Orchestrator`` (``runtime.orchestrator`` for HTTP, ``runtime.grpc_orchestrator`` for
 gRPC: SGLang's gRPC path carries rooms as int32, so gRPC requests draw from their own room
 range). The engine handler is built once here, with its KV agent bound. One pooled upstream
-client (``sidecar.http1.EngineClient``), one metrics registry, one admission counter.
+client (``sidecar.http1.EngineClient``), one metrics registry, one admission counter, one
+tracer provider when ``--otlp-endpoint`` is set (flushed and stopped on exit, off the loop).
 ``open_runtime`` must run inside the event loop (the client binds to it).
 
 In a pool of workers (``worker``: ``sidecar.workers.WorkerIdentity``) each process has its own
@@ -17,6 +18,7 @@ counts the whole pool's requests (``sidecar.workers.shared_inflight``).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
@@ -37,6 +39,7 @@ from sidecar.http1 import EngineClient
 from sidecar.ids import INT32_ROOMS, IdSources, RoomAllocator, SnowflakeIds
 from sidecar.metrics import Metrics, pool_metrics_dir
 from sidecar.settings import Settings
+from sidecar.tracing import NoTracing, Tracing, start_tracing
 from sidecar.workers.identity import INFLIGHT_FILE, SOLO, WorkerIdentity
 from sidecar.workers.shared_inflight import InflightSlots
 
@@ -61,6 +64,7 @@ class Runtime:
     admission: Admission
     health: EngineHealth
     local_prefill: LocalPrefill
+    tracing: Tracing | NoTracing
     worker: WorkerIdentity = SOLO
 
     @property
@@ -99,6 +103,7 @@ async def open_runtime(
     handler = build_engine_handler(settings)
     session = make_session(settings)
     resources = contextlib.AsyncExitStack()
+    tracing = start_tracing(settings)
     try:
         engine_ids = None
         if handler.needs_engine_id:
@@ -136,7 +141,7 @@ async def open_runtime(
 
         def scopes(front_door: str) -> Scopes:
             return Scopes(metrics, admission, front_door=front_door, engine=handler.name,
-                          connector=connector)
+                          connector=connector, tracing=tracing)
 
         allowlist: AllowlistLike = Allowlist.parse(settings.prefill_allowlist)
         if settings.prefill_pod_selector:
@@ -168,9 +173,13 @@ async def open_runtime(
                 on_tokenize_failure=lambda reason: metrics.labelled(
                     metrics.tokenize_failures, reason).inc(),
             ),
+            tracing=tracing,
         )
         runtime.health.on_change(lambda ready: metrics.engine_ready.set(1 if ready else 0))
         yield runtime
     finally:
         await resources.aclose()
         await session.close()
+        if tracing.enabled:
+            # Exporting blocks (a collector may be slow or gone): never on the event loop.
+            await asyncio.to_thread(tracing.shutdown)

@@ -19,9 +19,11 @@ defaults, service name ``disagg-sidecar``), ``OTEL_TRACES_SAMPLER``/``_ARG`` (de
 based, always on), ``OTEL_BSP_*`` (batching), ``OTEL_EXPORTER_OTLP_HEADERS``/``_TIMEOUT``/
 ``_COMPRESSION``/``_CERTIFICATE``.
 
-When tracing is off, the front doors get ``NOOP_TRACE``: every call on it returns at once and
-``headers()`` hands back the caller's mapping untouched, so a client's own ``traceparent``
-travels to the engines exactly as it did without this module. When on, the sidecar's leg span
+When tracing is off, the front doors get ``NOOP_TRACE`` (``active`` False): the request scope
+and the core test that flag and take the calls they took before tracing existed; where a no-op
+span is still handed around, every call on it returns at once and ``headers()`` hands back the
+caller's mapping untouched, so a client's own ``traceparent`` travels to the engines exactly
+as it did without this module. When on, the sidecar's leg span
 replaces the client's ``traceparent``/``tracestate`` on each engine request, so an engine
 started with tracing puts its spans under the sidecar's.
 
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Iterator, Mapping
+from contextvars import Token
 from typing import TYPE_CHECKING, Final, Protocol
 from urllib.parse import urlsplit
 
@@ -91,6 +94,9 @@ Carrier = Mapping[str, str] | Iterable[tuple[str, str | bytes]]
 class LegSpan(Protocol):
     """One span of a request (a leg, the hand-off, the relay); ends once."""
 
+    #: False when nothing is recorded: callers skip computing attributes.
+    recording: bool
+
     def set(self, key: str, value: AttributeValue) -> None:
         """Set an attribute (never prompt or completion text)."""
 
@@ -111,6 +117,9 @@ class LegSpan(Protocol):
 class RequestTrace(Protocol):
     """The spans of one client request, rooted at its request span."""
 
+    #: False for ``NOOP_TRACE``: a caller may skip its bookkeeping calls altogether.
+    active: bool
+
     def span(
         self,
         name: str,
@@ -123,17 +132,28 @@ class RequestTrace(Protocol):
     def set(self, key: str, value: AttributeValue) -> None:
         """Set an attribute of the request span."""
 
-    def current(self) -> contextlib.AbstractContextManager[None]:
-        """Make the request span current (log lines inside carry its ids)."""
+    def attach(self) -> None:
+        """Make the request span current in this task (log lines carry its ids) until
+        ``detach``; both calls happen in the same task, once each."""
 
-    def end(self, outcome: str, error: BaseException | None = None) -> None:
-        """End the request span with its outcome (later calls do nothing)."""
+    def detach(self) -> None:
+        """Undo ``attach`` (``end`` does it too)."""
+
+    def current(self) -> contextlib.AbstractContextManager[None]:
+        """``attach`` ... ``detach`` as a context manager."""
+
+    def end(
+        self, outcome: str, error: BaseException | None = None, request_id: str | None = None
+    ) -> None:
+        """End the request span with its outcome (and its final request id), and ``detach``;
+        later calls do nothing."""
 
 
 class _NoopSpan:
     """The span of a request that is not traced: nothing to do, nothing to add."""
 
     __slots__ = ()
+    recording = False
 
     def set(self, key: str, value: AttributeValue) -> None:
         return None
@@ -156,6 +176,7 @@ class _NoopSpan:
 
 class _NoopTrace:
     __slots__ = ()
+    active = False
 
     def span(
         self,
@@ -169,10 +190,18 @@ class _NoopTrace:
     def set(self, key: str, value: AttributeValue) -> None:
         return None
 
+    def attach(self) -> None:
+        return None
+
+    def detach(self) -> None:
+        return None
+
     def current(self) -> contextlib.AbstractContextManager[None]:
         return _NULL_CONTEXT
 
-    def end(self, outcome: str, error: BaseException | None = None) -> None:
+    def end(
+        self, outcome: str, error: BaseException | None = None, request_id: str | None = None
+    ) -> None:
         return None
 
 
@@ -194,11 +223,13 @@ def _mark_failed(span: otel_trace.Span, error: BaseException) -> None:
 
 
 class _Span:
-    __slots__ = ("_ended", "_span")
+    __slots__ = ("_ended", "_span", "recording")
 
     def __init__(self, span: otel_trace.Span) -> None:
         self._span = span
         self._ended = False
+        # A span the sampler dropped still propagates its context, but records nothing.
+        self.recording = span.is_recording()
 
     def set(self, key: str, value: AttributeValue) -> None:
         self._span.set_attribute(key, value)
@@ -226,13 +257,19 @@ class _Span:
 
 
 class _Trace:
-    __slots__ = ("_context", "_ended", "_span", "_tracer")
+    __slots__ = ("_context", "_ended", "_span", "_token", "_tracer", "_unsampled")
+    active = True
 
     def __init__(self, tracer: otel_trace.Tracer, span: otel_trace.Span) -> None:
         self._tracer = tracer
         self._span = span
         self._context = otel_trace.set_span_in_context(span)
         self._ended = False
+        self._token: Token[otel_context.Context] | None = None
+        # A request the sampler dropped: its legs would be dropped too (every standard sampler
+        # decides children like their trace), so they share the request's non-recording span,
+        # whose context still tells the engines "not sampled".
+        self._unsampled = None if span.is_recording() else _Span(span)
 
     def span(
         self,
@@ -241,6 +278,8 @@ class _Trace:
         client: bool = False,
         attributes: Mapping[str, AttributeValue] | None = None,
     ) -> LegSpan:
+        if self._unsampled is not None:
+            return self._unsampled
         kind = SpanKind.CLIENT if client else SpanKind.INTERNAL
         return _Span(
             self._tracer.start_span(name, self._context, kind=kind, attributes=attributes)
@@ -249,19 +288,33 @@ class _Trace:
     def set(self, key: str, value: AttributeValue) -> None:
         self._span.set_attribute(key, value)
 
+    def attach(self) -> None:
+        if self._token is None:
+            self._token = otel_context.attach(self._context)
+
+    def detach(self) -> None:
+        token, self._token = self._token, None
+        if token is not None:
+            otel_context.detach(token)
+
     @contextlib.contextmanager
     def current(self) -> Iterator[None]:
-        token = otel_context.attach(self._context)
+        self.attach()
         try:
             yield
         finally:
-            otel_context.detach(token)
+            self.detach()
 
-    def end(self, outcome: str, error: BaseException | None = None) -> None:
+    def end(
+        self, outcome: str, error: BaseException | None = None, request_id: str | None = None
+    ) -> None:
+        self.detach()
         if self._ended:
             return
         self._ended = True
         self._span.set_attribute(OUTCOME, outcome)
+        if request_id is not None:
+            self._span.set_attribute(REQUEST_ID, request_id)
         if error is not None:
             _mark_failed(self._span, error)
         self._span.end()

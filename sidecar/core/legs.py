@@ -6,7 +6,8 @@
 Errors map to the taxonomy: unreachable -> PrefillFailed/EngineNotReady, 4xx ->
 EngineRejected, 5xx or garbage -> PrefillFailed/DecodeFailed, deadlines -> DeadlineExceeded.
 Engine error bodies are read (to free the connection) but never relayed: they may quote the
-prompt.
+prompt. Each call names the engine's HTTP status on its leg span (``sidecar.tracing``; a no-op
+when tracing is off).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from sidecar.errors import (
     Stage,
 )
 from sidecar.http1 import EngineClient, UpstreamConnectError, UpstreamError, UpstreamResponse
+from sidecar.tracing import HTTP_STATUS, NOOP_SPAN, LegSpan
 
 _MAX_ERROR_BODY = 64 * 1024
 
@@ -69,6 +71,7 @@ async def post_prefill(
     timeout_s: float,
     max_bytes: int,
     server_hostname: str | None = None,
+    span: LegSpan = NOOP_SPAN,
 ) -> dict[str, Any]:
     """POST the prefill body and return its JSON object answer (``server_hostname``: the
     name an https target's certificate must carry when ``url`` names its address)."""
@@ -78,6 +81,8 @@ async def post_prefill(
             "POST", url, headers=_json_headers(headers), body=payload, timeout_s=timeout_s,
             server_hostname=server_hostname,
         )
+        if span.recording:
+            span.set(HTTP_STATUS, response.status)
         try:
             if response.status != 200:
                 await _drain_error_body(response)
@@ -110,6 +115,7 @@ async def open_decode(
     url: str,
     body: Mapping[str, Any] | bytes,
     headers: Mapping[str, str],
+    span: LegSpan = NOOP_SPAN,
 ) -> UpstreamResponse:
     """POST the decode body; return the response once its head arrived (status 200)."""
     payload = body if isinstance(body, bytes) else jsonutil.dumps(body)
@@ -125,6 +131,8 @@ async def open_decode(
         raise DecodeFailed(
             f"decode engine broke the connection: {type(exc).__name__}", stage=Stage.DECODE
         ) from None
+    if span.recording:
+        span.set(HTTP_STATUS, response.status)
     if response.status != 200:
         try:
             await _drain_error_body(response)

@@ -19,6 +19,11 @@
                                        concurrent: prefill ║ open decode (prefill watched)
 
 Only this package talks to engines; the front doors translate their wire into these calls.
+Tracing: every engine call runs in a leg span of the request's trace (``PrefillLeg.trace``,
+``PDRequest.trace``: the request scope's), and that span, not the client's, is the
+``traceparent`` the engine receives; the hand-off gets its own span. An untraced request
+(``NOOP_TRACE``, tracing off) takes exactly the calls it took before tracing existed: the
+``_post_prefill`` / ``_open_decode`` / ``_handoff`` switches hand back the plain call.
 ``start()`` returns once the decode response head has arrived; the front door relays its
 chunks and must call ``aclose()``. Cancellation (a client gone) propagates: every upstream
 call is closed on the way out.
@@ -36,9 +41,12 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterable, Callable, Mapping
+from collections.abc import AsyncIterable, Callable, Coroutine, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
+from urllib.parse import urlsplit
+
+from opentelemetry.util.types import AttributeValue
 
 from sidecar import jsonutil
 from sidecar.core.engine_ids import EngineIdCache
@@ -62,6 +70,16 @@ from sidecar.http1 import EngineClient, UpstreamConnectError, UpstreamError, Ups
 from sidecar.ids import IdSources
 from sidecar.protocol.context import HandoffContext, PrefillTarget, Route
 from sidecar.settings import PrefillFailurePolicy, Settings
+from sidecar.tracing import (
+    DECODE_FIRST_BYTE_SPAN,
+    HANDOFF_SPAN,
+    NOOP_TRACE,
+    PREFILL_SPAN,
+    PREFILL_TARGET,
+    SERVER_ADDRESS,
+    SERVER_PORT,
+    RequestTrace,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +90,7 @@ _MAX_REMEMBERED_URLS = 4096
 _JSON_HEADERS = {"Content-Type": "application/json"}
 #: An abort call's answer is a short acknowledgement; it is read only to keep the connection.
 _MAX_ABORT_ANSWER = 64 * 1024
+_DEFAULT_PORTS = {"http": 80, "https": 443}
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,11 +106,13 @@ class PDRequest:
     #: Every target the request may use (``target`` among them): a prefill whose connect is
     #: refused moves once to another of these.
     candidates: tuple[PrefillTarget, ...] = ()
+    trace: RequestTrace = NOOP_TRACE
 
 
 @dataclass(frozen=True, slots=True)
 class PrefillLeg:
-    """One prefill engine call: where, what, with which headers, within which deadline."""
+    """One prefill engine call: where, what, with which headers, within which deadline, and
+    in which request's trace."""
 
     url: str
     body: Mapping[str, Any]
@@ -101,6 +122,7 @@ class PrefillLeg:
     server_hostname: str | None = None
     #: The prefill target this leg goes to, when it is a remote one (counted per target).
     target: PrefillTarget | None = None
+    trace: RequestTrace = NOOP_TRACE
 
 
 @dataclass(slots=True)
@@ -242,9 +264,19 @@ class Orchestrator:
     def prefill_body(self, client_body: Mapping[str, Any], ctx: HandoffContext) -> dict[str, Any]:
         return self.handler.prefill_body(client_body, ctx)
 
-    def concurrent_handoff(self, ctx: HandoffContext) -> dict[str, Any]:
+    def concurrent_handoff(
+        self, ctx: HandoffContext, trace: RequestTrace = NOOP_TRACE
+    ) -> dict[str, Any]:
         """The hand-off of a concurrent flow, known before the prefill answers."""
-        return self.handler.handoff(None, ctx)
+        return self._handoff(None, ctx, trace)
+
+    def _handoff(
+        self, response: dict[str, Any] | None, ctx: HandoffContext, trace: RequestTrace
+    ) -> dict[str, Any]:
+        if not trace.active:
+            return self.handler.handoff(response, ctx)
+        with trace.span(HANDOFF_SPAN):
+            return self.handler.handoff(response, ctx)
 
     def decode_body(
         self, client_body: Mapping[str, Any], fields: Mapping[str, Any]
@@ -266,11 +298,7 @@ class Orchestrator:
         A leg to a remote target counts as in flight there while it runs; a refused connect
         cools the target down (``TargetChoice``).
         """
-        post = post_prefill(
-            self.session, leg.url, leg.body, leg.headers,
-            timeout_s=leg.timeout_s, max_bytes=self.settings.max_prefill_response_bytes,
-            server_hostname=leg.server_hostname,
-        )
+        post = self._post_prefill(leg)
         if leg.target is None:
             return await post
         target = leg.target
@@ -291,6 +319,25 @@ class Orchestrator:
         finally:
             if self._on_prefill_leg is not None and outcome is not None:
                 self._on_prefill_leg(self.choice.label(target), outcome)
+
+    def _post_prefill(self, leg: PrefillLeg) -> Coroutine[Any, Any, dict[str, Any]]:
+        """The leg's POST: ``post_prefill`` itself when untraced (no extra coroutine layer:
+        every layer is crossed again on each resumption of the leg), else inside its span."""
+        if not leg.trace.active:
+            return post_prefill(
+                self.session, leg.url, leg.body, leg.headers,
+                timeout_s=leg.timeout_s, max_bytes=self.settings.max_prefill_response_bytes,
+                server_hostname=leg.server_hostname,
+            )
+        return self._traced_post_prefill(leg)
+
+    async def _traced_post_prefill(self, leg: PrefillLeg) -> dict[str, Any]:
+        with leg.trace.span(PREFILL_SPAN, client=True, attributes=_target(leg.url)) as span:
+            return await post_prefill(
+                self.session, leg.url, leg.body, span.headers(leg.headers),
+                timeout_s=leg.timeout_s, max_bytes=self.settings.max_prefill_response_bytes,
+                server_hostname=leg.server_hostname, span=span,
+            )
 
     async def post_local(
         self, path: str, body: Mapping[str, Any], headers: Mapping[str, str], *, max_bytes: int
@@ -316,7 +363,7 @@ class Orchestrator:
         if self.handler.answered_by_prefill(response):
             return Handoff(fields={}, answer=self.handler.prefill_answer(response), timings=timings)
         handoff_started = time.perf_counter()
-        fields = self.handler.handoff(response, ctx)
+        fields = self._handoff(response, ctx, leg.trace)
         timings.handoff = time.perf_counter() - handoff_started
         return Handoff(fields=fields, timings=timings)
 
@@ -364,10 +411,39 @@ class Orchestrator:
             release_admission()
 
     async def open_decode(
-        self, route: Route, body: Mapping[str, Any] | bytes, headers: Mapping[str, str]
+        self,
+        route: Route,
+        body: Mapping[str, Any] | bytes,
+        headers: Mapping[str, str],
+        trace: RequestTrace = NOOP_TRACE,
     ) -> UpstreamResponse:
         """POST the decode body to the local engine; the response once its head arrived."""
-        return await open_decode(self.session, self.engine_url(route), body, headers)
+        return await self._open_decode(route, body, headers, trace)
+
+    def _open_decode(
+        self,
+        route: Route,
+        body: Mapping[str, Any] | bytes,
+        headers: Mapping[str, str],
+        trace: RequestTrace,
+    ) -> Coroutine[Any, Any, UpstreamResponse]:
+        """The decode POST: ``open_decode`` itself when untraced, else inside its span (which
+        ends when the head arrives: the relay's span follows it)."""
+        if not trace.active:
+            return open_decode(self.session, self.engine_url(route), body, headers)
+        return self._traced_open_decode(route, body, headers, trace)
+
+    async def _traced_open_decode(
+        self,
+        route: Route,
+        body: Mapping[str, Any] | bytes,
+        headers: Mapping[str, str],
+        trace: RequestTrace,
+    ) -> UpstreamResponse:
+        with trace.span(DECODE_FIRST_BYTE_SPAN, client=True) as span:
+            return await open_decode(
+                self.session, self.engine_url(route), body, span.headers(headers), span
+            )
 
     async def passthrough(
         self,
@@ -452,6 +528,7 @@ class Orchestrator:
             timeout_s=self.settings.prefill_timeout_s,
             server_hostname=request.target.tls_name,
             target=request.target,
+            trace=request.trace,
         )
 
     async def _start_sequential(
@@ -475,8 +552,8 @@ class Orchestrator:
                 self._on_fallback(fallback_reason)
             decode_body = dict(request.body)
         decode_started = time.perf_counter()
-        decode = await open_decode(
-            self.session, self.engine_url(request.route), decode_body, request.headers
+        decode = await self._open_decode(
+            request.route, decode_body, request.headers, request.trace
         )
         timings.decode_first_byte = time.perf_counter() - decode_started
         return PDExchange(ctx=ctx, decode=decode, fallback_reason=fallback_reason, timings=timings)
@@ -484,12 +561,13 @@ class Orchestrator:
     async def _start_concurrent(self, request: PDRequest, ctx: HandoffContext) -> PDExchange:
         timings = Timings()
         leg = self._leg(request, ctx)
-        decode_body = self.decode_body(request.body, self.concurrent_handoff(ctx))
+        decode_body = self.decode_body(
+            request.body, self.concurrent_handoff(ctx, request.trace)
+        )
         started = time.perf_counter()
         prefill_task = asyncio.ensure_future(self.post_plain(leg))
         decode_task = asyncio.ensure_future(
-            open_decode(self.session, self.engine_url(request.route), decode_body,
-                        request.headers)
+            self._open_decode(request.route, decode_body, request.headers, request.trace)
         )
         try:
             while not decode_task.done():
@@ -512,3 +590,15 @@ class Orchestrator:
         exchange = PDExchange(ctx=ctx, decode=decode, timings=timings, prefill_task=prefill_task)
         exchange.watch_prefill()
         return exchange
+
+
+def _target(url: str) -> dict[str, AttributeValue]:
+    """The prefill engine's address as leg span attributes (the URL's host and port)."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    port = parts.port or _DEFAULT_PORTS.get(parts.scheme, 80)
+    return {
+        SERVER_ADDRESS: host,
+        SERVER_PORT: port,
+        PREFILL_TARGET: f"[{host}]:{port}" if ":" in host else f"{host}:{port}",
+    }

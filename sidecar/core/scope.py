@@ -1,11 +1,15 @@
 """The bookkeeping of one request, the same for both front doors.
 
-    scope = scopes.open(route, request_id)       route: an HTTP path or a gRPC method name
+    scope = scopes.open(route, request_id, carrier)   route: an HTTP path or a gRPC method name;
+                               carrier: the client's headers or metadata (W3C trace context)
     scope.admit()              Overloaded / Draining raise here (503 / RESOURCE_EXHAUSTED...)
     scope.observe_timings(t)   stage latencies the core measured (prefill, handoff, decode...)
     scope.outcome = "ok"       or scope.failed(error) / scope.cancelled() / scope.broken(error)
     scope.close()              counted once: requests{outcome}, stage "total", in-flight gauge,
-                               admission left (once a detached background task ended too)
+                               admission left (once a detached background task ended too);
+                               the request span ended with the outcome
+    scope.trace                the request's spans (``sidecar.tracing``; a no-op when off): the
+                               core opens leg spans under it and injects it into engine calls
 
 Every metric carries the front door (``http`` | ``grpc``); the ``route`` label is a closed set
 (the two OpenAI paths, the two gRPC methods). A request refused at admission is counted with
@@ -13,6 +17,9 @@ outcome ``refused``; a stream that broke after its first byte with ``broken_stre
 client that went away with ``cancelled`` (and ``client_cancelled`` in the errors). A
 background engine call that outlives the request (a gRPC Prefill whose SGLang/Mooncake prefill
 runs on) shares the admission slot (``detach``), so draining waits for it too.
+
+While a scope is open its request span is the current span of the task that opened it, so
+JSON log lines written for the request carry its ``trace_id`` and ``span_id``.
 
 Deliberate limits: the scope does not log; the front door says what went wrong in its words.
 """
@@ -29,6 +36,7 @@ from prometheus_client import Counter, Histogram
 from sidecar.admission import Admission
 from sidecar.errors import ClientCancelled, SidecarError
 from sidecar.metrics import Metrics
+from sidecar.tracing import NO_TRACING, NOOP_TRACE, Carrier, NoTracing, RequestTrace, Tracing
 
 #: Outcomes a request is counted with (``disagg_requests_total{outcome}``).
 OK: Final = "ok"
@@ -62,20 +70,31 @@ class Scopes:
         front_door: str,
         engine: str,
         connector: str,
+        tracing: Tracing | NoTracing = NO_TRACING,
     ) -> None:
         self.metrics = metrics
         self.admission = admission
         self.front_door = front_door
         self.engine = engine
         self.connector = connector
+        self.tracing = tracing
         # Labelled children used by every request, looked up once (the hot path's share).
         self.inflight = metrics.labelled(metrics.inflight, front_door)
         self.relayed_bytes = metrics.labelled(metrics.relayed_bytes, front_door)
         self._stages: dict[str, Histogram] = {}
         self._requests: dict[tuple[str, str], Counter] = {}
 
-    def open(self, route: str, request_id: str = "-") -> RequestScope:
-        return RequestScope(self, route, request_id)
+    def open(
+        self, route: str, request_id: str = "-", carrier: Carrier | None = None
+    ) -> RequestScope:
+        """A request's scope; ``carrier`` (client headers or gRPC metadata) may hold the
+        client's trace context, which the request span continues."""
+        tracing = self.tracing
+        trace = tracing.request(
+            front_door=self.front_door, route=route, engine=self.engine,
+            connector=self.connector, request_id=request_id, carrier=carrier,
+        ) if tracing.enabled else NOOP_TRACE
+        return RequestScope(self, route, request_id, trace)
 
     def count_error(self, error: SidecarError) -> None:
         """Count an error that no request scope owns (a background prefill's failure)."""
@@ -102,19 +121,25 @@ class Scopes:
 class RequestScope:
     """Admission, in-flight gauge, outcome, errors and stage timings of one request."""
 
-    __slots__ = ("_admitted", "_holders", "_scopes", "_started", "outcome", "request_id",
-                 "route")
+    __slots__ = ("_admitted", "_error", "_holders", "_scopes", "_started", "outcome",
+                 "request_id", "route", "trace")
 
-    def __init__(self, scopes: Scopes, route: str, request_id: str) -> None:
+    def __init__(
+        self, scopes: Scopes, route: str, request_id: str, trace: RequestTrace
+    ) -> None:
         self._scopes = scopes
         self.route = route
         #: Named in log lines; a front door may update it once it knows better.
         self.request_id = request_id
         self.outcome = ERROR
+        self.trace = trace
+        self._error: SidecarError | None = None
         self._started = time.perf_counter()
         self._admitted = False
         # Who holds the admission slot: the request itself, plus a detached background task.
         self._holders = 0
+        if trace.active:
+            trace.attach()
 
     @property
     def front_door(self) -> str:
@@ -152,17 +177,20 @@ class RequestScope:
         """Count ``error``; a request refused at admission keeps its outcome ``refused``."""
         if self.outcome != REFUSED:
             self.outcome = ERROR
+        self._error = error
         self._scopes.count_error(error)
 
     def broken(self, error: SidecarError) -> None:
         """A stream that failed after its first byte: counted as ``broken_stream``."""
         self.outcome = BROKEN_STREAM
+        self._error = error
         self._scopes.count_error(error)
 
     def cancelled(self) -> None:
         """The client went away before the request ended."""
         self.outcome = CANCELLED
-        self._scopes.count_error(ClientCancelled("client went away"))
+        self._error = ClientCancelled("client went away")
+        self._scopes.count_error(self._error)
 
     def detach(self) -> Callable[[], None]:
         """Share the admission slot with a background task; call the result once it ends.
@@ -195,3 +223,5 @@ class RequestScope:
             self._admitted = False
             scopes.inflight.dec()
             self._drop_holder()
+        if self.trace.active:
+            self.trace.end(self.outcome, self._error, self.request_id)

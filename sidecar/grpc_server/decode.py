@@ -8,6 +8,9 @@ per generated token.
       ─core.open_decode─▶ POST /v1/completions (stream) ─TokenStreamParser─▶
       TokenStream{request_id, token_id} ... {done, finish_reason}
 
+Tracing: the call's metadata is the trace carrier; the hand-off read, the decode's first byte
+and the relay (its token count) are spans of the request (``sidecar.tracing``).
+
 The engine's stream is parsed as it arrives; nothing is buffered beyond one event. What a
 strategy sets up for the request (inline: the staged KV) lives in the request's exit stack
 and ends with the RPC, whether it finished, failed or was cancelled.
@@ -46,6 +49,7 @@ from sidecar.http1 import UpstreamError, UpstreamResponse
 from sidecar.kv_wire.inline import Entry
 from sidecar.protocol.context import Route
 from sidecar.protocol.request_id import REQUEST_ID_HEADER
+from sidecar.tracing import HANDOFF_SPAN, NOOP_SPAN, RELAY_SPAN, RELAYED_TOKENS
 
 SERVICE: Final = disagg_pb2.DESCRIPTOR.services_by_name["DecodeWorker"].full_name
 METHOD: Final = f"/{SERVICE}/Decode"
@@ -114,24 +118,42 @@ class DecodeService:
     ) -> AsyncIterator[disagg_pb2.TokenStream]:
         decode_input = self.strategy.read(request)
         del request  # inline: the wire bytes live on only through the walked blocks
-        scope = self._scopes.open(METHOD, decode_input.request.request_id or "-")
+        scope = self._scopes.open(METHOD, decode_input.request.request_id or "-",
+                                  context.invocation_metadata())
+        trace = scope.trace
         async with contextlib.AsyncExitStack() as exits, serving(scope, context):
             scope.admit()
-            body, request_id = await self.strategy.decode_body(decode_input, exits)
+            if trace.active:
+                with trace.span(HANDOFF_SPAN):
+                    body, request_id = await self.strategy.decode_body(decode_input, exits)
+            else:  # untraced: not even a no-op span's calls
+                body, request_id = await self.strategy.decode_body(decode_input, exits)
             del decode_input  # the KV is staged: hold no second reference to the request
             scope.request_id = request_id
             started = time.perf_counter()
             response = await self._core.open_decode(
-                Route.COMPLETIONS, body, {REQUEST_ID_HEADER: request_id, **_DECODE_HEADERS}
+                Route.COMPLETIONS, body, {REQUEST_ID_HEADER: request_id, **_DECODE_HEADERS},
+                trace,
             )
             scope.observe("decode_first_byte", time.perf_counter() - started)
+            tokens = 0
+            relay = trace.span(RELAY_SPAN) if trace.active else NOOP_SPAN
             try:
                 async for message in self._relay(response, request_id, scope.relayed_bytes):
                     if message.done:
                         # Counted before the last yield: the client may hang up once it has it.
                         scope.outcome = OK
+                    else:
+                        tokens += 1
                     yield message
+            except BaseException as exc:
+                if scope.outcome != OK:  # a router may hang up once it has ``done``
+                    relay.fail(exc)
+                raise
             finally:
+                if trace.active:
+                    relay.set(RELAYED_TOKENS, tokens)
+                    relay.end()
                 if scope.outcome == OK:
                     response.release()
                 else:

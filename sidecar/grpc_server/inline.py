@@ -135,6 +135,7 @@ class InlinePrefill:
             },
             headers={REQUEST_ID_HEADER: request_id},
             timeout_s=self._core.prefill_timeout(time_remaining),
+            trace=scope.trace,
         )
         self.active_keys.add(key)
         try:

@@ -115,9 +115,10 @@ class NativePrefill:
                 body=core.prefill_body(client_body, ctx),
                 headers={REQUEST_ID_HEADER: request_id},
                 timeout_s=core.prefill_timeout(time_remaining),
+                trace=scope.trace,
             )
             if core.concurrent:
-                fields = core.concurrent_handoff(ctx)
+                fields = core.concurrent_handoff(ctx, scope.trace)
                 # The engine call outlives this RPC: it gets its own deadline, not the caller's.
                 background = dataclasses.replace(leg, timeout_s=core.prefill_timeout())
                 core.background_prefill(background, ctx, self._scopes, scope.detach())

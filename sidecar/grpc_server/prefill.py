@@ -103,7 +103,8 @@ class PrefillService:
         )
 
     async def Prefill(self, request: disagg_pb2.PreFillRequest, context: Context) -> None:
-        scope = self._scopes.open(METHOD, request.request_id or "-")
+        scope = self._scopes.open(METHOD, request.request_id or "-",
+                                  context.invocation_metadata())
         kv_out = self._kv_out
 
         async def send(message: StreamMessage, nbytes: int) -> None:

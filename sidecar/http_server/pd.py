@@ -11,7 +11,8 @@
 
 The relay writes the decode engine's bytes as they arrive (no re-encoding). A failure after
 the first byte ends the stream with one error event and an unterminated body: no second
-status, no fabricated ``[DONE]``.
+status, no fabricated ``[DONE]``. The client's headers are the trace carrier: the request span
+continues a client's ``traceparent``; the relay runs in its own span, which counts the bytes.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from sidecar.protocol.request import parse_client_body
 from sidecar.protocol.request_id import REQUEST_ID_HEADER, request_id_or_new
 from sidecar.protocol.sse import answer_as_sse
 from sidecar.runtime import Runtime
+from sidecar.tracing import NOOP_SPAN, RELAY_SPAN, RELAYED_BYTES, LegSpan
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +107,7 @@ async def handle_pd(request: web.Request, route: Route) -> web.StreamResponse:
     """Serve one OpenAI request, as a PD pair when it names a prefill target."""
     runtime = request.app[RUNTIME]
     request_id = request_id_of(request)
-    scope = runtime.http_scopes.open(route.value, request_id)
+    scope = runtime.http_scopes.open(route.value, request_id, request.headers)
     try:
         scope.admit()
         selector = runtime.selector
@@ -126,6 +128,7 @@ async def handle_pd(request: web.Request, route: Route) -> web.StreamResponse:
             request_id=request_id,
             headers=headers,
             candidates=candidates,
+            trace=scope.trace,
         )
         if client.sub_requests > 1:
             return await relay_fanout(request, runtime, scope, client, pd_request)
@@ -138,7 +141,13 @@ async def handle_pd(request: web.Request, route: Route) -> web.StreamResponse:
                          else FALLBACK if exchange.fallback_reason else OK)
         try:
             scope.observe_timings(exchange.timings)
-            return await _relay(request, runtime, scope, exchange, client.stream, route)
+            if scope.trace.active:
+                with scope.trace.span(RELAY_SPAN) as relay_span:
+                    return await _relay(request, runtime, scope, exchange, client.stream, route,
+                                        relay_span)
+            # Untraced: not even a no-op span's calls.
+            return await _relay(request, runtime, scope, exchange, client.stream, route,
+                                NOOP_SPAN)
         finally:
             await exchange.aclose()
     except SidecarError as error:
@@ -160,6 +169,7 @@ async def _relay(
     exchange: PDExchange,
     stream: bool,
     route: Route,
+    span: LegSpan,
 ) -> web.StreamResponse:
     request_id = scope.request_id
     relayed = scope.relayed_bytes
@@ -172,6 +182,8 @@ async def _relay(
             body = jsonutil.dumps(answer)
             content_type = "application/json"
         relayed.inc(len(body))
+        if span.recording:
+            span.set(RELAYED_BYTES, len(body))
         return web.Response(body=body, content_type=content_type,
                             headers={REQUEST_ID_HEADER: request_id})
     headers = {name: value for name in _RELAYED_HEADERS
@@ -186,6 +198,8 @@ async def _relay(
             raise DecodeFailed("decode engine answered malformed JSON",
                                stage=Stage.DECODE) from None
         relayed.inc(len(body))
+        if span.recording:
+            span.set(RELAYED_BYTES, len(body))
         return web.Response(body=body, headers=headers)
     response = _SSEResponse(status=200, headers=headers)
     await response.prepare(request)
@@ -210,6 +224,8 @@ async def _relay(
                                stage=Stage.DECODE)
     except SidecarError as error:
         relayed.inc(total)
+        span.set(RELAYED_BYTES, total)
+        span.fail(error)
         scope.broken(error)
         logger.warning("request %s: stream broke after %d bytes: %s", request_id, total, error.code)
         # A break mid-event would glue the error event onto the cut one: end that first.
@@ -219,11 +235,15 @@ async def _relay(
             request.transport.close()
         return response
     relayed.inc(total)
+    if span.recording:
+        span.set(RELAYED_BYTES, total)
     if engine_error:
         # Relayed as the engine wrote it (its error event, then its [DONE]); counted as what
         # it is: a decode that failed after its head.
-        scope.failed(DecodeFailed("decode engine reported an error in its stream",
-                                  stage=Stage.DECODE))
+        reported = DecodeFailed("decode engine reported an error in its stream",
+                                stage=Stage.DECODE)
+        span.fail(reported)
+        scope.failed(reported)
         logger.warning("request %s: the decode engine's stream carried an error event", request_id)
     await response.write_eof()
     return response

@@ -6,17 +6,26 @@ under the request span, with the attributes the issue names and no prompt text a
 prefill and decode stub engines both received a ``traceparent`` of that trace, whose parent is
 the sidecar's leg span for that engine; a client's ``traceparent`` is continued (same trace
 id, the request span under the client's span) and not forwarded as-is; a failed prefill marks
-the spans with its error code; over gRPC, a router's ``traceparent`` metadata on Prefill and
+the spans with its error code, and the sidecar's JSON log line about it carries the request's
+trace and span ids; over gRPC, a router's ``traceparent`` metadata on Prefill and
 on Decode puts both RPCs and both engines' requests in the router's trace; without the
-setting nothing is exported, no exporter thread runs, and engines see exactly the headers
-they saw before (none added, a client's own passed through untouched).
+setting nothing is exported, no exporter thread runs, engines see exactly the headers they
+saw before (none added, a client's own passed through untouched), and a request through
+either front door makes not one call into the tracing code (a profile hook counts them).
 
 Does not prove: that a real engine continues the trace (tests/real_vllm/test_otlp_traces.py).
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import json
+import logging
+import os
+import sys
 import threading
+import types
 from collections.abc import Iterator
 
 import pytest
@@ -24,6 +33,8 @@ from openai_bodies import client_body
 from otlp_receiver import OtlpReceiver, ReceivedSpan, otlp_grpc_receiver
 from trace_builders import traced_pd
 
+import sidecar.tracing
+from sidecar.logging_setup import configure_logging
 from sidecar.protocol.context import Route
 from sidecar.stubs.recorder import RecordedRequest
 from sidecar.tracing import (
@@ -139,13 +150,36 @@ async def test_client_traceparent_is_continued_into_both_legs(receiver: OtlpRece
     assert header(prefill_seen, "tracestate") == header(decode_seen, "tracestate") == "router=7"
 
 
-async def test_failed_prefill_marks_the_spans_with_its_code(receiver: OtlpReceiver) -> None:
-    async with traced_pd("vllm", otlp_endpoint=receiver.endpoint) as pd:
-        pd.prefill_stub.faults.add("status", path="/v1/completions", times=1, status=500)
-        status, _ = await pd.http()
-        assert status == 502
+@contextlib.contextmanager
+def json_logging() -> Iterator[None]:
+    """The sidecar's JSON log lines on stderr; call it in the test body, where ``capsys``
+    captures (pytest closes a fixture's capture between setup and the call)."""
+    root = logging.getLogger()
+    saved_handlers, saved_level = root.handlers[:], root.level
+    configure_logging("warning", "json")
+    try:
+        yield
+    finally:
+        root.handlers[:] = saved_handlers
+        root.setLevel(saved_level)
+
+
+async def test_failed_prefill_marks_the_spans_with_its_code(
+    receiver: OtlpReceiver, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with json_logging():
+        async with traced_pd("vllm", otlp_endpoint=receiver.endpoint) as pd:
+            pd.prefill_stub.faults.add("status", path="/v1/completions", times=1, status=500)
+            status, _ = await pd.http(headers={"X-Request-Id": "failing-1"})
+            assert status == 502
     spans = receiver.wait_for(lambda spans: len(requests_of(spans)) == 1)
-    named = tree(spans, requests_of(spans)[0].trace_id)
+    request = requests_of(spans)[0]
+    named = tree(spans, request.trace_id)
+    # The sidecar's log line about this request names its trace and request span.
+    lines = [json.loads(line) for line in capsys.readouterr().err.splitlines()
+             if line.startswith("{")]
+    failure = next(line for line in lines if "failing-1" in line["msg"])
+    assert (failure["trace_id"], failure["span_id"]) == (request.trace_id, request.span_id)
     assert DECODE_FIRST_BYTE_SPAN not in named
     for name in (REQUEST_SPAN, PREFILL_SPAN):
         assert named[name].status_code == ERROR, name
@@ -198,6 +232,44 @@ async def test_grpc_router_context_joins_both_rpcs_and_engines(receiver: OtlpRec
     assert relay.attributes["disagg.relay.tokens"] == len([m for m in messages if not m.done])
     assert traceparent_of(prefill_seen) == (CLIENT_TRACE, prefill_leg.span_id)
     assert traceparent_of(decode_seen) == (CLIENT_TRACE, decode_leg.span_id)
+
+
+@contextlib.contextmanager
+def tracing_calls() -> Iterator[collections.Counter[str]]:
+    """Counts calls into ``sidecar/tracing.py`` and the opentelemetry packages made on this
+    thread (the sidecars, stubs and clients of these tests all run on the test's loop)."""
+    calls: collections.Counter[str] = collections.Counter()
+    tracing_file = sidecar.tracing.__file__
+
+    def profile(frame: types.FrameType, event: str, arg: object) -> None:
+        if event == "call":
+            filename = frame.f_code.co_filename
+            if filename == tracing_file or f"{os.sep}opentelemetry{os.sep}" in filename:
+                calls[f"{frame.f_code.co_name} ({filename.rsplit(os.sep, 1)[-1]})"] += 1
+
+    sys.setprofile(profile)
+    try:
+        yield calls
+    finally:
+        sys.setprofile(None)
+
+
+async def test_off_is_free_per_request() -> None:
+    """Off: a request, through either front door, makes not one call into the tracing code."""
+    async with traced_pd("sglang") as pd:
+        with tracing_calls() as calls:
+            status, _ = await pd.http(body=client_body(stream=True))
+            assert status == 200
+            status, _ = await pd.http(headers={"traceparent": CLIENT_TRACEPARENT})
+            assert status == 200
+            blocks = await pd.grpc_prefill((("traceparent", CLIENT_TRACEPARENT),))
+            messages = await pd.grpc_decode(blocks)
+            assert messages[-1].done
+    assert calls == {}
+    # The counter sees calls when they happen (guards the assertion above).
+    with tracing_calls() as calls:
+        sidecar.tracing.NOOP_TRACE.span(sidecar.tracing.RELAY_SPAN)
+    assert sum(calls.values()) == 1
 
 
 async def test_grpc_off_adds_no_metadata_driven_header() -> None:

@@ -69,7 +69,7 @@ class TracedPD:
     ) -> list[disagg_pb2.TokenStream]:
         address = f"127.0.0.1:{self.decode.grpc_port}"
         request = disagg_pb2.DecodeRequest(request_id="g-1", token_ids=PROMPT_IDS,
-                                           max_new_tokens=4, blocks=blocks)
+                                           max_new_tokens=4, kv_blocks=blocks)
         async with grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS) as channel:
             stub = disagg_pb2_grpc.DecodeWorkerStub(channel)
             return [m async for m in stub.Decode(request, metadata=tuple(metadata))]
