@@ -14,13 +14,6 @@ same way whatever the hand-off; tests/tracing proves that for every engine with 
 from __future__ import annotations
 
 import contextlib
-import json
-import os
-import signal
-import subprocess
-import sys
-import threading
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,12 +22,13 @@ from tracing.otlp_receiver import OtlpReceiver, ReceivedSpan, otlp_grpc_receiver
 
 from real_vllm.client import block_prompt, completion_body
 from real_vllm.harness import EngineEnv, EngineGroup, EngineSpec, example_config
+from real_vllm.sidecar_process import sidecar_process, through
 from sidecar.tracing import DECODE_FIRST_BYTE_SPAN, PREFILL_SPAN, REQUEST_SPAN
 
 VLLM_SPAN = "llm_request"
 PREFILL_SERVICE = "vllm-prefill"
 DECODE_SERVICE = "vllm-decode"
-# Export every 100 ms instead of the SDK's 5 s, in the engines and in the sidecar.
+# The engines export every 100 ms instead of the SDK's 5 s (the sidecar flushes as it stops).
 FAST_EXPORT = {"OTEL_BSP_SCHEDULE_DELAY": "100"}
 SPANS_DEADLINE_S = 120.0
 
@@ -66,38 +60,6 @@ def traced_engines(
         yield engines["otlp-prefill"].url, engines["otlp-decode"].url
 
 
-@contextlib.contextmanager
-def _sidecar(tmp: Path, decode_url: str, otlp_endpoint: str) -> Iterator[str]:
-    """The sidecar as its own process; leaving the block stops it (which flushes its spans)."""
-    ports_file = tmp / "ports.json"
-    process = subprocess.Popen(
-        [sys.executable, "-m", "sidecar", "serve", "--host", "127.0.0.1", "--port", "0",
-         "--no-grpc", "--ports-file", str(ports_file), "--prefill-allowlist", "127.0.0.1:*",
-         "--engine", "example-connector", "--engine-url", decode_url,
-         "--otlp-endpoint", otlp_endpoint],
-        stderr=subprocess.PIPE, text=True,
-        env={**{k: v for k, v in os.environ.items() if not k.startswith("OTEL_")},
-             **FAST_EXPORT},
-    )
-    assert process.stderr is not None
-    try:
-        # The sidecar logs "listening:" after writing the ports file; stderr ends if it dies.
-        for line in process.stderr:
-            if "listening:" in line:
-                break
-        else:
-            raise AssertionError(f"sidecar exited with {process.wait()} before listening")
-        threading.Thread(target=process.stderr.read, daemon=True).start()
-        yield f"http://127.0.0.1:{json.loads(ports_file.read_text())['http']}"
-    finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
 def _service(span: ReceivedSpan) -> str:
     return str(span.resource.get("service.name", ""))
 
@@ -108,14 +70,12 @@ def test_both_engines_export_spans_in_the_sidecars_trace(
     prefill_url, decode_url = traced_engines
     prefill_hostport = prefill_url.removeprefix("http://")
     body = completion_body(block_prompt("otlp-trace"), max_tokens=4)
-    with _sidecar(tmp_path, decode_url, receiver.endpoint) as sidecar_url:
-        request = urllib.request.Request(
-            sidecar_url + "/v1/completions", data=json.dumps(body).encode(), method="POST",
-            headers={"Content-Type": "application/json", "x-prefiller-host-port": prefill_hostport},
-        )
-        with urllib.request.urlopen(request, timeout=120) as response:
-            assert response.status == 200
-            assert json.loads(response.read())["choices"][0]["text"]
+    # Leaving the block stops the sidecar, which flushes its spans on the way out.
+    with contextlib.contextmanager(sidecar_process)(
+        tmp_path, "--engine", "example-connector", "--engine-url", decode_url,
+        "--otlp-endpoint", receiver.endpoint,
+    ) as sidecar:
+        assert through(sidecar, "/v1/completions", body, prefill_hostport)
 
     def complete(spans: list[ReceivedSpan]) -> bool:
         roots = [s for s in spans if s.name == REQUEST_SPAN]
@@ -128,8 +88,8 @@ def test_both_engines_export_spans_in_the_sidecars_trace(
     spans = receiver.wait_for(complete, SPANS_DEADLINE_S)
     root = next(s for s in spans if s.name == REQUEST_SPAN)
     trace = [s for s in spans if s.trace_id == root.trace_id]
-    sidecar = {s.name: s for s in trace if _service(s) == "disagg-sidecar"}
+    legs = {s.name: s for s in trace if s.name.startswith("disagg.")}
     engines = {_service(s): s for s in trace if s.name == VLLM_SPAN}
     assert root.parent_span_id == ""
-    assert engines[PREFILL_SERVICE].parent_span_id == sidecar[PREFILL_SPAN].span_id
-    assert engines[DECODE_SERVICE].parent_span_id == sidecar[DECODE_FIRST_BYTE_SPAN].span_id
+    assert engines[PREFILL_SERVICE].parent_span_id == legs[PREFILL_SPAN].span_id
+    assert engines[DECODE_SERVICE].parent_span_id == legs[DECODE_FIRST_BYTE_SPAN].span_id

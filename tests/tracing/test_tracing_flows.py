@@ -29,14 +29,14 @@ import types
 from collections.abc import Iterator
 
 import pytest
-from openai_bodies import client_body
+from openai_builders import client_body
 from otlp_receiver import OtlpReceiver, ReceivedSpan, otlp_grpc_receiver
 from trace_builders import traced_pd
 
 import sidecar.tracing
 from sidecar.logging_setup import configure_logging
 from sidecar.protocol.context import Route
-from sidecar.stubs.recorder import RecordedRequest
+from sidecar.tools.stubs.recorder import RecordedRequest
 from sidecar.tracing import (
     DECODE_FIRST_BYTE_SPAN,
     HANDOFF_SPAN,

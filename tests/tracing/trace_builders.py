@@ -7,7 +7,7 @@
         pd.prefill_stub.recorder / pd.decode_stub.recorder
 
 Both sidecars are the real ``serve.run_server`` (both front doors) from
-``sidecar_harness``; leaving the block stops them, which flushes their spans.
+``sidecar_builders``; leaving the block stops them, which flushes their spans.
 """
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ from typing import Any
 
 import aiohttp
 import grpc
-from openai_bodies import client_body
-from sidecar_harness import RunningSidecar, running_sidecar
+from openai_builders import client_body
+from sidecar_builders import RunningSidecar, running_sidecar
 
 from sidecar.grpc_gen import disagg_pb2, disagg_pb2_grpc
 from sidecar.protocol.context import Route
-from sidecar.stubs.config import StubConfig
-from sidecar.stubs.server import Stub, run_stub
+from sidecar.tools.stubs.config import StubConfig
+from sidecar.tools.stubs.server import Stub, run_stub
 
 PROMPT_IDS = [72, 101, 108, 108, 111, 44, 32, 100, 105, 115, 97, 103, 103]
 _CHANNEL_OPTIONS = [("grpc.enable_http_proxy", 0)]
