@@ -171,5 +171,7 @@ async def start_local(orchestrator: Orchestrator, request: PDRequest) -> PDExcha
     """The client's own body on the local engine: no prefill leg, no hand-off fields."""
     ctx = HandoffContext(route=request.route, request_id=request.request_id,
                          prefill=request.target, advertise_host=request.target.host)
-    decode = await orchestrator.open_decode(request.route, request.body, request.headers)
+    decode = await orchestrator.open_decode(
+        request.route, request.body, request.headers, request.trace
+    )
     return PDExchange(ctx=ctx, decode=decode, local=True)
