@@ -166,12 +166,13 @@ class RequestScope:
         return self._scopes.relayed_bytes
 
     def observe_timings(self, timings: Timings) -> None:
+        observe = self._scopes.observe
         if timings.prefill is not None:
-            self.observe("prefill", timings.prefill)
+            observe("prefill", timings.prefill)
         if timings.handoff is not None:
-            self.observe("handoff", timings.handoff)
+            observe("handoff", timings.handoff)
         if timings.decode_first_byte is not None:
-            self.observe("decode_first_byte", timings.decode_first_byte)
+            observe("decode_first_byte", timings.decode_first_byte)
 
     def failed(self, error: SidecarError) -> None:
         """Count ``error``; a request refused at admission keeps its outcome ``refused``."""

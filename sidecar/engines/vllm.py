@@ -20,7 +20,6 @@ from typing import Any
 from sidecar.engines.base import EngineHandler
 from sidecar.errors import SidecarError
 from sidecar.ids import IdSources
-from sidecar.kv_agents.base import KVTransferAgent
 from sidecar.protocol.context import HandoffContext
 
 
@@ -31,29 +30,43 @@ class VLLMHandler(EngineHandler):
     uses_kv_agent = True
     checked_against = "vLLM main (2026 snapshot): kv_transfer_params on the OpenAI routes"
 
-    def _agent(self) -> KVTransferAgent:
-        if self.agent is None:
-            raise SidecarError("the vllm engine handler needs a KV transfer agent")
-        return self.agent
+    # Each method checks the bound agent inline: a helper call per use would be paid on every
+    # request's hot path.
 
     @property
     def concurrent(self) -> bool:
-        return self._agent().concurrent
+        if self.agent is None:
+            raise _unbound()
+        return self.agent.concurrent
 
     @property
     def needs_engine_id(self) -> bool:
-        return self._agent().needs_engine_id
+        if self.agent is None:
+            raise _unbound()
+        return self.agent.needs_engine_id
 
     def parse_engine_id(self, payload: object) -> str:
-        return self._agent().parse_engine_id(payload)
+        if self.agent is None:
+            raise _unbound()
+        return self.agent.parse_engine_id(payload)
 
     def assign_ids(self, ctx: HandoffContext, ids: IdSources) -> HandoffContext:
-        return self._agent().assign_ids(ctx, ids)
+        if self.agent is None:
+            raise _unbound()
+        return self.agent.assign_ids(ctx, ids)
 
     def prefill_fields(self, ctx: HandoffContext) -> dict[str, Any]:
-        return self._agent().prefill_fields(ctx)
+        if self.agent is None:
+            raise _unbound()
+        return self.agent.prefill_fields(ctx)
 
     def handoff(
         self, prefill_response: Mapping[str, Any] | None, ctx: HandoffContext
     ) -> dict[str, Any]:
-        return self._agent().handoff(prefill_response, ctx)
+        if self.agent is None:
+            raise _unbound()
+        return self.agent.handoff(prefill_response, ctx)
+
+
+def _unbound() -> SidecarError:
+    return SidecarError("the vllm engine handler needs a KV transfer agent")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from enum import StrEnum
+from typing import NamedTuple
 
 from sidecar.protocol.hostfmt import url_host
 
@@ -20,14 +21,16 @@ class Route(StrEnum):
     CHAT = "/v1/chat/completions"
 
 
-@dataclass(frozen=True, slots=True)
-class PrefillTarget:
+class PrefillTarget(NamedTuple):
     """A prefill engine's address: host (IPv6 without brackets), port and scheme.
 
     ``scheme`` is ``https`` only for a static pool entry written so (a router's header names
     plain ``host:port``). ``tls_name`` is the name its certificate must carry when ``host``
     is the address that name resolved to (the sidecar connects to the address it resolved,
     and the hand-off names that address); None: verify ``host`` itself.
+
+    A named tuple, not a dataclass: targets key the per-request lookups (in-flight legs,
+    remembered URLs), and a tuple hashes in C.
     """
 
     host: str
