@@ -159,6 +159,7 @@ class PacedPhase:
     gaps: list[float] = field(default_factory=list)
     ttfts: list[float] = field(default_factory=list)
     cpu_s: dict[str, float] = field(default_factory=dict)
+    syscalls: tuple[int, int] = (0, 0)  # the relay's reads and writes in the window
 
     def summary(self, relay: str | None) -> dict[str, Any]:
         wall = self.wall_s or 1e-9
@@ -173,6 +174,11 @@ class PacedPhase:
         }
         if relay is not None and relay in self.cpu_s and self.tokens:
             out["relay_cpu_us_per_token"] = round(self.cpu_s[relay] / self.tokens * 1e6, 2)
+            # About 1 each at an engine's cadence; well below 1 when the relay fell behind
+            # and read several tokens at once (a starved machine), which also makes it
+            # cheaper per token: read the CPU figure with this one.
+            out["relay_reads_per_token"] = round(self.syscalls[0] / self.tokens, 3)
+            out["relay_writes_per_token"] = round(self.syscalls[1] / self.tokens, 3)
         return out
 
 
@@ -181,7 +187,8 @@ def _ms(seconds: float) -> float:
 
 
 async def paced_loop(
-    flow: flows.Flow, streams: int, plan: PacedPlan, meter: load.CpuMeter
+    flow: flows.Flow, streams: int, plan: PacedPlan, meter: load.CpuMeter,
+    relay_pid: int | None = None,
 ) -> PacedPhase:
     """``streams`` workers, each looping on one stream; measured for ``plan.seconds`` once
     every worker has run a whole stream (the pools are full, the starts spread out)."""
@@ -211,6 +218,7 @@ async def paced_loop(
         try:
             await asyncio.sleep(interval + plan.stream_s * 1.5 + 0.2)
             meter.start()
+            calls0 = procs.tree_syscalls(relay_pid) if relay_pid else (0, 0)
             events0 = tally.events
             started = time.perf_counter()
             recording = True
@@ -218,6 +226,9 @@ async def paced_loop(
             recording = False
             phase.wall_s = time.perf_counter() - started
             phase.cpu_s = meter.stop()
+            if relay_pid:
+                calls1 = procs.tree_syscalls(relay_pid)
+                phase.syscalls = (calls1[0] - calls0[0], calls1[1] - calls0[1])
             # Every finished stream's [DONE] is an event, not a token.
             phase.tokens = max(0, tally.events - events0 - phase.requests - phase.errors)
             stopping = True
@@ -238,12 +249,15 @@ async def measure(st: PacedStack, plan: PacedPlan, ways: list[str],
         for streams in plan.streams:
             row: dict[str, Any] = {}
             for way in ways:
-                phase = await paced_loop(st.make(way, plan.tokens), streams, plan, meter)
+                relay_pid = st.pids.get(way) if way != DIRECT else None
+                phase = await paced_loop(st.make(way, plan.tokens), streams, plan, meter,
+                                         relay_pid)
                 summary = phase.summary(None if way == DIRECT else way)
                 row[way] = summary
                 log(f"  {st.flow} paced r{round_index + 1} s{streams} {way}: "
                     f"{summary['tokens_per_s']} tok/s, "
-                    f"{summary.get('relay_cpu_us_per_token', '-')} us/token, ITL p50/p99 "
+                    f"{summary.get('relay_cpu_us_per_token', '-')} us/token, "
+                    f"{summary.get('relay_reads_per_token', '-')} reads/token, ITL p50/p99 "
                     f"{summary['itl_p50_ms']}/{summary['itl_p99_ms']} ms, TTFT p50 "
                     f"{summary['ttft_p50_ms']} ms, errors {summary['errors']}")
             this[str(streams)] = row
@@ -265,9 +279,10 @@ def markdown(result: dict[str, Any]) -> str:
         f"`{result.get('pin_bench') or '-'}`.",
         "",
         "| flow | round | streams | way | tokens/s | vs direct | relay CPU us/token "
+        "| relay reads / writes per token "
         "| ITL p50 / p99 ms | added ITL p50 / p99 ms | TTFT p50 / p99 ms "
         "| cores: relay / prefill / decode / loadgen | errors |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for flow_name, flow in result["flows"].items():
         for index, rnd in enumerate(flow["rounds"], 1):
@@ -284,10 +299,14 @@ def markdown(result: dict[str, Any]) -> str:
                     relay = "-" if way == DIRECT else f"{cores.get(way, 0):.2f}"
                     used = " / ".join([relay] + [f"{cores.get(k, 0):.2f}" for k in
                                                  ("prefill_stub", "decode_stub", "loadgen")])
+                    calls = "-"
+                    if "relay_reads_per_token" in s:
+                        calls = (f"{s['relay_reads_per_token']:.2f} / "
+                                 f"{s['relay_writes_per_token']:.2f}")
                     lines.append(
                         f"| {flow_name} | {index} | {streams} | {way} | {s['tokens_per_s']:,.0f} "
                         f"| {'-' if ratio is None else f'{ratio:.2f}'} "
-                        f"| {s.get('relay_cpu_us_per_token', '-')} "
+                        f"| {s.get('relay_cpu_us_per_token', '-')} | {calls} "
                         f"| {s['itl_p50_ms']:.2f} / {s['itl_p99_ms']:.2f} | {added} "
                         f"| {s['ttft_p50_ms']:.1f} / {s['ttft_p99_ms']:.1f} | {used} "
                         f"| {s['errors']} |"

@@ -204,6 +204,24 @@ def _children(pid: int) -> list[int]:
     return found
 
 
+def tree_syscalls(pid: int) -> tuple[int, int]:
+    """Read and write system calls of ``pid`` and its living descendants (``/proc/*/io``:
+    ``syscr``, ``syscw``): whether a relay paid one read and one write per token."""
+    reads = writes = 0
+    todo = [pid]
+    while todo:
+        current = todo.pop()
+        with contextlib.suppress(OSError, ValueError):
+            for line in Path(f"/proc/{current}/io").read_text().splitlines():
+                key, _, value = line.partition(":")
+                if key == "syscr":
+                    reads += int(value)
+                elif key == "syscw":
+                    writes += int(value)
+        todo += _children(current)
+    return reads, writes
+
+
 def tree_cpu_seconds(pid: int) -> float:
     """CPU seconds of ``pid`` and its living descendants (a supervisor and its workers).
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import importlib.util
 import json
 import os
@@ -315,14 +316,14 @@ def plan_of(args: argparse.Namespace) -> Plan:
 
 
 def paced_plan_of(args: argparse.Namespace) -> paced.PacedPlan:
+    workers = tuple(int(n) for n in args.workers.split(","))
     if args.quick:
-        return paced.QUICK
+        return dataclasses.replace(paced.QUICK, workers=workers, with_bare=not args.no_bare)
     return paced.PacedPlan(
         streams=tuple(int(n) for n in args.streams.split(",")), tokens=args.tokens,
         itl_ms=args.itl_ms, ttft_ms=args.ttft_ms,
         seconds=args.seconds if args.seconds is not None else paced.PacedPlan.seconds,
-        rounds=args.rounds, workers=tuple(int(n) for n in args.workers.split(",")),
-        with_bare=not args.no_bare,
+        rounds=args.rounds, workers=workers, with_bare=not args.no_bare,
     )
 
 
