@@ -60,7 +60,7 @@ class SSERelay:
         # _account, inlined: this runs once per token at an engine's pace.
         self.total += len(chunk)
         tail = self.tail
-        if not self.engine_error and (ERROR_EVENT in chunk or (
+        if not self.engine_error and (chunk.find(ERROR_EVENT) >= 0 or (
                 tail and not chunk.startswith(DATA) and carries_error_event(tail, chunk))):
             self.engine_error = True
         self.tail = chunk[-TAIL_BYTES:] if len(chunk) >= TAIL_BYTES else (tail + chunk)[
@@ -84,7 +84,7 @@ class SSERelay:
         tail = self.tail
         # The common case costs one substring search; the seam check runs only for a chunk
         # that does not start an event.
-        if not self.engine_error and (ERROR_EVENT in chunk or (
+        if not self.engine_error and (chunk.find(ERROR_EVENT) >= 0 or (
                 tail and not chunk.startswith(DATA) and carries_error_event(tail, chunk))):
             self.engine_error = True
         # Only the last bytes matter; slicing a long chunk alone avoids copying it whole.
