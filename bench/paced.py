@@ -2,7 +2,7 @@
 
     python -m bench.run --mode paced [--streams 256,1024] [--itl-ms 20] [--ttft-ms 50]
         [--tokens 64] [--seconds 4] [--rounds 2] [--baseline-tree DIR] [--workers 1,2]
-        [--pin-sidecar 0 --pin-bench 1]
+        [--pin-sidecar 0 --pin-bench 1] [--short-tokens 16]
 
 The stub engines (lean transport) space each stream's tokens ``--itl-ms`` apart after a
 ``--ttft-ms`` first-token delay (each stream on its own timer; the load generator staggers
@@ -22,6 +22,9 @@ that relays (sidecar, its workers included, or the bare relay), inter-token late
 (gaps between one stream's token arrivals; events of one read share a stamp) and what it
 adds to direct's, time to first token p50/p99, and the cores each process used.
 ``--rounds`` repeats the ways interleaved, so the table shows how noisy the machine was.
+``--short-tokens N`` runs every relaying way again with N-token streams, right after its
+long-stream window, and splits its CPU into a cost per request and a marginal cost per token
+(the two stream lengths' CPU per stream, solved for both).
 
 Deliberate limits: a real engine's tokens of one batch leave at the same step; here each
 stream ticks on its own, so a relay sees the tokens spread over the interval, as from many
@@ -56,11 +59,15 @@ class PacedPlan:
     rounds: int = 1
     workers: tuple[int, ...] = (1,)
     with_bare: bool = True
+    short_tokens: int = 0  # also measure N-token streams: per-request vs per-token CPU
+
+    def stream_s_of(self, tokens: int) -> float:
+        return 2 * self.ttft_ms / 1e3 + (tokens - 1) * self.itl_ms / 1e3
 
     @property
     def stream_s(self) -> float:
         """One stream's duration at the stubs' pace (prefill and decode first tokens)."""
-        return 2 * self.ttft_ms / 1e3 + (self.tokens - 1) * self.itl_ms / 1e3
+        return self.stream_s_of(self.tokens)
 
 
 QUICK = PacedPlan(streams=(8,), tokens=4, itl_ms=5.0, ttft_ms=5.0, seconds=0.3)
@@ -188,7 +195,7 @@ def _ms(seconds: float) -> float:
 
 async def paced_loop(
     flow: flows.Flow, streams: int, plan: PacedPlan, meter: load.CpuMeter,
-    relay_pid: int | None = None,
+    relay_pid: int | None = None, tokens: int | None = None,
 ) -> PacedPhase:
     """``streams`` workers, each looping on one stream; measured for ``plan.seconds`` once
     every worker has run a whole stream (the pools are full, the starts spread out)."""
@@ -197,6 +204,7 @@ async def paced_loop(
     recording = False
     stopping = False
     interval = plan.itl_ms / 1e3
+    stream_s = plan.stream_s_of(tokens or plan.tokens)
 
     async def worker(index: int, http: Http) -> None:
         # Spread the starts over one interval: streams tick out of phase, as from many batches.
@@ -216,7 +224,7 @@ async def paced_loop(
     async with open_clients("lean", streams, time_events=True, tally=tally) as new_http:
         tasks = [asyncio.ensure_future(worker(i, new_http())) for i in range(streams)]
         try:
-            await asyncio.sleep(interval + plan.stream_s * 1.5 + 0.2)
+            await asyncio.sleep(interval + stream_s * 1.5 + 0.2)
             meter.start()
             calls0 = procs.tree_syscalls(relay_pid) if relay_pid else (0, 0)
             events0 = tally.events
@@ -232,7 +240,7 @@ async def paced_loop(
             # Every finished stream's [DONE] is an event, not a token.
             phase.tokens = max(0, tally.events - events0 - phase.requests - phase.errors)
             stopping = True
-            await asyncio.wait_for(asyncio.gather(*tasks), timeout=60 + plan.stream_s * 2)
+            await asyncio.wait_for(asyncio.gather(*tasks), timeout=60 + stream_s * 2)
         finally:
             for task in tasks:
                 task.cancel()
@@ -254,6 +262,12 @@ async def measure(st: PacedStack, plan: PacedPlan, ways: list[str],
                                          relay_pid)
                 summary = phase.summary(None if way == DIRECT else way)
                 row[way] = summary
+                if plan.short_tokens and relay_pid:
+                    short = await paced_loop(st.make(way, plan.short_tokens), streams, plan,
+                                             meter, relay_pid, plan.short_tokens)
+                    summary["short"] = short.summary(way)
+                    summary.update(split_cost(summary, summary["short"], plan.tokens,
+                                              plan.short_tokens))
                 log(f"  {st.flow} paced r{round_index + 1} s{streams} {way}: "
                     f"{summary['tokens_per_s']} tok/s, "
                     f"{summary.get('relay_cpu_us_per_token', '-')} us/token, "
@@ -263,6 +277,19 @@ async def measure(st: PacedStack, plan: PacedPlan, ways: list[str],
             this[str(streams)] = row
         rounds.append(this)
     return {"engine": st.engine, "rounds": rounds}
+
+
+def split_cost(long: dict[str, Any], short: dict[str, Any], n_long: int,
+               n_short: int) -> dict[str, float]:
+    """CPU per request and marginal CPU per token from two stream lengths' CPU per token:
+    per stream = request + n * token, at both lengths."""
+    if "relay_cpu_us_per_token" not in long or "relay_cpu_us_per_token" not in short:
+        return {}
+    per_stream_long = long["relay_cpu_us_per_token"] * n_long
+    per_stream_short = short["relay_cpu_us_per_token"] * n_short
+    marginal = (per_stream_long - per_stream_short) / (n_long - n_short)
+    return {"marginal_us_per_token": round(marginal, 2),
+            "per_request_us": round(per_stream_short - marginal * n_short, 1)}
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -279,10 +306,10 @@ def markdown(result: dict[str, Any]) -> str:
         f"`{result.get('pin_bench') or '-'}`.",
         "",
         "| flow | round | streams | way | tokens/s | vs direct | relay CPU us/token "
-        "| relay reads / writes per token "
+        "| relay reads / writes per token | marginal us/token, us/request "
         "| ITL p50 / p99 ms | added ITL p50 / p99 ms | TTFT p50 / p99 ms "
         "| cores: relay / prefill / decode / loadgen | errors |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for flow_name, flow in result["flows"].items():
         for index, rnd in enumerate(flow["rounds"], 1):
@@ -299,6 +326,9 @@ def markdown(result: dict[str, Any]) -> str:
                     relay = "-" if way == DIRECT else f"{cores.get(way, 0):.2f}"
                     used = " / ".join([relay] + [f"{cores.get(k, 0):.2f}" for k in
                                                  ("prefill_stub", "decode_stub", "loadgen")])
+                    split = "-"
+                    if "marginal_us_per_token" in s:
+                        split = f"{s['marginal_us_per_token']:.1f}, {s['per_request_us']:.0f}"
                     calls = "-"
                     if "relay_reads_per_token" in s:
                         calls = (f"{s['relay_reads_per_token']:.2f} / "
@@ -307,6 +337,7 @@ def markdown(result: dict[str, Any]) -> str:
                         f"| {flow_name} | {index} | {streams} | {way} | {s['tokens_per_s']:,.0f} "
                         f"| {'-' if ratio is None else f'{ratio:.2f}'} "
                         f"| {s.get('relay_cpu_us_per_token', '-')} | {calls} "
+                        f"| {split} "
                         f"| {s['itl_p50_ms']:.2f} / {s['itl_p99_ms']:.2f} | {added} "
                         f"| {s['ttft_p50_ms']:.1f} / {s['ttft_p99_ms']:.1f} | {used} "
                         f"| {s['errors']} |"

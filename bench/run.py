@@ -287,6 +287,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="paced: repeat every way this many times, interleaved")
     parser.add_argument("--workers", default="1",
                         help="paced: comma-separated sidecar worker counts (serve --workers)")
+    parser.add_argument("--short-tokens", type=int, default=0,
+                        help="paced: also run N-token streams per relaying way, to split its "
+                             "CPU into per request and per token")
     parser.add_argument("--no-bare", action="store_true",
                         help="paced: skip the bare uvloop relay (the floor)")
     parser.add_argument("--baseline-tree", type=Path,
@@ -318,12 +321,14 @@ def plan_of(args: argparse.Namespace) -> Plan:
 def paced_plan_of(args: argparse.Namespace) -> paced.PacedPlan:
     workers = tuple(int(n) for n in args.workers.split(","))
     if args.quick:
-        return dataclasses.replace(paced.QUICK, workers=workers, with_bare=not args.no_bare)
+        return dataclasses.replace(paced.QUICK, workers=workers, with_bare=not args.no_bare,
+                                   short_tokens=min(args.short_tokens, 2))
     return paced.PacedPlan(
         streams=tuple(int(n) for n in args.streams.split(",")), tokens=args.tokens,
         itl_ms=args.itl_ms, ttft_ms=args.ttft_ms,
         seconds=args.seconds if args.seconds is not None else paced.PacedPlan.seconds,
         rounds=args.rounds, workers=workers, with_bare=not args.no_bare,
+        short_tokens=args.short_tokens,
     )
 
 
