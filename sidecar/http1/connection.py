@@ -459,11 +459,18 @@ class UpstreamResponse:
         """Give the rest of the body to ``sink``, each read's bytes from the read callback.
 
         ``sink(data)`` returns False when it takes no more for now; reading then pauses until
-        ``await catch_up()`` (run here, in the caller's task) returns. Returns when the body
+        ``await catch_up()`` (run here, in the caller's task) returns. The first bytes are
+        awaited here and given to ``sink`` from this task (what a sink needs an await for is
+        usually the first bytes: a response head to send with them). Returns when the body
         ended; raises as ``readany()`` does, and whatever ``catch_up`` raises.
         """
+        # The first bytes are awaited as readany() would: a sink usually needs an await for
+        # them (the client's response head leaves with them), and reading need not pause.
+        first = await self.readany()
+        if first and not sink(first):
+            await catch_up()
         conn = self._conn
-        if conn is None:
+        if conn is None:  # the body ended with its first bytes: readany() gave it back
             return
         conn.set_sink(sink)
         try:

@@ -462,17 +462,20 @@ async def test_pipe_hands_each_read_to_the_sink_and_keeps_the_connection() -> No
 
 
 async def test_a_full_sink_pauses_reading_until_it_caught_up() -> None:
-    second_sent = asyncio.Event()
-    got_first = asyncio.Event()
+    got = {name: asyncio.Event() for name in "ab"}
+    third_sent = asyncio.Event()
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_request(reader)
         writer.write(CHUNKED_HEAD + b"1\r\na\r\n")
         await writer.drain()
-        await got_first.wait()
-        writer.write(b"1\r\nb\r\n0\r\n\r\n")
+        await got["a"].wait()
+        writer.write(b"1\r\nb\r\n")
         await writer.drain()
-        second_sent.set()
+        await got["b"].wait()
+        writer.write(b"1\r\nc\r\n0\r\n\r\n")
+        await writer.drain()
+        third_sent.set()
 
     log: list[str] = []
     async with scripted(serve) as (url, _):
@@ -482,19 +485,21 @@ async def test_a_full_sink_pauses_reading_until_it_caught_up() -> None:
         assert transport is not None
 
         def sink(data: bytes) -> bool:
-            log.append(f"sink {data.decode()}")
-            got_first.set()
-            return data != b"a"  # full after the first piece
+            name = data.decode()
+            log.append(f"sink {name}")
+            if name in got:
+                got[name].set()
+            return name != "b"  # full after the second piece
 
         async def catch_up() -> None:
             log.append("catch_up")
             assert not transport.is_reading()  # paused while the sink is full
-            await second_sent.wait()
+            await third_sent.wait()
             await asyncio.sleep(0)  # a loop turn in which a read would have run
             log.append("caught up")
 
         await response.pipe(sink, catch_up)
-        assert log == ["sink a", "catch_up", "caught up", "sink b"]
+        assert log == ["sink a", "sink b", "catch_up", "caught up", "sink c"]
         await http.close()
 
 
