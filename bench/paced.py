@@ -138,7 +138,12 @@ def paced_stack(
             st.relays[BARE] = procs.start_relay(f"{flow}-bare", decode.port, log_dir=log_dir,
                                                 prefix=sidecar_prefix)
             started.append(st.relays[BARE])
-        flags = procs.sidecar_flags(engine, "shfs", prefill, decode, max_connections)
+        # Every stream is a request in flight and holds a decode connection (and a prefill
+        # one while it prefills): the sidecar's limits must not be what the run measures.
+        most = max(plan.streams)
+        flags = [*procs.sidecar_flags(engine, "shfs", prefill, decode,
+                                      max(max_connections, 2 * most)),
+                 "--max-inflight", str(max(1024, 2 * most))]
         trees: list[tuple[str, Path, int]] = []
         if baseline_tree is not None:
             trees.append((BEFORE, baseline_tree, 1))
