@@ -6,10 +6,11 @@
 
 ``feed`` runs in the upstream connection's read callback (``PDExchange.pipe``): it writes the
 bytes as one HTTP/1.1 chunk (the framing aiohttp's ``StreamResponse.write`` uses, byte for
-byte) straight to the client's transport, then does the stream's bookkeeping: bytes relayed,
-an engine error event in the stream, the last bytes (for the ``[DONE]`` check). At an
-engine's pace every token is its own read, so this is the path each token takes; it resolves
-no future, wakes no task and touches no metric.
+byte; unframed for an HTTP/1.0 client, as aiohttp does) straight to the client's transport,
+then does the stream's bookkeeping: bytes relayed, an engine error event in the stream, the
+last bytes (for the ``[DONE]`` check). At an engine's pace every token is its own read, so
+this is the path each token takes; it resolves no future, wakes no task and touches no
+metric.
 
 What needs an ``await`` runs in ``catch_up`` (the piping task): the first chunk goes through
 ``response.write`` so the response head leaves with it in one send, as ``_SSEResponse``
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 from typing import Final
 
-from aiohttp import web
+from aiohttp import hdrs, web
 
 #: How an engine's in-stream error event starts (vLLM's and SGLang's ``json.dumps`` shape).
 ERROR_EVENT: Final = b'data: {"error"'
@@ -36,11 +37,14 @@ SOCKET_HIGH_WATER: Final = 64 * 1024
 class SSERelay:
     """One streamed response's relay state; ``feed`` and ``catch_up`` for ``pipe``."""
 
-    __slots__ = ("_held", "_protocol", "_response", "_started", "_writer", "engine_error",
-                 "tail", "total")
+    __slots__ = ("_chunked", "_held", "_protocol", "_response", "_started", "_writer",
+                 "engine_error", "tail", "total")
 
     def __init__(self, request: web.BaseRequest, response: web.StreamResponse) -> None:
         self._response = response
+        # What aiohttp's prepare() chose: chunks for HTTP/1.1, the bare bytes until the
+        # connection closes for an HTTP/1.0 client.
+        self._chunked = response.headers.get(hdrs.TRANSFER_ENCODING, "").lower() == "chunked"
         self._protocol = request.protocol
         self._writer = request.writer
         self._held: bytes | None = None  # bytes waiting for catch_up (head not sent, or gone)
@@ -56,7 +60,7 @@ class SSERelay:
                 transport.is_closing()):
             self._held = chunk if self._held is None else self._held + chunk
             return False
-        transport.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+        transport.write(b"%x\r\n%s\r\n" % (len(chunk), chunk) if self._chunked else chunk)
         # _account, inlined: this runs once per token at an engine's pace.
         self.total += len(chunk)
         tail = self.tail
