@@ -139,9 +139,10 @@ class Connection(asyncio.Protocol):
             # once per token at an engine's pace).
             chunks = self._chunks
             if chunks:
-                self._chunks = []
+                data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+                chunks.clear()  # the same list again: no new object for the collector
                 self._buffered = 0
-                if not sink(chunks[0] if len(chunks) == 1 else b"".join(chunks)):
+                if not sink(data):
                     self.sink_refused()
         if self._waiter is not None:
             self._wake()
