@@ -41,6 +41,7 @@ class CallResult:
     latency_s: float
     first_byte_s: float
     events: int
+    gaps: list[float] | None = None  # token inter-arrival gaps, when the client times events
 
 
 def client_body(max_tokens: int, stream: bool) -> dict[str, Any]:
@@ -72,7 +73,8 @@ class Sidecar:
     async def call(self, http: Http) -> CallResult:
         answer = await http.post(self.origin, PATH, self.headers, self.body, self.stream)
         return CallResult(
-            answer.status == 200, answer.latency_s, answer.first_byte_s, answer.events
+            answer.status == 200, answer.latency_s, answer.first_byte_s, answer.events,
+            answer.gaps,
         )
 
 
@@ -112,7 +114,8 @@ class DirectSeq:
         answer = await http.post(self.decode, PATH, headers, body, self.stream)
         first = decode_started - started + answer.first_byte_s
         return CallResult(
-            answer.status == 200, time.perf_counter() - started, first, answer.events
+            answer.status == 200, time.perf_counter() - started, first, answer.events,
+            answer.gaps,
         )
 
 
@@ -142,7 +145,7 @@ class _DirectConcurrent:
         finally:
             if not prefill.done():
                 prefill.cancel()
-        return CallResult(ok, latency, answer.first_byte_s, answer.events)
+        return CallResult(ok, latency, answer.first_byte_s, answer.events, answer.gaps)
 
 
 class DirectSGLang(_DirectConcurrent):

@@ -21,7 +21,7 @@ from typing import Final, Protocol
 
 import aiohttp
 
-from bench.lean_client import Answer, Client, EventCounter, Origin
+from bench.lean_client import Answer, Client, EventCounter, EventTally, Origin
 
 CLIENTS: Final = ("lean", "aiohttp")
 TRANSPORT_ERRORS: Final = (aiohttp.ClientError, OSError, TimeoutError, ValueError)
@@ -34,16 +34,18 @@ class Http(Protocol):
 
 
 class LeanHttp:
-    """One worker's lean client."""
+    """One worker's lean client; ``time_events``: streamed answers carry their token gaps."""
 
-    def __init__(self, client: Client) -> None:
+    def __init__(self, client: Client, time_events: bool = False) -> None:
         self.client = client
+        self.time_events = time_events
 
     async def post(
         self, origin: Origin, path: str, headers: Mapping[str, str], body: bytes, stream: bool
     ) -> Answer:
         return await self.client.request(
-            origin, b"POST", path, headers, body, count_events=stream
+            origin, b"POST", path, headers, body, count_events=stream,
+            time_events=self.time_events,
         )
 
 
@@ -87,9 +89,16 @@ def make_session(concurrency: int) -> aiohttp.ClientSession:
 
 
 @contextlib.asynccontextmanager
-async def open_clients(kind: str, concurrency: int) -> AsyncIterator[Callable[[], Http]]:
-    """A factory of per-worker clients of ``kind``; everything it made is closed on exit."""
+async def open_clients(
+    kind: str, concurrency: int, *, time_events: bool = False, tally: EventTally | None = None
+) -> AsyncIterator[Callable[[], Http]]:
+    """A factory of per-worker clients of ``kind``; everything it made is closed on exit.
+
+    ``time_events`` (lean only): streamed answers carry their tokens' inter-arrival gaps;
+    ``tally`` (lean only) counts every SSE event as it arrives."""
     if kind == "aiohttp":
+        if time_events or tally is not None:
+            raise ValueError("token timing needs the lean client")
         async with make_session(concurrency) as session:
             shared = AiohttpHttp(session)
             yield lambda: shared
@@ -99,9 +108,9 @@ async def open_clients(kind: str, concurrency: int) -> AsyncIterator[Callable[[]
     made: list[Client] = []
 
     def new() -> Http:
-        client = Client()
+        client = Client(tally=tally)
         made.append(client)
-        return LeanHttp(client)
+        return LeanHttp(client, time_events)
 
     try:
         yield new

@@ -9,7 +9,9 @@
 Each ``Client`` keeps its own idle connections per origin and opens another only when two of
 its requests to one origin overlap (the concurrent flows send prefill and decode at once, to
 two origins). ``count_events``: the body of an SSE stream is not kept, its events are counted
-as they arrive (``EventCounter``: blank-line ends, across read boundaries).
+as they arrive (``EventCounter``: blank-line ends, across read boundaries); with
+``time_events`` each event's arrival is stamped too (events of one read share its stamp), and
+the answer carries its token events' inter-arrival gaps (the paced mode's inter-token latency).
 
 A connection idle longer than ``idle_s`` (below the engines' 5 s keep-alive) is not reused,
 so a request never races the server's idle close.
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -59,6 +62,9 @@ class Answer:
     first_byte_s: float
     latency_s: float
     events: int
+    # Gaps between consecutive token events' arrivals (seconds; the final ``[DONE]`` event
+    # excluded); only when the request asked for ``time_events``.
+    gaps: list[float] | None = None
 
 
 class EventCounter:
@@ -89,10 +95,21 @@ class EventCounter:
         self._carry = run % 2 == 1
 
 
+class EventTally:
+    """SSE events counted by every connection sharing it, as they arrive (a window's tokens
+    are read from it without waiting for the streams to end)."""
+
+    __slots__ = ("events",)
+
+    def __init__(self) -> None:
+        self.events = 0
+
+
 class _Connection(asyncio.Protocol):
     """One keep-alive connection; one request in flight at a time."""
 
-    def __init__(self) -> None:
+    def __init__(self, tally: EventTally | None = None) -> None:
+        self.tally = tally
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
         self.closed = False
@@ -100,6 +117,7 @@ class _Connection(asyncio.Protocol):
         self._waiter: asyncio.Future[None] | None = None
         self._body: list[bytes] = []
         self._counter: EventCounter | None = None
+        self._stamps: list[float] | None = None
         self._started = 0.0
         self.first_byte = 0.0
         self.status = 0
@@ -127,8 +145,16 @@ class _Connection(asyncio.Protocol):
     def on_body(self, body: bytes) -> None:
         if not self.first_byte:
             self.first_byte = time.perf_counter()
-        if self._counter is not None:
-            self._counter.feed(body)
+        counter = self._counter
+        if counter is not None:
+            before = counter.events
+            counter.feed(body)
+            arrived = counter.events - before
+            if arrived:
+                if self.tally is not None:
+                    self.tally.events += arrived
+                if self._stamps is not None:
+                    self._stamps.extend([time.perf_counter()] * arrived)
         else:
             self._body.append(body)
 
@@ -145,7 +171,9 @@ class _Connection(asyncio.Protocol):
             else:
                 waiter.set_exception(exc)
 
-    async def exchange(self, data: bytes, count_events: bool, timeout_s: float) -> Answer:
+    async def exchange(
+        self, data: bytes, count_events: bool, timeout_s: float, time_events: bool = False
+    ) -> Answer:
         transport = self.transport
         if transport is None or self.closed:
             raise ConnectionResetError("connection closed")
@@ -153,6 +181,7 @@ class _Connection(asyncio.Protocol):
         self._waiter = waiter = loop.create_future()
         self._body = []
         self._counter = EventCounter() if count_events else None
+        self._stamps = [] if count_events and time_events else None
         self.first_byte = 0.0
         self.status = 0
         started = time.perf_counter()
@@ -166,7 +195,11 @@ class _Connection(asyncio.Protocol):
         self.last_used = time.monotonic()
         first = (self.first_byte or done) - started
         events = self._counter.events if self._counter is not None else 0
-        return Answer(self.status, b"".join(self._body), first, done - started, events)
+        gaps = None
+        if self._stamps is not None:
+            stamps = self._stamps[:-1]  # the last event is [DONE], not a token
+            gaps = [later - earlier for earlier, later in itertools.pairwise(stamps)]
+        return Answer(self.status, b"".join(self._body), first, done - started, events, gaps)
 
     def _timed_out(self) -> None:
         self._wake(TimeoutError("no complete answer in time"))
@@ -181,8 +214,11 @@ class _Connection(asyncio.Protocol):
 class Client:
     """Keep-alive connections of one user of the client (a closed-loop worker)."""
 
-    def __init__(self, *, timeout_s: float = 60.0, idle_s: float = IDLE_S) -> None:
+    def __init__(
+        self, *, timeout_s: float = 60.0, idle_s: float = IDLE_S, tally: EventTally | None = None
+    ) -> None:
         self.timeout_s = timeout_s
+        self.tally = tally
         self.idle_s = idle_s
         self.connects = 0
         self._idle: dict[Origin, list[_Connection]] = {}
@@ -198,7 +234,8 @@ class Client:
             self._drop(conn)
         loop = asyncio.get_running_loop()
         _, conn = await asyncio.wait_for(
-            loop.create_connection(_Connection, origin.host, origin.port), self.timeout_s
+            loop.create_connection(lambda: _Connection(self.tally), origin.host, origin.port),
+            self.timeout_s,
         )
         self.connects += 1
         self._all.add(conn)
@@ -217,8 +254,11 @@ class Client:
         body: bytes = b"",
         *,
         count_events: bool = False,
+        time_events: bool = False,
     ) -> Answer:
-        """One exchange; raises on a transport failure, a timeout or a malformed answer."""
+        """One exchange; raises on a transport failure, a timeout or a malformed answer.
+
+        ``time_events`` (with ``count_events``): the answer carries its tokens' gaps."""
         head = [method, b" ", path.encode(), b" HTTP/1.1\r\n", origin.host_header]
         if headers:
             for name, value in headers.items():
@@ -229,7 +269,9 @@ class Client:
         head.append(body)
         conn = await self._take(origin)
         try:
-            answer = await conn.exchange(b"".join(head), count_events, self.timeout_s)
+            answer = await conn.exchange(
+                b"".join(head), count_events, self.timeout_s, time_events
+            )
         except BaseException:
             self._drop(conn)
             raise

@@ -25,7 +25,7 @@ from typing import Any
 
 from bench.flows import CallResult, Flow
 from bench.http_clients import TRANSPORT_ERRORS, Http, open_clients
-from bench.procs import cpu_seconds
+from bench.procs import cpu_seconds, tree_cpu_seconds
 
 
 @dataclass
@@ -89,14 +89,19 @@ def _ms(seconds: float) -> float:
 
 
 class CpuMeter:
-    """CPU seconds of named processes (and of this one) between two readings."""
+    """CPU seconds of named processes (and of this one) between two readings; the ones
+    named in ``trees`` count with their descendants (a sidecar's workers)."""
 
-    def __init__(self, pids: Mapping[str, int]) -> None:
+    def __init__(self, pids: Mapping[str, int], trees: frozenset[str] = frozenset()) -> None:
         self.pids = {**pids, "loadgen": os.getpid()}
+        self.trees = trees
         self._start: dict[str, float] = {}
 
     def _read(self) -> dict[str, float]:
-        return {name: cpu_seconds(pid) for name, pid in self.pids.items()}
+        return {
+            name: tree_cpu_seconds(pid) if name in self.trees else cpu_seconds(pid)
+            for name, pid in self.pids.items()
+        }
 
     def start(self) -> None:
         self._start = self._read()

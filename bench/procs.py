@@ -3,14 +3,19 @@
     start_stub(...)    ─▶ python -m sidecar.tools.stubs --transport lean|aiohttp ...
                           (lean, the default); reads its "listening" line
     start_sidecar(...) ─▶ python -m bench.sidecar_proc ... (reads its --ports-file)
+    start_relay(...)   ─▶ python -m bench.bare_relay ... (the paced mode's floor)
     cpu_seconds(pid)   ─▶ user + system CPU of that process, from /proc
+    tree_cpu_seconds(pid) ─▶ the same for it and its descendants (``--workers N`` sidecars)
 
 Separate processes so that ``/proc/<pid>`` gives the sidecar's CPU alone. Every process is
 bound to 127.0.0.1 on OS-chosen ports, started with a deadline and stopped (SIGTERM, then
 SIGKILL) by the pid this module started; nothing else is ever signalled.
 
-Deliberate limits: Linux only (``/proc``); no CPU pinning (the machine has two cores and
-everything shares them, as a pod's containers would).
+``prefix`` wraps a command (a profiler, or ``taskset -c CPUS`` to pin it: the paced mode's
+``--pin-sidecar``/``--pin-bench``); unpinned, everything shares the cores, as a pod's
+containers would.
+
+Deliberate limits: Linux only (``/proc``).
 """
 
 from __future__ import annotations
@@ -76,7 +81,7 @@ STUBS = ("lean", "aiohttp")
 
 def start_stub(
     name: str, engine: str, role: str, kv_connector: str, *extra: str, log_dir: Path,
-    kind: str = "lean",
+    kind: str = "lean", prefix: list[str] | None = None,
 ) -> Proc:
     """A stub engine in zero-latency mode, on the ``lean`` transport (vLLM NIXL and SGLang)
     or the ``aiohttp`` one (recording nothing: ``--record-limit 0``); ``sidecar.tools.stubs``."""
@@ -86,6 +91,7 @@ def start_stub(
     ]
     if kind == "lean":
         args = [sys.executable, "-m", "sidecar.tools.stubs", "--transport", "lean", *common, *extra]
+        args = [*(prefix or []), *args]
     elif kind == "aiohttp":
         args = [
             sys.executable, "-m", "sidecar.tools.stubs", "--transport", "aiohttp", *common,
@@ -105,6 +111,26 @@ def start_stub(
         stop(Proc(name, popen, 0))
         raise RuntimeError(
             f"stub {name} failed to start; see {log_dir / (name + '.log')}"
+        ) from None
+    return Proc(name, popen, int(info["port"]), info)
+
+
+def start_relay(name: str, upstream_port: int, *, log_dir: Path,
+                prefix: list[str] | None = None) -> Proc:
+    """``bench.bare_relay`` forwarding to ``127.0.0.1:upstream_port``."""
+    args = [*(prefix or []), sys.executable, "-m", "bench.bare_relay",
+            "--upstream", f"127.0.0.1:{upstream_port}"]
+    stderr = (log_dir / f"{name}.log").open("wb")
+    popen = subprocess.Popen(
+        args, stdout=subprocess.PIPE, stderr=stderr, env=child_env(), cwd=REPO_ROOT
+    )
+    stderr.close()
+    try:
+        info: dict[str, Any] = json.loads(_read_line(popen, time.monotonic() + _START_TIMEOUT_S))
+    except (RuntimeError, ValueError):
+        stop(Proc(name, popen, 0))
+        raise RuntimeError(
+            f"relay {name} failed to start; see {log_dir / (name + '.log')}"
         ) from None
     return Proc(name, popen, int(info["port"]), info)
 
@@ -141,14 +167,74 @@ def start_sidecar(
     raise RuntimeError(f"sidecar failed to start; see {log_dir / (name + '.log')}")
 
 
+def sidecar_flags(engine: str, connector: str, prefill: Proc, decode: Proc,
+                  max_connections: int) -> list[str]:
+    """``serve`` flags for a sidecar in front of ``decode`` that may use ``prefill``."""
+    flags = [
+        "--engine", engine, "--engine-url", decode.url,
+        "--prefill-allowlist", f"127.0.0.1:{prefill.port}",
+        "--max-connections", str(max_connections),
+    ]
+    if engine == "vllm":
+        flags += ["--kv-connector", connector]
+    bootstrap = prefill.info.get("bootstrap_port")
+    if bootstrap:
+        flags += ["--sglang-bootstrap-port", str(bootstrap),
+                  "--mooncake-bootstrap-port", str(bootstrap)]
+    return flags
+
+
 def server_pid(proc: Proc) -> int:
-    """The pid that serves: the wrapped Python child when a profiler prefix started it."""
+    """The pid that serves: the wrapped Python child when a profiler prefix started it
+    (``taskset`` execs its command, so a pinned process keeps its pid)."""
     children_file = Path(f"/proc/{proc.pid}/task/{proc.pid}/children")
     with contextlib.suppress(OSError, ValueError):
         children = children_file.read_text().split()
-        if children and proc.popen.args[0] != sys.executable:  # type: ignore[index]
+        if children and proc.popen.args[0] not in (sys.executable, "taskset"):  # type: ignore[index]
             return int(children[0])
     return proc.pid
+
+
+def _children(pid: int) -> list[int]:
+    found: list[int] = []
+    with contextlib.suppress(OSError):
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            with contextlib.suppress(OSError, ValueError):
+                found += [int(c) for c in (task / "children").read_text().split()]
+    return found
+
+
+def tree_syscalls(pid: int) -> tuple[int, int]:
+    """Read and write system calls of ``pid`` and its living descendants (``/proc/*/io``:
+    ``syscr``, ``syscw``): whether a relay paid one read and one write per token."""
+    reads = writes = 0
+    todo = [pid]
+    while todo:
+        current = todo.pop()
+        with contextlib.suppress(OSError, ValueError):
+            for line in Path(f"/proc/{current}/io").read_text().splitlines():
+                key, _, value = line.partition(":")
+                if key == "syscr":
+                    reads += int(value)
+                elif key == "syscw":
+                    writes += int(value)
+        todo += _children(current)
+    return reads, writes
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU seconds of ``pid`` and its living descendants (a supervisor and its workers).
+
+    A descendant that exited inside a window takes its CPU with it; the bench's sidecars
+    keep their workers for the whole run."""
+    total = 0.0
+    todo = [pid]
+    while todo:
+        current = todo.pop()
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            total += cpu_seconds(current)
+        todo += _children(current)
+    return total
 
 
 def cpu_seconds(pid: int) -> float:

@@ -14,6 +14,10 @@ reference proxy or SGLang's mini load balancer would) and through the sidecar:
     c32, c128   closed loop at that concurrency: requests/s, p50/p99 latency
     tokens      256-token streams at concurrency 32: tokens/s
 
+That is the burst mode (``--mode burst``, the default: the stubs answer at once, so a relay
+reads many tokens at a time). ``--mode paced`` spaces each stream's tokens like an engine
+and measures many concurrent streams instead (``bench.paced``).
+
 and the sidecar process's CPU (``/proc/<pid>/stat``) per request and per relayed token.
 The load generator is this process; it shares the machine's cores with the stubs and the
 sidecar, and the JSON records every process's CPU so a reader can see who used them.
@@ -32,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import importlib.util
 import json
 import os
@@ -45,7 +50,7 @@ from typing import Any
 
 import aiohttp
 
-from bench import flows, http_clients, load, procs, report
+from bench import flows, http_clients, load, paced, procs, report
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 MODES = ("direct", "sidecar")
@@ -133,17 +138,7 @@ def stack(flow: str, conc_engine: str, log_dir: Path, max_connections: int,
         decode = procs.start_stub(f"{flow}-decode", engine, "decode", connector,
                                   log_dir=log_dir, kind=stubs)
         started.append(decode)
-        flags = [
-            "--engine", engine, "--engine-url", decode.url,
-            "--prefill-allowlist", f"127.0.0.1:{prefill.port}",
-            "--max-connections", str(max_connections),
-        ]
-        if engine == "vllm":
-            flags += ["--kv-connector", connector]
-        bootstrap = prefill.info.get("bootstrap_port")
-        if bootstrap:
-            flags += ["--sglang-bootstrap-port", str(bootstrap),
-                      "--mooncake-bootstrap-port", str(bootstrap)]
+        flags = procs.sidecar_flags(engine, connector, prefill, decode, max_connections)
         sidecar = procs.start_sidecar(f"{flow}-sidecar", flags, log_dir=log_dir,
                                       prefix=sidecar_prefix, code_root=code_root)
         started.append(sidecar)
@@ -278,6 +273,32 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--sidecar-tree", type=Path,
                         help="run the sidecar package from this tree (e.g. `git archive` of an "
                              "older commit) for a before/after comparison")
+    parser.add_argument("--mode", choices=("burst", "paced"), default="burst",
+                        help="burst: zero-latency stubs (the phases above); paced: tokens at "
+                             "an engine's cadence, many streams (bench.paced)")
+    parser.add_argument("--streams", default="256",
+                        help="paced: comma-separated concurrent stream counts")
+    parser.add_argument("--tokens", type=int, default=64, help="paced: tokens per stream")
+    parser.add_argument("--itl-ms", type=float, default=20.0,
+                        help="paced: milliseconds between one stream's tokens")
+    parser.add_argument("--ttft-ms", type=float, default=50.0,
+                        help="paced: milliseconds before each stub's first token")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="paced: repeat every way this many times, interleaved")
+    parser.add_argument("--workers", default="1",
+                        help="paced: comma-separated sidecar worker counts (serve --workers)")
+    parser.add_argument("--short-tokens", type=int, default=0,
+                        help="paced: also run N-token streams per relaying way, to split its "
+                             "CPU into per request and per token")
+    parser.add_argument("--no-bare", action="store_true",
+                        help="paced: skip the bare uvloop relay (the floor)")
+    parser.add_argument("--baseline-tree", type=Path,
+                        help="paced: also run a sidecar from this tree (`git archive` of the "
+                             "commit before), as the way `before`, in the same run")
+    parser.add_argument("--pin-sidecar", default="",
+                        help="paced: taskset CPU list for the sidecars and the bare relay")
+    parser.add_argument("--pin-bench", default="",
+                        help="paced: taskset CPU list for the stubs and the load generator")
     parser.add_argument("--out", type=Path, help="JSON output (default bench/results/<time>.json)")
     parser.add_argument("--markdown", type=Path, help="also write the table here")
     args = parser.parse_args(argv)
@@ -295,6 +316,37 @@ def plan_of(args: argparse.Namespace) -> Plan:
     if args.concurrency:
         changes["concurrencies"] = tuple(int(c) for c in args.concurrency.split(","))
     return Plan(**{**base.__dict__, **changes})
+
+
+def paced_plan_of(args: argparse.Namespace) -> paced.PacedPlan:
+    workers = tuple(int(n) for n in args.workers.split(","))
+    if args.quick:
+        return dataclasses.replace(paced.QUICK, workers=workers, with_bare=not args.no_bare,
+                                   short_tokens=min(args.short_tokens, 2))
+    return paced.PacedPlan(
+        streams=tuple(int(n) for n in args.streams.split(",")), tokens=args.tokens,
+        itl_ms=args.itl_ms, ttft_ms=args.ttft_ms,
+        seconds=args.seconds if args.seconds is not None else paced.PacedPlan.seconds,
+        rounds=args.rounds, workers=workers, with_bare=not args.no_bare,
+        short_tokens=args.short_tokens,
+    )
+
+
+async def run_paced(args: argparse.Namespace, result: dict[str, Any], log_dir: Path,
+                    log: Callable[[str], None]) -> dict[str, Any]:
+    plan = paced_plan_of(args)
+    if args.pin_bench:
+        os.sched_setaffinity(0, {int(c) for c in args.pin_bench.split(",")})
+    result.update(paced_plan=plan.__dict__, pin_sidecar=args.pin_sidecar,
+                  pin_bench=args.pin_bench, baseline_tree=str(args.baseline_tree or ""))
+    for flow in [f.strip() for f in args.flows.split(",") if f.strip()]:
+        with paced.paced_stack(flow, plan, log_dir, max_connections=args.max_connections,
+                               baseline_tree=args.baseline_tree, pin_sidecar=args.pin_sidecar,
+                               pin_bench=args.pin_bench) as st:
+            log(f"{flow} (paced): {st.engine}  prefill {st.prefill.url}  decode {st.decode.url}")
+            ways = paced.ways_of(plan, args.baseline_tree is not None)
+            result["flows"][flow] = await paced.measure(st, plan, ways, log)
+    return result
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -315,6 +367,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "client": args.client,
         "flows": {},
     }
+    if args.mode == "paced":
+        result["mode"] = "paced"
+        return await run_paced(args, result, log_dir, log)
     prefix = args.sidecar_prefix.split() if args.sidecar_prefix else []
     for flow in [f.strip() for f in args.flows.split(",") if f.strip()]:
         with stack(flow, args.conc_engine, log_dir, args.max_connections, prefix,
@@ -345,17 +400,26 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or RESULTS_DIR / f"{time.strftime('%Y%m%dT%H%M%S')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
-    table = report.markdown(result)
+    table = paced.markdown(result) if args.mode == "paced" else report.markdown(result)
     print(table)
     if args.markdown:
         args.markdown.write_text(table)
     print(f"JSON: {out}", file=sys.stderr)
-    errors = sum(
-        side.get("errors", 0)
-        for flow in result["flows"].values()
-        for phase in flow["phases"].values()
-        for side in phase.values()
-    )
+    if args.mode == "paced":
+        errors = sum(
+            side.get("errors", 0)
+            for flow in result["flows"].values()
+            for rnd in flow["rounds"]
+            for row in rnd.values()
+            for side in row.values()
+        )
+    else:
+        errors = sum(
+            side.get("errors", 0)
+            for flow in result["flows"].values()
+            for phase in flow["phases"].values()
+            for side in phase.values()
+        )
     return 1 if errors else 0
 
 

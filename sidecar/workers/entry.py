@@ -40,7 +40,7 @@ def _parser() -> argparse.ArgumentParser:
 async def serve_worker(
     settings: Settings, worker: WorkerIdentity, report_fd: int, lifeline_fd: int
 ) -> int:
-    from sidecar.serve import run_server
+    from sidecar.serve import freeze_startup_objects, run_server
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -59,6 +59,7 @@ async def serve_worker(
     def report(ports: dict[str, int]) -> None:
         os.write(report_fd, jsonutil.dumps(ports) + b"\n")
         os.close(report_fd)
+        freeze_startup_objects(ports)
 
     return await run_server(settings, stop, report, worker=worker)
 

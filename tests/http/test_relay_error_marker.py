@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from sidecar.http_server.pd import _carries_error_event
+from sidecar.http_server.sse_relay import carries_error_event as _carries_error_event
 
 VLLM_EVENT = ("data: " + json.dumps({"error": {"message": "KV load failed", "type":
               "InternalServerError", "code": 500}}) + "\n\n").encode()

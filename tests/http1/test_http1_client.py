@@ -5,7 +5,9 @@ responses with Content-Length, chunked and close-delimited bodies are read whole
 connections are reused and dropped when the answer was not clean; every failure is typed
 (refused, reset mid-body, malformed, read deadline, header injection); close() reaches the
 server; the connection limit makes callers wait instead of opening more; a slow reader
-pauses the socket instead of buffering the whole answer.
+pauses the socket instead of buffering the whole answer; ``pipe()`` hands each read to its
+sink, keeps a cleanly ended connection, stops reading while the sink is full until its
+catch-up ran, and reports a cut or silent engine as ``readany()`` does.
 """
 
 from __future__ import annotations
@@ -419,4 +421,119 @@ async def test_a_waiter_cancelled_after_its_wake_up_passes_the_slot_on() -> None
             answer = await second
         assert await answer.read() == b"{}"
         answer.release()
+        await http.close()
+
+
+CHUNKED_HEAD = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+
+
+async def test_pipe_hands_each_read_to_the_sink_and_keeps_the_connection() -> None:
+    got_first = asyncio.Event()
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        for _ in range(2):
+            await read_request(reader)
+            got_first.clear()
+            writer.write(CHUNKED_HEAD + b"5\r\nhello\r\n")
+            await writer.drain()
+            await got_first.wait()  # the second piece leaves only after the first arrived
+            writer.write(b"6\r\n world\r\n0\r\n\r\n")
+            await writer.drain()
+
+    async def no_catch_up() -> None:
+        raise AssertionError("a sink that takes everything never needs catching up")
+
+    async with scripted(serve) as (url, peers):
+        http = client()
+        for _ in range(2):
+            pieces: list[bytes] = []
+
+            def sink(data: bytes, pieces: list[bytes] = pieces) -> bool:
+                pieces.append(data)
+                got_first.set()
+                return True
+
+            response = await http.request("GET", url + "/stream")
+            await response.pipe(sink, no_catch_up)
+            assert b"".join(pieces) == b"hello world"
+            assert len(pieces) == 2  # one call per read, the second after the first
+        assert len(peers) == 1  # the piped answer ended cleanly: the connection was reused
+        await http.close()
+
+
+async def test_a_full_sink_pauses_reading_until_it_caught_up() -> None:
+    got = {name: asyncio.Event() for name in "ab"}
+    third_sent = asyncio.Event()
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(CHUNKED_HEAD + b"1\r\na\r\n")
+        await writer.drain()
+        await got["a"].wait()
+        writer.write(b"1\r\nb\r\n")
+        await writer.drain()
+        await got["b"].wait()
+        writer.write(b"1\r\nc\r\n0\r\n\r\n")
+        await writer.drain()
+        third_sent.set()
+
+    log: list[str] = []
+    async with scripted(serve) as (url, _):
+        http = client()
+        response = await http.request("GET", url + "/stream")
+        transport = response._conn.transport  # type: ignore[union-attr]
+        assert transport is not None
+
+        def sink(data: bytes) -> bool:
+            name = data.decode()
+            log.append(f"sink {name}")
+            if name in got:
+                got[name].set()
+            return name != "b"  # full after the second piece
+
+        async def catch_up() -> None:
+            log.append("catch_up")
+            assert not transport.is_reading()  # paused while the sink is full
+            await third_sent.wait()
+            await asyncio.sleep(0)  # a loop turn in which a read would have run
+            log.append("caught up")
+
+        await response.pipe(sink, catch_up)
+        assert log == ["sink a", "sink b", "catch_up", "caught up", "sink c"]
+        await http.close()
+
+
+async def test_pipe_reports_a_break_and_a_silent_engine() -> None:
+    gone = asyncio.Event()
+
+    async def cut(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(CHUNKED_HEAD + b"5\r\nhel")
+        await writer.drain()
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(CHUNKED_HEAD + b"5\r\nhello\r\n")
+        await writer.drain()
+        await reader.read()  # returns when the client drops the connection
+        gone.set()
+
+    async def no_catch_up() -> None:
+        raise AssertionError("not reached")
+
+    async with scripted(cut) as (url, _):
+        http = client()
+        response = await http.request("GET", url + "/stream")
+        with pytest.raises(UpstreamBroken):
+            await response.pipe(lambda data: True, no_catch_up)
+        response.release()
+        assert http.open_connections == 0
+        await http.close()
+    async with scripted(silent) as (url, _):
+        http = client(read_timeout_s=0.05)
+        response = await http.request("GET", url + "/stream")
+        with pytest.raises(TimeoutError):
+            await response.pipe(lambda data: True, no_catch_up)
+        response.close()
+        await gone.wait()  # the timed-out exchange's connection was closed
         await http.close()

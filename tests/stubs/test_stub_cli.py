@@ -69,7 +69,7 @@ def test_faults_endpoint_and_transport_flags() -> None:
         ["--role", "both"],
         ["--role", "decode", "--kv-connector", "mooncake"],
         ["--role", "decode", "--faults-endpoint"],
-        ["--role", "decode", "--itl", "0.01"],
+        ["--role", "decode", "--eos-rate", "5"],
     ],
 )
 def test_lean_transport_refuses_what_it_does_not_serve(argv: list[str]) -> None:

@@ -110,10 +110,8 @@ class StubConfig:
             raise ValueError(f"the lean transport serves prefill or decode, not {self.role!r}")
         if self.engine == "vllm" and self.kv_connector != "shfs":
             raise ValueError("the lean vLLM engine speaks NixlConnector (shfs) only")
-        if self.faults or self.ttft_s or self.itl_s or self.eos_rate or self.control_faults:
-            raise ValueError(
-                "the lean transport has no fault switches, latency shaping or EOS"
-            )
+        if self.faults or self.eos_rate or self.control_faults:
+            raise ValueError("the lean transport has no fault switches or EOS")
 
     @property
     def has_bootstrap_server(self) -> bool:

@@ -11,6 +11,12 @@ one ``transport.write`` per event, paused and resumed with the transport's flow 
 Idle keep-alive connections close after ``keepalive_s`` (vLLM's uvicorn: 5 s), found by one
 periodic sweep rather than a timer per request.
 
+Pacing (``Pacing``, the bench's paced mode): a stream's first ``paced`` events leave one timer
+tick each, the first after ``first_s``, the next ones ``every_s`` apart on a fixed schedule
+(a late tick shortens the next gap instead of shifting the schedule; one event a tick); the events
+after them (usage, ``[DONE]``) follow the last paced one at once, as an engine writes them.
+``send_later`` holds a whole answer back (a non-streamed answer takes its tokens' time).
+
 Deliberate limits: HTTP/1.0 and 1.1 only, no TLS, no ``Expect: 100-continue``, no upgrade;
 responses carry no Date or Server header; request bodies are kept in memory, capped (413).
 """
@@ -56,6 +62,15 @@ def _status_line(status: int) -> bytes:
 _STATUS_LINES: Final = {s.value: _status_line(s.value) for s in HTTPStatus}
 
 
+@dataclass(frozen=True, slots=True)
+class Pacing:
+    """When a stream's events leave: the first after ``first_s``, then every ``every_s``."""
+
+    first_s: float
+    every_s: float
+    paced: int  # how many leading events are paced (the tokens); the rest follow the last
+
+
 @dataclass(slots=True)
 class Request:
     """One parsed request: header names lower-cased, the body whole."""
@@ -92,6 +107,10 @@ class HttpConnection(asyncio.Protocol):
         self._queue: deque[Request] = deque()
         self._task: asyncio.Task[None] | None = None
         self._events: Iterator[bytes] | None = None
+        self._pacing: Pacing | None = None
+        self._sent = 0  # events of the current stream written so far
+        self._due = 0.0  # loop time the next paced event is due
+        self._tick: asyncio.TimerHandle | None = None
         self._paused = False
         self._closed = False
         self._too_large = False
@@ -107,7 +126,7 @@ class HttpConnection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._closed = True
         self.server.connections.discard(self)
-        self._events = None
+        self._stop_stream()
         if self._task is not None and not self._task.done():
             self._task.cancel()
 
@@ -122,7 +141,7 @@ class HttpConnection(asyncio.Protocol):
 
     def resume_writing(self) -> None:
         self._paused = False
-        if self._events is not None:
+        if self._events is not None and self._tick is None:
             self._pump()
 
     # -- parser callbacks -------------------------------------------------------------
@@ -225,13 +244,38 @@ class HttpConnection(asyncio.Protocol):
         self.transport.write(self._head(status, content_type, framing) + body)
         self._finish()
 
-    def send_stream(self, events: Iterator[bytes], content_type: bytes = SSE) -> None:
+    def send_later(self, delay_s: float, status: int, body: bytes) -> None:
+        """``send`` after ``delay_s`` (at once when it is 0): a paced non-streamed answer."""
+        if delay_s <= 0:
+            self.send(status, body)
+            return
+        self._tick = asyncio.get_running_loop().call_later(delay_s, self._send_held, status, body)
+
+    def _send_held(self, status: int, body: bytes) -> None:
+        self._tick = None
+        self.send(status, body)
+
+    def send_stream(
+        self, events: Iterator[bytes], content_type: bytes = SSE, pacing: Pacing | None = None
+    ) -> None:
         """Answer with a chunked body: one chunk, one write, per item of ``events``."""
         if self._closed or self.transport is None:
             return
         framing = b"transfer-encoding: chunked\r\ncache-control: no-cache\r\n"
         self.transport.write(self._head(200, content_type, framing))
         self._events = events
+        self._sent = 0
+        if pacing is not None and pacing.paced > 0 and (pacing.first_s > 0 or pacing.every_s > 0):
+            self._pacing = pacing
+            loop = asyncio.get_running_loop()
+            self._due = loop.time() + pacing.first_s
+            self._tick = loop.call_at(self._due, self._on_tick)
+            return
+        self._pacing = None
+        self._pump()
+
+    def _on_tick(self) -> None:
+        self._tick = None
         self._pump()
 
     def _pump(self) -> None:
@@ -239,18 +283,35 @@ class HttpConnection(asyncio.Protocol):
         events = self._events
         if transport is None or events is None:
             return
+        pacing = self._pacing
         while not self._paused:
             event = next(events, None)
             if event is None:
                 self._events = None
+                self._pacing = None
                 transport.write(b"0\r\n\r\n")
                 self._finish()
                 return
             transport.write(b"%x\r\n%s\r\n" % (len(event), event))
+            self._sent += 1
+            if pacing is not None and self._sent < pacing.paced:
+                # The next token is due one interval after this one was; a late tick
+                # sends it at once but never two in one tick.
+                loop = asyncio.get_running_loop()
+                self._due = max(self._due + pacing.every_s, loop.time())
+                self._tick = loop.call_at(self._due, self._on_tick)
+                return
+
+    def _stop_stream(self) -> None:
+        self._events = None
+        self._pacing = None
+        if self._tick is not None:
+            self._tick.cancel()
+            self._tick = None
 
     def close(self) -> None:
         self._closed = True
-        self._events = None
+        self._stop_stream()
         if self.transport is not None:
             self.transport.close()
 

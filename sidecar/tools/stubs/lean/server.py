@@ -17,8 +17,12 @@ about 0.5 cores per stub under the bench's load, which the sidecar then lacks on
 machine. Config, identity, dispatch by engine name, verdicts and their metric lines are the
 ones the aiohttp transport uses (``config``, ``handoff``).
 
-Deliberate limits: see ``StubConfig._check_lean``: zero latency, no fault switches, no
-request recording, completions only, vLLM NIXL (``shfs``) and SGLang only.
+Latency shaping (``--ttft``, ``--itl``, the bench's paced mode) as the aiohttp transport
+shapes it: a stream's first token after ``ttft``, the next ones ``itl`` apart (timer ticks,
+no task per stream: ``lean.http.Pacing``); a non-streamed answer after ``ttft + itl * (n - 1)``.
+
+Deliberate limits: see ``StubConfig._check_lean``: no fault switches, no EOS, no request
+recording, completions only, vLLM NIXL (``shfs``) and SGLang only.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Coroutine, Iterator
 from dataclasses import replace
 from typing import Any, Final, Protocol
 
@@ -35,7 +39,7 @@ import orjson
 from sidecar.tools.stubs import handoff, shapes
 from sidecar.tools.stubs.config import StubConfig, flavour_class
 from sidecar.tools.stubs.lean import openai as lean_openai
-from sidecar.tools.stubs.lean.http import TEXT, HttpConnection, Request, Server
+from sidecar.tools.stubs.lean.http import TEXT, HttpConnection, Pacing, Request, Server
 from sidecar.tools.stubs.lean.openai import Completion
 from sidecar.tools.stubs.openai import BadRequest
 
@@ -73,6 +77,18 @@ class FlavourBase:
         self.engine = engine
         self.config = engine.config
         self.prefill = engine.config.role == "prefill"
+
+    def reply(self, conn: HttpConnection, body: bytes, tokens: int) -> None:
+        """A non-streamed 200 answer, after its ``tokens``' time when latency is shaped."""
+        cfg = self.config
+        delay = (cfg.ttft_s if tokens else 0.0) + cfg.itl_s * max(tokens - 1, 0)
+        conn.send_later(delay, 200, body)
+
+    def reply_stream(self, conn: HttpConnection, events: Iterator[bytes], tokens: int) -> None:
+        """A streamed answer whose first ``tokens`` events are paced like an engine's steps."""
+        cfg = self.config
+        pacing = Pacing(cfg.ttft_s, cfg.itl_s, tokens) if cfg.ttft_s or cfg.itl_s else None
+        conn.send_stream(events, pacing=pacing)
 
 
 class Engine:

@@ -147,8 +147,11 @@ class SglangFlavour(FlavourBase):
         words = lean_openai.words(c.digest, min(n, c.max_tokens), kind)
         created = int(time.time())
         if c.stream:
-            conn.send_stream(lean_openai.render_events(c, rid, created, words, choice_extra=b""))
+            self.reply_stream(
+                conn, lean_openai.render_events(c, rid, created, words, choice_extra=b""),
+                len(words.each),
+            )
             return
-        conn.send(200, lean_openai.render_json(
+        self.reply(conn, lean_openai.render_json(
             c, rid, created, words, choice_extra=_CHOICE_EXTRA, top_extra={}
-        ))
+        ), len(words.each))

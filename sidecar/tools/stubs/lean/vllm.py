@@ -136,14 +136,15 @@ class VllmFlavour(FlavourBase):
         created = int(time.time())
         if c.stream:
             # vLLM returns kv_transfer_params on non-streamed answers only.
-            conn.send_stream(
-                lean_openai.render_events(c, response_id, created, words, choice_extra=b"")
+            self.reply_stream(
+                conn, lean_openai.render_events(c, response_id, created, words, choice_extra=b""),
+                len(words.each),
             )
             return
         top = {
             "service_tier": None, "system_fingerprint": None, "kv_transfer_params": kv,
             "ec_transfer_params": None, "metrics": None,
         }
-        conn.send(200, lean_openai.render_json(
+        self.reply(conn, lean_openai.render_json(
             c, response_id, created, words, choice_extra=_CHOICE_EXTRA, top_extra=top
-        ))
+        ), len(words.each))

@@ -1,0 +1,127 @@
+"""The paced mode's parts: paced lean stubs, token timing in the load client, the bare relay,
+and ``python -m bench.run --mode paced --quick`` end to end.
+
+Proves: a lean stub with ``ttft``/``itl`` sends the same chunks as without, no sooner than its
+schedule allows (the last token not before ``ttft + (n - 1) * itl``; a non-streamed answer
+not before the same time); the load client stamps each token event and reports one gap per
+pair of tokens ([DONE] excluded) and counts events into a shared tally as they arrive; the
+bare relay forwards an exchange byte for byte; the paced run measures every way (direct,
+bare relay, before, sidecar with 1 and 2 workers) on both flows without errors, with CPU and
+system calls per token for the relaying processes, and prints its table. Does not prove
+speed: the quick run is a few streams on a shared machine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import orjson
+import pytest
+from test_lean_engine import PROMPT, dechunk, raw_exchange, request
+
+from bench import procs
+from bench.lean_client import Client, EventTally, Origin
+from sidecar.tools.stubs.lean.server import run_lean
+
+REPO = Path(__file__).resolve().parents[2]
+TTFT_S, ITL_S, TOKENS = 0.04, 0.02, 4
+#: Timers may fire up to a clock tick early (libuv rounds to milliseconds).
+EARLY_S = 0.005
+
+
+def choices(raw: bytes) -> list[object]:
+    """Each chunk's event with its per-request fields (id, created) left out."""
+    events = []
+    for chunk in dechunk(raw):
+        data = chunk.removeprefix(b"data: ")
+        events.append(data if data.startswith(b"[DONE]") else orjson.loads(data)["choices"])
+    return events
+
+
+async def test_paced_stream_is_the_same_chunks_on_schedule() -> None:
+    body = {"prompt": PROMPT, "max_tokens": TOKENS, "stream": True}
+    async with run_lean(engine="vllm", role="decode") as plain:
+        unpaced = await raw_exchange(plain.port, request(body))
+    async with run_lean(engine="vllm", role="decode", ttft_s=TTFT_S, itl_s=ITL_S) as paced:
+        started = time.monotonic()
+        raw = await raw_exchange(paced.port, request(body))
+        elapsed = time.monotonic() - started
+    assert choices(raw) == choices(unpaced)
+    assert len(dechunk(raw)) == TOKENS + 1  # a chunk per token, then [DONE]
+    assert elapsed >= TTFT_S + (TOKENS - 1) * ITL_S - EARLY_S
+
+
+async def test_paced_json_answer_takes_its_tokens_time() -> None:
+    body = {"prompt": PROMPT, "max_tokens": TOKENS}
+    async with run_lean(engine="sglang", role="decode", ttft_s=TTFT_S, itl_s=ITL_S) as paced:
+        started = time.monotonic()
+        raw = await raw_exchange(paced.port, request(body))
+        elapsed = time.monotonic() - started
+    assert raw.startswith(b"HTTP/1.1 200 OK\r\n")
+    answer = orjson.loads(raw.partition(b"\r\n\r\n")[2])
+    assert answer["usage"]["completion_tokens"] == TOKENS
+    assert elapsed >= TTFT_S + (TOKENS - 1) * ITL_S - EARLY_S
+
+
+async def test_client_reports_a_gap_per_token_pair_and_tallies_events() -> None:
+    tally = EventTally()
+    client = Client(timeout_s=10.0, tally=tally)
+    body = orjson.dumps({"prompt": PROMPT, "max_tokens": TOKENS, "stream": True})
+    try:
+        async with run_lean(engine="vllm", role="decode", ttft_s=0.0, itl_s=ITL_S) as paced:
+            origin = Origin("127.0.0.1", paced.port)
+            timed = await client.request(origin, b"POST", "/v1/completions", {}, body,
+                                         count_events=True, time_events=True)
+            untimed = await client.request(origin, b"POST", "/v1/completions", {}, body,
+                                           count_events=True)
+    finally:
+        await client.close()
+    assert timed.events == TOKENS + 1 and timed.gaps is not None
+    assert len(timed.gaps) == TOKENS - 1
+    assert all(gap >= 0 for gap in timed.gaps)
+    assert untimed.gaps is None
+    assert tally.events == 2 * (TOKENS + 1)
+
+
+async def test_bare_relay_forwards_byte_for_byte(tmp_path: Path) -> None:
+    body = {"prompt": PROMPT, "max_tokens": TOKENS, "stream": True}
+    async with run_lean(engine="vllm", role="decode") as engine:
+        direct = await raw_exchange(engine.port, request(body))
+        relay = await asyncio.to_thread(procs.start_relay, "relay", engine.port,
+                                        log_dir=tmp_path)
+        try:
+            relayed = await raw_exchange(relay.port, request(body))
+        finally:
+            await asyncio.to_thread(procs.stop, relay)
+    # Only the response ids differ (each request gets its own).
+    assert choices(relayed) == choices(direct)
+    assert relayed.partition(b"\r\n\r\n")[0] == direct.partition(b"\r\n\r\n")[0]
+
+
+@pytest.mark.parametrize("flows", ["seq", "conc"])
+def test_quick_paced_run_measures_every_way(tmp_path: Path, flows: str) -> None:
+    out = tmp_path / "paced.json"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.run", "--mode", "paced", "--quick", "--flows", flows,
+         "--workers", "1,2", "--baseline-tree", str(REPO), "--out", str(out)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=180, check=False,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(out.read_text())
+    (rnd,) = result["flows"][flows]["rounds"]
+    (row,) = rnd.values()
+    assert list(row) == ["direct", "bare", "before", "sidecar", "sidecar-w2"]
+    for way, side in row.items():
+        assert side["errors"] == 0 and side["requests"] > 0 and side["tokens"] > 0, way
+        assert side["itl_p50_ms"] > 0 and side["ttft_p50_ms"] > 0
+        if way != "direct":
+            assert side["relay_cpu_us_per_token"] > 0
+            assert side["relay_reads_per_token"] > 0 and side["relay_writes_per_token"] > 0
+    assert "| sidecar-w2 |" in done.stdout and "relay CPU us/token" in done.stdout
