@@ -47,14 +47,13 @@ from real_vllm.client import (
 from real_vllm.engine_schema import VllmSchema
 from real_vllm.harness import (
     SERVED_MODEL_NAME,
-    Engine,
     EngineEnv,
     EngineGroup,
     EngineSpec,
     mooncake_config,
 )
 from real_vllm.sidecar_process import Sidecar, sidecar_process, through
-from real_vllm.stack import RealVllm
+from real_vllm.stack import PdPair, RealVllm
 from sidecar.engines import resolve_engine
 from sidecar.grpc_server.server import start_grpc_server
 from sidecar.ids import IdSources, RoomAllocator, SnowflakeIds
@@ -72,21 +71,8 @@ MAX_NEW_TOKENS = 12
 
 
 @dataclass(frozen=True)
-class MooncakePair:
-    prefill_engine: Engine
-    decode_engine: Engine
-
-    @property
-    def prefill(self) -> str:
-        return self.prefill_engine.url
-
-    @property
-    def decode(self) -> str:
-        return self.decode_engine.url
-
-    @property
-    def prefill_hostport(self) -> str:
-        return f"127.0.0.1:{self.prefill_engine.port}"
+class MooncakePair(PdPair):
+    """The stack's prefill/decode pair, with the prefill's Mooncake bootstrap port."""
 
     @property
     def bootstrap_port(self) -> int:
@@ -111,7 +97,7 @@ def mooncake(engine_env: EngineEnv) -> Iterator[MooncakePair]:
             EngineSpec("mooncake-decode", mooncake_config("kv_consumer"), cpu=1,
                        prefix_caching=False),
         ])
-        yield MooncakePair(engines["mooncake-prefill"], engines["mooncake-decode"])
+        yield MooncakePair("mooncake", engines["mooncake-prefill"], engines["mooncake-decode"])
 
 
 @pytest.fixture(scope="module")
