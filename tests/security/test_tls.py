@@ -30,9 +30,10 @@ from typing import Any
 import aiohttp
 import grpc
 import pytest
+import tls_builders
 from aiohttp import web
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from sidecar_builders import RunningSidecar, sidecar_settings
+from sidecar_builders import RunningSidecar
 
 from sidecar.config_loader import (
     ConfigError,
@@ -40,7 +41,6 @@ from sidecar.config_loader import (
     add_settings_arguments,
     load_settings,
 )
-from sidecar.serve import run_server, server_tls
 from sidecar.tls import ReloadingServerTLS
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl")
@@ -138,22 +138,10 @@ class TLSSidecar:
 @contextlib.asynccontextmanager
 async def tls_sidecar(certs: Certs, **overrides: Any) -> AsyncIterator[TLSSidecar]:
     """``running_sidecar`` with the reloader handed in, so a test can call ``check_now``."""
-    settings = sidecar_settings(tls_cert_file=str(certs.cert), tls_key_file=str(certs.key),
-                                **overrides)
-    tls = server_tls(settings)
-    assert tls is not None
-    stop = asyncio.Event()
-    listening: asyncio.Future[dict[str, int]] = asyncio.get_running_loop().create_future()
-    server = asyncio.ensure_future(run_server(settings, stop, listening.set_result, tls=tls))
-    await asyncio.wait({server, listening}, return_when=asyncio.FIRST_COMPLETED)
-    if server.done():
-        server.result()
-        raise RuntimeError("sidecar stopped before listening")
-    try:
-        yield TLSSidecar(RunningSidecar(settings, listening.result(), stop), tls)
-    finally:
-        stop.set()
-        await server
+    async with tls_builders.tls_sidecar(
+        tls_cert_file=str(certs.cert), tls_key_file=str(certs.key), **overrides
+    ) as (running, tls):
+        yield TLSSidecar(running, tls)
 
 
 async def served_serial(port: int, ca: Path, server_hostname: str = "localhost") -> int:
