@@ -21,7 +21,7 @@ import time
 from collections.abc import Sequence
 
 from sidecar.__main__ import _serve
-from sidecar.config_loader import add_settings_arguments
+from sidecar.config.loader import add_settings_arguments
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -14,37 +14,23 @@ and hands them to the command.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
 import sys
-from collections.abc import Callable, Coroutine, Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
 
 from sidecar import __version__
-from sidecar.config_loader import (
+from sidecar.config.loader import (
     ConfigError,
     add_settings_arguments,
     load_settings,
     log_effective_settings,
     run_config_command,
 )
-from sidecar.logging_setup import configure_logging
+from sidecar.loop import run_async
+from sidecar.observability.logs import configure_logging
 
 logger = logging.getLogger("sidecar")
-
-
-def run_async(main: Coroutine[Any, Any, int]) -> int:
-    """Run ``main`` on uvloop where installed, else the default loop."""
-    factory: Callable[[], asyncio.AbstractEventLoop] | None = None
-    try:
-        import uvloop
-
-        factory = uvloop.new_event_loop
-    except ImportError:
-        pass
-    with asyncio.Runner(loop_factory=factory) as runner:
-        return runner.run(main)
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -25,21 +25,21 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from sidecar.admission import Admission
-from sidecar.allowlist import Allowlist
+from sidecar.config.settings import Settings
 from sidecar.core.engine_ids import EngineIdCache
 from sidecar.core.local_prefill import LocalPrefill
 from sidecar.core.orchestrator import Orchestrator
 from sidecar.core.scope import Scopes
-from sidecar.core.target_choice import TargetChoice
-from sidecar.core.targets import AllowlistLike, TargetSelector, parse_prefill_url
 from sidecar.core.upstream import make_session
 from sidecar.engine_health import EngineHealth
 from sidecar.engines import EngineHandler, build_handler
 from sidecar.http1 import EngineClient
 from sidecar.ids import INT32_ROOMS, IdSources, RoomAllocator, SnowflakeIds
-from sidecar.metrics import Metrics, pool_metrics_dir
-from sidecar.settings import Settings
-from sidecar.tracing import NoTracing, Tracing, start_tracing
+from sidecar.observability.metrics import Metrics, pool_metrics_dir
+from sidecar.observability.tracing import NoTracing, Tracing, start_tracing
+from sidecar.targets.allowlist import Allowlist
+from sidecar.targets.choice import TargetChoice
+from sidecar.targets.selector import AllowlistLike, TargetSelector, parse_prefill_url
 from sidecar.workers.identity import INFLIGHT_FILE, SOLO, WorkerIdentity
 from sidecar.workers.shared_inflight import InflightSlots
 
@@ -145,7 +145,7 @@ async def open_runtime(
 
         allowlist: AllowlistLike = Allowlist.parse(settings.prefill_allowlist)
         if settings.prefill_pod_selector:
-            from sidecar.k8s_allowlist import watched_pod_allowlist
+            from sidecar.targets.kubernetes import watched_pod_allowlist
 
             allowlist = await resources.enter_async_context(
                 watched_pod_allowlist(settings, Allowlist.parse(settings.prefill_allowlist))

@@ -21,8 +21,8 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from sidecar.config.settings import Settings
 from sidecar.serve import run_server
-from sidecar.settings import Settings
 from sidecar.tools.stubs import Stub, StubConfig, run_stub
 
 

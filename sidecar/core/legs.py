@@ -6,7 +6,8 @@
 Errors map to the taxonomy: unreachable -> PrefillFailed/EngineNotReady, 4xx ->
 EngineRejected, 5xx or garbage -> PrefillFailed/DecodeFailed, deadlines -> DeadlineExceeded.
 Engine error bodies are read (to free the connection) but never relayed: they may quote the
-prompt. Each call names the engine's HTTP status on its leg span (``sidecar.tracing``; a no-op
+prompt. Each call names the engine's HTTP status on its leg span
+(``sidecar.observability.tracing``; a no-op
 when tracing is off).
 """
 
@@ -27,7 +28,7 @@ from sidecar.errors import (
     Stage,
 )
 from sidecar.http1 import EngineClient, UpstreamConnectError, UpstreamError, UpstreamResponse
-from sidecar.tracing import HTTP_STATUS, NOOP_SPAN, LegSpan
+from sidecar.observability.tracing import HTTP_STATUS, NOOP_SPAN, LegSpan
 
 _MAX_ERROR_BODY = 64 * 1024
 

@@ -32,12 +32,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
+from sidecar.config.settings import PromptLengthSource, Settings
 from sidecar.core.exchange import PDExchange
 from sidecar.core.orchestrator import Orchestrator, PDRequest
 from sidecar.errors import DeadlineExceeded, EngineRejected, SidecarError
 from sidecar.protocol.context import HandoffContext, Route
 from sidecar.protocol.prompt_length import estimate_tokens, exact_tokens
-from sidecar.settings import PromptLengthSource, Settings
 
 logger = logging.getLogger(__name__)
 

@@ -49,12 +49,12 @@ from urllib.parse import urlsplit
 from opentelemetry.util.types import AttributeValue
 
 from sidecar import jsonutil
+from sidecar.config.settings import PrefillFailurePolicy, Settings
 from sidecar.core.engine_ids import EngineIdCache
 from sidecar.core.engine_model import EngineModel
 from sidecar.core.exchange import PDExchange, as_prefill_error, cancel_and_wait
 from sidecar.core.legs import open_decode, post_prefill
 from sidecar.core.scope import Scopes, Timings
-from sidecar.core.target_choice import TargetChoice
 from sidecar.engines.base import EngineHandler
 from sidecar.errors import (
     DeadlineExceeded,
@@ -68,9 +68,7 @@ from sidecar.errors import (
 )
 from sidecar.http1 import EngineClient, UpstreamConnectError, UpstreamError, UpstreamResponse
 from sidecar.ids import IdSources
-from sidecar.protocol.context import HandoffContext, PrefillTarget, Route
-from sidecar.settings import PrefillFailurePolicy, Settings
-from sidecar.tracing import (
+from sidecar.observability.tracing import (
     DECODE_FIRST_BYTE_SPAN,
     HANDOFF_SPAN,
     NOOP_TRACE,
@@ -80,6 +78,8 @@ from sidecar.tracing import (
     SERVER_PORT,
     RequestTrace,
 )
+from sidecar.protocol.context import HandoffContext, PrefillTarget, Route
+from sidecar.targets.choice import TargetChoice
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,8 @@
     scope.close()              counted once: requests{outcome}, stage "total", in-flight gauge,
                                admission left (once a detached background task ended too);
                                the request span ended with the outcome
-    scope.trace                the request's spans (``sidecar.tracing``; a no-op when off): the
+    scope.trace                the request's spans (``sidecar.observability.tracing``; a no-op
+                               when off): the
                                core opens leg spans under it and injects it into engine calls
 
 Every metric carries the front door (``http`` | ``grpc``); the ``route`` label is a closed set
@@ -35,8 +36,15 @@ from prometheus_client import Counter, Histogram
 
 from sidecar.admission import Admission
 from sidecar.errors import ClientCancelled, SidecarError
-from sidecar.metrics import Metrics
-from sidecar.tracing import NO_TRACING, NOOP_TRACE, Carrier, NoTracing, RequestTrace, Tracing
+from sidecar.observability.metrics import Metrics
+from sidecar.observability.tracing import (
+    NO_TRACING,
+    NOOP_TRACE,
+    Carrier,
+    NoTracing,
+    RequestTrace,
+    Tracing,
+)
 
 #: Outcomes a request is counted with (``disagg_requests_total{outcome}``).
 OK: Final = "ok"

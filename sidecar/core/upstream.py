@@ -16,8 +16,8 @@ from collections.abc import Iterable, Mapping
 
 from multidict import CIMultiDict
 
+from sidecar.config.settings import Settings
 from sidecar.http1 import EngineClient
-from sidecar.settings import Settings
 from sidecar.tls import client_ssl_context
 
 #: Hop-by-hop headers (RFC 9110 section 7.6.1) and those the client library recomputes.

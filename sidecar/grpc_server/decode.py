@@ -4,12 +4,12 @@ per generated token.
     request (a DecodeRequest, or its wire bytes for inline KV) ─strategy.read()─▶ DecodeInput
       ─serving(scope)─▶ admit ─strategy.decode_body()─▶ (engine body, request id)
         native (``sidecar.grpc_server.native``): the hand-off from the control blocks
-        inline (``sidecar.grpc_server.inline``): the KV staged for the engine's connector
+        inline (``sidecar.inline.grpc``): the KV staged for the engine's connector
       ─core.open_decode─▶ POST /v1/completions (stream) ─TokenStreamParser─▶
       TokenStream{request_id, token_id} ... {done, finish_reason}
 
 Tracing: the call's metadata is the trace carrier; the hand-off read, the decode's first byte
-and the relay (its token count) are spans of the request (``sidecar.tracing``).
+and the relay (its token count) are spans of the request (``sidecar.observability.tracing``).
 
 The engine's stream is parsed as it arrives; nothing is buffered beyond one event. What a
 strategy sets up for the request (inline: the staged KV) lives in the request's exit stack
@@ -46,10 +46,10 @@ from sidecar.grpc_gen import disagg_pb2
 from sidecar.grpc_server.rpc import serving
 from sidecar.grpc_server.token_stream import TokenStreamParser
 from sidecar.http1 import UpstreamError, UpstreamResponse
-from sidecar.kv_wire.inline import Entry
+from sidecar.inline.wire import Entry
+from sidecar.observability.tracing import HANDOFF_SPAN, NOOP_SPAN, RELAY_SPAN, RELAYED_TOKENS
 from sidecar.protocol.context import Route
 from sidecar.protocol.request_id import REQUEST_ID_HEADER
-from sidecar.tracing import HANDOFF_SPAN, NOOP_SPAN, RELAY_SPAN, RELAYED_TOKENS
 
 SERVICE: Final = disagg_pb2.DESCRIPTOR.services_by_name["DecodeWorker"].full_name
 METHOD: Final = f"/{SERVICE}/Decode"

@@ -40,6 +40,7 @@ import dataclasses
 import logging
 from typing import Any
 
+from sidecar.config.settings import Role, Settings
 from sidecar.core.orchestrator import Orchestrator, PrefillLeg
 from sidecar.core.scope import RequestScope, Scopes, Timings
 from sidecar.errors import FailedPrecondition, Stage
@@ -48,10 +49,9 @@ from sidecar.grpc_server.checks import check_max_new_tokens, check_temperature, 
 from sidecar.grpc_server.decode import DecodeInput
 from sidecar.grpc_server.prefill import Send, engine_target, resolve_advertise_host
 from sidecar.kv_wire.handoff import DecodedHandoff, decode_handoff, encode_handoff
-from sidecar.metrics import Metrics
+from sidecar.observability.metrics import Metrics
 from sidecar.protocol.context import Route
 from sidecar.protocol.request_id import REQUEST_ID_HEADER, request_id_or_new
-from sidecar.settings import Role, Settings
 
 logger = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@
                                                             only while the local engine is ready)
                 grpc.reflection.v1alpha.ServerReflection
       options:  max send/receive message size = settings.grpc_max_message_bytes
-      inline:   the process keeps freed heap for reuse (``sidecar.inline_kv.heap``)
+      inline:   the process keeps freed heap for reuse (``sidecar.inline.heap``)
 
 Health follows ``runtime.health`` (the engine watcher started by ``serve``): its change
 listener flips the statuses; once draining starts (SIGTERM), Check answers NOT_SERVING.
@@ -32,17 +32,17 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from sidecar.config.settings import KVTransport
 from sidecar.grpc_gen import disagg_pb2
 from sidecar.grpc_server.decode import DecodeService
-from sidecar.grpc_server.inline import InlineDecode, InlinePrefill
 from sidecar.grpc_server.native import NativeDecode, NativePrefill
 from sidecar.grpc_server.prefill import PrefillService
-from sidecar.inline_kv.heap import retain_freed_heap
-from sidecar.inline_kv.orphans import OrphanSweeper
-from sidecar.inline_kv.staging import StagingArea
+from sidecar.inline.grpc import InlineDecode, InlinePrefill
+from sidecar.inline.heap import retain_freed_heap
+from sidecar.inline.orphans import OrphanSweeper
+from sidecar.inline.staging import StagingArea
 from sidecar.protocol.hostfmt import url_host
 from sidecar.runtime import Runtime
-from sidecar.settings import KVTransport
 from sidecar.tls import ReloadingServerTLS
 
 logger = logging.getLogger(__name__)

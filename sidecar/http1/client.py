@@ -9,7 +9,7 @@ the engines' own idle timeout (vLLM/uvicorn: 5 s) so the sidecar never writes in
 connection the engine is closing; a request never retries on another connection (an engine
 may already have started a prefill; doubling it is worse than one 502); at the connection
 limit callers wait for a slot in arrival order. Connections go where the URL says: callers
-pass the address they checked (see ``sidecar.core.targets``), no proxy, no redirect, no
+pass the address they checked (see ``sidecar.targets.selector``), no proxy, no redirect, no
 cookie, no decompression.
 
 TLS: an ``https`` URL is always TLS (never a plain-TCP fallback), verified by the one context

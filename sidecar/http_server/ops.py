@@ -7,7 +7,7 @@ from aiohttp import web
 
 from sidecar import jsonutil
 from sidecar.http_server.keys import RUNTIME
-from sidecar.metrics import CONTENT_TYPE
+from sidecar.observability.metrics import CONTENT_TYPE
 
 
 def _json(status: int, payload: dict[str, object]) -> web.Response:

@@ -34,7 +34,6 @@ from sidecar.core.scope import (
     REFUSED,
     RequestScope,
 )
-from sidecar.core.targets import PREFILL_TARGET_HEADER
 from sidecar.core.upstream import forwardable_headers
 from sidecar.errors import (
     BodyTooLarge,
@@ -48,12 +47,13 @@ from sidecar.http_server.fanout import relay_fanout
 from sidecar.http_server.keys import RUNTIME
 from sidecar.http_server.proxy import proxy_to_engine
 from sidecar.http_server.sse_relay import SSERelay
+from sidecar.observability.tracing import NOOP_SPAN, RELAY_SPAN, RELAYED_BYTES, LegSpan
 from sidecar.protocol.context import Route
 from sidecar.protocol.request import parse_client_body
 from sidecar.protocol.request_id import REQUEST_ID_HEADER, request_id_or_new
 from sidecar.protocol.sse import answer_as_sse
 from sidecar.runtime import Runtime
-from sidecar.tracing import NOOP_SPAN, RELAY_SPAN, RELAYED_BYTES, LegSpan
+from sidecar.targets.selector import PREFILL_TARGET_HEADER
 
 logger = logging.getLogger(__name__)
 

@@ -19,10 +19,10 @@ from typing import Any, TextIO
 
 import aiohttp
 
+from sidecar.config.settings import Settings
 from sidecar.engines import handoff_keys
 from sidecar.kv_agents import valid_agent_names
 from sidecar.serve import run_server
-from sidecar.settings import Settings
 from sidecar.tools.stubs.config import StubConfig
 from sidecar.tools.stubs.server import run_stub
 

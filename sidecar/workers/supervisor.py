@@ -8,7 +8,7 @@
       SIGTERM/SIGINT ─▶ SIGTERM to every worker (each drains within --drain-grace-s) ─▶
       wait for all ─▶ remove the run dir ─▶ exit 0 (1 when a worker failed)
 
-Each worker is ``python -m sidecar.workers.entry`` with its index; it reports its bound ports
+Each worker is ``python -m sidecar.worker`` with its index; it reports its bound ports
 on a pipe once listening, and holds the read end of a lifeline pipe whose end-of-file (this
 process gone, even by SIGKILL) makes it drain and exit, so no worker outlives its supervisor.
 
@@ -36,8 +36,8 @@ from typing import Any
 
 from prometheus_client.multiprocess import mark_process_dead
 
-from sidecar.metrics import MULTIPROC_DIR_ENV
-from sidecar.settings import Settings
+from sidecar.config.settings import Settings
+from sidecar.observability.metrics import MULTIPROC_DIR_ENV
 from sidecar.workers.identity import INFLIGHT_FILE, METRICS_DIR, SETTINGS_FILE
 from sidecar.workers.ports import bound_port, reserve
 from sidecar.workers.shared_inflight import InflightSlots
@@ -129,7 +129,7 @@ class _Pool:
         report_read, report_write = os.pipe()
         try:
             process = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "sidecar.workers.entry",
+                sys.executable, "-m", "sidecar.worker",
                 "--run-dir", str(self.run_dir), "--index", str(index),
                 "--count", str(self.count), "--report-fd", str(report_write),
                 "--lifeline-fd", str(self.lifeline_read),

@@ -7,7 +7,7 @@ import unicodedata
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from sidecar.config_loader import LoadedSettings, add_settings_arguments, load_settings
+from sidecar.config.loader import LoadedSettings, add_settings_arguments, load_settings
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "podinfo"
 

@@ -12,7 +12,7 @@ from ipaddress import ip_address
 
 import pytest
 
-from sidecar.allowlist import Allowlist, parse_entry
+from sidecar.targets.allowlist import Allowlist, parse_entry
 
 
 def allows(entries: list[str], host: str, addresses: list[str], port: int) -> bool:

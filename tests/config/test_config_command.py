@@ -16,13 +16,13 @@ from pathlib import Path
 import pytest
 from config_builders import FIXTURES, args, load, parser
 
-from sidecar.config_loader import (
+from sidecar.config.loader import (
     flag_for,
     log_effective_settings,
     run_config_command,
     settings_report,
 )
-from sidecar.settings import Settings
+from sidecar.config.settings import Settings
 
 
 def run(argv: list[str], env: dict[str, str] | None = None) -> tuple[int, str, str]:

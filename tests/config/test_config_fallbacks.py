@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from config_builders import load, write_podinfo
 
-from sidecar.settings import Role
+from sidecar.config.settings import Role
 
 CONNECTOR_LABEL = "model.aibrix.ai/kv-connector-type"
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from config_builders import FIXTURES, load, write_podinfo
 
-from sidecar.settings import PrefillFailurePolicy, Role
+from sidecar.config.settings import PrefillFailurePolicy, Role
 
 
 @pytest.fixture

@@ -3,7 +3,7 @@
 Covered: every Settings field has a description (adding one without documentation fails
 here), every field has a row naming its flag, env variable and default, every label and
 annotation key appears, the precedence line is present, an undocumented field is refused by
-the generator, and ``python -m sidecar.config_docs`` prints the same text. The README copy is
+the generator, and ``python -m sidecar.config.docs`` prints the same text. The README copy is
 checked in test_reference_in_readme.
 """
 
@@ -14,10 +14,10 @@ import sys
 
 import pytest
 
-from sidecar import config_docs
-from sidecar.config_docs import UndocumentedSetting, configuration_reference_markdown
-from sidecar.config_loader import env_for, flag_for
-from sidecar.settings import POD_SOURCES, Settings
+from sidecar.config import docs as config_docs
+from sidecar.config.docs import UndocumentedSetting, configuration_reference_markdown
+from sidecar.config.loader import env_for, flag_for
+from sidecar.config.settings import POD_SOURCES, Settings
 
 
 @pytest.mark.parametrize("name", list(Settings.model_fields))
@@ -50,6 +50,6 @@ def test_undocumented_field_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_module_prints_the_reference() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "sidecar.config_docs"], capture_output=True, text=True, check=True
+        [sys.executable, "-m", "sidecar.config.docs"], capture_output=True, text=True, check=True
     )
     assert result.stdout == config_docs.configuration_reference_markdown()

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from config_builders import FIXTURES, load, write_podinfo
 
-from sidecar.config_loader import ConfigError
+from sidecar.config.loader import ConfigError
 
 
 def refused(argv: list[str] | None = None, env: dict[str, str] | None = None,

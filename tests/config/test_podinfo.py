@@ -17,7 +17,7 @@ from hypothesis import given
 from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 
-from sidecar.podinfo import PodInfoError, parse_podinfo_text, read_podinfo, unquote_go
+from sidecar.config.podinfo import PodInfoError, parse_podinfo_text, read_podinfo, unquote_go
 
 
 def test_reads_aibrix_fixture() -> None:

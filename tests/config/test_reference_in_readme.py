@@ -1,9 +1,9 @@
 """Proves README.md's configuration reference is exactly the generated one.
 
-README.md carries the output of ``python -m sidecar.config_docs`` between the lines
+README.md carries the output of ``python -m sidecar.config.docs`` between the lines
 ``<!-- config-reference:start -->`` and ``<!-- config-reference:end -->``; this test fails when
 a setting changes without the README following. To refresh the block:
-``python -m sidecar.config_docs --write README.md``.
+``python -m sidecar.config.docs --write README.md``.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from sidecar.config_docs import END_MARKER, START_MARKER, configuration_reference_markdown
+from sidecar.config.docs import END_MARKER, START_MARKER, configuration_reference_markdown
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 
@@ -50,5 +50,5 @@ def test_readme_reference_matches_generated() -> None:
     assert block is not None, "README.md lost its <!-- config-reference:start/end --> markers"
     assert block.strip() == configuration_reference_markdown().strip(), (
         "README.md's configuration reference is stale: replace the block between the markers "
-        "by running `python -m sidecar.config_docs --write README.md`"
+        "by running `python -m sidecar.config.docs --write README.md`"
     )

@@ -24,7 +24,7 @@ import promql_parser as pq
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.parser import text_string_to_metric_families
 
-from sidecar.metrics import Metrics
+from sidecar.observability.metrics import Metrics
 
 # Prometheus attaches these to every scraped series (the scrape job and the target address).
 TARGET_LABELS = frozenset({"job", "instance"})

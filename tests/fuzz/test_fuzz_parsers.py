@@ -20,12 +20,12 @@ from fuzz_builders import FUZZ
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sidecar.allowlist import Allowlist, parse_entry
-from sidecar.core.targets import parse_host_port, parse_target_header
+from sidecar.config.podinfo import PodInfoError, parse_podinfo_text
 from sidecar.errors import InvalidRequest
-from sidecar.podinfo import PodInfoError, parse_podinfo_text
 from sidecar.protocol.context import PrefillTarget, Route
 from sidecar.protocol.request import CONTROL_KEYS, HANDOFF_FIELDS, parse_client_body
+from sidecar.targets.allowlist import Allowlist, parse_entry
+from sidecar.targets.selector import parse_host_port, parse_target_header
 
 JSON_SCALARS = (
     st.none() | st.booleans() | st.integers(min_value=-(2**70), max_value=2**70)

@@ -19,10 +19,10 @@ from typing import Any
 import grpc
 from sidecar_builders import engine_settings, stub_pair
 
+from sidecar.config.settings import Settings
 from sidecar.grpc_gen import disagg_pb2, disagg_pb2_grpc
 from sidecar.grpc_server.server import start_grpc_server
 from sidecar.runtime import Runtime, open_runtime
-from sidecar.settings import Settings
 from sidecar.tools.stubs.server import Stub
 from sidecar.tools.stubs.textgen import PrefillKind, generate, prompt_digest
 

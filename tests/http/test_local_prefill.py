@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 from pd_builders import client_body, pd_pair
 
-from sidecar.config_loader import ConfigError, add_settings_arguments, load_settings
+from sidecar.config.loader import ConfigError, add_settings_arguments, load_settings
 from sidecar.protocol.context import Route
 from sidecar.protocol.prompt_length import estimate_tokens, exact_tokens
 from sidecar.protocol.request import HANDOFF_FIELDS

@@ -21,13 +21,13 @@ from typing import Any
 import pytest
 from pd_builders import client_body, pd_pair
 
+from sidecar.config.settings import Settings
 from sidecar.core.orchestrator import PDRequest
-from sidecar.core.target_choice import HEADER_LABEL, TargetChoice
 from sidecar.errors import PrefillFailed
-from sidecar.metrics import Metrics
+from sidecar.observability.metrics import Metrics
 from sidecar.protocol.context import PrefillTarget, Route
 from sidecar.runtime import open_runtime
-from sidecar.settings import Settings
+from sidecar.targets.choice import HEADER_LABEL, TargetChoice
 from sidecar.tools.stubs.faults import Fault, FaultKind
 from sidecar.tools.stubs.server import run_stub
 

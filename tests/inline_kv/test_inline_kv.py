@@ -22,9 +22,9 @@ from connectors.inline_layout import (
 from inline_kv.inline_builders import layer_blocks
 from sidecar.errors import SidecarError
 from sidecar.grpc_gen import disagg_pb2
-from sidecar.inline_kv.prefill_files import read_layer_messages, read_staged_meta
-from sidecar.inline_kv.staging import StagingArea
-from sidecar.kv_wire.inline import check_compatible, meta_block, parse_blocks
+from sidecar.inline.prefill_files import read_layer_messages, read_staged_meta
+from sidecar.inline.staging import StagingArea
+from sidecar.inline.wire import check_compatible, meta_block, parse_blocks
 
 LAYOUT = InlineLayout(
     dtype="float32", block_size=4, num_kv_heads=2, head_size=8, num_layers=3, fingerprint="f0"

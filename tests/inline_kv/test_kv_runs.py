@@ -44,12 +44,12 @@ from inline_kv.test_prefill_streaming import (
     layer_bytes,
     route,
 )
+from sidecar.config.settings import Settings
 from sidecar.errors import SidecarError
 from sidecar.grpc_gen import disagg_pb2
-from sidecar.inline_kv.prefill_files import pages_per_block, read_layer_messages
-from sidecar.kv_wire.inline import meta_block, parse_blocks
-from sidecar.kv_wire.protowire import frame_stream_block
-from sidecar.settings import Settings
+from sidecar.inline.prefill_files import pages_per_block, read_layer_messages
+from sidecar.inline.protowire import frame_stream_block
+from sidecar.inline.wire import meta_block, parse_blocks
 
 LAYOUT = InlineLayout(
     dtype="float32", block_size=4, num_kv_heads=2, head_size=8, num_layers=3, fingerprint="f0"

@@ -15,11 +15,11 @@ import time
 import uuid
 from pathlib import Path
 
-from sidecar.grpc_server.inline import InlinePrefill
+from sidecar.config.settings import KVTransport, Settings
 from sidecar.grpc_server.server import _services
-from sidecar.inline_kv.orphans import sweep_orphans
+from sidecar.inline.grpc import InlinePrefill
+from sidecar.inline.orphans import sweep_orphans
 from sidecar.runtime import open_runtime
-from sidecar.settings import KVTransport, Settings
 
 NOW = 1_000_000.0
 

@@ -48,8 +48,8 @@ from connectors.inline_layout import (
     send_notice,
     write_atomic,
 )
+from sidecar.config.settings import KVTransport
 from sidecar.grpc_gen import disagg_pb2, disagg_pb2_grpc
-from sidecar.settings import KVTransport
 
 LAYOUT = InlineLayout(
     dtype="float32", block_size=4, num_kv_heads=2, head_size=8, num_layers=3, fingerprint="f0"

@@ -19,9 +19,9 @@ from typing import Any
 from real_vllm.client import block_prompt, metric_value, post_json
 from real_vllm.harness import SERVED_MODEL_NAME
 from real_vllm.stack import RealVllm
+from sidecar.config.settings import Settings
 from sidecar.grpc_server.server import start_grpc_server
 from sidecar.runtime import open_runtime
-from sidecar.settings import Settings
 from sidecar.tools.route import route
 
 NIXL_BYTES = "vllm:nixl_bytes_transferred_sum"

@@ -39,10 +39,10 @@ from aiohttp import web
 from connectors.inline_layout import InlineLayout, read_engine_layout
 from real_vllm.client import post_json
 from real_vllm.harness import SERVED_MODEL_NAME, EngineEnv, EngineGroup, EngineSpec
+from sidecar.config.settings import KVTransport, Role, Settings
 from sidecar.grpc_gen import disagg_pb2, disagg_pb2_grpc
 from sidecar.grpc_server.server import start_grpc_server
 from sidecar.runtime import open_runtime
-from sidecar.settings import KVTransport, Role, Settings
 
 REPO = Path(__file__).resolve().parents[2]
 MAX_NEW_TOKENS = 12

@@ -54,6 +54,7 @@ from real_vllm.harness import (
 )
 from real_vllm.sidecar_process import Sidecar, sidecar_process, through
 from real_vllm.stack import PdPair, RealVllm
+from sidecar.config.settings import Settings
 from sidecar.engines import resolve_engine
 from sidecar.grpc_server.server import start_grpc_server
 from sidecar.ids import IdSources, RoomAllocator, SnowflakeIds
@@ -61,7 +62,6 @@ from sidecar.kv_agents import resolve_agent
 from sidecar.kv_agents.mooncake import engine_id_from_query
 from sidecar.protocol.context import HandoffContext, PrefillTarget, Route
 from sidecar.runtime import open_runtime
-from sidecar.settings import Settings
 from sidecar.tools.route import route
 
 ROUTES = {"completion": "/v1/completions", "chat": "/v1/chat/completions"}

@@ -23,7 +23,7 @@ from tracing.otlp_receiver import OtlpReceiver, ReceivedSpan, otlp_grpc_receiver
 from real_vllm.client import block_prompt, completion_body
 from real_vllm.harness import EngineEnv, EngineGroup, EngineSpec, example_config
 from real_vllm.sidecar_process import sidecar_process, through
-from sidecar.tracing import DECODE_FIRST_BYTE_SPAN, PREFILL_SPAN, REQUEST_SPAN
+from sidecar.observability.tracing import DECODE_FIRST_BYTE_SPAN, PREFILL_SPAN, REQUEST_SPAN
 
 VLLM_SPAN = "llm_request"
 PREFILL_SERVICE = "vllm-prefill"

@@ -1,4 +1,4 @@
-"""Proves the Kubernetes-mode allowlist (``sidecar.k8s_allowlist``) with a fake pod source:
+"""Proves the Kubernetes-mode allowlist (``sidecar.targets.kubernetes``) with a fake pod source:
 which pods count as targets (Running, with an IP, not being deleted, port from the label or
 the default), that host and port are both checked, that LIST replaces and WATCH events
 update the set (an IP that moved is refused at once), that the watch resumes from the last
@@ -19,10 +19,10 @@ from typing import Any
 
 import pytest
 
-from sidecar.allowlist import Allowlist
-from sidecar.core.targets import TargetSelector
 from sidecar.errors import TargetNotAllowed
-from sidecar.k8s_allowlist import PodAllowlist, WatchExpired, pod_target, watch_pods
+from sidecar.targets.allowlist import Allowlist
+from sidecar.targets.kubernetes import PodAllowlist, WatchExpired, pod_target, watch_pods
+from sidecar.targets.selector import TargetSelector
 
 PORT_LABEL = "model.aibrix.ai/port"
 
@@ -206,7 +206,7 @@ async def test_kubernetes_mode_in_a_running_sidecar(monkeypatch: pytest.MonkeyPa
     from ssrf_builders import trap
     from test_ssrf import engines, post
 
-    import sidecar.k8s_allowlist as k8s
+    import sidecar.targets.kubernetes as k8s
 
     async with engines() as (prefill, decode), trap("127.0.0.1") as t:
         monkeypatch.setattr(FakeKubernetesSource, "pods",

@@ -30,7 +30,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tls_builders import CertAuthority, Issued, client_context, tls_sidecar
 
-from sidecar.config_loader import ConfigError, LoadedSettings, add_settings_arguments, load_settings
+from sidecar.config.loader import ConfigError, LoadedSettings, add_settings_arguments, load_settings
 
 
 @dataclass(frozen=True)

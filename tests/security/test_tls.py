@@ -35,7 +35,7 @@ from aiohttp import web
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from sidecar_builders import RunningSidecar
 
-from sidecar.config_loader import (
+from sidecar.config.loader import (
     ConfigError,
     LoadedSettings,
     add_settings_arguments,

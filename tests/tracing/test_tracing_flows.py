@@ -33,17 +33,17 @@ from openai_builders import client_body
 from otlp_receiver import OtlpReceiver, ReceivedSpan, otlp_grpc_receiver
 from trace_builders import traced_pd
 
-import sidecar.tracing
-from sidecar.logging_setup import configure_logging
-from sidecar.protocol.context import Route
-from sidecar.tools.stubs.recorder import RecordedRequest
-from sidecar.tracing import (
+import sidecar.observability.tracing
+from sidecar.observability.logs import configure_logging
+from sidecar.observability.tracing import (
     DECODE_FIRST_BYTE_SPAN,
     HANDOFF_SPAN,
     PREFILL_SPAN,
     RELAY_SPAN,
     REQUEST_SPAN,
 )
+from sidecar.protocol.context import Route
+from sidecar.tools.stubs.recorder import RecordedRequest
 
 CLIENT_TRACE = "0af7651916cd43dd8448eb211c80319c"
 CLIENT_SPAN = "b7ad6b7169203331"
@@ -236,10 +236,11 @@ async def test_grpc_router_context_joins_both_rpcs_and_engines(receiver: OtlpRec
 
 @contextlib.contextmanager
 def tracing_calls() -> Iterator[collections.Counter[str]]:
-    """Counts calls into ``sidecar/tracing.py`` and the opentelemetry packages made on this
+    """Counts calls into ``sidecar/observability/tracing.py`` and the opentelemetry packages made on
+    this
     thread (the sidecars, stubs and clients of these tests all run on the test's loop)."""
     calls: collections.Counter[str] = collections.Counter()
-    tracing_file = sidecar.tracing.__file__
+    tracing_file = sidecar.observability.tracing.__file__
 
     def profile(frame: types.FrameType, event: str, arg: object) -> None:
         if event == "call":
@@ -268,7 +269,7 @@ async def test_off_is_free_per_request() -> None:
     assert calls == {}
     # The counter sees calls when they happen (guards the assertion above).
     with tracing_calls() as calls:
-        sidecar.tracing.NOOP_TRACE.span(sidecar.tracing.RELAY_SPAN)
+        sidecar.observability.tracing.NOOP_TRACE.span(sidecar.observability.tracing.RELAY_SPAN)
     assert sum(calls.values()) == 1
 
 

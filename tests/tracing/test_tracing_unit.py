@@ -1,4 +1,5 @@
-"""sidecar.tracing on its own: off is inert, on exports a parented span tree over OTLP.
+"""sidecar.observability.tracing on its own: off is inert, on exports a parented span tree over
+OTLP.
 
 Proves: without an endpoint nothing starts (no exporter thread, the shared no-op trace, engine
 headers handed back untouched); endpoint URLs are checked and their scheme picks OTLP/gRPC or
@@ -32,10 +33,10 @@ from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
 from otlp_receiver import OtlpReceiver, ReceivedSpan, otlp_grpc_receiver, otlp_http_receiver
 from pydantic import ValidationError
 
+from sidecar.config.settings import Settings
 from sidecar.errors import PrefillFailed, Stage
-from sidecar.logging_setup import configure_logging
-from sidecar.settings import Settings
-from sidecar.tracing import (
+from sidecar.observability.logs import configure_logging
+from sidecar.observability.tracing import (
     NO_TRACING,
     NOOP_TRACE,
     PREFILL_SPAN,

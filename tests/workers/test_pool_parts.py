@@ -21,11 +21,11 @@ import pytest
 from pydantic import ValidationError
 
 from sidecar.admission import Admission
-from sidecar.config_loader import add_settings_arguments, load_settings
+from sidecar.config.loader import add_settings_arguments, load_settings
+from sidecar.config.settings import Settings
 from sidecar.errors import Overloaded, ResourceExhausted
 from sidecar.ids import INT32_ROOMS, RoomAllocator, SnowflakeIds
-from sidecar.inline_kv.orphans import sweep_orphans, touch_owned
-from sidecar.settings import Settings
+from sidecar.inline.orphans import sweep_orphans, touch_owned
 from sidecar.workers.cores import available_cores, cgroup_cpu_limit
 from sidecar.workers.identity import MAX_WORKERS, WorkerIdentity
 from sidecar.workers.shared_inflight import InflightSlots

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from pool_builders import eventually
 
-from sidecar.settings import Settings
+from sidecar.config.settings import Settings
 from sidecar.workers import supervisor
 from sidecar.workers.identity import SETTINGS_FILE
 

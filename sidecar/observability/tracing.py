@@ -51,7 +51,7 @@ if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SpanExporter
 
-    from sidecar.settings import Settings
+    from sidecar.config.settings import Settings
 
 SERVICE_NAME: Final = "disagg-sidecar"
 TRACER_NAME: Final = "disagg_sidecar"

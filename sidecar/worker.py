@@ -1,4 +1,4 @@
-"""One worker process of a pool: ``python -m sidecar.workers.entry --run-dir D --index I ...``.
+"""The composition root of one worker process of a pool: ``python -m sidecar.worker ...``.
 
 Started by ``sidecar.workers.supervisor`` only. Reads the settings the supervisor resolved
 (``D/settings.json``: flags, environment and pod labels are read once, by the supervisor, and
@@ -20,15 +20,16 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from sidecar import jsonutil
-from sidecar.logging_setup import configure_logging
-from sidecar.settings import Settings
+from sidecar.config.settings import Settings
+from sidecar.loop import run_async
+from sidecar.observability.logs import configure_logging
 from sidecar.workers.identity import SETTINGS_FILE, WorkerIdentity
 
 logger = logging.getLogger(__name__)
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m sidecar.workers.entry")
+    parser = argparse.ArgumentParser(prog="python -m sidecar.worker")
     parser.add_argument("--run-dir", type=Path, required=True)
     parser.add_argument("--index", type=int, required=True)
     parser.add_argument("--count", type=int, required=True)
@@ -69,7 +70,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings = Settings.model_validate_json((args.run_dir / SETTINGS_FILE).read_bytes())
     configure_logging(settings.log_level, settings.log_format, worker=args.index)
     worker = WorkerIdentity(args.index, args.count, args.run_dir)
-    from sidecar.__main__ import run_async
 
     return run_async(serve_worker(settings, worker, args.report_fd, args.lifeline_fd))
 

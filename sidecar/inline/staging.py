@@ -23,7 +23,7 @@ from pathlib import Path
 
 from connectors.inline_layout import ENGINE_FILE, META_FILE, InlineMeta, layer_file, write_atomic
 from sidecar.errors import ResourceExhausted, Stage
-from sidecar.kv_wire.inline import InlineKV, Tile
+from sidecar.inline.wire import InlineKV, Tile
 
 #: Buffers per ``writev`` call (the POSIX minimum of IOV_MAX; Linux allows 1024).
 _IOV_MAX = 1024

@@ -30,9 +30,9 @@ from collections.abc import Sequence
 from typing import Protocol
 from urllib.parse import urlsplit
 
-from sidecar.core.target_choice import TargetChoice
 from sidecar.errors import InvalidRequest, PrefillFailed, TargetNotAllowed
 from sidecar.protocol.context import PrefillTarget
+from sidecar.targets.choice import TargetChoice
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 

@@ -2,11 +2,11 @@
 
 Precedence, highest first: command-line flags > environment ``DISAGG_*`` > the pod's labels
 and annotations (downward-API files under ``--podinfo-dir``) > defaults. The loader that
-applies it lives in ``sidecar.config_loader``; this module defines the fields and checks each
+applies it lives in ``sidecar.config.loader``; this module defines the fields and checks each
 value on its own (types, ranges, names, URL shapes, allowlist entries).
 
 Every field has a ``description``: it is the flag's help text and a row of the generated
-configuration reference (``sidecar.config_docs``), so a field without one fails a test.
+configuration reference (``sidecar.config.docs``), so a field without one fails a test.
 ``POD_SOURCES`` names the fields a pod label or annotation can set, and which field holds the
 key; ``EXTRA_ENV`` names environment variables read besides ``DISAGG_<FIELD>``.
 
@@ -25,9 +25,9 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from sidecar.allowlist import parse_entry
 from sidecar.kv_agents import DEFAULT_CONNECTOR, valid_agent_names
-from sidecar.tracing import check_endpoint
+from sidecar.observability.tracing import check_endpoint
+from sidecar.targets.allowlist import parse_entry
 from sidecar.workers.cores import available_cores
 from sidecar.workers.identity import MAX_WORKERS
 

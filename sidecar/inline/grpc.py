@@ -26,7 +26,7 @@ Decode (``InlineDecode``):
       ─▶ body {"prompt", "max_tokens", "stream": true, "kv_transfer_params": <load K>}
       (the engine's SidecarKVConnector loads the staged blocks into the blocks vLLM allocated)
 
-How a layer is known to be complete: ``sidecar.inline_kv.layer_watch`` (a Unix datagram per
+How a layer is known to be complete: ``sidecar.inline.layer_watch`` (a Unix datagram per
 layer from the connector). A notice only wakes the stream, which then sends the next layer in
 order if its file is there (files appear under their final name only complete); lost or
 absent notices merely delay layers to the engine's answer, after which every layer not yet
@@ -47,7 +47,7 @@ mistakes a partial stream for KV.
 Deliberate limits: one layer's blocks are held in memory at a time on the prefill side; an
 engine whose saving step is already running when the RPC is cancelled may write its files
 after they were removed (vLLM cannot abort a forward pass in progress): ``active_keys`` names
-the requests in flight, and ``sidecar.inline_kv.orphans`` removes such late directories once
+the requests in flight, and ``sidecar.inline.orphans`` removes such late directories once
 they are old. The decode side cannot check that ``token_ids`` are the prompt the KV was
 computed from (the metadata carries no token hash); it only refuses KV of more tokens than
 the prompt has.
@@ -67,6 +67,7 @@ from typing import Any
 from google.protobuf.message import DecodeError
 
 from connectors.inline_layout import InlineMeta, LayoutError, read_engine_layout
+from sidecar.config.settings import Settings
 from sidecar.core.orchestrator import Orchestrator, PrefillLeg
 from sidecar.core.scope import RequestScope
 from sidecar.errors import FailedPrecondition, InvalidRequest, ResourceExhausted, Stage
@@ -74,8 +75,8 @@ from sidecar.grpc_gen import disagg_pb2
 from sidecar.grpc_server.checks import check_max_new_tokens, check_temperature, check_token_ids
 from sidecar.grpc_server.decode import DecodeInput
 from sidecar.grpc_server.prefill import Send
-from sidecar.inline_kv.layer_watch import LayerNotices
-from sidecar.inline_kv.prefill_files import (
+from sidecar.inline.layer_watch import LayerNotices
+from sidecar.inline.prefill_files import (
     LayerMessage,
     announced_meta,
     pages_per_block,
@@ -83,14 +84,13 @@ from sidecar.inline_kv.prefill_files import (
     read_staged_meta,
     ready_layer_messages,
 )
-from sidecar.inline_kv.staging import StagingArea
+from sidecar.inline.protowire import WireError, split_decode_request
+from sidecar.inline.staging import StagingArea
+from sidecar.inline.wire import check_compatible, meta_block, parse_blocks, parse_entries
 from sidecar.kv_agents.inline import load_fields, save_fields
-from sidecar.kv_wire.inline import check_compatible, meta_block, parse_blocks, parse_entries
-from sidecar.kv_wire.protowire import WireError, split_decode_request
-from sidecar.metrics import Metrics
+from sidecar.observability.metrics import Metrics
 from sidecar.protocol.context import Route
 from sidecar.protocol.request_id import REQUEST_ID_HEADER, request_id_or_new
-from sidecar.settings import Settings
 
 #: Bytes of a stream message besides its K and V: the request id and the framing.
 _MESSAGE_SLACK = 4096

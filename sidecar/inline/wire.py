@@ -1,10 +1,10 @@
 """Inline KV blocks: the metadata control block (``layer_idx == -2``) and the data blocks.
 
 Prefill side: ``meta_block`` is the stream's first block; the data blocks are built from the
-engine's layer files by ``sidecar.inline_kv.prefill_files`` (one layer at a time).
+engine's layer files by ``sidecar.inline.prefill_files`` (one layer at a time).
 
 Decode side: ``parse_blocks`` reassembles a ``DecodeRequest``'s blocks and checks them
-(``parse_entries`` the same for blocks walked off the wire by ``sidecar.kv_wire.protowire``):
+(``parse_entries`` the same for blocks walked off the wire by ``sidecar.inline.protowire``):
 a missing, duplicated or malformed metadata block, a data block outside the metadata's
 layers/blocks, a tile of the wrong size, a duplicated or missing block -> INVALID_ARGUMENT
 (``InvalidRequest``); ``check_compatible`` refuses KV of another model, dtype or shape than
@@ -90,7 +90,7 @@ def parse_blocks(blocks: Sequence[disagg_pb2.KVBlock], *, max_blocks: int) -> In
 
 
 def parse_entries(entries: Sequence[Entry], *, max_blocks: int) -> InlineKV:
-    """``parse_blocks`` on blocks already taken apart (e.g. by ``sidecar.kv_wire.protowire``)."""
+    """``parse_blocks`` on blocks already taken apart (e.g. by ``sidecar.inline.protowire``)."""
     metas = [e for e in entries if e[0] == INLINE_META_LAYER]
     if len(metas) != 1:
         raise _bad(f"expected one metadata block (layer_idx -2), got {len(metas)}")

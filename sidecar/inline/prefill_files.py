@@ -32,7 +32,7 @@ from connectors.inline_layout import (
     read_engine_layout,
 )
 from sidecar.errors import FailedPrecondition, Stage
-from sidecar.kv_wire.protowire import frame_stream_block
+from sidecar.inline.protowire import frame_stream_block
 
 logger = logging.getLogger(__name__)
 

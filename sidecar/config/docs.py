@@ -2,7 +2,7 @@
 
     Settings fields + descriptions + config_loader naming  ->  Markdown table
 
-``python -m sidecar.config_docs`` prints it; README.md carries the same text between
+``python -m sidecar.config.docs`` prints it; README.md carries the same text between
 ``<!-- config-reference:start -->`` and ``<!-- config-reference:end -->``, and a test fails
 when the two differ or when a field has no description.
 
@@ -17,7 +17,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from sidecar.config_loader import (
+from sidecar.config.loader import (
     LIST_FIELDS,
     REPEATABLE_FIELDS,
     env_for,
@@ -25,7 +25,7 @@ from sidecar.config_loader import (
     flag_for,
     is_bool_field,
 )
-from sidecar.settings import EXTRA_ENV, POD_SOURCES, Settings
+from sidecar.config.settings import EXTRA_ENV, POD_SOURCES, Settings
 
 START_MARKER = "<!-- config-reference:start -->"
 END_MARKER = "<!-- config-reference:end -->"

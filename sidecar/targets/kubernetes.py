@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from sidecar.allowlist import Allowlist
-from sidecar.settings import Settings
+from sidecar.config.settings import Settings
+from sidecar.targets.allowlist import Allowlist
 
 logger = logging.getLogger(__name__)
 

@@ -34,12 +34,12 @@ from urllib.parse import urlsplit
 
 from pydantic import ValidationError
 
+from sidecar.config.podinfo import PodInfo, PodInfoError, read_podinfo
+from sidecar.config.settings import EXTRA_ENV, POD_SOURCES, PromptLengthSource, Settings
 from sidecar.core.local_prefill import TOKENIZE_ENDPOINTS
 from sidecar.engines import valid_engine_names
 from sidecar.kv_agents import AGENTS, resolve_connector_type, valid_agent_names
-from sidecar.podinfo import PodInfo, PodInfoError, read_podinfo
 from sidecar.protocol.hostfmt import is_loopback_host
-from sidecar.settings import EXTRA_ENV, POD_SOURCES, PromptLengthSource, Settings
 from sidecar.tls import ReloadingServerTLS, TLSFileError, client_ssl_context
 
 ENV_PREFIX = "DISAGG_"
