@@ -18,7 +18,7 @@ shape) from the first, joined by this process, sent as one request to the second
 counted over both hops as ``bench.kv_throughput`` does, so directly comparable with its
 ``grpc_path_mb_s`` and raw loopback).
 
-``--retain-heap`` makes both ends keep freed heap memory (``sidecar.inline.heap``, what
+``--retain-heap`` makes both ends keep freed heap memory (``sidecar.grpc_server.inline.heap``, what
 the sidecars do in inline mode): without it every large message is faulted in anew.
 Figures on the 2-core machine (32 MiB total, MB/s, best of 5, machine shared):
 
@@ -60,7 +60,7 @@ from typing import Any
 import grpc
 
 from bench.kv_throughput import raw_loopback_mb_s
-from sidecar.inline.heap import retain_freed_heap
+from sidecar.grpc_server.inline.heap import retain_freed_heap
 
 _STREAM = "/ceiling.C/Stream"
 _SINK = "/ceiling.C/Sink"
@@ -199,7 +199,7 @@ def main() -> None:
                         help="stream message size of the two-hop chain (1 MiB: one run "
                         "per layer of bench.kv_throughput's default shape)")
     parser.add_argument("--retain-heap", action="store_true",
-                        help="both ends keep freed heap (sidecar.inline.heap)")
+                        help="both ends keep freed heap (sidecar.grpc_server.inline.heap)")
     parser.add_argument("--uvloop", action="store_true", help="both ends on uvloop")
     parser.add_argument("--options", default="[]", help="JSON list of [name, value] pairs")
     args = parser.parse_args()

@@ -33,7 +33,7 @@ building DecodeRequest), CPU milliseconds per request of each sidecar and of thi
 (``VmRSS`` once started, ``VmHWM`` at the end) and the decode's peak over the largest
 DecodeRequest (requests run one at a time: one concurrent Decode); ``summary`` gives each
 case's best round. This process keeps freed heap for reuse like the sidecars do
-(``sidecar.inline.heap``).
+(``sidecar.grpc_server.inline.heap``).
 
 Figures: bench/RESULTS.md ("Inline KV over gRPC"). On the shared 2-vCPU machine, 32 MiB
 per request, three rounds per run: main's page-sized blocks 417-494 MB/s, 2 MiB runs 474-588
@@ -80,8 +80,8 @@ from connectors.inline_layout import (
     write_atomic,
 )
 from sidecar.grpc_gen import disagg_pb2
-from sidecar.inline.heap import retain_freed_heap
-from sidecar.inline.protowire import frame_decode_request, kv_block_of_stream
+from sidecar.grpc_server.inline.heap import retain_freed_heap
+from sidecar.grpc_server.inline.protowire import frame_decode_request, kv_block_of_stream
 
 MODEL = "bench-kv"
 
@@ -196,7 +196,8 @@ def decode_request_bytes(
     head: disagg_pb2.DecodeRequest, blocks: Sequence[bytes | memoryview]
 ) -> bytes:
     """``head`` with ``blocks`` (serialized KVBlocks) appended to its ``kv_blocks``
-    (``sidecar.inline.protowire.frame_decode_request``: no block is copied into a message)."""
+    (``sidecar.grpc_server.inline.protowire.frame_decode_request``: no block is copied into a
+    message)."""
     return frame_decode_request(head.SerializeToString(), blocks)
 
 

@@ -20,13 +20,14 @@ import sys
 from collections.abc import Callable, Sequence
 
 from sidecar import __version__
+from sidecar.config.checks import ConfigError
 from sidecar.config.loader import (
-    ConfigError,
     add_settings_arguments,
     load_settings,
     log_effective_settings,
     run_config_command,
 )
+from sidecar.dialects import DIALECTS
 from sidecar.loop import run_async
 from sidecar.observability.logs import configure_logging
 
@@ -72,7 +73,8 @@ def _route(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="disagg-sidecar",
-        description="Prefill/decode-disaggregated LLM serving next to vLLM, SGLang or TRT-LLM.",
+        description="Prefill/decode-disaggregated LLM serving next to an engine ("
+        f"dialects: {', '.join(DIALECTS.engines())}).",
     )
     parser.add_argument("--version", action="version", version=f"disagg-sidecar {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

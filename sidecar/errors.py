@@ -1,24 +1,23 @@
-"""The closed error taxonomy: every failure the sidecar reports, with its HTTP and gRPC status.
+"""The closed error taxonomy: every failure the sidecar reports, with its HTTP status.
 
 Each error has a stable ``code`` (what clients and metrics key on), the ``stage`` where it
-happened (request, prefill, handoff, decode, sidecar), an HTTP status, a gRPC status and a
-*safe* message: one written by the sidecar, never an engine's body (engine bodies may quote
-the prompt) and never a traceback.
+happened (request, prefill, handoff, decode, sidecar), an HTTP status and a *safe* message:
+one written by the sidecar, never an engine's body (engine bodies may quote the prompt) and
+never a traceback.
 
     raise PrefillFailed("prefill engine answered 500")
         -> HTTP 502 {"error": {"message": ..., "type": "prefill_error", "code": "prefill_failed"}}
-        -> gRPC UNAVAILABLE
+        -> gRPC UNAVAILABLE (the gRPC door's mapping, ``sidecar.grpc_server.errors``)
 
-Deliberate limits: rendering lives in the front doors (``http_server.errors``,
-``grpc_server.errors``); this module only names the cases.
+Deliberate limits: rendering and transport statuses live in the front doors
+(``http_server.errors``, ``grpc_server.errors``); this module only names the cases and
+imports no transport.
 """
 
 from __future__ import annotations
 
 from enum import StrEnum
 from typing import ClassVar
-
-import grpc
 
 
 class Stage(StrEnum):
@@ -36,7 +35,6 @@ class SidecarError(Exception):
 
     code: ClassVar[str] = "internal_error"
     http_status: ClassVar[int] = 500
-    grpc_status: ClassVar[grpc.StatusCode] = grpc.StatusCode.INTERNAL
     default_stage: ClassVar[Stage] = Stage.SIDECAR
 
     def __init__(self, message: str, *, stage: Stage | None = None) -> None:
@@ -58,7 +56,6 @@ class InvalidRequest(SidecarError):
 
     code = "invalid_request"
     http_status = 400
-    grpc_status = grpc.StatusCode.INVALID_ARGUMENT
     default_stage = Stage.REQUEST
 
 
@@ -67,7 +64,6 @@ class TargetNotAllowed(SidecarError):
 
     code = "prefill_target_not_allowed"
     http_status = 403
-    grpc_status = grpc.StatusCode.PERMISSION_DENIED
     default_stage = Stage.REQUEST
 
 
@@ -76,7 +72,6 @@ class BodyTooLarge(SidecarError):
 
     code = "body_too_large"
     http_status = 413
-    grpc_status = grpc.StatusCode.RESOURCE_EXHAUSTED
     default_stage = Stage.REQUEST
 
 
@@ -85,7 +80,6 @@ class RequestTimeout(SidecarError):
 
     code = "request_timeout"
     http_status = 408
-    grpc_status = grpc.StatusCode.DEADLINE_EXCEEDED
     default_stage = Stage.REQUEST
 
 
@@ -94,7 +88,6 @@ class PrefillFailed(SidecarError):
 
     code = "prefill_failed"
     http_status = 502
-    grpc_status = grpc.StatusCode.UNAVAILABLE
     default_stage = Stage.PREFILL
 
 
@@ -111,7 +104,6 @@ class EngineRejected(SidecarError):
 
     code = "engine_rejected_request"
     http_status = 400
-    grpc_status = grpc.StatusCode.INVALID_ARGUMENT
     default_stage = Stage.DECODE
 
 
@@ -120,7 +112,6 @@ class InvalidHandoff(SidecarError):
 
     code = "invalid_handoff"
     http_status = 502
-    grpc_status = grpc.StatusCode.UNAVAILABLE
     default_stage = Stage.HANDOFF
 
 
@@ -129,7 +120,6 @@ class DecodeFailed(SidecarError):
 
     code = "decode_failed"
     http_status = 502
-    grpc_status = grpc.StatusCode.UNAVAILABLE
     default_stage = Stage.DECODE
 
 
@@ -138,7 +128,6 @@ class Overloaded(SidecarError):
 
     code = "overloaded"
     http_status = 503
-    grpc_status = grpc.StatusCode.RESOURCE_EXHAUSTED
     default_stage = Stage.SIDECAR
 
 
@@ -147,7 +136,6 @@ class Draining(SidecarError):
 
     code = "draining"
     http_status = 503
-    grpc_status = grpc.StatusCode.UNAVAILABLE
     default_stage = Stage.SIDECAR
 
 
@@ -156,7 +144,6 @@ class EngineNotReady(SidecarError):
 
     code = "engine_not_ready"
     http_status = 503
-    grpc_status = grpc.StatusCode.UNAVAILABLE
     default_stage = Stage.DECODE
 
 
@@ -165,7 +152,6 @@ class DeadlineExceeded(SidecarError):
 
     code = "deadline_exceeded"
     http_status = 504
-    grpc_status = grpc.StatusCode.DEADLINE_EXCEEDED
     default_stage = Stage.PREFILL
 
 
@@ -174,7 +160,6 @@ class ResourceExhausted(SidecarError):
 
     code = "resource_exhausted"
     http_status = 503
-    grpc_status = grpc.StatusCode.RESOURCE_EXHAUSTED
     default_stage = Stage.SIDECAR
 
 
@@ -183,7 +168,6 @@ class FailedPrecondition(SidecarError):
 
     code = "failed_precondition"
     http_status = 400
-    grpc_status = grpc.StatusCode.FAILED_PRECONDITION
     default_stage = Stage.HANDOFF
 
 
@@ -192,7 +176,6 @@ class ClientCancelled(SidecarError):
 
     code = "client_cancelled"
     http_status = 499
-    grpc_status = grpc.StatusCode.CANCELLED
     default_stage = Stage.SIDECAR
 
 

@@ -1,19 +1,20 @@
 """The shared services of one sidecar process, opened and closed together.
 
-    Settings ─open_runtime()─▶ Runtime(core per front door, scopes per front door, selector,
+    Settings ─open_runtime()─▶ Runtime(PD flow per front door over one dialect and one set of
+                                       engine calls, scopes per front door, selector,
                                        admission, health, metrics, tracing)
 
 Both front doors (HTTP and gRPC) take the same ``Runtime`` and reach engines only through
-their ``Orchestrator`` (``runtime.orchestrator`` for HTTP, ``runtime.grpc_orchestrator`` for
-gRPC: SGLang's gRPC path carries rooms as int32, so gRPC requests draw from their own room
-range). The engine handler is built once here, with its KV agent bound. One pooled upstream
+their ``PDFlow`` (``runtime.flow`` for HTTP, ``runtime.grpc_flow`` for gRPC: the same flow,
+unless ``--kv-transport inline`` gives the gRPC door the inline transport's dialect). The
+dialect is built once here, from the engine and connector settings. One pooled upstream
 client (``sidecar.http1.EngineClient``), one metrics registry, one admission counter, one
 tracer provider when ``--otlp-endpoint`` is set (flushed and stopped on exit, off the loop).
 ``open_runtime`` must run inside the event loop (the client binds to it).
 
 In a pool of workers (``worker``: ``sidecar.workers.WorkerIdentity``) each process has its own
-Runtime; the worker's lane keeps its ids apart from the other workers' and its admission
-counts the whole pool's requests (``sidecar.workers.shared_inflight``).
+Runtime; the worker's lane keeps its dialect's ids apart from the other workers' and its
+admission counts the whole pool's requests (``sidecar.workers.shared_inflight``).
 """
 
 from __future__ import annotations
@@ -24,19 +25,21 @@ import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from sidecar.admission import Admission
-from sidecar.config.settings import Settings
-from sidecar.core.engine_ids import EngineIdCache
+from sidecar.config.settings import KVTransport, Settings
+from sidecar.core.admission import Admission
+from sidecar.core.engine_calls import EngineCalls
+from sidecar.core.engine_health import EngineHealth
+from sidecar.core.flow import FlowCounters, PDFlow
 from sidecar.core.local_prefill import LocalPrefill
-from sidecar.core.orchestrator import Orchestrator
 from sidecar.core.scope import Scopes
 from sidecar.core.upstream import make_session
-from sidecar.engine_health import EngineHealth
-from sidecar.engines import EngineHandler, build_handler
+from sidecar.dialects import Dialect, DialectSetup, InlineDialect, dialect_class, handoff_keys
 from sidecar.http1 import EngineClient
-from sidecar.ids import INT32_ROOMS, IdSources, RoomAllocator, SnowflakeIds
 from sidecar.observability.metrics import Metrics, pool_metrics_dir
-from sidecar.observability.tracing import NoTracing, Tracing, start_tracing
+from sidecar.observability.otlp import start_tracing
+from sidecar.observability.tracing import NoTracing, Tracing
+from sidecar.protocol.context import FrontDoor
+from sidecar.protocol.request import BodyChecks
 from sidecar.targets.allowlist import Allowlist
 from sidecar.targets.choice import TargetChoice
 from sidecar.targets.selector import AllowlistLike, TargetSelector, parse_prefill_url
@@ -56,34 +59,37 @@ class Runtime:
     settings: Settings
     metrics: Metrics
     session: EngineClient
-    orchestrator: Orchestrator
-    grpc_orchestrator: Orchestrator
+    calls: EngineCalls
+    flow: PDFlow
+    grpc_flow: PDFlow
     http_scopes: Scopes
     grpc_scopes: Scopes
     selector: TargetSelector
     admission: Admission
     health: EngineHealth
-    local_prefill: LocalPrefill
     tracing: Tracing | NoTracing
+    #: The client-body checks (the hand-off keys every dialect owns are refused).
+    body_checks: BodyChecks
     worker: WorkerIdentity = SOLO
 
     @property
+    def dialect(self) -> Dialect:
+        """The dialect of the local engine (and its connector), as the pod labels name it."""
+        return self.flow.dialect
+
+    @property
     def engine_name(self) -> str:
-        return self.orchestrator.engine_name
+        return self.dialect.engine
 
     @property
     def connector_name(self) -> str:
-        return self.orchestrator.connector_name or "none"
+        return self.dialect.connector_label
 
     async def close(self) -> None:
-        """Cancel what the cores still run in the background (server stop)."""
-        await self.orchestrator.close()
-        await self.grpc_orchestrator.close()
-
-
-def build_engine_handler(settings: Settings) -> EngineHandler:
-    """The handler for the engine, with its KV agent bound where the engine uses one."""
-    return build_handler(settings.engine, settings.kv_connector)
+        """Cancel what the flows still run in the background (server stop)."""
+        await self.flow.close()
+        if self.grpc_flow is not self.flow:
+            await self.grpc_flow.close()
 
 
 def _admission(settings: Settings, worker: WorkerIdentity) -> Admission:
@@ -94,62 +100,76 @@ def _admission(settings: Settings, worker: WorkerIdentity) -> Admission:
     return Admission(settings.max_inflight, slots)
 
 
+def _flows(settings: Settings, metrics: Metrics, calls: EngineCalls,
+           setup: DialectSetup) -> tuple[PDFlow, PDFlow]:
+    """The HTTP door's flow and the gRPC door's (the same one but for the inline transport)."""
+    dialect = dialect_class(settings.engine, settings.kv_connector)(setup)
+    fallbacks = metrics.prefill_fallbacks
+    retries = {door: metrics.labelled(metrics.prefill_retries, door) for door in FrontDoor}
+    counters = FlowCounters(
+        fallback=lambda door, reason: fallbacks.labels(door, reason).inc(),
+        retry=lambda door: retries[FrontDoor(door)].inc(),
+    )
+    local = LocalPrefill(
+        settings.local_prefill_max_tokens,
+        source=settings.prompt_length_source,
+        endpoint=dialect.tokenize,
+        post_local=calls.post_local,
+        timeout_s=settings.connect_timeout_s,
+        on_tokenize_failure=lambda reason: metrics.labelled(
+            metrics.tokenize_failures, reason).inc(),
+    )
+
+    def flow(of: Dialect) -> PDFlow:
+        return PDFlow(of, calls, prefill_timeout_s=settings.prefill_timeout_s,
+                      on_prefill_failure=settings.on_prefill_failure, local_prefill=local,
+                      counters=counters)
+
+    http_flow = flow(dialect)
+    if settings.kv_transport is not KVTransport.INLINE:
+        return http_flow, http_flow
+    return http_flow, flow(InlineDialect(setup))
+
+
 @contextlib.asynccontextmanager
 async def open_runtime(
     settings: Settings, metrics: Metrics | None = None, worker: WorkerIdentity = SOLO
 ) -> AsyncIterator[Runtime]:
     """Build the shared services; close the client session on exit."""
     metrics = metrics or Metrics(pool_dir=pool_metrics_dir(worker.pooled))
-    handler = build_engine_handler(settings)
     session = make_session(settings)
     resources = contextlib.AsyncExitStack()
-    tracing = start_tracing(settings)
+    tracing = start_tracing(settings.otlp_endpoint)
     try:
-        engine_ids = None
-        if handler.needs_engine_id:
-            engine_ids = EngineIdCache(
-                session, handler.parse_engine_id, timeout_s=settings.connect_timeout_s
-            )
-        # Each worker of a pool draws ids from its own lane (see sidecar.ids).
-        snowflake = SnowflakeIds(
-            settings.trtllm_machine_id, lane=worker.index, lanes=worker.count
-        )
-        rooms = RoomAllocator(lane=worker.index, lanes=worker.count)
         admission = _admission(settings, worker)
-        connector = handler.connector_name or "none"
-
         pool = [parse_prefill_url(url) for url in settings.prefill_urls]
         # One view of the prefill targets for the whole process: both front doors' legs count.
         choice = TargetChoice(cooldown_s=settings.prefill_cooldown_s)
+        legs = metrics.prefill_legs
+        calls = EngineCalls(
+            session, settings.engine_url, connect_timeout_s=settings.connect_timeout_s,
+            max_prefill_response_bytes=settings.max_prefill_response_bytes, choice=choice,
+            on_prefill_leg=lambda target, outcome: metrics.labelled(legs, target, outcome).inc(),
+        )
+        # Each worker of a pool draws ids from its own lane (the dialects' id sources).
+        setup = DialectSetup(settings, lane=worker.index, lanes=worker.count, lookup=calls)
+        http_flow, grpc_flow = _flows(settings, metrics, calls, setup)
+        dialect = http_flow.dialect
 
-        def orchestrator(ids: IdSources, front_door: str) -> Orchestrator:
-            fallbacks = metrics.prefill_fallbacks
-            legs = metrics.prefill_legs
-            retries = metrics.labelled(metrics.prefill_retries, front_door)
-            return Orchestrator(
-                settings=settings,
-                handler=handler,
-                session=session,
-                ids=ids,
-                engine_ids=engine_ids,
-                on_fallback=lambda reason: fallbacks.labels(front_door, reason).inc(),
-                choice=choice,
-                on_prefill_leg=lambda target, outcome: metrics.labelled(
-                    legs, target, outcome).inc(),
-                on_retry=retries.inc,
-            )
-
-        def scopes(front_door: str) -> Scopes:
-            return Scopes(metrics, admission, front_door=front_door, engine=handler.name,
-                          connector=connector, tracing=tracing)
+        def scopes(front_door: FrontDoor) -> Scopes:
+            return Scopes(metrics, admission, front_door=front_door.value,
+                          engine=dialect.engine, connector=dialect.connector_label,
+                          tracing=tracing)
 
         allowlist: AllowlistLike = Allowlist.parse(settings.prefill_allowlist)
         if settings.prefill_pod_selector:
             from sidecar.targets.kubernetes import watched_pod_allowlist
 
-            allowlist = await resources.enter_async_context(
-                watched_pod_allowlist(settings, Allowlist.parse(settings.prefill_allowlist))
-            )
+            allowlist = await resources.enter_async_context(watched_pod_allowlist(
+                settings.prefill_pod_selector, Allowlist.parse(settings.prefill_allowlist),
+                namespace=settings.prefill_pod_namespace, port_label=settings.port_label,
+                first_list_timeout_s=settings.connect_timeout_s,
+            ))
         selector = TargetSelector(
             allowlist, pool, resolve_timeout_s=settings.connect_timeout_s, choice=choice
         )
@@ -157,23 +177,17 @@ async def open_runtime(
             settings=settings,
             metrics=metrics,
             session=session,
-            orchestrator=orchestrator(IdSources(snowflake, rooms), HTTP),
-            # SGLang's gRPC path carries rooms as int32: give gRPC requests their own range.
-            grpc_orchestrator=orchestrator(
-                IdSources(snowflake, rooms.narrowed(INT32_ROOMS)), GRPC
-            ),
-            http_scopes=scopes(HTTP),
-            grpc_scopes=scopes(GRPC),
+            calls=calls,
+            flow=http_flow,
+            grpc_flow=grpc_flow,
+            http_scopes=scopes(FrontDoor.HTTP),
+            grpc_scopes=scopes(FrontDoor.GRPC),
             selector=selector,
             admission=admission,
             health=EngineHealth(session, settings.engine_url, timeout_s=settings.connect_timeout_s),
             worker=worker,
-            local_prefill=LocalPrefill(
-                settings,
-                on_tokenize_failure=lambda reason: metrics.labelled(
-                    metrics.tokenize_failures, reason).inc(),
-            ),
             tracing=tracing,
+            body_checks=BodyChecks(handoff_keys()),
         )
         runtime.health.on_change(lambda ready: metrics.engine_ready.set(1 if ready else 0))
         yield runtime

@@ -31,8 +31,8 @@ from aiohttp import web
 from sidecar import jsonutil
 from sidecar.config.settings import Settings
 from sidecar.grpc_server.server import start_grpc_server
+from sidecar.http_server.aiohttp_private import HeadTimeoutAppRunner
 from sidecar.http_server.app import build_http_app
-from sidecar.http_server.head_timeout import HeadTimeoutAppRunner
 from sidecar.http_server.keys import RUNTIME
 from sidecar.http_server.ops import metrics as metrics_endpoint
 from sidecar.runtime import open_runtime

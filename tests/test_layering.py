@@ -1,25 +1,31 @@
-"""Proves the house's layering from the code itself (an AST walk, nothing is run):
+"""Proves the house's layering from the code itself (the source is read, nothing is run):
 
-- the serving package never loads the tools wing: nothing under ``sidecar/`` except
-  ``sidecar/tools/`` and the composition root (``sidecar/__main__.py``) imports
-  ``sidecar.tools`` (stub engines, the demo, the route CLI, the gRPC regenerator); the checker
-  sees absolute, ``from sidecar import tools`` and relative forms;
-- the front doors (``sidecar/http_server``, ``sidecar/grpc_server``) reach engines only through
-  the core's public API: no import of the core's internals (``legs``, ``engine_model``,
-  ``engine_ids``), of the upstream client type, and no read of a runtime's ``handler``,
-  ``agent`` or ``session``;
-- the core (``sidecar/core``) imports no front door and not the process wiring;
-- engine knowledge lives in ``sidecar/engines`` and ``sidecar/kv_agents``: no other serving
-  module names an engine's hand-off key.
+- **layers**: every module of the serving package (``sidecar/`` but ``sidecar/tools/``) sits
+  in one layer of ``LAYERS`` and imports only from its own layer or below: nothing runs back
+  up (the composition roots ``serve``, ``worker`` and ``__main__`` are the top);
+- **no circle**: no module imports itself through others (file by file, absolute and relative
+  imports, module-level and inside functions);
+- **engine knowledge in its dialect**: no engine or connector name and no hand-off key
+  (``ENGINE_WORDS``) appears in the serving package outside ``sidecar/dialects/`` (tools,
+  tests and the generated gRPC code aside): not as a name, a string or a comment (docstrings
+  may explain, with examples);
+- the serving package never loads the tools wing (only ``__main__`` does);
+- the front doors reach engines only through the core's public API (the PD flow and its
+  engine calls): no import of the core's upstream internals or the client type;
+- the core imports no front door and not the process wiring.
 
-It does not prove behaviour (the suites of each room do), nor imports made at run time by name
-(``importlib``).
+Each check is shown able to fail on a deliberate leak (``test_each_check_catches_a_leak``).
+It does not prove behaviour (the suites of each room do), nor imports made at run time by
+name (``importlib``).
 """
 
 from __future__ import annotations
 
 import ast
-from collections.abc import Iterator
+import io
+import re
+import tokenize
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
 import pytest
@@ -28,6 +34,37 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "sidecar"
 TOOLS = "sidecar.tools"
 MAY_IMPORT_TOOLS = (PACKAGE / "tools", PACKAGE / "__main__.py")
+#: Not part of the serving package's own code.
+NOT_SERVING = (PACKAGE / "tools", PACKAGE / "grpc_gen")
+
+#: The layers, bottom first: a module may import from its own layer and the ones below.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("sidecar", "sidecar.jsonutil", "sidecar.errors", "sidecar.loop", "sidecar.tls",
+     "sidecar.grpc_gen", "sidecar.http1", "sidecar.protocol"),
+    ("sidecar.dialects", "sidecar.observability", "sidecar.kv_wire"),
+    ("sidecar.targets",),
+    ("sidecar.config",),
+    ("sidecar.workers",),
+    ("sidecar.core",),
+    ("sidecar.runtime",),
+    ("sidecar.http_server", "sidecar.grpc_server"),
+    ("sidecar.serve", "sidecar.worker"),
+    ("sidecar.__main__",),
+)
+
+#: Engine and connector names, and the keys of their hand-offs: the dialects' knowledge.
+ENGINE_WORDS = (
+    "vllm", "sglang", "trtllm", "tensorrt", "mooncake", "nixl", "neuron", "shfs", "lmcache",
+    "bootstrap", "kv_transfer_params", "disaggregated_params", "disagg_prefill_resp",
+    "disagg_inline", "disagg_request_id", "transfer_id", "return_token_ids", "detokenize",
+    "abort_request",
+)
+#: Where that knowledge may be written.
+DIALECT_ROOM = PACKAGE / "dialects"
+
+FRONT_DOORS = ("http_server", "grpc_server")
+#: Core modules a front door may not use: the upstream calls' internals.
+CORE_INTERNALS = ("sidecar.core.legs", "sidecar.core.engine_model")
 
 
 def module_name(path: Path) -> str:
@@ -60,49 +97,174 @@ def imports_tools(source: str, module: str, *, is_package: bool = False) -> bool
     )
 
 
-def serving_files() -> list[Path]:
-    return [
-        path
-        for path in sorted(PACKAGE.rglob("*.py"))
-        if not any(path == allowed or allowed in path.parents for allowed in MAY_IMPORT_TOOLS)
-    ]
-
-FRONT_DOORS = ("http_server", "grpc_server")
-#: Core modules a front door may use; the rest are the core's own business.
-CORE_INTERNALS = ("sidecar.core.legs", "sidecar.core.engine_model", "sidecar.core.engine_ids")
-#: Top-level body keys of the engines' hand-offs (contracts.md), and their token-id switches.
-ENGINE_KEYS = frozenset({
-    "kv_transfer_params", "disagg_prefill_resp", "bootstrap_host", "bootstrap_port",
-    "bootstrap_room", "disaggregated_params", "return_token_ids", "detokenize",
-    "disagg_inline", "transfer_id",
-})
-#: Where engine keys may be written: the engines' rooms, and the tools that play engines.
-ENGINE_ROOMS = ("engines", "kv_agents", "tools", "stubs", "grpc_gen")
+def _serving(path: Path) -> bool:
+    return not any(room in path.parents for room in NOT_SERVING)
 
 
-def _modules(*rooms: str) -> Iterator[Path]:
-    for room in rooms:
-        yield from sorted((PACKAGE / room).rglob("*.py"))
-
-
-def _imports(path: Path) -> set[str]:
-    names: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            names.add(node.module)
-            names.update(f"{node.module}.{alias.name}" for alias in node.names)
-    return names
+def serving_modules() -> dict[str, Path]:
+    """Module name -> file, for every module of the serving package."""
+    return {module_name(path): path for path in sorted(PACKAGE.rglob("*.py")) if _serving(path)}
 
 
 def _rel(path: Path) -> str:
     return str(path.relative_to(PACKAGE.parent))
 
 
-@pytest.mark.parametrize("path", list(_modules(*FRONT_DOORS)), ids=_rel)
+# -- the graph --------------------------------------------------------------------------------
+
+
+def import_graph(sources: Mapping[str, tuple[str, bool]]) -> dict[str, set[str]]:
+    """Module -> the modules of ``sources`` it imports (``sources``: name -> (text, package))."""
+    graph: dict[str, set[str]] = {}
+    for module, (source, is_package) in sources.items():
+        targets = set()
+        for name in imported_modules(source, module, is_package=is_package):
+            # ``from a.b import c`` names a.b.c (a module or not): keep the longest known one.
+            while name and name not in sources:
+                name = name.rpartition(".")[0]
+            if name and name != module:
+                targets.add(name)
+        graph[module] = targets
+    return graph
+
+
+def circles(graph: Mapping[str, Iterable[str]]) -> list[list[str]]:
+    """The import circles of ``graph`` (each as the modules on it, one per strongly connected
+    component of more than one module; Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in graph.get(node, ()):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def layer_of(module: str) -> int:
+    """The index in ``LAYERS`` of the layer holding ``module`` (its longest named prefix)."""
+    best, rank = -1, -1
+    for i, layer in enumerate(LAYERS):
+        for name in layer:
+            if (module == name or module.startswith(name + ".")) and len(name) > best:
+                best, rank = len(name), i
+    if rank < 0:
+        raise LookupError(f"{module} is in no layer of LAYERS")
+    return rank
+
+
+def upward_imports(graph: Mapping[str, Iterable[str]]) -> list[str]:
+    """Every import of a module from a higher layer than its own, as 'a -> b'."""
+    return sorted(f"{module} -> {target}" for module, targets in graph.items()
+                  for target in targets if layer_of(target) > layer_of(module))
+
+
+# -- engine words -----------------------------------------------------------------------------
+
+_WORDS = re.compile("|".join(ENGINE_WORDS), re.IGNORECASE)
+
+
+def engine_words(source: str) -> list[str]:
+    """Engine words in ``source``'s names, strings and comments (docstrings aside)."""
+    tree = ast.parse(source)
+    docstrings = {
+        node.body[0].value.lineno
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+        and node.body and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+        and isinstance(node.body[0].value.value, str)
+    }
+    found = []
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type not in (tokenize.NAME, tokenize.STRING, tokenize.COMMENT):
+            continue
+        if token.type == tokenize.STRING and token.start[0] in docstrings:
+            continue
+        match = _WORDS.search(token.string)
+        if match:
+            found.append(f"line {token.start[0]}: {match.group(0)!r} in {token.string[:60]!r}")
+    return found
+
+
+# -- the tests --------------------------------------------------------------------------------
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = serving_modules()
+    return import_graph({name: (path.read_text(), path.name == "__init__.py")
+                         for name, path in modules.items()})
+
+
+def test_every_module_is_in_a_layer_and_nothing_imports_upward() -> None:
+    graph = _graph()
+    assert len(graph) > 80  # the walk found the package
+    for module in graph:
+        layer_of(module)
+    assert upward_imports(graph) == []
+
+
+def test_no_module_imports_itself_through_others() -> None:
+    assert circles(_graph()) == []
+
+
+def test_engine_knowledge_is_written_only_in_the_dialects() -> None:
+    found = {
+        _rel(path): words
+        for path in serving_modules().values()
+        if DIALECT_ROOM not in path.parents and (words := engine_words(path.read_text()))
+    }
+    assert found == {}
+
+
+def test_the_serving_package_never_imports_the_tools_wing() -> None:
+    files = [path for path in sorted(PACKAGE.rglob("*.py"))
+             if not any(path == allowed or allowed in path.parents
+                        for allowed in MAY_IMPORT_TOOLS)]
+    assert PACKAGE / "serve.py" in files and len(files) > 20
+    offenders = [
+        _rel(path) for path in files
+        if imports_tools(path.read_text(), module_name(path),
+                         is_package=path.name == "__init__.py")
+    ]
+    assert offenders == [], f"these import {TOOLS}: {offenders}"
+
+
+def test_the_composition_root_is_what_loads_the_tools() -> None:
+    assert imports_tools((PACKAGE / "__main__.py").read_text(), "sidecar.__main__")
+
+
+def _door_modules() -> list[Path]:
+    return [path for room in FRONT_DOORS for path in sorted((PACKAGE / room).rglob("*.py"))]
+
+
+@pytest.mark.parametrize("path", _door_modules(), ids=_rel)
 def test_front_doors_use_only_the_cores_public_api(path: Path) -> None:
-    imported = _imports(path)
+    imported = set(imported_modules(path.read_text(), module_name(path),
+                                    is_package=path.name == "__init__.py"))
     internal = sorted(name for name in imported
                       if any(name == i or name.startswith(i + ".") for i in CORE_INTERNALS))
     assert not internal, f"{_rel(path)} imports core internals: {internal}"
@@ -111,14 +273,15 @@ def test_front_doors_use_only_the_cores_public_api(path: Path) -> None:
         f"{node.value.id}.{node.attr}"
         for node in ast.walk(ast.parse(path.read_text()))
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
-        and node.value.id.endswith("runtime") and node.attr in {"handler", "agent", "session"}
+        and node.value.id.endswith("runtime") and node.attr == "session"
     )
     assert not reads, f"{_rel(path)} reaches around the core: {reads}"
 
 
-@pytest.mark.parametrize("path", list(_modules("core")), ids=_rel)
+@pytest.mark.parametrize("path", sorted((PACKAGE / "core").rglob("*.py")), ids=_rel)
 def test_the_core_imports_no_front_door(path: Path) -> None:
-    imported = _imports(path)
+    imported = set(imported_modules(path.read_text(), module_name(path),
+                                    is_package=path.name == "__init__.py"))
     doors = sorted(name for name in imported if name.startswith(
         ("sidecar.http_server", "sidecar.grpc_server", "sidecar.serve", "sidecar.runtime",
          "aiohttp.web", "grpc")
@@ -126,57 +289,33 @@ def test_the_core_imports_no_front_door(path: Path) -> None:
     assert not doors, f"{_rel(path)} imports a front door: {doors}"
 
 
-def _string_constants(path: Path) -> set[str]:
-    tree = ast.parse(path.read_text())
-    docstrings = {
-        id(node.body[0].value)
-        for node in ast.walk(tree)
-        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
-        and node.body and isinstance(node.body[0], ast.Expr)
-        and isinstance(node.body[0].value, ast.Constant)
+def test_each_check_catches_a_leak() -> None:
+    # An engine's key in a front door, in a name, a string and a comment; not in a docstring.
+    leak = 'def f():\n    """kv_transfer_params, explained."""\n    return "kv_transfer_params"\n'
+    assert len(engine_words(leak)) == 1
+    assert engine_words("vllm_room = 1\n") and engine_words("x = 1  # SGLang's rooms\n")
+    assert not engine_words('"""Dialects: vLLM, SGLang."""\nx = 1\n')
+    # A core module importing the HTTP door runs back up; two modules importing each other
+    # are a circle, and so is a ring of three; relative imports count.
+    leaks = {
+        "sidecar.core.flow": ("from sidecar.http_server import pd\n", False),
+        "sidecar.http_server.pd": ("from ..core import flow\n", False),
+        "sidecar.config.a": ("import sidecar.config.b\n", False),
+        "sidecar.config.b": ("def f():\n    from sidecar.config import c\n", False),
+        "sidecar.config.c": ("from . import a\n", False),
+        "sidecar.config": ("", True),
+        "sidecar.http_server": ("", True),
+        "sidecar.core": ("", True),
     }
-    return {
-        node.value for node in ast.walk(tree)
-        if isinstance(node, ast.Constant) and isinstance(node.value, str)
-        and id(node) not in docstrings
-    }
-
-
-def test_engine_keys_are_written_only_in_the_engines_rooms() -> None:
-    rooms = {p.name for p in PACKAGE.iterdir() if p.is_dir() and p.name != "__pycache__"}
-    elsewhere = sorted(rooms - set(ENGINE_ROOMS))
-    found = {
-        _rel(path): sorted(_string_constants(path) & ENGINE_KEYS)
-        for path in [*_modules(*elsewhere), *sorted(PACKAGE.glob("*.py"))]
-    }
-    assert {path: keys for path, keys in found.items() if keys} == {}
-
-
-def test_the_walk_sees_what_it_claims() -> None:
-    # The checks above would pass vacuously on an empty or misplaced tree.
-    assert len(list(_modules(*FRONT_DOORS))) >= 10
-    assert "sidecar.core.orchestrator" in _imports(PACKAGE / "http_server" / "pd.py")
-    assert "kv_transfer_params" in _string_constants(PACKAGE / "kv_agents" / "shfs.py")
-
-
-def test_the_serving_package_never_imports_the_tools_wing() -> None:
-    files = serving_files()
-    assert PACKAGE / "serve.py" in files and len(files) > 20  # the walk found the package
-    offenders = [
-        str(path.relative_to(ROOT))
-        for path in files
-        if imports_tools(
-            path.read_text(encoding="utf-8"),
-            module_name(path),
-            is_package=path.name == "__init__.py",
-        )
+    graph = import_graph(leaks)
+    assert upward_imports(graph) == ["sidecar.core.flow -> sidecar.http_server",
+                                     "sidecar.core.flow -> sidecar.http_server.pd"]
+    assert circles(graph) == [
+        ["sidecar.config.a", "sidecar.config.b", "sidecar.config.c"],
+        ["sidecar.core.flow", "sidecar.http_server.pd"],
     ]
-    assert offenders == [], f"these import {TOOLS}: {offenders}"
-
-
-def test_the_composition_root_is_what_loads_the_tools() -> None:
-    main = PACKAGE / "__main__.py"
-    assert imports_tools(main.read_text(encoding="utf-8"), "sidecar.__main__")
+    with pytest.raises(LookupError):
+        layer_of("elsewhere.module")
 
 
 def test_the_checker_sees_every_import_form() -> None:
@@ -192,8 +331,8 @@ def test_the_checker_sees_every_import_form() -> None:
         assert imports_tools(source, module, is_package=is_package), source
     unseen = [
         ("import sidecar.toolsmith", "sidecar.serve", False),
-        ("from sidecar import settings", "sidecar.serve", False),
-        ("from .engines import base", "sidecar.core.legs", False),
+        ("from sidecar import config", "sidecar.serve", False),
+        ("from .dialects import base", "sidecar.core.legs", False),
     ]
     for source, module, is_package in unseen:
         assert not imports_tools(source, module, is_package=is_package), source

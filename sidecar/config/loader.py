@@ -7,9 +7,11 @@ Every field gets one flag (``--`` + the field name with dashes; ``--grpc/--no-gr
 exception, and list flags are singular and repeatable: ``--prefill-url``) and one variable
 ``DISAGG_<FIELD>``. Lists are comma-separated; booleans read true/false/1/0/yes/no; an empty
 variable counts as unset.
-The label rules are the seed's: a missing engine label means vllm; a missing or unknown
-connector label falls back to ``default_kv_connector`` with one warning (vLLM only); the port
-label gives ``http://127.0.0.1:<port>``; a role other than prefill or decode means both.
+The label rules are the seed's: a missing engine label means the default engine; a missing or
+unknown connector label falls back to ``default_kv_connector`` with one warning (only for an
+engine that has connectors); the port label gives ``http://127.0.0.1:<port>``; a role other
+than prefill or decode means both; a dialect's own pod sources (``DialectOptions.pod_sources``)
+are read as they declare.
 
 A bad value raises ``ConfigError`` naming the field, the value and where it came from, so an
 operator can fix the right layer; ``run_config_command`` prints the resolved settings with
@@ -30,17 +32,24 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, TextIO
-from urllib.parse import urlsplit
 
 from pydantic import ValidationError
 
+from sidecar.config.checks import (
+    ConfigError,
+    check_connector_engine,
+    check_ports,
+    check_prompt_length_source,
+    check_tls,
+)
 from sidecar.config.podinfo import PodInfo, PodInfoError, read_podinfo
-from sidecar.config.settings import EXTRA_ENV, POD_SOURCES, PromptLengthSource, Settings
-from sidecar.core.local_prefill import TOKENIZE_ENDPOINTS
-from sidecar.engines import valid_engine_names
-from sidecar.kv_agents import AGENTS, resolve_connector_type, valid_agent_names
-from sidecar.protocol.hostfmt import is_loopback_host
-from sidecar.tls import ReloadingServerTLS, TLSFileError, client_ssl_context
+from sidecar.config.settings import (
+    CORE_POD_SOURCES,
+    EXTRA_ENV,
+    POD_SOURCES,
+    Settings,
+)
+from sidecar.dialects import DIALECTS, uses_connectors
 
 ENV_PREFIX = "DISAGG_"
 SOURCE_DEFAULT = "default"
@@ -56,10 +65,6 @@ REPEATABLE_FIELDS = frozenset({"prefill_urls", "prefill_allowlist"})
 _TRUE = frozenset({"true", "1", "yes"})
 _FALSE = frozenset({"false", "0", "no"})
 _LABEL_ROLES = frozenset({"prefill", "decode"})
-
-
-class ConfigError(Exception):
-    """The configuration is invalid; the message names the value and its source."""
 
 
 @dataclass(frozen=True)
@@ -204,7 +209,7 @@ class _Resolver:
 
     def pod_value(self, pod: PodInfo, name: str) -> tuple[str | None, str]:
         """The pod's label/annotation value for field ``name`` and its source text."""
-        kind, key_field = POD_SOURCES[name]
+        kind, key_field, _ = POD_SOURCES[name]
         key = str(self.get(key_field))
         mapping = pod.labels if kind == "label" else pod.annotations
         return mapping.get(key), f"{kind} {key}"
@@ -219,11 +224,11 @@ class _Resolver:
             if label is not None and label.strip():
                 self.set("engine", label.strip().lower(), source)
         engine = str(self.get("engine")).strip().lower()
-        if engine and engine not in valid_engine_names():
+        if engine and engine not in DIALECTS.engines():
             self.warnings.append(
                 f"engine {engine!r} (from {self.source_of('engine')}) is not registered; the "
-                f"default handler (plain prefill then decode) serves it; registered: "
-                f"{', '.join(valid_engine_names())}"
+                f"default dialect (plain prefill then decode) serves it; registered: "
+                f"{', '.join(DIALECTS.engines())}"
             )
 
         if "kv_connector" not in self.values:
@@ -241,16 +246,19 @@ class _Resolver:
                 role = label.strip().lower()
                 self.set("role", role if role in _LABEL_ROLES else "both", source)
 
-        if "sglang_bootstrap_port" not in self.values:
-            label, source = self.pod_value(pod, "sglang_bootstrap_port")
+        for name, pod_source in POD_SOURCES.items():
+            if name in CORE_POD_SOURCES or name in self.values:
+                continue
+            label, source = self.pod_value(pod, name)
             if label is not None:
-                self.set("sglang_bootstrap_port", _port_number(label, source), source)
+                value = _port_number(label, source) if pod_source.parse == "port" else label
+                self.set(name, value, source)
 
     def _connector_from_label(self, pod: PodInfo, engine: str) -> None:
         label, source = self.pod_value(pod, "kv_connector")
         fallback = str(self.get("default_kv_connector")).strip().lower()
-        name, used = resolve_connector_type(label, fallback)
-        if used:
+        name = label.strip().lower() if label is not None else None
+        if name is not None and name in DIALECTS.connectors():
             self.set("kv_connector", name, source)
             return
         via = self.source_of("default_kv_connector")
@@ -259,14 +267,15 @@ class _Resolver:
             fallback,
             SOURCE_DEFAULT if via == SOURCE_DEFAULT else f"default_kv_connector ({via})",
         )
-        # Connectors are a vLLM notion: other engines ignore the label, so say nothing; and
-        # without pod info there is no label to miss.
-        if engine != "vllm" or not self.pod_read:
+        # Engines without connectors ignore the label, so say nothing; and without pod info
+        # there is no label to miss.
+        if not uses_connectors(engine) or not self.pod_read:
             return
         if label is None:
             why = f"no {source}"
         else:
-            why = f"{source}={label!r} is not a known connector ({', '.join(valid_agent_names())})"
+            known = ", ".join(DIALECTS.connectors())
+            why = f"{source}={label!r} is not a known connector ({known})"
         self.warnings.append(f"{why}; using default_kv_connector {fallback!r}")
 
     def source_of(self, name: str) -> str:
@@ -282,89 +291,6 @@ def _validation_message(exc: ValidationError, values: Mapping[str, Any], res: _R
         reason = str(error.get("msg", "invalid")).removeprefix("Value error, ")
         problems.append(f"invalid {name} {value!r} (from {res.source_of(name)}): {reason}")
     return "; ".join(problems)
-
-
-def _check_ports(settings: Settings, res: _Resolver) -> None:
-    parts = urlsplit(settings.engine_url)
-    engine_port = parts.port or (443 if parts.scheme == "https" else 80)
-    if settings.port and settings.port == engine_port and is_loopback_host(parts.hostname or ""):
-        raise ConfigError(
-            f"port {settings.port} (from {res.source_of('port')}) is the local engine's port "
-            f"in engine_url {settings.engine_url!r} (from {res.source_of('engine_url')}); the "
-            "sidecar and the engine cannot listen on the same port"
-        )
-    listeners = [("port", settings.port), ("metrics_port", settings.metrics_port)]
-    if settings.grpc_enabled:
-        listeners.insert(1, ("grpc_port", settings.grpc_port))
-    seen: dict[int, str] = {}
-    for name, port in listeners:
-        if not port:  # None or 0 (the OS picks a free port)
-            continue
-        if port in seen:
-            other = seen[port]
-            raise ConfigError(
-                f"{name} {port} (from {res.source_of(name)}) equals {other} "
-                f"(from {res.source_of(other)}); each listener needs its own port"
-            )
-        seen[port] = name
-
-
-def _check_tls(settings: Settings, res: _Resolver) -> None:
-    """Both files of a pair or neither, a client CA only with a server pair, and every TLS
-    file loads (the server's are checked again at each reload)."""
-    cert, key = settings.tls_cert_file, settings.tls_key_file
-    if (cert is None) != (key is None):
-        raise ConfigError(
-            f"tls_cert_file {cert!r} (from {res.source_of('tls_cert_file')}) and tls_key_file "
-            f"{key!r} (from {res.source_of('tls_key_file')}): set both or neither"
-        )
-    client_cert, client_key = settings.engine_client_cert_file, settings.engine_client_key_file
-    if (client_cert is None) != (client_key is None):
-        raise ConfigError(
-            f"engine_client_cert_file {client_cert!r} (from "
-            f"{res.source_of('engine_client_cert_file')}) and engine_client_key_file "
-            f"{client_key!r} (from {res.source_of('engine_client_key_file')}): set both or "
-            "neither"
-        )
-    if settings.tls_client_ca_file is not None and cert is None:
-        raise ConfigError(
-            f"tls_client_ca_file (from {res.source_of('tls_client_ca_file')}) needs "
-            "tls_cert_file and tls_key_file: client certificates are asked for over TLS only"
-        )
-    try:
-        if cert is not None and key is not None:
-            ReloadingServerTLS(cert, key, client_ca_file=settings.tls_client_ca_file)
-        if settings.engine_ca_file is not None or client_cert is not None:
-            client_ssl_context(settings.engine_ca_file, client_cert, client_key)
-    except TLSFileError as exc:
-        raise ConfigError(str(exc)) from None
-
-
-def _check_connector_engine(settings: Settings, res: _Resolver) -> None:
-    source = res.source_of("kv_connector")
-    if not source.startswith(("flag ", "env ")):
-        return  # a label or the default: used only where it applies, never refused
-    try:
-        engines = type(AGENTS.get(settings.kv_connector)).engines
-    except ImportError as exc:
-        raise ConfigError(f"kv connector {settings.kv_connector!r} cannot load: {exc}") from None
-    if settings.engine not in engines:
-        raise ConfigError(
-            f"kv connector {settings.kv_connector!r} (from {source}) serves "
-            f"{', '.join(sorted(engines))}, not engine {settings.engine!r} "
-            f"(from {res.source_of('engine')})"
-        )
-
-
-def _check_prompt_length_source(settings: Settings, res: _Resolver) -> None:
-    if settings.prompt_length_source is not PromptLengthSource.TOKENIZE:
-        return
-    if settings.engine not in TOKENIZE_ENDPOINTS:
-        raise ConfigError(
-            f"prompt_length_source 'tokenize' (from {res.source_of('prompt_length_source')}) "
-            f"needs an engine with a tokenizer endpoint ({', '.join(sorted(TOKENIZE_ENDPOINTS))}"
-            f"), not engine {settings.engine!r} (from {res.source_of('engine')}); use 'estimate'"
-        )
 
 
 def _read_pod(res: _Resolver) -> PodInfo | None:
@@ -395,10 +321,10 @@ def load_settings(args: argparse.Namespace, environ: Mapping[str, str]) -> Loade
         settings = Settings(**res.values)
     except ValidationError as exc:
         raise ConfigError(_validation_message(exc, res.values, res)) from None
-    _check_ports(settings, res)
-    _check_connector_engine(settings, res)
-    _check_tls(settings, res)
-    _check_prompt_length_source(settings, res)
+    check_ports(settings, res)
+    check_connector_engine(settings, res)
+    check_tls(settings, res)
+    check_prompt_length_source(settings, res)
     all_sources = {name: res.source_of(name) for name in field_names()}
     return LoadedSettings(settings, MappingProxyType(all_sources), tuple(res.warnings))
 

@@ -10,6 +10,14 @@ configuration reference (``sidecar.config.docs``), so a field without one fails 
 ``POD_SOURCES`` names the fields a pod label or annotation can set, and which field holds the
 key; ``EXTRA_ENV`` names environment variables read besides ``DISAGG_<FIELD>``.
 
+The fields are the sidecar's own (``ServingSettings``, ``LimitsSettings``, ``TLSSettings``)
+plus each dialect's ``Options`` (``sidecar.dialects``: an engine's bootstrap port, id machine,
+...): ``Settings`` is composed from them once, at import, so a dialect's settings get flags,
+environment variables, pod sources and reference rows like every other, and no engine is
+named here.
+For the type checker ``Settings`` is the sidecar's own part; a dialect reads its fields
+through its ``Options.of(settings)``.
+
 Deliberate limits: checks that relate two fields or import plug-ins (same port twice, a
 connector for an engine it does not serve) live in the loader, where the source of each value
 is known and can be named in the message.
@@ -20,36 +28,24 @@ from __future__ import annotations
 from collections.abc import Mapping
 from enum import StrEnum
 from types import MappingProxyType
-from typing import Final, Literal, NamedTuple
+from typing import TYPE_CHECKING, Final
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from sidecar.kv_agents import DEFAULT_CONNECTOR, valid_agent_names
-from sidecar.observability.tracing import check_endpoint
+from sidecar.config.cores import available_cores
+from sidecar.config.limits import LimitsSettings, PrefillFailurePolicy, PromptLengthSource
+from sidecar.config.tls_settings import TLSSettings
+from sidecar.dialects import DEFAULT_CONNECTOR, DEFAULT_ENGINE, DIALECTS
+from sidecar.dialects.base import PodSource
+from sidecar.observability.otlp import check_endpoint
 from sidecar.targets.allowlist import parse_entry
-from sidecar.workers.cores import available_cores
-from sidecar.workers.identity import MAX_WORKERS
 
 
 class Role(StrEnum):
     PREFILL = "prefill"
     DECODE = "decode"
     BOTH = "both"
-
-
-class PrefillFailurePolicy(StrEnum):
-    """What a PD request does when its prefill leg fails."""
-
-    FAIL = "fail"
-    LOCAL = "local"
-
-
-class PromptLengthSource(StrEnum):
-    """How a text or chat prompt's length is known for conditional disaggregation."""
-
-    ESTIMATE = "estimate"
-    TOKENIZE = "tokenize"
 
 
 class KVTransport(StrEnum):
@@ -63,22 +59,17 @@ LOG_LEVELS: Final = ("debug", "info", "warning", "error", "critical")
 LOG_FORMATS: Final = ("text", "json")
 
 
-class PodKey(NamedTuple):
-    """Where in the pod's metadata a field can come from."""
+#: The most workers one sidecar runs: each keeps 4096 // count snowflake ids per millisecond
+#: (64 at this bound, far above what one Python worker serves); see the dialects' id sources.
+MAX_WORKERS: Final = 64
 
-    kind: Literal["label", "annotation"]
-    #: The Settings field whose value is the label or annotation key.
-    key_field: str
-
-
-#: Fields a pod label or annotation can set (below flags and env, above defaults).
-POD_SOURCES: Final[Mapping[str, PodKey]] = MappingProxyType(
+#: The sidecar's own fields a pod label can set (the loader reads each its own way).
+CORE_POD_SOURCES: Final[Mapping[str, PodSource]] = MappingProxyType(
     {
-        "engine": PodKey("label", "engine_label"),
-        "kv_connector": PodKey("label", "kv_connector_label"),
-        "engine_url": PodKey("label", "port_label"),
-        "role": PodKey("label", "role_label"),
-        "sglang_bootstrap_port": PodKey("annotation", "sglang_bootstrap_port_annotation"),
+        "engine": PodSource("label", "engine_label"),
+        "kv_connector": PodSource("label", "kv_connector_label"),
+        "engine_url": PodSource("label", "port_label", "port"),
+        "role": PodSource("label", "role_label"),
     }
 )
 
@@ -88,22 +79,23 @@ EXTRA_ENV: Final[Mapping[str, tuple[str, ...]]] = MappingProxyType(
 )
 
 
-class Settings(BaseModel):
-    """Every setting of one sidecar process; immutable once built."""
+class ServingSettings(BaseModel):
+    """The sidecar's own settings (no engine's): what it serves, where, within which limits."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     # What runs next to us.
     engine: str = Field(
-        default="vllm",
-        description="The local engine: vllm, sglang, trtllm; another name gets the default "
-        "handler (plain prefill then decode). Lower-cased.",
+        default=DEFAULT_ENGINE,
+        description=f"The local engine: {', '.join(DIALECTS.engines())}; another name gets "
+        "the default dialect (plain prefill then decode). Lower-cased.",
     )
     kv_connector: str = Field(
         default=DEFAULT_CONNECTOR,
-        description="The vLLM KV connector type (shfs, nixl, mooncake; case-insensitive). An "
-        "unknown or missing label value falls back to default_kv_connector with a warning; an "
-        "unknown value given by flag or env refuses to start.",
+        description=f"The KV connector type of engines that have several "
+        f"({', '.join(DIALECTS.connectors())}; case-insensitive). An unknown or missing label "
+        "value falls back to default_kv_connector with a warning; an unknown value given by "
+        "flag or env refuses to start.",
     )
     default_kv_connector: str = Field(
         default=DEFAULT_CONNECTOR,
@@ -118,18 +110,6 @@ class Settings(BaseModel):
         default=Role.BOTH,
         description="This sidecar's role: prefill, decode or both. From the label, any value "
         "other than prefill or decode means both.",
-    )
-    sglang_bootstrap_port: int = Field(
-        default=8998, ge=1, le=65535, description="SGLang's disaggregation bootstrap port."
-    )
-    mooncake_bootstrap_port: int = Field(
-        default=8998, ge=1, le=65535, description="vLLM Mooncake connector's bootstrap port."
-    )
-    trtllm_machine_id: int = Field(
-        default=0,
-        ge=0,
-        le=1023,
-        description="TensorRT-LLM snowflake request-id machine id (0..1023), unique per pod.",
     )
     advertise_host: str | None = Field(
         default=None,
@@ -193,11 +173,6 @@ class Settings(BaseModel):
     role_label: str = Field(
         default="role-name", min_length=1, description="Label holding the pod's role."
     )
-    sglang_bootstrap_port_annotation: str = Field(
-        default="model.aibrix.ai/sglang-bootstrap-port",
-        min_length=1,
-        description="Annotation holding SGLang's bootstrap port.",
-    )
 
     # Prefill targets.
     prefill_urls: tuple[str, ...] = Field(
@@ -224,93 +199,11 @@ class Settings(BaseModel):
         description="Kubernetes mode: namespace of the prefill pods; unset: this pod's own.",
     )
 
-    # Behaviour and limits.
-    on_prefill_failure: PrefillFailurePolicy = Field(
-        default=PrefillFailurePolicy.FAIL,
-        description="When the prefill leg fails: fail the request, or run it whole on the "
-        "local engine.",
-    )
-    trusted_router: bool = Field(
-        default=False,
-        description="Accept hand-off fields (e.g. kv_transfer_params) in client bodies: only "
-        "when the sole caller is a router that computes them itself.",
-    )
-    max_fanout: int = Field(
-        default=16,
-        ge=1,
-        le=1024,
-        description="Most PD pairs one request may fan out to: prompts x n (batched prompts, "
-        "n > 1); more: 400.",
-    )
-    local_prefill_max_tokens: int = Field(
-        default=0,
-        ge=0,
-        description="Prompts of at most this many tokens run whole on the local engine, with "
-        "no prefill leg (0: off, every request is disaggregated).",
-    )
-    prompt_length_source: PromptLengthSource = Field(
-        default=PromptLengthSource.ESTIMATE,
-        description="How a text or chat prompt's length is known for "
-        "local_prefill_max_tokens: estimate (UTF-8 bytes / 4, see README) or tokenize (the "
-        "local engine's tokenize endpoint: vLLM, SGLang). Token-id prompts are counted "
-        "exactly.",
-    )
-    prefill_cooldown_s: float = Field(
-        default=5.0,
-        ge=0,
-        description="Seconds a prefill target whose connect was refused is skipped while "
-        "other listed targets remain (0: never skipped).",
-    )
-    max_body_bytes: int = Field(
-        default=32 * 1024 * 1024, ge=1024, description="Largest client request body."
-    )
-    client_body_timeout_s: float = Field(
-        default=30.0,
-        gt=0,
-        description="Deadline for receiving a client's request body, seconds (slower: 408).",
-    )
-    client_header_timeout_s: float = Field(
-        default=10.0,
-        gt=0,
-        description="Deadline for receiving a client's request head (request line and "
-        "headers), seconds, from the connection's start or the first byte of the next "
-        "request on a kept-alive one; slower: the connection is closed.",
-    )
-    max_prefill_response_bytes: int = Field(
-        default=16 * 1024 * 1024, ge=1024, description="Largest prefill engine response body."
-    )
-    max_inflight: int = Field(
-        default=1024,
-        ge=1,
-        description="Requests in flight before new ones get 503; with workers, in all of them "
-        "together (workers admitting at the same instant may pass it by workers-1).",
-    )
-    connect_timeout_s: float = Field(
-        default=5.0, gt=0, description="Upstream connect timeout, seconds."
-    )
-    read_timeout_s: float = Field(
-        default=300.0, gt=0, description="Upstream per-read timeout, seconds (no total limit)."
-    )
-    prefill_timeout_s: float = Field(
-        default=30.0, gt=0, description="Whole prefill leg deadline, seconds."
-    )
-    keepalive_s: float = Field(
-        default=4.0,
-        gt=0,
-        description="Idle upstream connection lifetime, seconds (below vLLM's 5 s).",
-    )
-    max_connections: int = Field(
-        default=1024, ge=1, description="Upstream connection pool size."
-    )
-    drain_grace_s: float = Field(
-        default=30.0, ge=0, description="On SIGTERM, seconds to let in-flight requests finish."
-    )
-
     # gRPC KV transport.
     kv_transport: KVTransport = Field(
         default=KVTransport.NATIVE,
         description="gRPC KV hand-off: native (engines move KV) or inline (KV bytes in the "
-        "stream; vLLM with this project's connector).",
+        "stream, through this project's KV connector in the engine).",
     )
     max_staged_bytes: int = Field(
         default=1024 * 1024 * 1024,
@@ -333,43 +226,6 @@ class Settings(BaseModel):
         default="/dev/shm/disagg-kv",
         description="Inline mode: directory shared with the engine's SidecarKVConnector "
         "(its staging_dir; a memory-backed volume) where KV is handed over.",
-    )
-
-    # TLS (optional).
-    tls_cert_file: str | None = Field(
-        default=None,
-        description="PEM certificate chain: with tls_key_file, serve HTTPS on the HTTP port "
-        "and TLS on the gRPC port (the metrics port stays plaintext). Reloaded when it changes.",
-    )
-    tls_key_file: str | None = Field(
-        default=None,
-        description="PEM private key of tls_cert_file; set both or neither.",
-    )
-    tls_reload_interval_s: float = Field(
-        default=10.0,
-        gt=0,
-        description="How often the TLS files are checked for a new certificate, seconds.",
-    )
-    tls_client_ca_file: str | None = Field(
-        default=None,
-        description="Mutual TLS: PEM CA bundle; with tls_cert_file, the HTTP and gRPC ports "
-        "require a client certificate it signed (the metrics port does not). Reloaded when "
-        "it changes.",
-    )
-    engine_ca_file: str | None = Field(
-        default=None,
-        description="PEM CA bundle that verifies https engines and prefill targets; unset: "
-        "the system store. Verification is never turned off.",
-    )
-    engine_client_cert_file: str | None = Field(
-        default=None,
-        description="Mutual TLS to engines: PEM client certificate chain presented to https "
-        "engines and prefill targets; with engine_client_key_file, both or neither. Read at "
-        "start.",
-    )
-    engine_client_key_file: str | None = Field(
-        default=None,
-        description="PEM private key of engine_client_cert_file.",
     )
 
     # Tracing (optional).
@@ -406,7 +262,7 @@ class Settings(BaseModel):
     @classmethod
     def _connector_name(cls, value: str) -> str:
         name = value.strip().lower()
-        valid = valid_agent_names()
+        valid = DIALECTS.connectors()
         if name not in valid:
             raise ValueError(f"unknown kv connector {value!r}; valid: {', '.join(valid)}")
         return name
@@ -480,3 +336,55 @@ def check_prefill_url(url: str) -> None:
         or parts.password is not None
     ):
         raise ValueError(f"prefill URL {url!r} must be http(s)://host:port with nothing else")
+
+
+class _Settings(TLSSettings, LimitsSettings, ServingSettings):
+    """Every setting of one sidecar process that is not a dialect's; immutable once built."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+def _composed() -> type[_Settings]:
+    """``_Settings`` with every registered dialect's options (theirs after the sidecar's)."""
+    options = DIALECTS.option_models()
+    own = set(_Settings.model_fields)
+    for model in options:
+        clash = own & set(model.model_fields)
+        if clash:
+            raise RuntimeError(
+                f"dialect options {model.__qualname__} redefine setting(s) {sorted(clash)}"
+            )
+    # Fields are collected from the last base first: the sidecar's own come first.
+    bases: tuple[type[BaseModel], ...] = (*reversed(options), _Settings)
+    namespace = {"__module__": __name__, "__doc__": _Settings.__doc__,
+                 "__qualname__": "Settings",
+                 "model_config": ConfigDict(frozen=True, extra="forbid")}
+    composed: type[_Settings] = type("Settings", bases, namespace)
+    return composed
+
+
+if TYPE_CHECKING:
+    Settings = _Settings
+else:
+    Settings = _composed()
+
+#: Fields a pod label or annotation can set (below flags and env, above defaults).
+POD_SOURCES: Final[Mapping[str, PodSource]] = MappingProxyType({
+    **CORE_POD_SOURCES,
+    **{name: source for model in DIALECTS.option_models()
+       for name, source in model.pod_sources.items()},
+})
+
+__all__ = [
+    "EXTRA_ENV",
+    "LOG_FORMATS",
+    "LOG_LEVELS",
+    "MAX_WORKERS",
+    "POD_SOURCES",
+    "KVTransport",
+    "PrefillFailurePolicy",
+    "PromptLengthSource",
+    "Role",
+    "Settings",
+    "check_prefill_url",
+]

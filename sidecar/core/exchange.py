@@ -1,11 +1,13 @@
 """A PD request whose decode response head has arrived: the relay's side of the core.
 
-    orchestrator.start(request) ─▶ PDExchange
+    flow.start(request) ─▶ PDExchange
         .decode      the decode engine's response (None when the prefill answered, ``answer``)
         .chunks()    its body as the engine writes it; a break raises a ``SidecarError``
         .pipe(sink, catch_up)   the same bytes handed to ``sink`` from the read callback
                      (the streamed relay's way: no task wake-up per read), same errors
-        .aclose()    close the decode response, stop a running prefill, abort and release ids
+        .aclose()    close the decode response, stop a running prefill, abort the engines'
+                     legs (a decode that did not finish) and end the dialect state: through
+                     its ``owner`` (the flow that started it), once
 
 Concurrent flows (SGLang, Mooncake) keep the prefill running while the decode streams:
 ``watch_prefill`` closes the decode connection the moment that prefill fails, so the relay's
@@ -19,12 +21,22 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from sidecar.core.scope import Timings
 from sidecar.errors import DeadlineExceeded, DecodeFailed, PrefillFailed, SidecarError, Stage
 from sidecar.http1 import UpstreamError, UpstreamResponse
 from sidecar.protocol.context import HandoffContext
+
+
+class LegOwner(Protocol):
+    """Who started an exchange's legs, and ends them: the flow."""
+
+    def abort(self, ctx: HandoffContext) -> None:
+        """Tell the engines to drop the request's legs (where the dialect can)."""
+
+    def end(self, ctx: HandoffContext) -> None:
+        """Give back the request's dialect state."""
 
 
 @dataclass(slots=True, eq=False)
@@ -41,8 +53,8 @@ class PDExchange:
     completed: bool = False
     #: Run whole on the local engine (a short prompt): no prefill leg, no hand-off.
     local: bool = False
-    _release: Callable[[], None] | None = None
-    _abort: Callable[[], None] | None = None
+    #: Ends the legs and the dialect state on ``aclose`` (None: nothing to end).
+    owner: LegOwner | None = None
     _closed: bool = False
 
     def watch_prefill(self) -> None:
@@ -118,10 +130,11 @@ class PDExchange:
             self.decode.close()
         if self.prefill_task is not None:
             await cancel_and_wait(self.prefill_task)
-        if not self.completed and self.decode is not None and self._abort is not None:
-            self._abort()
-        if self._release is not None:
-            self._release()
+        owner = self.owner
+        if owner is not None:
+            if not self.completed and self.decode is not None:
+                owner.abort(self.ctx)
+            owner.end(self.ctx)
 
 
 def as_prefill_error(error: BaseException) -> SidecarError:

@@ -12,8 +12,8 @@ caller's task is cancelled, and ``aclose`` runs on the way out). Nothing stays i
 any engine: each sub-request's own ``PDExchange.aclose`` closes its decode, stops a running
 prefill and aborts both legs where the engine has an abort call.
 
-The sub-requests are ordinary single requests of the core (``Orchestrator.start`` or the
-local run of a short prompt): each has its own hand-off context (its own
+The sub-requests are ordinary single requests of the core (``PDFlow.start``, which may run
+a short prompt locally): each has its own hand-off context (its own
 ``kv_transfer_params`` / bootstrap room / ``disagg_request_id``) and its own request id.
 
 Deliberate limits: decode streams are read into a bounded queue, so a slow client slows
@@ -28,7 +28,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Final
 
 from sidecar.core.exchange import PDExchange, cancel_and_wait
-from sidecar.core.orchestrator import PDRequest
+from sidecar.core.flow import PDRequest
 from sidecar.errors import SidecarError
 
 #: Chunks buffered from all legs before their readers wait for the client.

@@ -34,7 +34,7 @@ from typing import Final
 
 from prometheus_client import Counter, Histogram
 
-from sidecar.admission import Admission
+from sidecar.core.admission import Admission
 from sidecar.errors import ClientCancelled, SidecarError
 from sidecar.observability.metrics import Metrics
 from sidecar.observability.tracing import (

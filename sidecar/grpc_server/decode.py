@@ -4,8 +4,8 @@ per generated token.
     request (a DecodeRequest, or its wire bytes for inline KV) ─strategy.read()─▶ DecodeInput
       ─serving(scope)─▶ admit ─strategy.decode_body()─▶ (engine body, request id)
         native (``sidecar.grpc_server.native``): the hand-off from the control blocks
-        inline (``sidecar.inline.grpc``): the KV staged for the engine's connector
-      ─core.open_decode─▶ POST /v1/completions (stream) ─TokenStreamParser─▶
+        inline (``sidecar.grpc_server.inline.grpc``): the KV staged for the engine's connector
+      ─flow.open_decode─▶ POST /v1/completions (stream) ─TokenStreamParser─▶
       TokenStream{request_id, token_id} ... {done, finish_reason}
 
 Tracing: the call's metadata is the trace carrier; the hand-off read, the decode's first byte
@@ -39,14 +39,14 @@ from typing import Any, Final, Protocol
 
 import grpc
 
-from sidecar.core.orchestrator import Orchestrator
+from sidecar.core.flow import PDFlow
 from sidecar.core.scope import OK, Scopes
 from sidecar.errors import DeadlineExceeded, DecodeFailed, InvalidRequest, Stage
 from sidecar.grpc_gen import disagg_pb2
+from sidecar.grpc_server.inline.wire import Entry
 from sidecar.grpc_server.rpc import serving
 from sidecar.grpc_server.token_stream import TokenStreamParser
 from sidecar.http1 import UpstreamError, UpstreamResponse
-from sidecar.inline.wire import Entry
 from sidecar.observability.tracing import HANDOFF_SPAN, NOOP_SPAN, RELAY_SPAN, RELAYED_TOKENS
 from sidecar.protocol.context import Route
 from sidecar.protocol.request_id import REQUEST_ID_HEADER
@@ -95,8 +95,8 @@ class DecodeStrategy(Protocol):
 class DecodeService:
     """Runs the local engine's decode leg and streams its tokens."""
 
-    def __init__(self, core: Orchestrator, scopes: Scopes, strategy: DecodeStrategy) -> None:
-        self._core = core
+    def __init__(self, flow: PDFlow, scopes: Scopes, strategy: DecodeStrategy) -> None:
+        self._flow = flow
         self._scopes = scopes
         self.strategy = strategy
 
@@ -131,7 +131,7 @@ class DecodeService:
             del decode_input  # the KV is staged: hold no second reference to the request
             scope.request_id = request_id
             started = time.perf_counter()
-            response = await self._core.open_decode(
+            response = await self._flow.open_decode(
                 Route.COMPLETIONS, body, {REQUEST_ID_HEADER: request_id, **_DECODE_HEADERS},
                 trace,
             )

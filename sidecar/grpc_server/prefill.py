@@ -2,7 +2,7 @@
 
     PreFillRequest ─serving(scope)─▶ admit ─▶ strategy.run(request, scope, deadline, send)
         native (``sidecar.grpc_server.native``): the engine hand-off as control blocks
-        inline (``sidecar.inline.grpc``): the engine's KV cache itself, layer by layer
+        inline (``sidecar.grpc_server.inline.grpc``): the engine's KV cache itself, layer by layer
       ─▶ KVBlockStream{block} ... ─▶ KVBlockStream{done: true}
 
 The handler is a coroutine that writes with ``context.write``, not an async generator: a
@@ -37,7 +37,7 @@ METHOD: Final = f"/{SERVICE}/Prefill"
 _DEFAULT_PORTS: Final = {"http": 80, "https": 443}
 
 #: One stream message: a KVBlockStream, or one already serialized (inline KV data blocks,
-#: framed straight from the engine's files by ``sidecar.inline.prefill_files``).
+#: framed straight from the engine's files by ``sidecar.grpc_server.inline.prefill_files``).
 StreamMessage = disagg_pb2.KVBlockStream | bytes
 #: Sends one stream message and counts its K+V bytes.
 Send = Callable[[StreamMessage, int], Awaitable[None]]

@@ -7,7 +7,7 @@
                                                             only while the local engine is ready)
                 grpc.reflection.v1alpha.ServerReflection
       options:  max send/receive message size = settings.grpc_max_message_bytes
-      inline:   the process keeps freed heap for reuse (``sidecar.inline.heap``)
+      inline:   the process keeps freed heap for reuse (``sidecar.grpc_server.inline.heap``)
 
 Health follows ``runtime.health`` (the engine watcher started by ``serve``): its change
 listener flips the statuses; once draining starts (SIGTERM), Check answers NOT_SERVING.
@@ -35,12 +35,12 @@ from grpc_reflection.v1alpha import reflection
 from sidecar.config.settings import KVTransport
 from sidecar.grpc_gen import disagg_pb2
 from sidecar.grpc_server.decode import DecodeService
+from sidecar.grpc_server.inline.grpc import InlineDecode, InlinePrefill
+from sidecar.grpc_server.inline.heap import retain_freed_heap
+from sidecar.grpc_server.inline.orphans import OrphanSweeper
+from sidecar.grpc_server.inline.staging import StagingArea
 from sidecar.grpc_server.native import NativeDecode, NativePrefill
 from sidecar.grpc_server.prefill import PrefillService
-from sidecar.inline.grpc import InlineDecode, InlinePrefill
-from sidecar.inline.heap import retain_freed_heap
-from sidecar.inline.orphans import OrphanSweeper
-from sidecar.inline.staging import StagingArea
 from sidecar.protocol.hostfmt import url_host
 from sidecar.runtime import Runtime
 from sidecar.tls import ReloadingServerTLS
@@ -119,17 +119,17 @@ _ORPHAN_MARGIN_S = 60.0
 def _services(runtime: Runtime) -> tuple[PrefillService, DecodeService, OrphanSweeper | None]:
     """The servicers, each given the configured KV transport's hand-off strategy."""
     settings = runtime.settings
-    core = runtime.grpc_orchestrator
+    flow = runtime.grpc_flow
     scopes = runtime.grpc_scopes
     if settings.kv_transport != KVTransport.INLINE:
         return (
-            PrefillService(scopes, NativePrefill(core, scopes, settings)),
-            DecodeService(core, scopes, NativeDecode(core, runtime.metrics)),
+            PrefillService(scopes, NativePrefill(flow, scopes, settings)),
+            DecodeService(flow, scopes, NativeDecode(flow, runtime.metrics)),
             None,
         )
     root = Path(settings.kv_staging_dir)
     area = StagingArea(root, settings.max_staged_bytes)
-    inline_prefill = InlinePrefill(core, settings)
+    inline_prefill = InlinePrefill(flow, settings)
     sweeper = OrphanSweeper(
         root,
         lambda: inline_prefill.active_keys | area.owned_keys(),
@@ -139,7 +139,7 @@ def _services(runtime: Runtime) -> tuple[PrefillService, DecodeService, OrphanSw
     )
     return (
         PrefillService(scopes, inline_prefill),
-        DecodeService(core, scopes, InlineDecode(core, settings, area, runtime.metrics)),
+        DecodeService(flow, scopes, InlineDecode(flow, settings, area, runtime.metrics)),
         sweeper,
     )
 
@@ -186,7 +186,7 @@ async def start_grpc_server(
     async def stop(grace: float) -> None:
         await mirror.shutdown()
         await server.stop(grace)
-        await runtime.grpc_orchestrator.close()
+        await runtime.close()
         if sweeping is not None:
             sweeping.cancel()
             await asyncio.wait({sweeping})

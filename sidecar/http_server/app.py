@@ -27,7 +27,7 @@ async def _passthrough(request: web.Request) -> web.StreamResponse:
     except SidecarError as error:
         return error_response(error, request_id)
     try:
-        return await proxy_to_engine(request, runtime.orchestrator, request_id)
+        return await proxy_to_engine(request, runtime.calls, request_id)
     finally:
         runtime.admission.leave()
 

@@ -19,12 +19,11 @@ from dataclasses import replace
 from aiohttp import web
 
 from sidecar import jsonutil
-from sidecar.core.exchange import PDExchange
 from sidecar.core.fanout import FanOut, start_all, sub_request_id
-from sidecar.core.orchestrator import PDRequest
+from sidecar.core.flow import PDRequest
 from sidecar.core.scope import FALLBACK, LOCAL_SHORT, OK, RequestScope
 from sidecar.errors import DecodeFailed, SidecarError, Stage
-from sidecar.http_server.errors import sse_error_event
+from sidecar.http_server.sse_relay import SSERelay, engine_error_reported, stream_broke
 from sidecar.protocol.fanout import SSEEvents, StreamMerger, check_fanout, merge_answers, sub_bodies
 from sidecar.protocol.request import ClientRequest
 from sidecar.protocol.request_id import REQUEST_ID_HEADER
@@ -32,16 +31,6 @@ from sidecar.protocol.sse import DONE_EVENT, answer_as_sse
 from sidecar.runtime import Runtime
 
 logger = logging.getLogger(__name__)
-
-#: How an engine's in-stream error event's payload starts (vLLM's and SGLang's shape).
-_ERROR_PAYLOAD = b'{"error"'
-
-
-class _SSEResponse(web.StreamResponse):
-    """Its head leaves with the first event (one send instead of two)."""
-
-    _send_headers_immediately = False
-
 
 def _sub_requests(
     runtime: Runtime, client: ClientRequest, base: PDRequest
@@ -64,15 +53,7 @@ async def relay_fanout(
 ) -> web.StreamResponse:
     """Run and answer a request that needs several PD pairs."""
     check_fanout(client, runtime.settings.max_fanout)
-    orchestrator = runtime.orchestrator
-    local = runtime.local_prefill
-
-    async def start(sub: PDRequest) -> PDExchange:
-        if local.enabled:
-            return await local.start(orchestrator, sub)
-        return await orchestrator.start(sub)
-
-    fanout = await start_all(start, _sub_requests(runtime, client, base))
+    fanout = await start_all(runtime.flow.start, _sub_requests(runtime, client, base))
     exchanges = fanout.exchanges
     # The relay may still turn it into broken_stream or error (an engine's error event).
     scope.outcome = (LOCAL_SHORT if all(e.local for e in exchanges)
@@ -81,7 +62,7 @@ async def relay_fanout(
         for exchange in exchanges:
             scope.observe_timings(exchange.timings)
         if client.stream:
-            return await _relay_stream(request, scope, fanout, client)
+            return await _relay_stream(request, runtime, scope, fanout, client)
         return await _relay_json(runtime, scope, fanout, client)
     finally:
         await fanout.aclose()
@@ -111,72 +92,53 @@ async def _relay_json(
 
 
 async def _relay_stream(
-    request: web.Request, scope: RequestScope, fanout: FanOut, client: ClientRequest
+    request: web.Request, runtime: Runtime, scope: RequestScope, fanout: FanOut,
+    client: ClientRequest,
 ) -> web.StreamResponse:
     merger = StreamMerger(client.n)
     splitters = {k: SSEEvents() for k in range(len(fanout.exchanges))}
-    response: _SSEResponse | None = None
-    total = 0
-    engine_error = False
+    relay = SSERelay(request, _stream_headers(fanout, scope),
+                     runtime.dialect.stream_markers(client.route))
 
-    async def write(event: bytes) -> None:
-        nonlocal response, total
-        if response is None:
-            response = _SSEResponse(status=200, headers=_stream_headers(fanout, scope))
-            await response.prepare(request)
-        await response.write(event)
-        total += len(event)
-
-    async def relay(k: int, payloads: list[bytes]) -> None:
-        nonlocal engine_error
+    async def relay_events(k: int, payloads: list[bytes]) -> None:
         for payload in payloads:
-            # An engine's own error event (vLLM, SGLang) is relayed, and counted at the end.
-            engine_error = engine_error or payload.startswith(_ERROR_PAYLOAD)
             try:
                 event = merger.event(k, payload)
             except ValueError:
                 raise DecodeFailed("decode engine streamed malformed JSON",
                                    stage=Stage.DECODE) from None
             if event is not None:
-                await write(event)
+                await relay.send(event)
 
     try:
         for k, exchange in enumerate(fanout.exchanges):
-            if exchange.decode is None:  # answered by its prefill (TensorRT-LLM)
-                await relay(k, SSEEvents().feed(answer_as_sse(exchange.answer or {},
-                                                              client.route)))
+            if exchange.decode is None:  # answered by its prefill
+                await relay_events(k, SSEEvents().feed(answer_as_sse(exchange.answer or {},
+                                                                     client.route)))
         async for k, chunk in fanout.chunks():
             if chunk is not None:
-                await relay(k, splitters[k].feed(chunk))
+                await relay_events(k, splitters[k].feed(chunk))
             elif k not in merger.done or splitters[k].pending.strip():
                 raise DecodeFailed("decode stream ended without its [DONE] event",
                                    stage=Stage.DECODE)
         usage = merger.usage_event()
         if usage is not None:
-            await write(usage)
-        await write(DONE_EVENT)
+            await relay.send(usage)
+        await relay.send(DONE_EVENT)
     except SidecarError as error:
-        if response is None:
+        if not relay.prepared:
             raise  # nothing sent yet: the request's error status
-        scope.relayed_bytes.inc(total)
-        scope.broken(error)
-        logger.warning("request %s: fanned-out stream broke after %d bytes: %s",
-                       scope.request_id, total, error.code)
-        await response.write(sse_error_event(error))
+        stream_broke(scope, relay, error)
         # Close the legs before the connection: closing it cancels this handler.
         await fanout.aclose()
-        if request.transport is not None:
-            request.transport.close()
-        return response
-    scope.relayed_bytes.inc(total)
-    if engine_error:
-        scope.failed(DecodeFailed("decode engine reported an error in its stream",
-                                  stage=Stage.DECODE))
-        logger.warning("request %s: a decode engine's stream carried an error event",
-                       scope.request_id)
-    assert response is not None
-    await response.write_eof()
-    return response
+        await relay.break_off(error)
+        return relay.response
+    scope.relayed_bytes.inc(relay.total)
+    if relay.engine_error:
+        # An engine's own error event is relayed as written, and counted.
+        engine_error_reported(scope)
+    await relay.finish()
+    return relay.response
 
 
 def _stream_headers(fanout: FanOut, scope: RequestScope) -> dict[str, str]:

@@ -3,7 +3,7 @@
     request ─admission─▶ target? ──no──▶ passthrough to the local engine
                             │yes
                             ▼
-        read body (capped) ─▶ parse_client_body ─▶ orchestrator.start ─▶ relay ─▶ client
+        read body (capped) ─▶ body checks ─▶ flow.start ─▶ relay ─▶ client
                                       │             (or the local engine,    JSON or SSE bytes
                                       │              for a short prompt)
                                       └─ n > 1 or a batch ─▶ http_server.fanout (one PD pair
@@ -25,7 +25,7 @@ from aiohttp import web
 
 from sidecar import jsonutil
 from sidecar.core.exchange import PDExchange
-from sidecar.core.orchestrator import PDRequest
+from sidecar.core.flow import PDRequest
 from sidecar.core.scope import (
     FALLBACK,
     LOCAL_SHORT,
@@ -42,14 +42,13 @@ from sidecar.errors import (
     SidecarError,
     Stage,
 )
-from sidecar.http_server.errors import error_response, sse_error_event
+from sidecar.http_server.errors import error_response
 from sidecar.http_server.fanout import relay_fanout
 from sidecar.http_server.keys import RUNTIME
 from sidecar.http_server.proxy import proxy_to_engine
-from sidecar.http_server.sse_relay import SSERelay
+from sidecar.http_server.sse_relay import SSERelay, engine_error_reported, stream_broke
 from sidecar.observability.tracing import NOOP_SPAN, RELAY_SPAN, RELAYED_BYTES, LegSpan
 from sidecar.protocol.context import Route
-from sidecar.protocol.request import parse_client_body
 from sidecar.protocol.request_id import REQUEST_ID_HEADER, request_id_or_new
 from sidecar.protocol.sse import answer_as_sse
 from sidecar.runtime import Runtime
@@ -58,19 +57,6 @@ from sidecar.targets.selector import PREFILL_TARGET_HEADER
 logger = logging.getLogger(__name__)
 
 _RELAYED_HEADERS = ("Content-Type", "Cache-Control")
-#: Every engine ends a finished stream with this event; its absence means a cut stream.
-_SSE_DONE = b"data: [DONE]"
-
-
-class _SSEResponse(web.StreamResponse):
-    """A stream whose head leaves with its first chunk: one send instead of two.
-
-    aiohttp's own ``web.Response`` buffers its head this way; a ``StreamResponse`` sends it
-    at ``prepare()`` unless told otherwise. The first chunk follows the decode engine's head
-    at once, so the client waits for nothing it would not have waited for anyway.
-    """
-
-    _send_headers_immediately = False
 
 
 def request_id_of(request: web.Request) -> str:
@@ -111,10 +97,11 @@ async def handle_pd(request: web.Request, route: Route) -> web.StreamResponse:
         candidates = await selector.candidates(request.headers.getall(PREFILL_TARGET_HEADER, []))
         if not candidates:
             scope.outcome = PASSTHROUGH
-            return await proxy_to_engine(request, runtime.orchestrator, request_id)
+            return await proxy_to_engine(request, runtime.calls, request_id)
         raw = await _read_body(request, runtime.settings.max_body_bytes,
                                runtime.settings.client_body_timeout_s)
-        client = parse_client_body(raw, route, trusted_router=runtime.settings.trusted_router)
+        client = runtime.body_checks.parse(raw, route,
+                                           trusted_router=runtime.settings.trusted_router)
         headers = forwardable_headers(request.headers.items(), drop=("accept-encoding",))
         headers[REQUEST_ID_HEADER] = request_id
         pd_request = PDRequest(
@@ -129,10 +116,7 @@ async def handle_pd(request: web.Request, route: Route) -> web.StreamResponse:
         )
         if client.sub_requests > 1:
             return await relay_fanout(request, runtime, scope, client, pd_request)
-        if runtime.local_prefill.enabled:
-            exchange = await runtime.local_prefill.start(runtime.orchestrator, pd_request)
-        else:
-            exchange = await runtime.orchestrator.start(pd_request)
+        exchange = await runtime.flow.start(pd_request)
         # The relay may still turn it into broken_stream or error (an engine's error event).
         scope.outcome = (LOCAL_SHORT if exchange.local
                          else FALLBACK if exchange.fallback_reason else OK)
@@ -198,44 +182,27 @@ async def _relay(
         if span.recording:
             span.set(RELAYED_BYTES, len(body))
         return web.Response(body=body, headers=headers)
-    response = _SSEResponse(status=200, headers=headers)
-    await response.prepare(request)
     # Each read's bytes go to the client from the read callback (sse_relay): no task wake-up
     # per token; the error-event check and the tail are kept there.
-    relay = SSERelay(request, response)
+    relay = SSERelay(request, headers, runtime.dialect.stream_markers(route))
+    await relay.start()
     try:
         await exchange.pipe(relay.feed, relay.catch_up)
-        if not relay.tail.rstrip().endswith(_SSE_DONE):
+        if not relay.ended_with_done():
             # The engine closed cleanly mid-event: a cut stream, not a finished one.
             raise DecodeFailed("decode stream ended without its [DONE] event",
                                stage=Stage.DECODE)
     except SidecarError as error:
-        relayed.inc(relay.total)
-        span.set(RELAYED_BYTES, relay.total)
-        span.fail(error)
-        scope.broken(error)
-        logger.warning("request %s: stream broke after %d bytes: %s", request_id, relay.total,
-                       error.code)
-        # A break mid-event would glue the error event onto the cut one: end that first.
-        tail = relay.tail
-        separator = b"" if not tail or tail.endswith(b"\n\n") else b"\n\n"
-        await response.write(separator + sse_error_event(error))
-        if request.transport is not None:
-            request.transport.close()
-        return response
+        stream_broke(scope, relay, error, span)
+        await relay.break_off(error)
+        return relay.response
     relayed.inc(relay.total)
     if span.recording:
         span.set(RELAYED_BYTES, relay.total)
     if relay.engine_error:
-        # Relayed as the engine wrote it (its error event, then its [DONE]); counted as what
-        # it is: a decode that failed after its head.
-        reported = DecodeFailed("decode engine reported an error in its stream",
-                                stage=Stage.DECODE)
-        span.fail(reported)
-        scope.failed(reported)
-        logger.warning("request %s: the decode engine's stream carried an error event", request_id)
-    await response.write_eof()
-    return response
+        engine_error_reported(scope, span)
+    await relay.finish()
+    return relay.response
 
 
 def add_pd_routes(app: web.Application) -> None:

@@ -2,7 +2,7 @@
 
 Method, path, query, headers (minus hop-by-hop and routing headers) and body are forwarded
 unchanged and streamed both ways; the engine's status, headers and body come back as they are.
-The engine call itself is the core's (``Orchestrator.passthrough``).
+The engine call itself is the core's (``EngineCalls.passthrough``).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import logging
 
 from aiohttp import web
 
-from sidecar.core.orchestrator import Orchestrator
+from sidecar.core.engine_calls import EngineCalls
 from sidecar.core.upstream import forwardable_headers, response_headers
 from sidecar.errors import DecodeFailed, SidecarError, Stage
 from sidecar.http1 import UpstreamError
@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 
 
 async def proxy_to_engine(
-    request: web.Request, core: Orchestrator, request_id: str
+    request: web.Request, calls: EngineCalls, request_id: str
 ) -> web.StreamResponse:
     """Forward ``request`` to the local engine and stream its answer back."""
     headers = forwardable_headers(request.headers.items())
@@ -30,7 +30,7 @@ async def proxy_to_engine(
     body = request.content.iter_any() if request.body_exists else None
     response: web.StreamResponse | None = None
     try:
-        upstream = await core.passthrough(
+        upstream = await calls.passthrough(
             request.method, request.rel_url.raw_path_qs, list(headers.items()), body,
             request.content_length,
         )

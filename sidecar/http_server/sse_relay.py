@@ -1,114 +1,188 @@
-"""The streamed relay's work per read: the decode engine's bytes onto the client's socket.
+"""The one relay of a streamed answer to the client, for a single stream and a fanned-out one.
 
-    relay = SSERelay(request, response)          # after response.prepare(request)
-    await exchange.pipe(relay.feed, relay.catch_up)
-    relay.total, relay.tail, relay.engine_error  # what the end of the stream is judged by
+    relay = SSERelay(request, headers, markers)
+    single stream:  await relay.start(); await exchange.pipe(relay.feed, relay.catch_up)
+    fanned out:     await relay.send(event) ... (the head leaves with the first event)
+    the end:        relay.ended_with_done() ─▶ await relay.finish()
+                    a break after the first byte ─▶ await relay.break_off(error)
+    relay.total, relay.engine_error          what the stream is counted by
+                                             (``stream_broke``, ``engine_error_reported``)
 
 ``feed`` runs in the upstream connection's read callback (``PDExchange.pipe``): it writes the
-bytes as one HTTP/1.1 chunk (the framing aiohttp's ``StreamResponse.write`` uses, byte for
-byte; unframed for an HTTP/1.0 client, as aiohttp does) straight to the client's transport,
-then does the stream's bookkeeping: bytes relayed, an engine error event in the stream, the
-last bytes (for the ``[DONE]`` check). At an engine's pace every token is its own read, so
-this is the path each token takes; it resolves no future, wakes no task and touches no
-metric.
+bytes straight onto the client's socket (``aiohttp_private.ClientSocket``: aiohttp's framing,
+byte for byte) and does the stream's bookkeeping: bytes relayed, an engine's error event in
+the stream (``markers.error_event``), the last bytes (for the ``markers.done`` check). At an
+engine's pace every token is its own read, so this is the path each token takes; it
+resolves no future, wakes no task and touches no metric. What needs an ``await`` runs in
+``catch_up`` (the piping task): the first chunk goes through aiohttp's ``response.write`` so
+the head leaves with it in one send; a full client socket is waited out; a client that went
+away makes ``response.write`` raise as it always did.
 
-What needs an ``await`` runs in ``catch_up`` (the piping task): the first chunk goes through
-``response.write`` so the response head leaves with it in one send, as ``_SSEResponse``
-arranges; a full client socket is waited out (aiohttp's ``drain``); a client that went away
-makes ``response.write`` raise as it always did.
+A failure after the first byte cannot change the status: ``break_off`` ends the stream with
+one error event (after the cut event's end, so the two are not glued together) and closes
+the connection, never a fabricated end marker.
 """
 
 from __future__ import annotations
 
-from typing import Final
+import logging
+from collections.abc import Mapping
 
-from aiohttp import hdrs, web
+from aiohttp import web
 
-#: How an engine's in-stream error event starts (vLLM's and SGLang's ``json.dumps`` shape).
-ERROR_EVENT: Final = b'data: {"error"'
-DATA: Final = b"data: "
-#: Bytes of the stream's end kept for the ``[DONE]`` check and the error-event seam.
-TAIL_BYTES: Final = 32
-#: Unsent bytes above which the relay stops reading the engine: asyncio's and uvloop's
-#: default write high-water mark, where aiohttp's protocol pauses writing.
-SOCKET_HIGH_WATER: Final = 64 * 1024
+from sidecar.core.scope import RequestScope
+from sidecar.errors import DecodeFailed, SidecarError, Stage
+from sidecar.http_server.aiohttp_private import ClientSocket, StreamWithHead
+from sidecar.http_server.errors import sse_error_event
+from sidecar.observability.tracing import NOOP_SPAN, RELAYED_BYTES, LegSpan
+from sidecar.protocol.sse import DATA, StreamMarkers
+
+logger = logging.getLogger(__name__)
+
+#: Bytes of the stream's end kept for the end-marker check and the error-event seam.
+TAIL_BYTES = 32
 
 
 class SSERelay:
-    """One streamed response's relay state; ``feed`` and ``catch_up`` for ``pipe``."""
+    """One streamed response's relay state (see the module docstring)."""
 
-    __slots__ = ("_chunked", "_held", "_protocol", "_response", "_started", "_writer",
-                 "engine_error", "tail", "total")
+    __slots__ = ("_error_event", "_held", "_request", "_socket", "_started", "engine_error",
+                 "markers", "response", "tail", "total")
 
-    def __init__(self, request: web.BaseRequest, response: web.StreamResponse) -> None:
-        self._response = response
-        # What aiohttp's prepare() chose: chunks for HTTP/1.1, the bare bytes until the
-        # connection closes for an HTTP/1.0 client.
-        self._chunked = response.headers.get(hdrs.TRANSFER_ENCODING, "").lower() == "chunked"
-        self._protocol = request.protocol
-        self._writer = request.writer
+    def __init__(self, request: web.BaseRequest, headers: Mapping[str, str],
+                 markers: StreamMarkers) -> None:
+        self._request = request
+        self.response = StreamWithHead(status=200, headers=headers)
+        self.markers = markers
+        self._error_event = markers.error_event
+        self._socket: ClientSocket | None = None
         self._held: bytes | None = None  # bytes waiting for catch_up (head not sent, or gone)
         self._started = False  # the first chunk (with the head) went through aiohttp
         self.total = 0
         self.tail = b""
         self.engine_error = False
 
+    @property
+    def prepared(self) -> bool:
+        """True once the response is prepared (its head leaves with the first bytes)."""
+        return self._socket is not None
+
+    async def start(self) -> None:
+        """Prepare the response (its head waits for the first bytes)."""
+        await self.response.prepare(self._request)
+        self._socket = ClientSocket(self._request, self.response)
+
+    # -- a single stream: bytes as the engine's reads bring them ---------------------------
+
     def feed(self, chunk: bytes) -> bool:
         """Write ``chunk`` to the client now; False when ``catch_up`` must run first."""
-        transport = self._protocol.transport
-        if not self._started or self._held is not None or transport is None or (
-                transport.is_closing()):
+        socket = self._socket
+        transport = socket.open() if socket is not None else None
+        if not self._started or self._held is not None or transport is None:
             self._held = chunk if self._held is None else self._held + chunk
             return False
-        transport.write(b"%x\r\n%s\r\n" % (len(chunk), chunk) if self._chunked else chunk)
+        assert socket is not None
+        room = socket.write(transport, chunk)
         # _account, inlined: this runs once per token at an engine's pace.
         self.total += len(chunk)
         tail = self.tail
-        if not self.engine_error and (chunk.find(ERROR_EVENT) >= 0 or (
-                tail and not chunk.startswith(DATA) and carries_error_event(tail, chunk))):
+        marker = self._error_event
+        if marker is not None and not self.engine_error and (chunk.find(marker) >= 0 or (
+                tail and not chunk.startswith(DATA) and carries_error_event(tail, chunk,
+                                                                            marker))):
             self.engine_error = True
         self.tail = chunk[-TAIL_BYTES:] if len(chunk) >= TAIL_BYTES else (tail + chunk)[
             -TAIL_BYTES:]
         # Bytes the socket did not take stay in the transport; past its high-water mark
         # (where aiohttp's protocol pauses writing) reading stops until they drain.
-        return transport.get_write_buffer_size() <= SOCKET_HIGH_WATER
+        return room
 
     async def catch_up(self) -> None:
         """Send what ``feed`` held back (through aiohttp), then wait out a full socket."""
         held = self._held
         if held is not None:
             self._held = None
-            await self._response.write(held)  # raises when the client has gone
+            await self.response.write(held)  # raises when the client has gone
             self._started = True
             self._account(held)
-        await self._writer.drain()
+        if self._socket is not None:
+            await self._socket.drain()
+
+    # -- a fanned-out stream: whole events, merged ----------------------------------------
+
+    async def send(self, event: bytes) -> None:
+        """Write one event (the first one prepares the response and carries its head)."""
+        if self._socket is None:
+            await self.start()
+        await self.response.write(event)
+        self._started = True
+        self._account(event)
+
+    # -- the end ----------------------------------------------------------------------------
+
+    def ended_with_done(self) -> bool:
+        """True when the bytes relayed end with the API's end marker."""
+        return self.tail.rstrip().endswith(self.markers.done)
+
+    async def finish(self) -> None:
+        await self.response.write_eof()
+
+    async def break_off(self, error: SidecarError) -> None:
+        """End a stream that broke after its first byte: one error event, then the
+        connection closed (no end marker)."""
+        tail = self.tail
+        # A break mid-event would glue the error event onto the cut one: end that first.
+        separator = b"" if not tail or tail.endswith(b"\n\n") else b"\n\n"
+        await self.response.write(separator + sse_error_event(error))
+        if self._request.transport is not None:
+            self._request.transport.close()
 
     def _account(self, chunk: bytes) -> None:
         self.total += len(chunk)
         tail = self.tail
+        marker = self._error_event
         # The common case costs one substring search; the seam check runs only for a chunk
         # that does not start an event.
-        if not self.engine_error and (chunk.find(ERROR_EVENT) >= 0 or (
-                tail and not chunk.startswith(DATA) and carries_error_event(tail, chunk))):
+        if marker is not None and not self.engine_error and (chunk.find(marker) >= 0 or (
+                tail and not chunk.startswith(DATA) and carries_error_event(tail, chunk,
+                                                                            marker))):
             self.engine_error = True
         # Only the last bytes matter; slicing a long chunk alone avoids copying it whole.
         self.tail = chunk[-TAIL_BYTES:] if len(chunk) >= TAIL_BYTES else (tail + chunk)[
             -TAIL_BYTES:]
 
 
-def carries_error_event(tail: bytes, chunk: bytes) -> bool:
-    """True when ``chunk`` holds (or completes) an engine's error event.
+def carries_error_event(tail: bytes, chunk: bytes, marker: bytes) -> bool:
+    """True when ``chunk`` holds (or completes) an engine's error event starting ``marker``.
 
-    vLLM and SGLang end a stream that failed after its head with ``data: {"error": {...}}``
-    and then ``data: [DONE]`` (both write the event with ``json.dumps``); TensorRT-LLM cuts
-    the stream instead, which the missing ``[DONE]`` already tells. Text inside an event is
-    JSON, where a quote is always escaped, so the marker never occurs inside a token. One
-    substring search per chunk; the seam with the previous chunk is looked at only when this
-    one does not start a new event (an event split across reads).
+    Text inside an event is JSON, where a quote is always escaped, so the marker never
+    occurs inside a token. One substring search per chunk; the seam with the previous chunk
+    is looked at only when this one does not start a new event (an event split across reads).
     """
-    if ERROR_EVENT in chunk:
+    if marker in chunk:
         return True
     if chunk.startswith(DATA) or not tail:
         return False
-    seam = len(ERROR_EVENT) - 1
-    return ERROR_EVENT in tail[-seam:] + chunk[:seam]
+    seam = len(marker) - 1
+    return marker in tail[-seam:] + chunk[:seam]
+
+
+def stream_broke(scope: RequestScope, relay: SSERelay, error: SidecarError,
+                 span: LegSpan = NOOP_SPAN) -> None:
+    """Count and log a stream that broke after its first byte."""
+    scope.relayed_bytes.inc(relay.total)
+    span.set(RELAYED_BYTES, relay.total)
+    span.fail(error)
+    scope.broken(error)
+    logger.warning("request %s: stream broke after %d bytes: %s", scope.request_id,
+                   relay.total, error.code)
+
+
+def engine_error_reported(scope: RequestScope, span: LegSpan = NOOP_SPAN) -> None:
+    """Count and log a stream relayed as the engine wrote it (its error event, then its end
+    marker): a decode that failed after its head."""
+    reported = DecodeFailed("decode engine reported an error in its stream", stage=Stage.DECODE)
+    span.fail(reported)
+    scope.failed(reported)
+    logger.warning("request %s: the decode engine's stream carried an error event",
+                   scope.request_id)

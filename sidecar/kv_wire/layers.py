@@ -18,7 +18,7 @@ from typing import Final
 
 #: The native hand-off document (``sidecar.kv_wire.handoff``).
 HANDOFF_LAYER: Final = -1
-#: The inline KV metadata block (``sidecar.inline.wire``).
+#: The inline KV metadata block (``sidecar.grpc_server.inline.wire``).
 INLINE_META_LAYER: Final = -2
 #: Every control layer with a meaning.
 CONTROL_LAYERS: Final = frozenset({HANDOFF_LAYER, INLINE_META_LAYER})

@@ -1,15 +1,15 @@
-"""What a hand-off is built from: the route, the prefill target and the per-request ids.
+"""What a hand-off is built from: the route, the prefill target, the front door, and the
+dialect's own per-request state.
 
-The orchestrator fills a ``HandoffContext`` once per request (ids come from ``sidecar.ids``,
-the Mooncake engine id from the prefill's bootstrap ``/query``); engine handlers and KV agents
-read it and never do I/O themselves.
+The PD flow (``sidecar.core.flow``) makes one ``HandoffContext`` per request; its dialect fills
+``state`` (``Dialect.begin``) and reads it back; nothing else looks inside.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from enum import StrEnum
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from sidecar.protocol.hostfmt import url_host
 
@@ -51,28 +51,30 @@ class PrefillTarget(NamedTuple):
         return f"{self.url_host}:{self.port}"
 
 
+class FrontDoor(StrEnum):
+    """The front door a request came in by."""
+
+    HTTP = "http"
+    GRPC = "grpc"
+
+
 @dataclass(frozen=True, slots=True)
 class HandoffContext:
-    """Everything a handler or agent needs besides the bodies.
+    """What every request has besides its bodies, and its dialect's own state.
 
     ``advertise_host`` is the address the *decode* engine must use to reach the prefill
-    engine's KV side channel (NIXL ``remote_host``, Mooncake bootstrap host). Over HTTP it is
-    the prefill target's host; over gRPC the prefill sidecar fills in its own pod address.
+    engine's side channel. Over HTTP it is the prefill target's host; over gRPC the prefill
+    sidecar fills in its own pod address. ``state`` belongs to the dialect that set it
+    (``Dialect.begin``); nothing else reads it.
     """
 
     route: Route
     request_id: str
     prefill: PrefillTarget
     advertise_host: str
-    sglang_bootstrap_port: int = 8998
-    sglang_room: int | None = None
-    trtllm_disagg_request_id: int | None = None
-    mooncake_bootstrap_port: int = 8998
-    mooncake_transfer_id: str | None = None
-    mooncake_engine_id: str | None = None
-    #: Inline KV transport: the staging key of this request's KV (``sidecar.kv_agents.inline``).
-    inline_key: str | None = None
+    front_door: FrontDoor = FrontDoor.HTTP
+    state: Any = None
 
-    def with_ids(self, **ids: object) -> HandoffContext:
-        """A copy with some per-request ids set."""
-        return replace(self, **ids)  # type: ignore[arg-type]
+    def with_state(self, state: object) -> HandoffContext:
+        """A copy holding the dialect's ``state``."""
+        return replace(self, state=state)

@@ -1,7 +1,8 @@
 """Checks on a client's OpenAI body before a prefill/decode flow starts.
 
-    raw bytes ──parse_client_body(raw, route)──▶ ClientRequest(route, body, stream)
-                                           └──▶ InvalidRequest (HTTP 400) with a clear message
+    checks = BodyChecks(handoff_fields)          once: the hand-off keys the dialects own
+    raw bytes ──checks.parse(raw, route)──▶ ClientRequest(route, body, stream)
+                                      └──▶ InvalidRequest (HTTP 400) with a clear message
 
 This runs on every PD request, so it reads only the fields the sidecar itself acts on and
 leaves everything else to the engine: no model of the whole body. Refused:
@@ -29,11 +30,11 @@ engines see the same single value the sidecar read.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from sidecar import jsonutil
-from sidecar.engines import handoff_keys
 from sidecar.errors import InvalidRequest
 from sidecar.protocol.context import Route
 
@@ -45,11 +46,7 @@ MESSAGES = "messages"
 #: Token-limit fields the sidecar rewrites on the prefill leg: int or null.
 INT_OR_NULL_FIELDS: tuple[str, ...] = ("max_tokens", "max_completion_tokens", "min_tokens")
 
-#: Fields only the sidecar (or a trusted router) may set: engine hand-off coordinates, as
-#: every engine handler and KV agent declares them (``handoff_keys``).
-HANDOFF_FIELDS: tuple[str, ...] = handoff_keys()
-
-#: Top-level keys that must not occur twice.
+#: Top-level keys that must not occur twice (and every hand-off key, ``BodyChecks``).
 CONTROL_KEYS: frozenset[str] = frozenset(
     {
         "max_tokens",
@@ -59,11 +56,8 @@ CONTROL_KEYS: frozenset[str] = frozenset(
         STREAM,
         "stream_options",
         N,
-        *HANDOFF_FIELDS,
     }
 )
-
-_QUOTED_CONTROL_KEYS: dict[str, bytes] = {key: f'"{key}"'.encode() for key in CONTROL_KEYS}
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,12 +103,8 @@ def _is_token_ids(value: list[Any]) -> bool:
     return all(_is_int(item) for item in value)
 
 
-def _check_duplicates(raw: bytes, body: dict[str, Any]) -> None:
-    suspects = [
-        key
-        for key in body.keys() & CONTROL_KEYS
-        if raw.count(_QUOTED_CONTROL_KEYS[key]) > 1
-    ]
+def _check_duplicates(raw: bytes, body: dict[str, Any], quoted: Mapping[str, bytes]) -> None:
+    suspects = [key for key in body.keys() & quoted.keys() if raw.count(quoted[key]) > 1]
     if not suspects:
         return
     # The hook sees every object, innermost first; the top level comes back as the result.
@@ -178,35 +168,48 @@ def _check_messages(body: dict[str, Any]) -> None:
         raise InvalidRequest("'messages' must be a non-empty array of objects")
 
 
-def parse_client_body(
-    raw: bytes, route: Route, *, trusted_router: bool = False
-) -> ClientRequest:
-    """Parse and check a client body; raises ``InvalidRequest`` naming what is wrong.
+class BodyChecks:
+    """The checks of one sidecar's client bodies.
 
-    ``trusted_router`` allows the hand-off fields (a router that computed them itself).
+    ``handoff_fields`` are the top-level keys only the sidecar (or a trusted router) may set:
+    the engines' hand-off coordinates, as every dialect declares them
+    (``sidecar.dialects.handoff_keys``); a client sending one is refused, since an engine
+    would otherwise act on foreign KV coordinates.
     """
-    try:
-        body = jsonutil.loads(raw)
-    except jsonutil.JSONDecodeError:
-        raise InvalidRequest("request body is not valid JSON") from None
-    if not isinstance(body, dict):
-        raise InvalidRequest(f"request body must be a JSON object, got {_type_name(body)}")
-    if not trusted_router:
-        sent = [key for key in HANDOFF_FIELDS if key in body]
-        if sent:
-            raise InvalidRequest(
-                "hand-off field(s) may not be sent by the client: " + ", ".join(sent)
-            )
-    _check_duplicates(raw, body)
-    _check_types(body, route)
-    n = body.get(N)
-    return ClientRequest(
-        route=route,
-        body=body,
-        stream=body.get(STREAM) is True,
-        batch=_batch(body) if route is Route.COMPLETIONS else None,
-        n=n if isinstance(n, int) and n > 1 else 1,
-    )
+
+    def __init__(self, handoff_fields: Iterable[str]) -> None:
+        self.handoff_fields: tuple[str, ...] = tuple(sorted(set(handoff_fields)))
+        self._quoted: dict[str, bytes] = {
+            key: f'"{key}"'.encode() for key in CONTROL_KEYS | set(self.handoff_fields)
+        }
+
+    def parse(self, raw: bytes, route: Route, *, trusted_router: bool = False) -> ClientRequest:
+        """Parse and check a client body; raises ``InvalidRequest`` naming what is wrong.
+
+        ``trusted_router`` allows the hand-off fields (a router that computed them itself).
+        """
+        try:
+            body = jsonutil.loads(raw)
+        except jsonutil.JSONDecodeError:
+            raise InvalidRequest("request body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise InvalidRequest(f"request body must be a JSON object, got {_type_name(body)}")
+        if not trusted_router:
+            sent = [key for key in self.handoff_fields if key in body]
+            if sent:
+                raise InvalidRequest(
+                    "hand-off field(s) may not be sent by the client: " + ", ".join(sent)
+                )
+        _check_duplicates(raw, body, self._quoted)
+        _check_types(body, route)
+        n = body.get(N)
+        return ClientRequest(
+            route=route,
+            body=body,
+            stream=body.get(STREAM) is True,
+            batch=_batch(body) if route is Route.COMPLETIONS else None,
+            n=n if isinstance(n, int) and n > 1 else 1,
+        )
 
 
 def _batch(body: dict[str, Any]) -> list[str | list[int]] | None:

@@ -1,18 +1,55 @@
-"""Turning a whole (non-streamed) OpenAI answer into the SSE events a streaming client expects.
+"""The server-sent-event shapes the sidecar reads and writes, each marker declared once.
 
-Used only when no decode stream exists: TensorRT-LLM's context leg already finished the
-answer (its own disaggregated server returns the context response as the answer).
+    data: {...}\\n\\n            an event (``DATA`` + a JSON payload + a blank line)
+    data: [DONE]\\n\\n           the OpenAI routes' last event (``DONE_EVENT``)
+    data: {"error": ...}\\n\\n   an engine's own failure inside its stream (``ERROR_EVENT``)
+
+``StreamMarkers`` says, per API, how a finished stream ends and how an in-stream error
+event starts; a dialect names the markers of its engine's streams (``Dialect.stream_markers``).
+``answer_as_sse`` turns a whole answer into the events a streaming client expects, for the
+one case without a decode stream (a prefill that already finished the answer).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Final
 
 from sidecar import jsonutil
 from sidecar.protocol.context import Route
 
-DONE_EVENT = b"data: [DONE]\n\n"
+#: The SSE field an event's payload is in (as the engines write it, with one space).
+DATA: Final = b"data: "
+#: The field name alone (a reader accepts it without the space, as SSE allows).
+DATA_FIELD: Final = b"data:"
+DONE_PAYLOAD: Final = b"[DONE]"
+DONE_LINE: Final = DATA + DONE_PAYLOAD
+DONE_EVENT: Final = DONE_LINE + b"\n\n"
+#: How an in-stream error event's payload starts (``json.dumps({"error": ...})``).
+ERROR_PAYLOAD: Final = b'{"error"'
+ERROR_EVENT: Final = DATA + ERROR_PAYLOAD
+#: The key of an error event's payload.
+ERROR_KEY: Final = "error"
+
+
+@dataclass(frozen=True, slots=True)
+class StreamMarkers:
+    """How one API's stream ends and how an engine's error event inside it starts."""
+
+    #: The bytes a finished stream ends with (before trailing blank lines).
+    done: bytes
+    #: The start of an engine's in-stream error event, or None when the API has none.
+    error_event: bytes | None
+
+
+#: The OpenAI completions and chat streams.
+OPENAI_STREAM: Final = StreamMarkers(done=DONE_LINE, error_event=ERROR_EVENT)
+
+
+def sse_event(payload: bytes) -> bytes:
+    """One ``data:`` event carrying ``payload``."""
+    return DATA + payload + b"\n\n"
 
 
 def answer_as_sse(answer: Mapping[str, Any], route: Route) -> bytes:
@@ -28,4 +65,4 @@ def answer_as_sse(answer: Mapping[str, Any], route: Route) -> bytes:
             converted["delta"] = choice.get("message") or {}
             choices.append(converted)
         chunk["choices"] = choices
-    return b"data: " + jsonutil.dumps(chunk) + b"\n\n" + DONE_EVENT
+    return sse_event(jsonutil.dumps(chunk)) + DONE_EVENT

@@ -31,7 +31,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from sidecar.config.settings import Settings
 from sidecar.targets.allowlist import Allowlist
 
 logger = logging.getLogger(__name__)
@@ -265,26 +264,32 @@ class KubernetesPodSource:
 
 @contextlib.asynccontextmanager
 async def watched_pod_allowlist(
-    settings: Settings, static: Allowlist, source: PodSource | None = None
+    selector: str,
+    static: Allowlist,
+    *,
+    namespace: str | None = None,
+    port_label: str,
+    first_list_timeout_s: float,
+    source: PodSource | None = None,
 ) -> AsyncIterator[PodAllowlist]:
-    """The Kubernetes-mode allowlist of ``settings``, watched until the context exits.
+    """The allowlist of the pods ``selector`` picks (in ``namespace``, default this pod's
+    own), each at its ``port_label``, watched until the context exits.
 
-    Waits up to ``connect_timeout_s`` for the first list so the first requests are not
+    Waits up to ``first_list_timeout_s`` for the first list so the first requests are not
     refused for nothing; later, it serves whatever set it has (refusing when it has none).
     """
-    selector = settings.prefill_pod_selector or ""
-    allowlist = PodAllowlist(port_label=settings.port_label, default_port=DEFAULT_POD_PORT,
+    allowlist = PodAllowlist(port_label=port_label, default_port=DEFAULT_POD_PORT,
                              static=static)
     owned: KubernetesPodSource | None = None
     if source is None:
-        namespace = settings.prefill_pod_namespace or current_namespace()
+        namespace = namespace or current_namespace()
         owned = KubernetesPodSource(namespace, selector)
         await owned.open()
         source = owned
     task = asyncio.ensure_future(watch_pods(allowlist, source))
     try:
         try:
-            async with asyncio.timeout(settings.connect_timeout_s):
+            async with asyncio.timeout(first_list_timeout_s):
                 await allowlist.synced.wait()
         except TimeoutError:
             logger.warning("no prefill pod list yet (selector %r): refusing pod targets until "

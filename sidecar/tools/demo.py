@@ -20,15 +20,14 @@ from typing import Any, TextIO
 import aiohttp
 
 from sidecar.config.settings import Settings
-from sidecar.engines import handoff_keys
-from sidecar.kv_agents import valid_agent_names
+from sidecar.dialects import DIALECTS, handoff_keys
 from sidecar.serve import run_server
 from sidecar.tools.stubs.config import StubConfig
 from sidecar.tools.stubs.server import run_stub
 
 #: The fields each engine family's decode leg gets from the hand-off, for printing.
 _HANDOFF_KEYS = handoff_keys()
-_CONNECTORS = tuple(valid_agent_names())
+_CONNECTORS = tuple(DIALECTS.connectors("vllm"))
 
 
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
@@ -55,18 +54,18 @@ async def run_demo(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
         run_stub(StubConfig(engine=engine, role="decode", kv_connector=connector)) as decode,
     ):
         bootstrap = prefill.bootstrap_port or 8998
-        settings = Settings(
-            engine=engine,
-            kv_connector=connector,
-            engine_url=decode.url,
-            host="127.0.0.1",
-            port=0,
-            grpc_enabled=False,
-            prefill_allowlist=(f"127.0.0.1:{prefill.port}",),
-            sglang_bootstrap_port=bootstrap,
-            mooncake_bootstrap_port=bootstrap,
-            log_level="warning",
-        )
+        settings = Settings.model_validate({
+            "engine": engine,
+            "kv_connector": connector,
+            "engine_url": decode.url,
+            "host": "127.0.0.1",
+            "port": 0,
+            "grpc_enabled": False,
+            "prefill_allowlist": (f"127.0.0.1:{prefill.port}",),
+            "sglang_bootstrap_port": bootstrap,
+            "mooncake_bootstrap_port": bootstrap,
+            "log_level": "warning",
+        })
         stop = asyncio.Event()
         listening: asyncio.Future[dict[str, int]] = asyncio.get_running_loop().create_future()
         server = asyncio.ensure_future(run_server(settings, stop, listening.set_result))

@@ -6,7 +6,7 @@ its index (0..count-1) and the run directory it made; what must stay whole acros
 processes derives from these three values:
 
 - identifiers: each worker draws from its own lane (``index`` of ``count``) of the TRT-LLM
-  snowflake counter and of the SGLang room range (``sidecar.ids``);
+  snowflake counter and of the SGLang room range (the dialects (``sidecar.dialects``));
 - admission: one in-flight slot per worker in a file under ``run_dir`` (``shared_inflight``);
 - pod-wide chores (the inline-KV staging sweep) run in worker 0 only.
 """
@@ -17,9 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-#: The most workers one sidecar runs: each keeps 4096 // count snowflake ids per millisecond
-#: (64 at this bound, far above what one Python worker serves), see ``sidecar.ids``.
-MAX_WORKERS: Final = 64
+from sidecar.config.settings import MAX_WORKERS
 
 #: The file under the run directory holding one in-flight counter per worker.
 INFLIGHT_FILE: Final = "inflight.slots"

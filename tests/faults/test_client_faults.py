@@ -32,7 +32,7 @@ from fault_builders import (
 )
 
 from sidecar import jsonutil
-from sidecar.engines.sglang import ABORT_PATH
+from sidecar.dialects.sglang import ABORT_PATH
 from sidecar.protocol.context import Route
 
 COMPLETIONS = Route.COMPLETIONS.value

@@ -29,6 +29,7 @@ from sidecar.grpc_server.checks import (
     check_temperature,
     check_token_ids,
 )
+from sidecar.grpc_server.errors import grpc_status
 from sidecar.grpc_server.token_stream import TokenStreamParser
 from sidecar.kv_wire.handoff import HANDOFF_LAYER, DecodedHandoff, decode_handoff, encode_handoff
 from sidecar.protocol.request_id import request_id_or_new
@@ -84,7 +85,7 @@ def test_handoff_decoder(blocks: list[disagg_pb2.KVBlock]) -> None:
     try:
         decoded = decode_handoff(blocks)
     except InvalidRequest as error:
-        assert error.grpc_status is grpc.StatusCode.INVALID_ARGUMENT
+        assert grpc_status(error) is grpc.StatusCode.INVALID_ARGUMENT
         return
     assert isinstance(decoded, DecodedHandoff)
     assert isinstance(decoded.fields, dict)

@@ -19,11 +19,12 @@ from typing import Any
 from fuzz_builders import FUZZ
 from hypothesis import given
 from hypothesis import strategies as st
+from protocol_builders import HANDOFF_FIELDS, parse_client_body
 
 from sidecar.config.podinfo import PodInfoError, parse_podinfo_text
 from sidecar.errors import InvalidRequest
 from sidecar.protocol.context import PrefillTarget, Route
-from sidecar.protocol.request import CONTROL_KEYS, HANDOFF_FIELDS, parse_client_body
+from sidecar.protocol.request import CONTROL_KEYS
 from sidecar.targets.allowlist import Allowlist, parse_entry
 from sidecar.targets.selector import parse_host_port, parse_target_header
 

@@ -26,6 +26,7 @@ import pytest
 from sidecar import jsonutil
 from sidecar.errors import InvalidRequest
 from sidecar.grpc_gen import disagg_pb2, disagg_pb2_grpc
+from sidecar.grpc_server.errors import grpc_status
 from sidecar.kv_wire.handoff import decode_handoff, encode_handoff, is_control_block
 
 from .seed_contract import independent_classes
@@ -96,7 +97,7 @@ class OurDecode(disagg_pb2_grpc.DecodeWorkerServicer):
         try:
             handoff = decode_handoff(request.kv_blocks)
         except InvalidRequest as exc:
-            await context.abort(exc.grpc_status, exc.message)
+            await context.abort(grpc_status(exc), exc.message)
         for token in request.token_ids:
             yield disagg_pb2.TokenStream(request_id=request.request_id, token_id=token)
         report = {

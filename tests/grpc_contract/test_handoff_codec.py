@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from sidecar import jsonutil
 from sidecar.errors import InvalidRequest, Stage
 from sidecar.grpc_gen.disagg_pb2 import KVBlock
+from sidecar.grpc_server.errors import grpc_status
 from sidecar.kv_wire.handoff import (
     HANDOFF_LAYER,
     INLINE_META_LAYER,
@@ -79,7 +80,7 @@ def refused(blocks: list[KVBlock]) -> str:
     with pytest.raises(InvalidRequest) as caught:
         decode_handoff(blocks)
     error = caught.value
-    assert error.grpc_status == grpc.StatusCode.INVALID_ARGUMENT
+    assert grpc_status(error) == grpc.StatusCode.INVALID_ARGUMENT
     assert error.stage is Stage.HANDOFF
     assert error.message.startswith("hand-off: ")
     return error.message

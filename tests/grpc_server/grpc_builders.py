@@ -155,3 +155,9 @@ async def decode_tokens(
     async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
         stub = disagg_pb2_grpc.DecodeWorkerStub(channel)
         return [message async for message in stub.Decode(request, timeout=deadline_s)]
+
+
+def rooms_in_flight(runtime: Runtime) -> int:
+    """Bootstrap rooms the gRPC door's dialect holds (0 for dialects that have none)."""
+    rooms = getattr(runtime.grpc_flow.dialect, "rooms", None)
+    return 0 if rooms is None else int(rooms.in_flight())

@@ -33,6 +33,7 @@ from grpc_builders import (
     grpc_pd,
     grpc_sidecar,
     prefill_blocks,
+    rooms_in_flight,
 )
 
 from sidecar.grpc_gen import disagg_pb2, disagg_pb2_grpc
@@ -290,7 +291,7 @@ async def test_failed_background_prefill_is_counted_and_releases_its_room(
         assert blocks
         runtime = pd.prefill.runtime
         assert await runtime.admission.wait_idle(10.0)
-        assert runtime.grpc_orchestrator.ids.rooms.in_flight() == 0
+        assert rooms_in_flight(runtime) == 0
         assert pd.prefill.metric("disagg_errors_total", front_door="grpc", stage="prefill",
                                  code="prefill_failed") == 1
         assert pd.prefill.metric("disagg_requests_total", front_door="grpc", outcome="ok") == 1

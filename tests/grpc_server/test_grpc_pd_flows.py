@@ -24,6 +24,7 @@ from grpc_builders import (
     expected_tokens,
     grpc_pd,
     prefill_blocks,
+    rooms_in_flight,
 )
 
 from sidecar.kv_wire.handoff import decode_handoff
@@ -115,7 +116,7 @@ async def test_prefill_then_decode_gives_the_decode_engines_tokens(
         # (its admission slot, so draining waits for it, and its bootstrap room).
         for sidecar in (pd.prefill, pd.decode):
             assert await sidecar.runtime.admission.wait_idle(10.0)
-        assert pd.prefill.runtime.grpc_orchestrator.ids.rooms.in_flight() == 0
+        assert rooms_in_flight(pd.prefill.runtime) == 0
 
         assert pd.prefill.metric("disagg_requests_total", front_door="grpc",
                                  route="/disagg.PrefillWorker/Prefill", outcome="ok") == 1

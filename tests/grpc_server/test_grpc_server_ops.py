@@ -12,7 +12,14 @@ from __future__ import annotations
 
 import grpc
 import pytest
-from grpc_builders import CHANNEL_OPTIONS, PROMPT_IDS, closed_port, grpc_pd, grpc_sidecar
+from grpc_builders import (
+    CHANNEL_OPTIONS,
+    PROMPT_IDS,
+    closed_port,
+    grpc_pd,
+    grpc_sidecar,
+    rooms_in_flight,
+)
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
@@ -91,9 +98,9 @@ async def test_stop_cancels_background_prefills_and_releases_their_rooms() -> No
         await pd.prefill_stub.recorder.next_request("/v1/completions")
         runtime = pd.prefill.runtime
         assert runtime.admission.inflight == 1  # the background prefill holds its slot
-        assert runtime.grpc_orchestrator.ids.rooms.in_flight() == 1
+        assert rooms_in_flight(runtime) == 1
     assert runtime.admission.inflight == 0
-    assert runtime.grpc_orchestrator.ids.rooms.in_flight() == 0
+    assert rooms_in_flight(runtime) == 0
 
 
 async def test_metrics_are_labelled_grpc() -> None:

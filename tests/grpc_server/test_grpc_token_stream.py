@@ -13,14 +13,14 @@ from typing import Any
 
 import pytest
 
-from sidecar.engines import resolve_engine
+from sidecar.dialects import dialect_class
 from sidecar.errors import DecodeFailed
 from sidecar.grpc_server.token_stream import TokenStreamParser, normalize_finish_reason
 
 
 def token_id_fields(engine: str) -> dict[str, Any]:
     """The engine handler's declared token-id request fields."""
-    return dict(resolve_engine(engine).token_id_fields)
+    return dict(dialect_class(engine, None).token_id_fields)
 
 
 def _event(obj: Any) -> bytes:

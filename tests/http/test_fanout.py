@@ -25,9 +25,9 @@ from typing import Any
 import aiohttp
 import pytest
 from pd_builders import PAIRS, client_body, metric_reaches, pd_pair, sse_events
+from protocol_builders import HANDOFF_FIELDS
 
 from sidecar.protocol.context import Route
-from sidecar.protocol.request import HANDOFF_FIELDS
 from sidecar.tools.stubs.faults import Fault, FaultKind
 from sidecar.tools.stubs.textgen import is_remote_text
 

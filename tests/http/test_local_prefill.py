@@ -19,11 +19,11 @@ from typing import Any
 
 import pytest
 from pd_builders import client_body, pd_pair
+from protocol_builders import HANDOFF_FIELDS
 
 from sidecar.config.loader import ConfigError, add_settings_arguments, load_settings
 from sidecar.protocol.context import Route
 from sidecar.protocol.prompt_length import estimate_tokens, exact_tokens
-from sidecar.protocol.request import HANDOFF_FIELDS
 from sidecar.tools.stubs.faults import Fault, FaultKind
 
 LIMIT = 16

@@ -12,7 +12,8 @@ import json
 
 import pytest
 
-from sidecar.http_server.sse_relay import carries_error_event as _carries_error_event
+from sidecar.http_server.sse_relay import carries_error_event
+from sidecar.protocol.sse import ERROR_EVENT
 
 VLLM_EVENT = ("data: " + json.dumps({"error": {"message": "KV load failed", "type":
               "InternalServerError", "code": 500}}) + "\n\n").encode()
@@ -23,7 +24,7 @@ TOKEN = ("data: " + json.dumps({"choices": [{"index": 0, "text": 'a "error" {"er
 def _relay(chunks: list[bytes]) -> bool:
     tail = b""
     for chunk in chunks:
-        if _carries_error_event(tail, chunk):
+        if carries_error_event(tail, chunk, ERROR_EVENT):
             return True
         tail = (tail + chunk)[-32:]
     return False

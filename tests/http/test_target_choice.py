@@ -22,7 +22,7 @@ import pytest
 from pd_builders import client_body, pd_pair
 
 from sidecar.config.settings import Settings
-from sidecar.core.orchestrator import PDRequest
+from sidecar.core.flow import PDRequest
 from sidecar.errors import PrefillFailed
 from sidecar.observability.metrics import Metrics
 from sidecar.protocol.context import PrefillTarget, Route
@@ -124,7 +124,7 @@ async def test_a_refused_prefill_moves_to_another_target_which_then_takes_them_a
                                 prefill_cooldown_s=600)
             metrics = Metrics()
             async with open_runtime(settings, metrics) as runtime:
-                exchange = await runtime.orchestrator.start(_request(dead, dead, live))
+                exchange = await runtime.flow.start(_request(dead, dead, live))
                 try:
                     assert b"choices" in await exchange.read_all(1 << 20)
                 finally:
@@ -153,7 +153,7 @@ async def test_a_prefill_cut_after_it_was_sent_is_not_retried() -> None:
         metrics = Metrics()
         async with open_runtime(settings, metrics) as runtime:
             with pytest.raises(PrefillFailed):
-                await runtime.orchestrator.start(_request(first, first, second))
+                await runtime.flow.start(_request(first, first, second))
         assert _prefills(cut) == 1
         assert _prefills(other) == 0
         assert metrics.prefill_retries.labels("http")._value.get() == 0

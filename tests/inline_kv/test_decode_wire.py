@@ -1,5 +1,6 @@
 """Proves inline Decode on a real sidecar (``grpc_sidecar``, ``--kv-transport inline``) that
-takes the request's bytes and walks them (``sidecar.inline.protowire``): a DecodeRequest from a
+takes the request's bytes and walks them (``sidecar.grpc_server.inline.protowire``): a
+DecodeRequest from a
 generated client and one framed by a router from KVBlockStream slices both stage exactly the
 layer files the KV describes and stream the engine's tokens; a foreign fingerprint is
 FAILED_PRECONDITION; a short tile, a missing block, a missing metadata block and malformed
@@ -40,8 +41,8 @@ from connectors.inline_layout import (
 from inline_kv.inline_builders import layer_blocks
 from sidecar.config.settings import KVTransport
 from sidecar.grpc_gen import disagg_pb2, disagg_pb2_grpc
-from sidecar.inline.protowire import frame_decode_request, kv_block_of_stream
-from sidecar.inline.wire import meta_block
+from sidecar.grpc_server.inline.protowire import frame_decode_request, kv_block_of_stream
+from sidecar.grpc_server.inline.wire import meta_block
 
 LAYOUT = InlineLayout(
     dtype="float32", block_size=4, num_kv_heads=2, head_size=8, num_layers=3, fingerprint="f0"

@@ -1,4 +1,4 @@
-"""Proves ``sidecar.inline.heap.retain_freed_heap`` on glibc: after it, a freed 64 MiB
+"""Proves ``sidecar.grpc_server.inline.heap.retain_freed_heap`` on glibc: after it, a freed 64 MiB
 block stays resident for reuse (no munmap, no trim), where glibc's default returns it at once.
 
 Run in child processes: the tuning is process-wide and one-way. Does not prove the speed-up
@@ -15,7 +15,7 @@ import pytest
 
 _PROBE = """
 import sys
-from sidecar.inline.heap import retain_freed_heap
+from sidecar.grpc_server.inline.heap import retain_freed_heap
 
 def rss() -> int:
     for line in open("/proc/self/status"):

@@ -22,9 +22,10 @@ from connectors.inline_layout import (
 from inline_kv.inline_builders import layer_blocks
 from sidecar.errors import SidecarError
 from sidecar.grpc_gen import disagg_pb2
-from sidecar.inline.prefill_files import read_layer_messages, read_staged_meta
-from sidecar.inline.staging import StagingArea
-from sidecar.inline.wire import check_compatible, meta_block, parse_blocks
+from sidecar.grpc_server.errors import grpc_status
+from sidecar.grpc_server.inline.prefill_files import read_layer_messages, read_staged_meta
+from sidecar.grpc_server.inline.staging import StagingArea
+from sidecar.grpc_server.inline.wire import check_compatible, meta_block, parse_blocks
 
 LAYOUT = InlineLayout(
     dtype="float32", block_size=4, num_kv_heads=2, head_size=8, num_layers=3, fingerprint="f0"
@@ -45,7 +46,7 @@ def stream() -> list[disagg_pb2.KVBlock]:
 
 
 def status_of(exc: pytest.ExceptionInfo[SidecarError]) -> grpc.StatusCode:
-    return exc.value.grpc_status
+    return grpc_status(exc.value)
 
 
 def test_round_trip_to_file_layout() -> None:

@@ -47,9 +47,10 @@ from inline_kv.test_prefill_streaming import (
 from sidecar.config.settings import Settings
 from sidecar.errors import SidecarError
 from sidecar.grpc_gen import disagg_pb2
-from sidecar.inline.prefill_files import pages_per_block, read_layer_messages
-from sidecar.inline.protowire import frame_stream_block
-from sidecar.inline.wire import meta_block, parse_blocks
+from sidecar.grpc_server.errors import grpc_status
+from sidecar.grpc_server.inline.prefill_files import pages_per_block, read_layer_messages
+from sidecar.grpc_server.inline.protowire import frame_stream_block
+from sidecar.grpc_server.inline.wire import meta_block, parse_blocks
 
 LAYOUT = InlineLayout(
     dtype="float32", block_size=4, num_kv_heads=2, head_size=8, num_layers=3, fingerprint="f0"
@@ -164,7 +165,7 @@ def test_bad_runs_are_invalid_argument(mutate: object) -> None:
     mutate(blocks)
     with pytest.raises(SidecarError) as exc:
         parse_blocks(blocks, max_blocks=100)
-    assert exc.value.grpc_status == grpc.StatusCode.INVALID_ARGUMENT
+    assert grpc_status(exc.value) == grpc.StatusCode.INVALID_ARGUMENT
 
 
 def test_runs_count_against_max_kv_blocks() -> None:
@@ -172,7 +173,7 @@ def test_runs_count_against_max_kv_blocks() -> None:
     assert parse_blocks(blocks, max_blocks=6).meta == RUNS2  # 3 layers x 2 runs
     with pytest.raises(SidecarError) as exc:
         parse_blocks(blocks, max_blocks=5)
-    assert exc.value.grpc_status == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert grpc_status(exc.value) == grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
 @pytest.fixture

@@ -28,7 +28,7 @@ from connectors.inline_layout import (
     parse_notice,
     send_notice,
 )
-from sidecar.inline.layer_watch import LayerNotices
+from sidecar.grpc_server.inline.layer_watch import LayerNotices
 
 
 @pytest.fixture

@@ -16,9 +16,9 @@ import uuid
 from pathlib import Path
 
 from sidecar.config.settings import KVTransport, Settings
+from sidecar.grpc_server.inline.grpc import InlinePrefill
+from sidecar.grpc_server.inline.orphans import sweep_orphans
 from sidecar.grpc_server.server import _services
-from sidecar.inline.grpc import InlinePrefill
-from sidecar.inline.orphans import sweep_orphans
 from sidecar.runtime import open_runtime
 
 NOW = 1_000_000.0

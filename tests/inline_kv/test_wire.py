@@ -1,4 +1,5 @@
-"""Proves the DecodeRequest / KVBlockStream wire walk (``sidecar.inline.protowire``) means what
+"""Proves the DecodeRequest / KVBlockStream wire walk (``sidecar.grpc_server.inline.protowire``)
+means what
 upb's parser means: for any request upb serializes (and for hand-framed variants: fields
 reordered, repeated scalars, unknown fields, known fields of another wire type, negative
 int32s) the head parses to the request without its blocks and the blocks carry the same
@@ -16,12 +17,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sidecar.grpc_gen import disagg_pb2
-from sidecar.inline.protowire import (
+from sidecar.grpc_server.inline.protowire import (
     WireError,
     kv_block_of_stream,
     split_decode_request,
 )
-from sidecar.inline.protowire import encode_varint as varint
+from sidecar.grpc_server.inline.protowire import encode_varint as varint
 
 int32s = st.integers(min_value=-(2**31), max_value=2**31 - 1)
 blocks = st.builds(

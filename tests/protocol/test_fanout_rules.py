@@ -10,6 +10,7 @@ import json
 from typing import Any
 
 import pytest
+from protocol_builders import parse_client_body
 
 from sidecar.errors import InvalidRequest
 from sidecar.protocol.context import Route
@@ -21,7 +22,6 @@ from sidecar.protocol.fanout import (
     merge_answers,
     sub_bodies,
 )
-from sidecar.protocol.request import parse_client_body
 
 
 def _client(**body: Any) -> Any:

@@ -12,11 +12,12 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from protocol_builders import HANDOFF_FIELDS, parse_client_body
 
 from sidecar import jsonutil
 from sidecar.errors import InvalidRequest
 from sidecar.protocol.context import Route
-from sidecar.protocol.request import HANDOFF_FIELDS, ClientRequest, parse_client_body
+from sidecar.protocol.request import ClientRequest
 
 COMPLETION: dict[str, Any] = {"model": "m", "prompt": "hi", "max_tokens": 8}
 CHAT: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}

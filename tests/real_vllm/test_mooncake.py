@@ -55,11 +55,9 @@ from real_vllm.harness import (
 from real_vllm.sidecar_process import Sidecar, sidecar_process, through
 from real_vllm.stack import PdPair, RealVllm
 from sidecar.config.settings import Settings
-from sidecar.engines import resolve_engine
+from sidecar.dialects import DialectSetup, dialect_class
+from sidecar.dialects.vllm_mooncake import MooncakeState, engine_id_from_query
 from sidecar.grpc_server.server import start_grpc_server
-from sidecar.ids import IdSources, RoomAllocator, SnowflakeIds
-from sidecar.kv_agents import resolve_agent
-from sidecar.kv_agents.mooncake import engine_id_from_query
 from sidecar.protocol.context import HandoffContext, PrefillTarget, Route
 from sidecar.runtime import open_runtime
 from sidecar.tools.route import route
@@ -229,9 +227,10 @@ def test_decode_naming_an_unknown_engine_fails_cleanly(
 
 
 def _grpc_settings(engine_url: str, role: str, bootstrap_port: int) -> Settings:
-    return Settings(engine="vllm", kv_connector="mooncake", engine_url=engine_url, role=role,
-                    host="127.0.0.1", port=0, grpc_port=0, advertise_host="127.0.0.1",
-                    mooncake_bootstrap_port=bootstrap_port, log_level="warning")
+    return Settings.model_validate({
+        "engine": "vllm", "kv_connector": "mooncake", "engine_url": engine_url, "role": role,
+        "host": "127.0.0.1", "port": 0, "grpc_port": 0, "advertise_host": "127.0.0.1",
+        "mooncake_bootstrap_port": bootstrap_port, "log_level": "warning"})
 
 
 async def test_grpc_pd_with_mooncake_gives_the_baseline_greedy_tokens(
@@ -270,18 +269,18 @@ async def test_grpc_pd_with_mooncake_gives_the_baseline_greedy_tokens(
 def test_sidecar_mooncake_bodies_validate_against_vllm_models(
     mooncake: MooncakePair, vllm_schema: VllmSchema
 ) -> None:
-    handler, agent = resolve_engine("vllm"), resolve_agent("mooncake")
-    ids = IdSources(SnowflakeIds(0), RoomAllocator())
+    settings = Settings.model_validate({"mooncake_bootstrap_port": mooncake.bootstrap_port})
+    handler = dialect_class("vllm", "mooncake")(DialectSetup(settings))
     engine_id = engine_id_from_query(json.loads(get_text(mooncake.bootstrap_addr + "/query")))
     items: list[Any] = []
     for kind, path in (("completion", Route.COMPLETIONS), ("chat", Route.CHAT)):
         body = _body(kind, f"mooncake-schema-{kind}", stream=True,
                      stream_options={"include_usage": True}, min_tokens=2)
         ctx = HandoffContext(route=path, request_id="schema", advertise_host="127.0.0.1",
-                             prefill=PrefillTarget("127.0.0.1", mooncake.prefill_engine.port),
-                             mooncake_bootstrap_port=mooncake.bootstrap_port)
-        ctx = handler.bind(agent).assign_ids(ctx, ids).with_ids(mooncake_engine_id=engine_id)
-        prefill = handler.bind(agent).prefill_body(body, ctx)
-        decode = handler.decode_body(body, handler.bind(agent).handoff(None, ctx))
+                             prefill=PrefillTarget("127.0.0.1", mooncake.prefill_engine.port))
+        ctx = handler.begin(ctx)
+        ctx = ctx.with_state(MooncakeState(ctx.state.transfer_id, engine_id))
+        prefill = handler.prefill_body(body, ctx)
+        decode = handler.decode_body(body, handler.handoff(None, ctx))
         items += [(kind, prefill), (kind, decode)]
     assert vllm_schema.validate_many(items) == [None] * len(items)

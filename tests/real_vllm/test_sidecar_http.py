@@ -44,9 +44,8 @@ from real_vllm.client import (
 from real_vllm.engine_schema import VllmSchema
 from real_vllm.sidecar_process import PREFILL_HEADER, Sidecar, sidecar_process, through
 from real_vllm.stack import RealVllm
-from sidecar.engines import resolve_engine
-from sidecar.ids import IdSources, RoomAllocator, SnowflakeIds
-from sidecar.kv_agents import resolve_agent
+from sidecar.config.settings import Settings
+from sidecar.dialects import DialectSetup, dialect_class
 from sidecar.protocol.context import HandoffContext, PrefillTarget, Route
 
 ROUTES = {"completion": "/v1/completions", "chat": "/v1/chat/completions"}
@@ -166,17 +165,16 @@ def test_dead_prefill_gives_502_naming_the_prefill_stage(
 def test_sidecar_bodies_validate_against_vllm_models(
     real_vllm: RealVllm, vllm_schema: VllmSchema
 ) -> None:
-    handler, agent = resolve_engine("vllm"), resolve_agent("shfs")
-    ids = IdSources(SnowflakeIds(0), RoomAllocator())
+    handler = dialect_class("vllm", "shfs")(DialectSetup(Settings()))
     items: list[Any] = []
     for kind, route in (("completion", Route.COMPLETIONS), ("chat", Route.CHAT)):
         body = _body(kind, f"sidecar-schema-{kind}", stream=True,
                      stream_options={"include_usage": True}, min_tokens=2)
         ctx = HandoffContext(route=route, request_id="schema", advertise_host="127.0.0.1",
                              prefill=PrefillTarget("127.0.0.1", real_vllm.nixl.prefill_engine.port))
-        ctx = handler.bind(agent).assign_ids(ctx, ids)
-        prefill = handler.bind(agent).prefill_body(body, ctx)
+        ctx = handler.begin(ctx)
+        prefill = handler.prefill_body(body, ctx)
         reply = post_json(real_vllm.nixl.prefill + ROUTES[kind], prefill)
-        decode = handler.decode_body(body, handler.bind(agent).handoff(reply, ctx))
+        decode = handler.decode_body(body, handler.handoff(reply, ctx))
         items += [(kind, prefill), (kind, decode)]
     assert vllm_schema.validate_many(items) == [None] * len(items)

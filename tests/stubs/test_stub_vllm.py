@@ -16,7 +16,7 @@ import aiohttp
 import pytest
 from stub_builders import NIXL_PREFILL_PARAMS, chat, completion, sse_events
 
-from sidecar.kv_agents.mooncake import engine_id_from_query
+from sidecar.dialects.vllm_mooncake import engine_id_from_query
 from sidecar.tools.stubs import expected_text, is_local_text, is_remote_text, run_stub
 from sidecar.tools.stubs.textgen import encode_text
 

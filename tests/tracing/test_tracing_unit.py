@@ -36,6 +36,7 @@ from pydantic import ValidationError
 from sidecar.config.settings import Settings
 from sidecar.errors import PrefillFailed, Stage
 from sidecar.observability.logs import configure_logging
+from sidecar.observability.otlp import check_endpoint, make_exporter, start_tracing
 from sidecar.observability.tracing import (
     NO_TRACING,
     NOOP_TRACE,
@@ -44,9 +45,6 @@ from sidecar.observability.tracing import (
     REQUEST_SPAN,
     Tracing,
     carrier_headers,
-    check_endpoint,
-    make_exporter,
-    start_tracing,
 )
 
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -69,7 +67,7 @@ def grpc_receiver() -> Iterator[OtlpReceiver]:
 
 
 def started(endpoint: str) -> Tracing:
-    tracing = start_tracing(Settings(otlp_endpoint=endpoint))
+    tracing = start_tracing(Settings(otlp_endpoint=endpoint).otlp_endpoint)
     assert isinstance(tracing, Tracing)
     return tracing
 
@@ -100,7 +98,7 @@ def exporter_threads() -> list[str]:
 
 def test_off_starts_nothing_and_adds_no_header() -> None:
     before = exporter_threads()
-    tracing = start_tracing(Settings())
+    tracing = start_tracing(Settings().otlp_endpoint)
     assert tracing is NO_TRACING
     assert exporter_threads() == before
     trace = tracing.request(front_door="grpc", route="r", engine="vllm", connector="shfs",

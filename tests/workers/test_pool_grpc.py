@@ -9,8 +9,8 @@ from __future__ import annotations
 import grpc
 from pool_builders import gather_limited, running_pool, stubs
 
+from sidecar.dialects.sglang import INT32_ROOMS
 from sidecar.grpc_gen import disagg_pb2, disagg_pb2_grpc
-from sidecar.ids import INT32_ROOMS
 
 PROMPT_IDS = [72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 107, 101, 114, 115]
 #: A channel of its own per call (no subchannel shared across channels in this process), so

@@ -24,7 +24,7 @@ from pool_builders import (
 )
 from prometheus_client.parser import text_string_to_metric_families
 
-from sidecar.ids import TRT_MIN_GLOBAL_ID
+from sidecar.dialects.trtllm import TRT_MIN_GLOBAL_ID
 
 
 async def test_both_workers_serve_and_metrics_add_up() -> None:

@@ -1,0 +1,111 @@
+"""The checks that relate several settings, each naming where every value came from.
+
+    check_ports            no two listeners on one port, none on the local engine's
+    check_tls              pairs set whole, a client CA only with a server pair, files load
+    check_connector_engine a connector given by flag or env serves the engine
+    check_prompt_length_source  ``tokenize`` only for an engine with a tokenizer endpoint
+
+Each raises ``ConfigError``; the loader runs them after ``Settings`` has checked every value
+on its own.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+from urllib.parse import urlsplit
+
+from sidecar.config.settings import PromptLengthSource, Settings
+from sidecar.dialects import DIALECTS, dialect_class
+from sidecar.protocol.hostfmt import is_loopback_host
+from sidecar.tls import ReloadingServerTLS, TLSFileError, client_ssl_context
+
+
+class ConfigError(Exception):
+    """The configuration is invalid; the message names the value and its source."""
+
+
+class Sources(Protocol):
+    def source_of(self, name: str) -> str:
+        """Where field ``name``'s value came from (a flag, a variable, a label, default)."""
+
+
+def check_ports(settings: Settings, sources: Sources) -> None:
+    parts = urlsplit(settings.engine_url)
+    engine_port = parts.port or (443 if parts.scheme == "https" else 80)
+    if settings.port and settings.port == engine_port and is_loopback_host(parts.hostname or ""):
+        raise ConfigError(
+            f"port {settings.port} (from {sources.source_of('port')}) is the local engine's port "
+            f"in engine_url {settings.engine_url!r} (from {sources.source_of('engine_url')}); the "
+            "sidecar and the engine cannot listen on the same port"
+        )
+    listeners = [("port", settings.port), ("metrics_port", settings.metrics_port)]
+    if settings.grpc_enabled:
+        listeners.insert(1, ("grpc_port", settings.grpc_port))
+    seen: dict[int, str] = {}
+    for name, port in listeners:
+        if not port:  # None or 0 (the OS picks a free port)
+            continue
+        if port in seen:
+            other = seen[port]
+            raise ConfigError(
+                f"{name} {port} (from {sources.source_of(name)}) equals {other} "
+                f"(from {sources.source_of(other)}); each listener needs its own port"
+            )
+        seen[port] = name
+
+
+def check_tls(settings: Settings, sources: Sources) -> None:
+    """Both files of a pair or neither, a client CA only with a server pair, and every TLS
+    file loads (the server's are checked again at each reload)."""
+    cert, key = settings.tls_cert_file, settings.tls_key_file
+    if (cert is None) != (key is None):
+        raise ConfigError(
+            f"tls_cert_file {cert!r} (from {sources.source_of('tls_cert_file')}) and tls_key_file "
+            f"{key!r} (from {sources.source_of('tls_key_file')}): set both or neither"
+        )
+    client_cert, client_key = settings.engine_client_cert_file, settings.engine_client_key_file
+    if (client_cert is None) != (client_key is None):
+        raise ConfigError(
+            f"engine_client_cert_file {client_cert!r} (from "
+            f"{sources.source_of('engine_client_cert_file')}) and engine_client_key_file "
+            f"{client_key!r} (from {sources.source_of('engine_client_key_file')}): set both or "
+            "neither"
+        )
+    if settings.tls_client_ca_file is not None and cert is None:
+        raise ConfigError(
+            f"tls_client_ca_file (from {sources.source_of('tls_client_ca_file')}) needs "
+            "tls_cert_file and tls_key_file: client certificates are asked for over TLS only"
+        )
+    try:
+        if cert is not None and key is not None:
+            ReloadingServerTLS(cert, key, client_ca_file=settings.tls_client_ca_file)
+        if settings.engine_ca_file is not None or client_cert is not None:
+            client_ssl_context(settings.engine_ca_file, client_cert, client_key)
+    except TLSFileError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def check_connector_engine(settings: Settings, sources: Sources) -> None:
+    source = sources.source_of("kv_connector")
+    if not source.startswith(("flag ", "env ")):
+        return  # a label or the default: used only where it applies, never refused
+    engines = DIALECTS.engines_of(settings.kv_connector)
+    if settings.engine not in engines:
+        raise ConfigError(
+            f"kv connector {settings.kv_connector!r} (from {source}) serves "
+            f"{', '.join(sorted(engines))}, not engine {settings.engine!r} "
+            f"(from {sources.source_of('engine')})"
+        )
+
+
+def check_prompt_length_source(settings: Settings, sources: Sources) -> None:
+    if settings.prompt_length_source is not PromptLengthSource.TOKENIZE:
+        return
+    if dialect_class(settings.engine, settings.kv_connector).tokenize is None:
+        having = sorted({engine for engine, connector in DIALECTS
+                         if DIALECTS.get(engine, connector).tokenize is not None})
+        raise ConfigError(
+            f"prompt_length_source 'tokenize' (from {sources.source_of('prompt_length_source')}) "
+            f"needs an engine with a tokenizer endpoint ({', '.join(having)}), not engine "
+            f"{settings.engine!r} (from {sources.source_of('engine')}); use 'estimate'"
+        )

@@ -1,0 +1,112 @@
+"""The settings of a request's life: failure policy, fan-out, local prefill, limits, timeouts.
+
+Part of ``sidecar.config.settings.Settings``.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class PrefillFailurePolicy(StrEnum):
+    """What a PD request does when its prefill leg fails."""
+
+    FAIL = "fail"
+    LOCAL = "local"
+
+
+class PromptLengthSource(StrEnum):
+    """How a text or chat prompt's length is known for conditional disaggregation."""
+
+    ESTIMATE = "estimate"
+    TOKENIZE = "tokenize"
+
+
+class LimitsSettings(BaseModel):
+    """How a request runs and what bounds it (sizes, counts, deadlines)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    on_prefill_failure: PrefillFailurePolicy = Field(
+        default=PrefillFailurePolicy.FAIL,
+        description="When the prefill leg fails: fail the request, or run it whole on the "
+        "local engine.",
+    )
+    trusted_router: bool = Field(
+        default=False,
+        description="Accept the engines' hand-off fields in client bodies: only when the sole "
+        "caller is a router that computes them itself.",
+    )
+    max_fanout: int = Field(
+        default=16,
+        ge=1,
+        le=1024,
+        description="Most PD pairs one request may fan out to: prompts x n (batched prompts, "
+        "n > 1); more: 400.",
+    )
+    local_prefill_max_tokens: int = Field(
+        default=0,
+        ge=0,
+        description="Prompts of at most this many tokens run whole on the local engine, with "
+        "no prefill leg (0: off, every request is disaggregated).",
+    )
+    prompt_length_source: PromptLengthSource = Field(
+        default=PromptLengthSource.ESTIMATE,
+        description="How a text or chat prompt's length is known for "
+        "local_prefill_max_tokens: estimate (UTF-8 bytes / 4, see README) or tokenize (the "
+        "local engine's tokenizer endpoint, for engines that have one). Token-id prompts are "
+        "counted exactly.",
+    )
+    prefill_cooldown_s: float = Field(
+        default=5.0,
+        ge=0,
+        description="Seconds a prefill target whose connect was refused is skipped while "
+        "other listed targets remain (0: never skipped).",
+    )
+    max_body_bytes: int = Field(
+        default=32 * 1024 * 1024, ge=1024, description="Largest client request body."
+    )
+    client_body_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="Deadline for receiving a client's request body, seconds (slower: 408).",
+    )
+    client_header_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="Deadline for receiving a client's request head (request line and "
+        "headers), seconds, from the connection's start or the first byte of the next "
+        "request on a kept-alive one; slower: the connection is closed.",
+    )
+    max_prefill_response_bytes: int = Field(
+        default=16 * 1024 * 1024, ge=1024, description="Largest prefill engine response body."
+    )
+    max_inflight: int = Field(
+        default=1024,
+        ge=1,
+        description="Requests in flight before new ones get 503; with workers, in all of them "
+        "together (workers admitting at the same instant may pass it by workers-1).",
+    )
+    connect_timeout_s: float = Field(
+        default=5.0, gt=0, description="Upstream connect timeout, seconds."
+    )
+    read_timeout_s: float = Field(
+        default=300.0, gt=0, description="Upstream per-read timeout, seconds (no total limit)."
+    )
+    prefill_timeout_s: float = Field(
+        default=30.0, gt=0, description="Whole prefill leg deadline, seconds."
+    )
+    keepalive_s: float = Field(
+        default=4.0,
+        gt=0,
+        description="Idle upstream connection lifetime, seconds (keep it below the engines' own "
+        "keep-alive; 5 s is common).",
+    )
+    max_connections: int = Field(
+        default=1024, ge=1, description="Upstream connection pool size."
+    )
+    drain_grace_s: float = Field(
+        default=30.0, ge=0, description="On SIGTERM, seconds to let in-flight requests finish."
+    )

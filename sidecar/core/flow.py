@@ -1,0 +1,402 @@
+"""The PD flow: how a request's two legs run, decided once for every front door.
+
+    start(PDRequest) ─▶ PDExchange            the HTTP door, and each fan-out sub-request
+        short prompt (--local-prefill-max-tokens) ─▶ the local engine alone
+        SEQUENTIAL: prefill ─▶ hand-off ─▶ open decode       (a refused connect: once more on
+        CONCURRENT: prefill ║ open decode (prefill watched)    another target; a failed prefill
+                                                              of a sequential dialect may run
+                                                              locally: --on-prefill-failure)
+    prefill_only(...) ─▶ Handoff              gRPC Prefill: the prefill half
+        SEQUENTIAL: the prefill, then its hand-off
+        CONCURRENT: the hand-off at once; the engine call runs on in the background, watched
+    open_decode(...)  ─▶ UpstreamResponse     gRPC Decode: the decode half
+
+The dialect (``sidecar.dialects``) says what the bodies hold and whether the legs are
+sequential or concurrent; ``EngineCalls`` makes the calls; the flow puts them in order, keeps
+the deadlines, starts and ends the dialect's per-request state, and hands the request's
+abort and release to its ``PDExchange``. Cancellation (a client gone) propagates: every
+upstream call is closed on the way out, and the exchange aborts the engines' legs.
+
+Deliberate limits: one retry, only of a prefill whose connect was refused (the engine never
+saw it) and only on another of the request's targets; a prefill that may have half-run is
+never retried (it would double the engine's work; routers pick another pair); the
+local-prefill fallback applies to sequential dialects only (a concurrent dialect's decode
+cannot run without its prefill).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from sidecar.config.limits import PrefillFailurePolicy
+from sidecar.core.engine_calls import EngineCalls, PrefillLeg
+from sidecar.core.exchange import PDExchange, as_prefill_error, cancel_and_wait
+from sidecar.core.local_prefill import LocalPrefill
+from sidecar.core.scope import RequestScope, Scopes, Timings
+from sidecar.dialects import Dialect, Legs
+from sidecar.errors import (
+    DeadlineExceeded,
+    InvalidHandoff,
+    PrefillFailed,
+    PrefillUnreachable,
+    SidecarError,
+    Stage,
+)
+from sidecar.http1 import UpstreamResponse
+from sidecar.observability.tracing import HANDOFF_SPAN, NOOP_TRACE, RequestTrace
+from sidecar.protocol.context import FrontDoor, HandoffContext, PrefillTarget, Route
+
+logger = logging.getLogger(__name__)
+
+#: Prefill failures a local-prefill fallback may cover (never a client's own bad request).
+_FALLBACK_ERRORS = (PrefillFailed, InvalidHandoff, DeadlineExceeded)
+#: The reason a gRPC Prefill counts when its prefill already finished the answer.
+ANSWERED_BY_PREFILL = "answered_by_prefill"
+
+
+@dataclass(frozen=True, slots=True)
+class PDRequest:
+    """One client request that runs as a prefill/decode pair."""
+
+    route: Route
+    body: Mapping[str, Any]
+    stream: bool
+    target: PrefillTarget
+    request_id: str
+    headers: Mapping[str, str]
+    #: Every target the request may use (``target`` among them): a prefill whose connect is
+    #: refused moves once to another of these.
+    candidates: tuple[PrefillTarget, ...] = ()
+    trace: RequestTrace = NOOP_TRACE
+    front_door: FrontDoor = FrontDoor.HTTP
+
+
+@dataclass(slots=True)
+class Handoff:
+    """What a prefill leg produced for its decode.
+
+    ``fields`` are the top-level fields the decode body gets. When the prefill already is the
+    whole answer, ``answer`` holds it as the client sees it and ``fields`` is empty.
+    """
+
+    fields: dict[str, Any]
+    answer: dict[str, Any] | None = None
+    timings: Timings = field(default_factory=Timings)
+
+
+@dataclass(frozen=True, slots=True)
+class FlowCounters:
+    """What the flow counts: local-prefill fallbacks (front door, reason) and retries."""
+
+    fallback: Callable[[str, str], None] = lambda front_door, reason: None
+    retry: Callable[[str], None] = lambda front_door: None
+
+
+class PDFlow:
+    """Runs the legs of one dialect's requests (see the module docstring)."""
+
+    def __init__(
+        self,
+        dialect: Dialect,
+        calls: EngineCalls,
+        *,
+        prefill_timeout_s: float,
+        on_prefill_failure: PrefillFailurePolicy = PrefillFailurePolicy.FAIL,
+        local_prefill: LocalPrefill | None = None,
+        counters: FlowCounters | None = None,
+    ) -> None:
+        self.dialect = dialect
+        self.calls = calls
+        self.concurrent = dialect.legs is Legs.CONCURRENT
+        self._prefill_timeout_s = prefill_timeout_s
+        self._local_fallback = on_prefill_failure is PrefillFailurePolicy.LOCAL
+        self._local = local_prefill if local_prefill is not None and local_prefill.enabled else None
+        self._counters = counters or FlowCounters()
+        self._background: set[asyncio.Task[None]] = set()
+
+    # -- per-request state: what the exchange calls back ------------------------------------
+
+    async def begin(self, route: Route, request_id: str, target: PrefillTarget,
+                    advertise_host: str | None = None,
+                    front_door: FrontDoor = FrontDoor.HTTP) -> HandoffContext:
+        """A request's context with its dialect state (ids, looked-up values)."""
+        dialect = self.dialect
+        ctx = dialect.begin(HandoffContext(route, request_id, target,
+                                           advertise_host or target.host, front_door))
+        if dialect.looks_up:
+            try:
+                ctx = await dialect.look_up(ctx)
+            except BaseException:
+                dialect.end(ctx)
+                raise
+        return ctx
+
+    def end(self, ctx: HandoffContext) -> None:
+        """Give back the request's dialect state."""
+        self.dialect.end(ctx)
+
+    def abort(self, ctx: HandoffContext) -> None:
+        """Tell both engines to drop the request's legs, where the dialect has an abort call."""
+        call = self.dialect.abort_call(ctx)
+        if call is not None:
+            self.calls.abort(call[0], call[1], ctx.prefill)
+
+    def prefill_timeout(self, time_remaining: float | None = None) -> float:
+        """The prefill leg's deadline, bounded by the caller's own (gRPC) when it has one."""
+        timeout_s = self._prefill_timeout_s
+        if time_remaining is not None:
+            timeout_s = max(min(timeout_s, time_remaining), 0.001)
+        return timeout_s
+
+    def _handoff(
+        self, response: dict[str, Any] | None, ctx: HandoffContext, trace: RequestTrace
+    ) -> dict[str, Any]:
+        if not trace.active:
+            return self.dialect.handoff(response, ctx)
+        with trace.span(HANDOFF_SPAN):
+            return self.dialect.handoff(response, ctx)
+
+    async def _prefill(self, leg: PrefillLeg, ctx: HandoffContext, timings: Timings) -> Handoff:
+        """A sequential prefill leg and its hand-off (``InvalidHandoff`` if unusable); stage
+        times go into ``timings`` as each stage ends."""
+        started = time.perf_counter()
+        response = await self.calls.post_prefill(leg)
+        timings.prefill = time.perf_counter() - started
+        if self.dialect.answered_by_prefill(response):
+            return Handoff({}, answer=self.dialect.prefill_answer(response), timings=timings)
+        handoff_started = time.perf_counter()
+        fields = self._handoff(response, ctx, leg.trace)
+        timings.handoff = time.perf_counter() - handoff_started
+        return Handoff(fields, timings=timings)
+
+    # -- both legs: the HTTP door and fan-out sub-requests ----------------------------------
+
+    async def start(self, request: PDRequest) -> PDExchange:
+        """Run the request's legs until the decode response head has arrived.
+
+        A short prompt runs whole on the local engine. A prefill whose connect was refused
+        (the engine never saw it) is run once more on another of the request's candidates,
+        with a new context; a concurrent flow's decode, already sent, is aborted first.
+        """
+        local = self._local
+        if local is not None and await local.is_short(
+                request.route, request.body, request.request_id):
+            return await self._start_local(request)
+        target = request.target
+        alternative = self._alternative(request, target)
+        try:
+            return await self._start_on(request, may_retry=alternative is not None)
+        except PrefillUnreachable:
+            if alternative is None:
+                raise
+        # Picked again now: the first pick may have cooled down meanwhile, others changed.
+        retry_target = self._alternative(request, target) or alternative
+        logger.info("request %s: prefill target %s refused the connection; retrying on %s",
+                    request.request_id, target, retry_target)
+        self._counters.retry(request.front_door)
+        return await self._start_on(replace(request, target=retry_target), may_retry=False)
+
+    def _alternative(self, request: PDRequest, target: PrefillTarget) -> PrefillTarget | None:
+        if len(request.candidates) < 2:
+            return None
+        return self.calls.choice.pick(request.candidates, exclude=(target,))
+
+    async def _start_local(self, request: PDRequest) -> PDExchange:
+        """The client's own body on the local engine: no prefill leg, no hand-off fields."""
+        ctx = HandoffContext(request.route, request.request_id, request.target,
+                             request.target.host, request.front_door)
+        decode = await self.calls.open_decode(
+            request.route, request.body, request.headers, request.trace
+        )
+        return PDExchange(ctx=ctx, decode=decode, local=True)
+
+    async def _start_on(self, request: PDRequest, *, may_retry: bool) -> PDExchange:
+        ctx = await self.begin(request.route, request.request_id, request.target,
+                               front_door=request.front_door)
+        try:
+            if self.concurrent:
+                return await self._start_concurrent(request, ctx)
+            return await self._start_sequential(request, ctx, may_retry=may_retry)
+        except BaseException:
+            self.abort(ctx)
+            self.end(ctx)
+            raise
+
+    def _leg(self, request: PDRequest, ctx: HandoffContext) -> PrefillLeg:
+        target = request.target
+        return PrefillLeg(
+            url=self.calls.prefill_url(target, request.route),
+            body=self.dialect.prefill_body(request.body, ctx),
+            headers=request.headers,
+            timeout_s=self._prefill_timeout_s,
+            server_hostname=target.tls_name,
+            target=target,
+            trace=request.trace,
+        )
+
+    async def _start_sequential(
+        self, request: PDRequest, ctx: HandoffContext, *, may_retry: bool
+    ) -> PDExchange:
+        timings = Timings()
+        fallback_reason: str | None = None
+        try:
+            handoff = await self._prefill(self._leg(request, ctx), ctx, timings)
+            if handoff.answer is not None:
+                return PDExchange(ctx=ctx, decode=None, answer=handoff.answer, timings=timings,
+                                  owner=self)
+            decode_body = self.dialect.decode_body(request.body, handoff.fields)
+        except _FALLBACK_ERRORS as error:
+            if not self._local_fallback:
+                raise
+            if may_retry and isinstance(error, PrefillUnreachable):
+                raise  # another target comes first; the local fallback is the last resort
+            fallback_reason = error.code
+            self._counters.fallback(request.front_door, fallback_reason)
+            decode_body = dict(request.body)
+        decode_started = time.perf_counter()
+        decode = await self.calls.open_decode(
+            request.route, decode_body, request.headers, request.trace
+        )
+        timings.decode_first_byte = time.perf_counter() - decode_started
+        return PDExchange(ctx=ctx, decode=decode, fallback_reason=fallback_reason,
+                          timings=timings, owner=self)
+
+    async def _start_concurrent(self, request: PDRequest, ctx: HandoffContext) -> PDExchange:
+        timings = Timings()
+        leg = self._leg(request, ctx)
+        decode_body = self.dialect.decode_body(
+            request.body, self._handoff(None, ctx, request.trace)
+        )
+        started = time.perf_counter()
+        prefill_task = asyncio.ensure_future(self.calls.post_prefill(leg))
+        decode_task = asyncio.ensure_future(
+            self.calls.open_decode(request.route, decode_body, request.headers, request.trace)
+        )
+        try:
+            while not decode_task.done():
+                waiting: set[asyncio.Future[Any]] = {decode_task}
+                if not prefill_task.done():
+                    waiting.add(prefill_task)
+                await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                if prefill_task.done() and not prefill_task.cancelled():
+                    error = prefill_task.exception()
+                    if error is not None:
+                        raise as_prefill_error(error)
+            decode = decode_task.result()
+        except BaseException:
+            await cancel_and_wait(decode_task)
+            await cancel_and_wait(prefill_task)
+            raise
+        timings.decode_first_byte = time.perf_counter() - started
+        if prefill_task.done():
+            timings.prefill = time.perf_counter() - started
+        exchange = PDExchange(ctx=ctx, decode=decode, timings=timings, prefill_task=prefill_task,
+                              owner=self)
+        exchange.watch_prefill()
+        return exchange
+
+    # -- one leg: the gRPC services ---------------------------------------------------------
+
+    async def prefill_only(
+        self,
+        client_body: Mapping[str, Any],
+        *,
+        request_id: str,
+        target: PrefillTarget,
+        advertise_host: str,
+        headers: Mapping[str, str],
+        time_remaining: float | None,
+        scope: RequestScope,
+        scopes: Scopes,
+    ) -> Handoff:
+        """The prefill half on the local engine, as gRPC Prefill runs it; ``target`` is this
+        pod's engine as the hand-off names it.
+
+        Concurrent dialects: the hand-off is known at once and returned; the engine call
+        (which blocks until a decode connects) runs on in the background, holding the
+        request's admission slot (``scope.detach``) and its dialect state until it ends,
+        bounded by the prefill timeout, counted through ``scopes`` and logged when it fails.
+        """
+        route = Route.COMPLETIONS
+        ctx = await self.begin(route, request_id, target, advertise_host, FrontDoor.GRPC)
+        handed_off = False
+        try:
+            leg = PrefillLeg(
+                url=self.calls.local_url(route),
+                body=self.dialect.prefill_body(client_body, ctx),
+                headers=headers,
+                timeout_s=self.prefill_timeout(time_remaining),
+                trace=scope.trace,
+            )
+            if self.concurrent:
+                fields = self._handoff(None, ctx, scope.trace)
+                # The engine call outlives this RPC: its own deadline, not the caller's.
+                background = replace(leg, timeout_s=self.prefill_timeout())
+                self._run_in_background(background, ctx, scopes, scope.detach())
+                handed_off = True
+                return Handoff(fields)
+            timings = Timings()
+            try:
+                handoff = await self._prefill(leg, ctx, timings)
+            finally:
+                scope.observe_timings(timings)
+            if handoff.answer is not None:
+                self._counters.fallback(FrontDoor.GRPC, ANSWERED_BY_PREFILL)
+                logger.info("request %s: the prefill finished the sequence; decode recomputes",
+                            request_id)
+            return handoff
+        finally:
+            if not handed_off:
+                self.end(ctx)
+
+    def _run_in_background(self, leg: PrefillLeg, ctx: HandoffContext, scopes: Scopes,
+                           release_admission: Callable[[], None]) -> None:
+        task = asyncio.ensure_future(self._watched(leg, ctx, scopes, release_admission))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _watched(self, leg: PrefillLeg, ctx: HandoffContext, scopes: Scopes,
+                       release_admission: Callable[[], None]) -> None:
+        started = time.perf_counter()
+        try:
+            await self.calls.post_prefill(leg)
+            scopes.observe("prefill", time.perf_counter() - started)
+        except SidecarError as error:
+            scopes.count_error(error)
+            logger.warning("request %s: background prefill failed after the hand-off: %s (%s)",
+                           ctx.request_id, error.code, error.message)
+        except asyncio.CancelledError:
+            logger.info("request %s: background prefill cancelled", ctx.request_id)
+            raise
+        except Exception:
+            scopes.count_error(SidecarError("background prefill crashed", stage=Stage.PREFILL))
+            logger.exception("request %s: background prefill crashed", ctx.request_id)
+        finally:
+            self.end(ctx)
+            release_admission()
+
+    def decode_body(self, client_body: Mapping[str, Any],
+                    fields: Mapping[str, Any]) -> dict[str, Any]:
+        """The decode body from a client body and a hand-off's fields."""
+        return self.dialect.decode_body(client_body, fields)
+
+    async def open_decode(self, route: Route, body: Mapping[str, Any] | bytes,
+                          headers: Mapping[str, str],
+                          trace: RequestTrace = NOOP_TRACE) -> UpstreamResponse:
+        """The decode half on the local engine, as gRPC Decode runs it."""
+        return await self.calls.open_decode(route, body, headers, trace)
+
+    async def close(self) -> None:
+        """Cancel the background prefills still running (server stop)."""
+        tasks = list(self._background)
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task

@@ -1,0 +1,217 @@
+"""What a dialect is: everything the sidecar knows about one engine (and one KV connector).
+
+A dialect turns the client's body into the engine's prefill body, says how the two legs run,
+reads the prefill's answer into the fields the decode body gets (the *hand-off*), and owns
+the per-request state its hand-off needs (rooms, ids, transfer ids, looked-up engine ids):
+
+    ctx = dialect.begin(ctx)              this request's state (``ctx.state``, opaque to the core)
+    ctx = await dialect.look_up(ctx)      only when ``looks_up``: values the engines must tell
+    dialect.prefill_body(client, ctx)  ─▶ POST prefill ─▶ answer ─dialect.handoff(answer, ctx)─▶
+    dialect.decode_body(client, fields)─▶ POST decode (local engine)
+    dialect.end(ctx)                      the state given back (once the request is over)
+
+``legs`` says whether the decode waits for the prefill's answer (``SEQUENTIAL``) or both go
+at once (``CONCURRENT``: the hand-off is known before the prefill answers, and the core
+watches the prefill). Everything else a dialect declares is data: the body keys it owns
+(``handoff_keys``: clients may not send them), the request keys that make a streamed
+completion carry token ids (``token_id_fields``), its abort call, its tokenizer endpoint,
+the settings it adds (``Options``). The core never names an engine: it asks the dialect.
+
+Dialects do no I/O of their own. The one lookup a hand-off may need (an engine id that only
+the prefill's side channel tells) goes through the ``EngineLookup`` the core hands in.
+
+Deliberate limits: one dialect instance serves every request of a process (its id sources
+are the process's); per-request values live in ``ctx.state`` only.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from types import MappingProxyType
+from typing import Any, ClassVar, Literal, NamedTuple, Protocol, Self
+
+from pydantic import BaseModel, ConfigDict
+
+from sidecar.dialects.common import merge_top_level, prefill_base
+from sidecar.protocol.context import HandoffContext, Route
+from sidecar.protocol.sse import OPENAI_STREAM, StreamMarkers
+
+
+class Legs(StrEnum):
+    """How a dialect's two legs run."""
+
+    #: Prefill first; the decode body is built from its answer.
+    SEQUENTIAL = "sequential"
+    #: Both at once (the engines rendezvous); a failed prefill aborts the decode.
+    CONCURRENT = "concurrent"
+
+
+@dataclass(frozen=True, slots=True)
+class TokenizeEndpoint:
+    """An engine's tokenizer endpoint: its path, whether it takes chat messages, and the
+    chat request fields that change how it renders them (sent along when present)."""
+
+    path: str
+    chat: bool
+    chat_fields: tuple[str, ...] = ()
+
+
+class PodSource(NamedTuple):
+    """Where in the pod's metadata a setting can come from (below flags and env)."""
+
+    kind: Literal["label", "annotation"]
+    #: The settings field whose value is the label or annotation key.
+    key_field: str
+    #: How the label's text is read: as it is, or as a port number.
+    parse: Literal["text", "port"] = "text"
+
+
+class DialectOptions(BaseModel):
+    """The settings a dialect adds to the sidecar's (flags, env, pod labels, docs).
+
+    Every field needs a ``description`` (it is the flag's help and a row of README's
+    reference); ``pod_sources`` names fields a pod label or annotation can set.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    pod_sources: ClassVar[Mapping[str, PodSource]] = MappingProxyType({})
+
+    @classmethod
+    def of(cls, settings: object) -> Self:
+        """This dialect's options, read from the whole settings object."""
+        return cls.model_validate(settings, from_attributes=True)
+
+
+class LookupFailed(Exception):
+    """An ``EngineLookup`` GET that could not be answered (unreachable, reset, too slow)."""
+
+
+class EngineLookup(Protocol):
+    """A small GET to an engine's side channel, done by the core's client for a dialect."""
+
+    async def get(self, url: str, *, max_bytes: int) -> tuple[int, bytes]:
+        """The answer's status and body (within the core's connect deadline); raises
+        ``LookupFailed`` when there is none."""
+
+
+@dataclass(frozen=True, slots=True)
+class DialectSetup:
+    """What a dialect is built from, once per process."""
+
+    #: The sidecar's settings (a dialect reads its own fields through ``Options.of``).
+    settings: object
+    #: This worker's lane of ``lanes`` (``--workers``): ids drawn here never meet another's.
+    lane: int = 0
+    lanes: int = 1
+    lookup: EngineLookup | None = None
+
+
+#: vLLM's (and SGLang's) documented switch for token ids on a streamed completion.
+RETURN_TOKEN_IDS: Mapping[str, Any] = MappingProxyType({"return_token_ids": True})
+
+
+class Dialect(ABC):
+    """One engine's (and one KV connector's) side of a prefill/decode pair."""
+
+    #: The engine's wire name (the engine pod label's value), e.g. "sglang".
+    engine: ClassVar[str]
+    #: The KV connector's wire name (the connector label's value), or None.
+    connector: ClassVar[str | None] = None
+    #: The engine versions whose wire format this dialect was checked against.
+    checked_against: ClassVar[str] = ""
+    legs: ClassVar[Legs] = Legs.SEQUENTIAL
+    #: True when ``look_up`` must run before the hand-off can be built.
+    looks_up: ClassVar[bool] = False
+    #: Top-level body keys of this dialect's hand-off (only the sidecar may set them).
+    handoff_keys: ClassVar[frozenset[str]] = frozenset()
+    #: Top-level request fields that make a streamed completion carry token ids.
+    token_id_fields: ClassVar[Mapping[str, Any]] = RETURN_TOKEN_IDS
+    #: True when the engine rejects ``max_completion_tokens`` on the prefill leg.
+    drops_max_completion_tokens: ClassVar[bool] = False
+    #: The engine's tokenizer endpoint, if it has one.
+    tokenize: ClassVar[TokenizeEndpoint | None] = None
+    #: The routes this engine serves as prefill/decode pairs with its hand-off fields.
+    pd_routes: ClassVar[frozenset[Route]] = frozenset(Route)
+    #: The settings this dialect adds (None: none).
+    Options: ClassVar[type[DialectOptions] | None] = None
+
+    def __init__(self, setup: DialectSetup) -> None:
+        self.setup = setup
+
+    @property
+    def connector_label(self) -> str:
+        """The connector as metrics and hand-off blocks name it ("none" without one)."""
+        return self.connector or "none"
+
+    # -- per-request state ------------------------------------------------------------------
+
+    def begin(self, ctx: HandoffContext) -> HandoffContext:
+        """``ctx`` with this request's state (ids, rooms); default: none."""
+        return ctx
+
+    async def look_up(self, ctx: HandoffContext) -> HandoffContext:
+        """``ctx`` with what the engines must tell first (``looks_up`` dialects only)."""
+        return ctx
+
+    def end(self, ctx: HandoffContext) -> None:  # noqa: B027 (optional: most take nothing)
+        """Give back what ``begin`` took (called once, when the request's legs are over)."""
+
+    # -- bodies -----------------------------------------------------------------------------
+
+    def prefill_body(self, client_body: Mapping[str, Any], ctx: HandoffContext) -> dict[str, Any]:
+        """The body POSTed to the prefill engine: the common rules plus this dialect's fields."""
+        body = prefill_base(
+            client_body, drop_max_completion_tokens=self.drops_max_completion_tokens
+        )
+        body.update(self.prefill_fields(ctx))
+        return body
+
+    def prefill_fields(self, ctx: HandoffContext) -> dict[str, Any]:
+        """Dialect-specific top-level fields of the prefill body (default: none)."""
+        return {}
+
+    @abstractmethod
+    def handoff(
+        self, prefill_response: Mapping[str, Any] | None, ctx: HandoffContext
+    ) -> dict[str, Any]:
+        """Top-level fields the decode body gets; raises ``InvalidHandoff`` when unusable.
+
+        ``prefill_response`` is None for concurrent dialects (decode is built before the
+        prefill answers).
+        """
+
+    def decode_body(
+        self, client_body: Mapping[str, Any], handoff: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        """The decode body: the *original* client body with the hand-off fields set."""
+        return merge_top_level(client_body, handoff)
+
+    def answered_by_prefill(self, prefill_response: Mapping[str, Any]) -> bool:
+        """True when the prefill response already is the whole answer."""
+        return False
+
+    def prefill_answer(self, prefill_response: Mapping[str, Any]) -> dict[str, Any]:
+        """A prefill response that is the whole answer, as the client sees it."""
+        return dict(prefill_response)
+
+    # -- engine calls the core makes for the dialect ----------------------------------------
+
+    def abort_call(self, ctx: HandoffContext) -> tuple[str, dict[str, Any]] | None:
+        """The engine's abort endpoint and body for this request's legs, if it has one."""
+        return None
+
+    def stream_markers(self, route: Route) -> StreamMarkers:
+        """How this engine's stream on ``route`` ends, and how an error event in it starts."""
+        return OPENAI_STREAM
+
+
+def check_lane(lane: int, lanes: int, most: int) -> None:
+    """Raise ``ValueError`` unless ``lane`` is one of ``lanes`` (at most ``most``) lanes."""
+    if not 1 <= lanes <= most:
+        raise ValueError(f"lanes {lanes} is outside 1..{most}")
+    if not 0 <= lane < lanes:
+        raise ValueError(f"lane {lane} is outside 0..{lanes - 1}")

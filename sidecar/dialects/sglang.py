@@ -1,0 +1,180 @@
+"""SGLang: bootstrap host, port and room on both legs, sent at the same time.
+
+SGLang pairs a prefill and a decode request through the prefill engine's bootstrap server:
+both bodies carry the same ``bootstrap_host``, ``bootstrap_port`` and ``bootstrap_room``
+(docs/handoffs.md#sglang), and the prefill blocks until the decode connects, so the legs run
+at the same time.
+
+    begin: room := a free room (int64 over HTTP; int32 over gRPC, as SGLang's own gRPC has it)
+    prefill fields == decode fields == {bootstrap_host, bootstrap_port, bootstrap_room, rid}
+    end:   the room is free again
+
+Both legs also carry ``rid`` (SGLang's request id field), so the sidecar can name the request
+in ``POST /abort_request`` when the client goes away or the prefill fails. The fields are set
+after the client's keys, so client-supplied bootstrap values are always overwritten.
+
+Rooms (``RoomAllocator``): random, non-negative, unique among the rooms in flight (a reused
+room can inherit a stale failure); in a pool of workers ``room % lanes == lane``, so no two
+workers of one pod can hand out the same room, in either range.
+
+Deliberate limits: one room per request (fan-out gives each sub-request its own).
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any, Final
+
+from pydantic import Field
+
+from sidecar.dialects.base import (
+    Dialect,
+    DialectOptions,
+    DialectSetup,
+    Legs,
+    PodSource,
+    TokenizeEndpoint,
+    check_lane,
+)
+from sidecar.errors import ResourceExhausted, SidecarError
+from sidecar.protocol.context import FrontDoor, HandoffContext
+
+BOOTSTRAP_HOST: Final = "bootstrap_host"
+BOOTSTRAP_PORT: Final = "bootstrap_port"
+BOOTSTRAP_ROOM: Final = "bootstrap_room"
+#: SGLang's request id field on its OpenAI routes; ``POST /abort_request {"rid"}`` names it.
+RID: Final = "rid"
+ABORT_PATH: Final = "/abort_request"
+
+INT64_ROOMS: Final = (1 << 63) - 1
+INT32_ROOMS: Final = (1 << 31) - 1
+
+
+class SGLangOptions(DialectOptions):
+    """SGLang's settings."""
+
+    sglang_bootstrap_port: int = Field(
+        default=8998, ge=1, le=65535, description="SGLang's disaggregation bootstrap port."
+    )
+    sglang_bootstrap_port_annotation: str = Field(
+        default="model.aibrix.ai/sglang-bootstrap-port",
+        min_length=1,
+        description="Annotation holding SGLang's bootstrap port.",
+    )
+
+    pod_sources = MappingProxyType({
+        "sglang_bootstrap_port": PodSource("annotation", "sglang_bootstrap_port_annotation",
+                                           "port"),
+    })
+
+
+class RoomAllocator:
+    """Random bootstrap rooms in ``[0, max_room]``, unique among those in flight.
+
+    ``lane`` of ``lanes``: only rooms with ``room % lanes == lane`` (one worker's share).
+    """
+
+    def __init__(self, max_room: int = INT64_ROOMS, *, lane: int = 0, lanes: int = 1) -> None:
+        if max_room < 1:
+            raise ValueError("max_room must be positive")
+        check_lane(lane, lanes, max_room)
+        self._max_room = max_room
+        self._lane = lane
+        self._lanes = lanes
+        #: Rooms of this lane: lane + lanes * k for k < _capacity.
+        self._capacity = (max_room - lane) // lanes + 1
+        self._in_flight: set[int] = set()
+        self._lock = threading.Lock()
+
+    def narrowed(self, max_room: int) -> RoomAllocator:
+        """An allocator over ``[0, max_room]`` sharing this one's rooms in flight.
+
+        Sharing the in-flight set keeps int32 rooms unique against the int64 ones on the
+        same prefill engine.
+        """
+        view = RoomAllocator(min(max_room, self._max_room), lane=self._lane, lanes=self._lanes)
+        view._in_flight = self._in_flight
+        view._lock = self._lock
+        return view
+
+    @property
+    def max_room(self) -> int:
+        return self._max_room
+
+    def allocate(self) -> int:
+        with self._lock:
+            if len(self._in_flight) >= self._capacity:
+                raise ResourceExhausted("every SGLang bootstrap room is in flight")
+            while True:
+                room = self._lane + self._lanes * secrets.randbelow(self._capacity)
+                if room not in self._in_flight:
+                    self._in_flight.add(room)
+                    return room
+
+    def release(self, room: int) -> None:
+        with self._lock:
+            self._in_flight.discard(room)
+
+    def in_flight(self) -> int:
+        return len(self._in_flight)
+
+
+class SGLangDialect(Dialect):
+    """Concurrent legs paired by a bootstrap room unique among in-flight requests."""
+
+    engine = "sglang"
+    checked_against = "SGLang main (2026 snapshot): bootstrap_host/port/room on the OpenAI routes"
+    legs = Legs.CONCURRENT
+    handoff_keys = frozenset({BOOTSTRAP_HOST, BOOTSTRAP_PORT, BOOTSTRAP_ROOM})
+    #: SGLang's ``/v1/tokenize`` takes a completions ``prompt`` only.
+    tokenize = TokenizeEndpoint("/v1/tokenize", chat=False)
+    Options = SGLangOptions
+
+    def __init__(self, setup: DialectSetup) -> None:
+        super().__init__(setup)
+        self.bootstrap_port = SGLangOptions.of(setup.settings).sglang_bootstrap_port
+        self.rooms = RoomAllocator(lane=setup.lane, lanes=setup.lanes)
+        #: The gRPC front door's rooms: int32, as SGLang's own gRPC path carries them.
+        self.grpc_rooms = self.rooms.narrowed(INT32_ROOMS)
+
+    def begin(self, ctx: HandoffContext) -> HandoffContext:
+        rooms = self.grpc_rooms if ctx.front_door is FrontDoor.GRPC else self.rooms
+        return ctx.with_state(rooms.allocate())
+
+    def end(self, ctx: HandoffContext) -> None:
+        if isinstance(ctx.state, int):
+            self.rooms.release(ctx.state)
+
+    def prefill_fields(self, ctx: HandoffContext) -> dict[str, Any]:
+        return self._bootstrap_fields(ctx)
+
+    def handoff(
+        self, prefill_response: Mapping[str, Any] | None, ctx: HandoffContext
+    ) -> dict[str, Any]:
+        # The decode leg is built before the prefill answers: same three values, same room.
+        return self._bootstrap_fields(ctx)
+
+    def _bootstrap_fields(self, ctx: HandoffContext) -> dict[str, Any]:
+        room = ctx.state
+        if not isinstance(room, int):
+            raise SidecarError("SGLang request has no bootstrap room (begin not called)")
+        return {
+            BOOTSTRAP_HOST: ctx.advertise_host,
+            BOOTSTRAP_PORT: self.bootstrap_port,
+            BOOTSTRAP_ROOM: room,
+            RID: request_rid(ctx.request_id, room),
+        }
+
+    def abort_call(self, ctx: HandoffContext) -> tuple[str, dict[str, Any]] | None:
+        if not isinstance(ctx.state, int):
+            return None
+        return ABORT_PATH, {RID: request_rid(ctx.request_id, ctx.state)}
+
+
+def request_rid(request_id: str, room: int) -> str:
+    """The engine-side id of a request's legs: unique among requests in flight (the room
+    is), and carrying the client's request id for log correlation."""
+    return f"{request_id}-{room}"

@@ -1,0 +1,236 @@
+"""vLLM MooncakeConnector (pod label ``mooncake``): push model, prefill and decode at once.
+
+docs/handoffs.md#vllm-mooncake, confirmed against vLLM's
+``MooncakeConnectorMetadata.add_new_req`` (decode reads ``transfer_id``, ``remote_engine_id``,
+``remote_bootstrap_addr``) and its Mooncake proxy example:
+
+    begin:   transfer id T := "xfer-<uuid>"
+    look_up: engine id E := GET <remote_bootstrap_addr>/query (cached per host a minute)
+    prefill kv_transfer_params = {do_remote_decode: true, do_remote_prefill: false,
+                                  transfer_id: T}
+    decode kv_transfer_params  = {do_remote_decode: false, do_remote_prefill: true,
+                                  transfer_id: T,
+                                  remote_bootstrap_addr: "http://<advertise host>:<port>",
+                                  remote_engine_id: E}
+
+``E`` comes from the prefill's bootstrap server, ``GET <remote_bootstrap_addr>/query``,
+fetched through the core's ``EngineLookup`` and cached here (``EngineIdCache``: ids change
+when an engine restarts, so entries expire after a minute). ``engine_id_from_query`` reads
+both answer shapes vLLM has shipped:
+
+    {"<dp_rank>": {"engine_id": E, "worker_addr": {...}, ...}, ...}     (dict[int, EngineEntry])
+    {"<E>": {"<dp_rank>": {"<tp_rank>": {"<pp_rank>": addr}}}, ...}    (dict[EngineId, ...])
+
+Deliberate limits: the prefill response carries no params and is not read; no invalidation
+of a cached engine id on a failed decode (a decode fails for many reasons; the id is stale
+only after a restart, which the expiry covers).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+from pydantic import Field
+
+from sidecar import jsonutil
+from sidecar.dialects.base import (
+    DialectOptions,
+    DialectSetup,
+    EngineLookup,
+    Legs,
+    LookupFailed,
+)
+from sidecar.dialects.vllm import KV_TRANSFER_PARAMS, VLLMDialect
+from sidecar.errors import InvalidHandoff, SidecarError, Stage
+from sidecar.protocol.context import HandoffContext
+from sidecar.protocol.hostfmt import http_url
+
+ENGINE_ID: Final = "engine_id"
+QUERY_PATH: Final = "/query"
+#: A bootstrap /query answer is a small JSON object.
+_MAX_QUERY_BYTES: Final = 1024 * 1024
+#: How long a looked-up engine id is trusted (an engine that restarts gets a new one).
+ENGINE_ID_TTL_S: Final = 60.0
+
+
+def _is_rank_key(key: object) -> bool:
+    """True for a JSON object key that names a rank (an int, or its decimal text)."""
+    if isinstance(key, bool):
+        return False
+    if isinstance(key, int):
+        return key >= 0
+    return isinstance(key, str) and key.isascii() and key.isdigit()
+
+
+def _has_rank(entry: Mapping[Any, Any], rank: int) -> bool:
+    return str(rank) in entry or rank in entry
+
+
+def engine_id_from_query(payload: object, dp_rank: int = 0) -> str:
+    """The prefill engine id for ``dp_rank`` from a bootstrap ``/query`` answer.
+
+    Raises ``InvalidHandoff`` for any other shape, a missing rank, or an ambiguous answer
+    (several engines serving the same rank).
+    """
+    if not isinstance(payload, Mapping) or not payload:
+        raise InvalidHandoff("Mooncake /query answer is not a non-empty object")
+    entries = list(payload.items())
+    if all(isinstance(value, Mapping) and ENGINE_ID in value for _, value in entries):
+        # Shape 1: keyed by data-parallel rank.
+        entry = payload.get(str(dp_rank), payload.get(dp_rank))
+        if entry is None:
+            ranks = ", ".join(sorted(str(key) for key in payload))
+            raise InvalidHandoff(
+                f"Mooncake /query answer has no data-parallel rank {dp_rank} (ranks: {ranks})"
+            )
+        engine_id = entry[ENGINE_ID]
+        if not isinstance(engine_id, str) or not engine_id:
+            raise InvalidHandoff("Mooncake /query answer has an engine_id that is not a string")
+        return engine_id
+    if all(
+        isinstance(key, str)
+        and key
+        and isinstance(value, Mapping)
+        and all(_is_rank_key(rank) for rank in value)
+        for key, value in entries
+    ):
+        # Shape 2: keyed by engine id, then data-parallel rank.
+        matches = [key for key, value in entries if _has_rank(value, dp_rank)]
+        if len(matches) == 1:
+            return str(matches[0])
+        if not matches:
+            raise InvalidHandoff(
+                f"Mooncake /query answer has no engine serving data-parallel rank {dp_rank}"
+            )
+        raise InvalidHandoff(
+            f"Mooncake /query answer has {len(matches)} engines serving data-parallel rank "
+            f"{dp_rank}; cannot tell which one holds the KV"
+        )
+    raise InvalidHandoff("Mooncake /query answer has an unknown shape")
+
+
+class MooncakeOptions(DialectOptions):
+    """The Mooncake connector's settings."""
+
+    mooncake_bootstrap_port: int = Field(
+        default=8998, ge=1, le=65535, description="vLLM Mooncake connector's bootstrap port."
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class MooncakeState:
+    """One request's transfer id, and (once looked up) its prefill engine's id."""
+
+    transfer_id: str
+    engine_id: str | None = None
+
+
+def new_transfer_id() -> str:
+    """A ``transfer_id``: one per request, chosen by the router."""
+    return f"xfer-{uuid.uuid4().hex}"
+
+
+class EngineIdCache:
+    """``host:port -> engine id`` for ``ttl_s`` seconds, asked through an ``EngineLookup``."""
+
+    def __init__(self, lookup: EngineLookup, *, ttl_s: float = ENGINE_ID_TTL_S) -> None:
+        self._lookup = lookup
+        self._ttl_s = ttl_s
+        self._entries: dict[str, tuple[float, str]] = {}
+
+    async def get(self, bootstrap_addr: str) -> str:
+        entry = self._entries.get(bootstrap_addr)
+        now = time.monotonic()
+        if entry is not None and entry[0] > now:
+            return entry[1]
+        engine_id = await self._query(bootstrap_addr + QUERY_PATH)
+        self._entries[bootstrap_addr] = (now + self._ttl_s, engine_id)
+        return engine_id
+
+    async def _query(self, url: str) -> str:
+        try:
+            status, raw = await self._lookup.get(url, max_bytes=_MAX_QUERY_BYTES)
+        except LookupFailed:
+            raise InvalidHandoff(
+                "prefill bootstrap /query unreachable", stage=Stage.PREFILL
+            ) from None
+        if status != 200:
+            raise InvalidHandoff(
+                f"prefill bootstrap /query answered HTTP {status}", stage=Stage.PREFILL
+            )
+        try:
+            payload = jsonutil.loads(raw)
+        except jsonutil.JSONDecodeError:
+            raise InvalidHandoff("prefill bootstrap /query answered malformed JSON") from None
+        return engine_id_from_query(payload)
+
+
+class MooncakeDialect(VLLMDialect):
+    """Concurrent legs paired by a router-chosen ``transfer_id``."""
+
+    connector = "mooncake"
+    legs = Legs.CONCURRENT
+    looks_up = True
+    checked_against = (
+        "vLLM main (2026 snapshot) MooncakeConnector (transfer_id, remote_bootstrap_addr, "
+        "remote_engine_id) and its bootstrap /query, both answer shapes"
+    )
+
+    Options = MooncakeOptions
+
+    def __init__(self, setup: DialectSetup) -> None:
+        super().__init__(setup)
+        self.bootstrap_port = MooncakeOptions.of(setup.settings).mooncake_bootstrap_port
+        self.engine_ids = None if setup.lookup is None else EngineIdCache(setup.lookup)
+        self.new_transfer_id = new_transfer_id
+
+    def begin(self, ctx: HandoffContext) -> HandoffContext:
+        return ctx.with_state(MooncakeState(self.new_transfer_id()))
+
+    async def look_up(self, ctx: HandoffContext) -> HandoffContext:
+        state = _state(ctx)
+        if self.engine_ids is None:
+            raise SidecarError("the Mooncake dialect was built without an engine lookup")
+        engine_id = await self.engine_ids.get(self._bootstrap_addr(ctx))
+        return ctx.with_state(MooncakeState(state.transfer_id, engine_id))
+
+    def _bootstrap_addr(self, ctx: HandoffContext) -> str:
+        # vLLM's decode appends "/query" to it, so the scheme is required.
+        return http_url(ctx.advertise_host, self.bootstrap_port)
+
+    def prefill_fields(self, ctx: HandoffContext) -> dict[str, Any]:
+        return {
+            KV_TRANSFER_PARAMS: {
+                "do_remote_decode": True,
+                "do_remote_prefill": False,
+                "transfer_id": _state(ctx).transfer_id,
+            }
+        }
+
+    def handoff(
+        self, prefill_response: Mapping[str, Any] | None, ctx: HandoffContext
+    ) -> dict[str, Any]:
+        state = _state(ctx)
+        if not state.engine_id:
+            raise InvalidHandoff(
+                "Mooncake decode needs the prefill engine id (bootstrap /query gave none)"
+            )
+        return {
+            KV_TRANSFER_PARAMS: {
+                "do_remote_decode": False,
+                "do_remote_prefill": True,
+                "transfer_id": state.transfer_id,
+                "remote_bootstrap_addr": self._bootstrap_addr(ctx),
+                "remote_engine_id": state.engine_id,
+            }
+        }
+
+
+def _state(ctx: HandoffContext) -> MooncakeState:
+    if not isinstance(ctx.state, MooncakeState):
+        raise SidecarError("Mooncake request has no transfer id (begin not called)")
+    return ctx.state

@@ -1,0 +1,352 @@
+"""The inline KV transport over gRPC (``--kv-transport inline``): the KV cache in the stream.
+
+Prefill (``InlinePrefill``):
+
+    PreFillRequest ─checks─▶ metadata announced from <kv_staging_dir>/engine.json
+      ─▶ bind <kv_staging_dir>/.K.notify, then in a task: core.post_plain(POST /v1/completions
+         {"prompt": ids, "max_tokens": 1, "kv_transfer_params": <inline agent: save K>})
+      ─▶ KVBlock{layer -2: metadata}                      at once, before the engine computes
+      ─▶ KVBlock{layer l, block 0..r-1} per layer l       as the connector finishes layer l
+                                                          (file K/layer-l.kv + a notice)
+         block j a run of ``pages_per_block`` engine pages: as many as fit kv_block_bytes
+         (the metadata names the run size; meta.json and the files stay page-based)
+      ─▶ engine answered: K/meta.json must equal the announced metadata, then the layers not
+         yet sent, from their files
+      ─▶ K/ and .K.notify removed, the engine call ended (always: success, failure, cancel)
+
+Decode (``InlineDecode``):
+
+    DecodeRequest wire bytes (registered without a protobuf deserializer)
+      ─split_decode_request─▶ head (parsed by upb: ids, tokens, limits) + blocks whose tiles
+         are memoryviews into the request (INVALID_ARGUMENT: malformed wire)
+      ─parse_entries (INVALID_ARGUMENT: missing/duplicated/malformed blocks; runs of any
+         declared size, page-sized ones of older prefill sidecars included)─▶
+      check_compatible with <kv_staging_dir>/engine.json (FAILED_PRECONDITION: other model,
+      dtype or shapes) ─StagingArea.stage (RESOURCE_EXHAUSTED over max_staged_bytes)─▶ key
+      ─▶ body {"prompt", "max_tokens", "stream": true, "kv_transfer_params": <load K>}
+      (the engine's SidecarKVConnector loads the staged blocks into the blocks vLLM allocated)
+
+How a layer is known to be complete: ``sidecar.grpc_server.inline.layer_watch`` (a Unix datagram per
+layer from the connector). A notice only wakes the stream, which then sends the next layer in
+order if its file is there (files appear under their final name only complete); lost or
+absent notices merely delay layers to the engine's answer, after which every layer not yet
+sent is read from its file. Without a usable ``engine.json`` the metadata cannot be announced:
+the stream then starts once the engine has answered, from ``meta.json``, as a whole.
+
+Why the decode wire walk: a parsed 32 MiB DecodeRequest holds the KV in upb's arena and every
+read of a ``bytes`` field copies it out again; walking the bytes grpc hands over keeps one
+copy of the KV in this process (the request) and writes the staging files straight from it.
+A ``DecodeRequest`` message is served too, by the same checks on its parsed blocks.
+
+Errors: KV over ``max_staged_bytes`` -> RESOURCE_EXHAUSTED (prefill: before the engine is
+called when ``engine.json`` is there); no ``meta.json``, a missing or wrongly sized layer
+file, a ``meta.json`` that disagrees with the announced metadata -> FAILED_PRECONDITION; an
+error after blocks were sent ends the stream with that status and no ``done``: a router never
+mistakes a partial stream for KV.
+
+Deliberate limits: one layer's blocks are held in memory at a time on the prefill side; an
+engine whose saving step is already running when the RPC is cancelled may write its files
+after they were removed (vLLM cannot abort a forward pass in progress): ``active_keys`` names
+the requests in flight, and ``sidecar.grpc_server.inline.orphans`` removes such late directories
+once
+they are old. The decode side cannot check that ``token_ids`` are the prompt the KV was
+computed from (the metadata carries no token hash); it only refuses KV of more tokens than
+the prompt has.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import shutil
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from google.protobuf.message import DecodeError
+
+from connectors.inline_layout import InlineMeta, LayoutError, read_engine_layout
+from sidecar.config.settings import Settings
+from sidecar.core.engine_calls import PrefillLeg
+from sidecar.core.flow import PDFlow
+from sidecar.core.scope import RequestScope
+from sidecar.dialects import InlineDialect
+from sidecar.errors import FailedPrecondition, InvalidRequest, ResourceExhausted, Stage
+from sidecar.grpc_gen import disagg_pb2
+from sidecar.grpc_server.checks import check_max_new_tokens, check_temperature, check_token_ids
+from sidecar.grpc_server.decode import DecodeInput
+from sidecar.grpc_server.inline.layer_watch import LayerNotices
+from sidecar.grpc_server.inline.prefill_files import (
+    LayerMessage,
+    announced_meta,
+    pages_per_block,
+    read_layer_messages,
+    read_staged_meta,
+    ready_layer_messages,
+)
+from sidecar.grpc_server.inline.protowire import WireError, split_decode_request
+from sidecar.grpc_server.inline.staging import StagingArea
+from sidecar.grpc_server.inline.wire import (
+    check_compatible,
+    meta_block,
+    parse_blocks,
+    parse_entries,
+)
+from sidecar.grpc_server.prefill import Send, engine_target
+from sidecar.observability.metrics import Metrics
+from sidecar.protocol.context import FrontDoor, HandoffContext, Route
+from sidecar.protocol.request_id import REQUEST_ID_HEADER, request_id_or_new
+
+#: Bytes of a stream message besides its K and V: the request id and the framing.
+_MESSAGE_SLACK = 4096
+
+
+class InlinePrefill:
+    """Prefill whose stream carries the engine's KV cache (see the module docstring)."""
+
+    def __init__(self, flow: PDFlow, settings: Settings) -> None:
+        self._flow = flow
+        self._dialect = _inline_dialect(flow)
+        self._settings = settings
+        self._url = flow.calls.local_url(Route.COMPLETIONS)
+        self._engine = engine_target(settings, urlsplit(settings.engine_url).hostname or "")
+        #: Staging keys of the Prefills in flight (the orphan sweep leaves them alone).
+        self.active_keys: set[str] = set()
+
+    async def run(
+        self,
+        request: disagg_pb2.PreFillRequest,
+        scope: RequestScope,
+        time_remaining: float | None,
+        send: Send,
+    ) -> None:
+        settings = self._settings
+        token_ids = check_token_ids(request.token_ids)
+        check_temperature(request.temperature)
+        request_id = request_id_or_new(request.request_id)
+        root = Path(settings.kv_staging_dir)
+        key = f"p-{uuid.uuid4().hex}"
+        announced = announced_meta(root, key, len(token_ids))
+        if announced is not None:
+            self._check_bound(announced.layout.num_layers * announced.num_blocks
+                              * announced.layout.block_bytes)
+        ctx = self._dialect.keyed(HandoffContext(
+            Route.COMPLETIONS, request_id, self._engine, self._engine.host, FrontDoor.GRPC
+        ), key)
+        client_body = {"model": await self._flow.calls.model_name(Stage.PREFILL),
+                       "prompt": token_ids}
+        leg = PrefillLeg(
+            url=self._url,
+            body=self._dialect.prefill_body(client_body, ctx),
+            headers={REQUEST_ID_HEADER: request_id},
+            timeout_s=self._flow.prefill_timeout(time_remaining),
+            trace=scope.trace,
+        )
+        self.active_keys.add(key)
+        try:
+            await self._stream_key(request_id, root / key, root, key, announced, leg, scope, send)
+        finally:
+            self.active_keys.discard(key)
+
+    async def _stream_key(
+        self,
+        request_id: str,
+        directory: Path,
+        root: Path,
+        key: str,
+        announced: InlineMeta | None,
+        leg: PrefillLeg,
+        scope: RequestScope,
+        send: Send,
+    ) -> None:
+        # Bound before the engine is called: no notice can come before the listener.
+        with LayerNotices(root, key) as notices:
+            engine = asyncio.ensure_future(self._engine_call(leg, scope))
+            engine.add_done_callback(lambda _: notices.wake())
+            try:
+                sent = 0
+                if announced is not None:
+                    wire = self._wire_meta(announced)
+                    head = meta_block(request_id, wire)
+                    await send(disagg_pb2.KVBlockStream(block=head), len(head.k_data))
+                    sent = await self._while_computing(
+                        request_id, wire, directory, notices, engine, send
+                    )
+                await engine  # the engine's errors end the stream here
+                await self._after_answer(request_id, announced, directory, sent, send)
+            finally:
+                try:
+                    await _settle(engine)
+                finally:
+                    # Synchronous on tmpfs: no cancellation can skip it.
+                    shutil.rmtree(directory, ignore_errors=True)
+
+    async def _engine_call(self, leg: PrefillLeg, scope: RequestScope) -> None:
+        started = time.perf_counter()
+        await self._flow.calls.post_prefill(leg)
+        scope.observe("prefill", time.perf_counter() - started)
+
+    async def _after_answer(
+        self,
+        request_id: str,
+        announced: InlineMeta | None,
+        directory: Path,
+        sent: int,
+        send: Send,
+    ) -> None:
+        """The engine answered: check its meta.json, send the layers not sent yet."""
+        meta = read_staged_meta(directory)
+        wire = self._wire_meta(meta)
+        if announced is None:
+            self._check_bound(meta.layout.num_layers * meta.num_blocks * meta.layout.block_bytes)
+            head = meta_block(request_id, wire)
+            await send(disagg_pb2.KVBlockStream(block=head), len(head.k_data))
+        elif meta != announced:
+            raise FailedPrecondition(
+                f"the prefill engine saved KV as {meta.to_dict()}, not as announced from its "
+                f"engine.json ({announced.to_dict()})",
+                stage=Stage.PREFILL,
+            )
+        for layer_idx in range(sent, meta.layout.num_layers):
+            messages = await asyncio.to_thread(
+                read_layer_messages, request_id, wire, directory, layer_idx
+            )
+            await _send_layer(messages, send)
+
+    async def _while_computing(
+        self,
+        request_id: str,
+        meta: InlineMeta,
+        directory: Path,
+        notices: LayerNotices,
+        engine: asyncio.Future[None],
+        send: Send,
+    ) -> int:
+        """Send, in order, the layers finished before the engine answered; return how many."""
+        sent = 0
+        while sent < meta.layout.num_layers and not engine.done():
+            # A notice for this layer or a later one: the connector writes layers in order.
+            if notices.highest >= sent:
+                found = await asyncio.to_thread(
+                    ready_layer_messages, request_id, meta, directory, sent
+                )
+                if found is not None:
+                    await _send_layer(found, send)
+                    sent += 1
+                    continue
+            await notices.wait()
+        return sent
+
+    def _wire_meta(self, meta: InlineMeta) -> InlineMeta:
+        """``meta`` as streamed: runs of as many pages as fit ``kv_block_bytes``, and the gRPC
+        message limit whatever ``kv_block_bytes`` says (a message also carries the ids)."""
+        settings = self._settings
+        budget = min(settings.kv_block_bytes, settings.grpc_max_message_bytes - _MESSAGE_SLACK)
+        return dataclasses.replace(meta, pages_per_block=pages_per_block(meta, budget))
+
+    def _check_bound(self, nbytes: int) -> None:
+        limit = self._settings.max_staged_bytes
+        if nbytes > limit:
+            raise ResourceExhausted(
+                f"the request's KV is {nbytes} bytes, over max_staged_bytes {limit}",
+                stage=Stage.PREFILL,
+            )
+
+
+async def _send_layer(messages: list[LayerMessage], send: Send) -> None:
+    for message, kv_bytes in messages:
+        await send(message, kv_bytes)
+
+
+async def _settle(task: asyncio.Future[None]) -> None:
+    """End ``task`` (cancelled if still running) and wait for it, raising nothing of its own."""
+    if not task.done():
+        task.cancel()
+    # asyncio.wait raises neither the task's error nor its cancellation; ours still propagates.
+    await asyncio.wait({task})
+    if not task.cancelled():
+        task.exception()  # retrieved: raised above already, or moot after another error
+
+
+class InlineDecode:
+    """Decode from KV bytes carried in the request (see the module docstring)."""
+
+    #: The request's bytes as they came: walked here, without protobuf objects for the KV.
+    raw_request = True
+
+    def __init__(self, flow: PDFlow, settings: Settings, area: StagingArea,
+                 metrics: Metrics) -> None:
+        self._flow = flow
+        self._dialect = _inline_dialect(flow)
+        self._engine = engine_target(settings, urlsplit(settings.engine_url).hostname or "")
+        self._max_blocks = settings.max_kv_blocks
+        self.staging = area
+        self._kv_in = metrics.kv_bytes.labels("in")
+
+    def read(self, request: disagg_pb2.DecodeRequest | bytes) -> DecodeInput:
+        """The request without its blocks, and its blocks; a malformed one becomes an empty
+        request and the error, raised in ``decode_body`` so that it is counted and answered
+        like every other refusal."""
+        if not isinstance(request, bytes):
+            return DecodeInput(request)
+        try:
+            head, blocks = split_decode_request(request)
+            parsed = disagg_pb2.DecodeRequest.FromString(head)
+        except (WireError, DecodeError) as exc:
+            return DecodeInput(disagg_pb2.DecodeRequest(), malformed=InvalidRequest(
+                f"malformed DecodeRequest: {exc}", stage=Stage.HANDOFF
+            ))
+        return DecodeInput(
+            parsed, walked=[(b.layer_idx, b.block_idx, b.k_data, b.v_data) for b in blocks]
+        )
+
+    async def decode_body(
+        self, decode_input: DecodeInput, exits: contextlib.AsyncExitStack
+    ) -> tuple[dict[str, Any], str]:
+        if decode_input.malformed is not None:
+            raise decode_input.malformed  # first: the empty head says nothing true
+        request = decode_input.request
+        token_ids = check_token_ids(request.token_ids)
+        max_new_tokens = check_max_new_tokens(request.max_new_tokens, allow_unset=False)
+        temperature = check_temperature(request.temperature)
+        if decode_input.walked is None:
+            kv = parse_blocks(request.kv_blocks, max_blocks=self._max_blocks)
+        else:
+            kv = parse_entries(decode_input.walked, max_blocks=self._max_blocks)
+        # From the parsed blocks: summing over request.kv_blocks would copy every tile again.
+        self._kv_in.inc(kv.wire_bytes)
+        try:
+            engine_layout = read_engine_layout(self.staging.root)
+        except LayoutError as exc:
+            raise FailedPrecondition(str(exc), stage=Stage.HANDOFF) from None
+        check_compatible(kv.meta, engine_layout)
+        if kv.meta.num_tokens > len(token_ids):
+            raise InvalidRequest(
+                f"inline KV covers {kv.meta.num_tokens} tokens; the prompt has {len(token_ids)}",
+                stage=Stage.HANDOFF,
+            )
+        request_id = request_id_or_new(request.request_id)
+        key = await exits.enter_async_context(self.staging.stage(kv))
+        ctx = self._dialect.keyed(HandoffContext(
+            Route.COMPLETIONS, request_id, self._engine, self._engine.host, FrontDoor.GRPC
+        ), key)
+        body: dict[str, Any] = {
+            "model": await self._flow.calls.model_name(Stage.DECODE),
+            "prompt": token_ids,
+            "max_tokens": max_new_tokens,
+            "temperature": temperature,
+            "stream": True,
+            **self._dialect.token_id_fields,
+        }
+        body = self._dialect.decode_body(body, self._dialect.handoff(None, ctx))
+        return body, request_id
+
+
+def _inline_dialect(flow: PDFlow) -> InlineDialect:
+    """The inline transport's dialect: the one its flow must have been built with."""
+    if not isinstance(flow.dialect, InlineDialect):
+        raise TypeError(f"the inline transport needs the inline dialect, not {flow.dialect!r}")
+    return flow.dialect

@@ -1,0 +1,125 @@
+"""What the prefill side reads from its engine's files: the announced metadata, one layer.
+
+    announced_meta(root, key, num_tokens)  ─▶ InlineMeta from engine.json, before any compute
+                                              (None: no or unreadable engine.json)
+    pages_per_block(meta, kv_block_bytes)  ─▶ engine pages per streamed block (at least 1)
+    read_staged_meta(dir)                  ─▶ the metadata the connector wrote (meta.json)
+    read_layer_messages(rid, meta, dir, l) ─▶ layer l's KVBlockStream messages, serialized,
+                                              block order (``meta.pages_per_block`` pages each)
+    ready_layer_messages(...)              ─▶ the same, or None while the file is not there
+
+``announced_meta`` predicts what the connector will write to ``meta.json`` for a prompt of
+``num_tokens`` tokens: the engine's layout, ``num_tokens``, ``ceil(num_tokens /
+block_size)`` blocks, the key. ``meta.json`` adds nothing else; the caller still compares the
+two once the engine has answered (a restarted engine with another configuration, or a
+connector that saved a different token count, must not pass).
+
+Deliberate limits: the messages of one layer are built in memory at once (one layer, not the
+request: the file's bytes and its messages, about twice the layer); a layer file of the
+wrong size is FAILED_PRECONDITION (the engine wrote something else than announced).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from connectors.inline_layout import (
+    META_FILE,
+    InlineMeta,
+    LayoutError,
+    layer_file,
+    read_engine_layout,
+)
+from sidecar.errors import FailedPrecondition, Stage
+from sidecar.grpc_server.inline.protowire import frame_stream_block
+
+logger = logging.getLogger(__name__)
+
+
+def announced_meta(root: Path, key: str, num_tokens: int) -> InlineMeta | None:
+    """The metadata the connector will write for ``num_tokens`` prompt tokens, if known now."""
+    try:
+        layout = read_engine_layout(root)
+    except (OSError, LayoutError) as exc:
+        logger.warning("inline KV: %s unusable (%s); metadata waits for the engine", root, exc)
+        return None
+    if layout is None:
+        return None
+    return InlineMeta(layout, num_tokens, -(-num_tokens // layout.block_size), key)
+
+
+def pages_per_block(meta: InlineMeta, kv_block_bytes: int) -> int:
+    """How many engine pages one streamed block carries: as many as fit ``kv_block_bytes``
+    (K and V together), at least one, at most the request's pages per layer."""
+    return max(1, min(meta.num_blocks, kv_block_bytes // meta.layout.block_bytes))
+
+
+def read_staged_meta(directory: Path) -> InlineMeta:
+    """The metadata the prefill engine's connector wrote; FAILED_PRECONDITION if none."""
+    try:
+        data = (directory / META_FILE).read_bytes()
+    except FileNotFoundError:
+        raise FailedPrecondition(
+            "the prefill engine wrote no inline KV (is it running SidecarKVConnector with the "
+            "sidecar's staging directory?)",
+            stage=Stage.PREFILL,
+        ) from None
+    try:
+        return InlineMeta.from_json(data)
+    except LayoutError as exc:
+        raise FailedPrecondition(
+            f"prefill engine's KV metadata: {exc}", stage=Stage.PREFILL
+        ) from None
+
+
+#: One Prefill stream message, serialized, and the K+V bytes it carries (for the metrics).
+LayerMessage = tuple[bytes, int]
+
+
+def read_layer_messages(
+    request_id: str, meta: InlineMeta, directory: Path, layer_idx: int
+) -> list[LayerMessage]:
+    """Layer ``layer_idx``'s data blocks as stream messages; no file: FAILED_PRECONDITION."""
+    messages = ready_layer_messages(request_id, meta, directory, layer_idx)
+    if messages is None:
+        raise FailedPrecondition(
+            f"the prefill engine wrote no KV for layer {layer_idx}", stage=Stage.PREFILL
+        )
+    return messages
+
+
+def ready_layer_messages(
+    request_id: str, meta: InlineMeta, directory: Path, layer_idx: int
+) -> list[LayerMessage] | None:
+    """Layer ``layer_idx``'s data blocks as serialized Prefill stream messages, None if no
+    file yet: block ``j`` carries pages ``meta.run_pages(j)``, their K tiles one after the
+    other in ``k_data`` and their V tiles in ``v_data``.
+
+    The file (K tile, V tile per page) is read once; each message is framed from slices of
+    it (``frame_stream_block``): one copy from the file to the message, none through
+    protobuf objects.
+    """
+    tile = meta.layout.tile_bytes
+    expected = meta.num_blocks * 2 * tile
+    try:
+        fh = (directory / layer_file(layer_idx)).open("rb", buffering=0)
+    except FileNotFoundError:
+        return None
+    with fh:
+        size = fh.seek(0, 2)
+        if size != expected:
+            raise FailedPrecondition(
+                f"layer {layer_idx} file has {size} bytes, expected {expected}",
+                stage=Stage.PREFILL,
+            )
+        fh.seek(0)
+        data = memoryview(fh.read())
+    messages: list[LayerMessage] = []
+    for run_idx in range(meta.runs_per_layer):
+        pages = meta.run_pages(run_idx)
+        k_parts = [data[2 * p * tile : (2 * p + 1) * tile] for p in pages]
+        v_parts = [data[(2 * p + 1) * tile : (2 * p + 2) * tile] for p in pages]
+        message = frame_stream_block(request_id, layer_idx, run_idx, k_parts, v_parts)
+        messages.append((message, 2 * tile * len(pages)))
+    return messages

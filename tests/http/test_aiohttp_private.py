@@ -1,0 +1,184 @@
+"""Proves every use of aiohttp's private surface (``sidecar.http_server.aiohttp_private``)
+against the installed aiohttp, one test per touch, on real loopback sockets:
+
+1. ``RequestHandler._request_count`` counts parsed heads and ``_waiter`` is unset while a
+   request is handled (the head deadline's two reads);
+2. ``AppRunner._make_server`` builds a ``web.Server`` whose ``_kwargs`` carry the
+   application's handler arguments and whose ``_loop`` is the running loop; the re-classed
+   server builds the head-timing handler with them;
+3. ``_send_headers_immediately = False`` keeps a prepared stream's head back until its first
+   chunk (and a plain ``StreamResponse`` does send it at once: the check can fail);
+4. bytes written straight onto the client's transport between aiohttp's own writes are framed
+   as aiohttp frames them: one valid chunked body for HTTP/1.1, the bare bytes for HTTP/1.0;
+   and the writer's ``drain`` is there to wait on.
+
+When one fails after an aiohttp upgrade, the module docstring of ``aiohttp_private`` says
+what relies on it; pyproject.toml pins the minor versions these tests passed on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import aiohttp
+import pytest
+from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
+
+from sidecar.http_server.aiohttp_private import ClientSocket, HeadTimeoutAppRunner, StreamWithHead
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+async def _serve(handler: Handler, runner_class: type[web.AppRunner] = web.AppRunner,
+                 **options: object) -> tuple[web.AppRunner, int]:
+    app = web.Application()
+    app.router.add_get("/", handler)
+    runner = runner_class(app, handler_cancellation=True, **options)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = next(address[1] for address in runner.addresses if isinstance(address, tuple))
+    return runner, port
+
+
+@pytest.fixture
+async def raw_socket() -> AsyncIterator[Callable[[int], socket.socket]]:
+    opened: list[socket.socket] = []
+
+    def connect(port: int) -> socket.socket:
+        sock = socket.create_connection(("127.0.0.1", port))
+        opened.append(sock)
+        return sock
+
+    yield connect
+    for sock in opened:
+        sock.close()
+
+
+async def _recv_until(sock: socket.socket, end: bytes) -> bytes:
+    loop = asyncio.get_running_loop()
+    sock.setblocking(False)
+    data = b""
+    while end not in data:
+        chunk = await loop.sock_recv(sock, 65536)
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+async def test_request_count_and_waiter_as_the_head_deadline_reads_them() -> None:
+    seen: list[tuple[int, object]] = []
+
+    async def handler(request: web.Request) -> web.Response:
+        protocol = request.protocol
+        assert isinstance(protocol, RequestHandler)
+        seen.append((protocol._request_count, protocol._waiter))
+        return web.Response(text="ok")
+
+    runner, port = await _serve(handler)
+    try:
+        async with aiohttp.ClientSession() as session:
+            for _ in range(2):  # one kept-alive connection, two heads
+                async with session.get(f"http://127.0.0.1:{port}/") as response:
+                    assert await response.text() == "ok"
+    finally:
+        await runner.cleanup()
+    assert seen == [(1, None), (2, None)]
+
+
+async def test_make_server_kwargs_and_loop_rebuild_the_handler() -> None:
+    app = web.Application()
+    plain = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    server = await plain._make_server()
+    assert isinstance(server, web.Server)
+    assert server._kwargs["access_log"] is None
+    assert server._loop is asyncio.get_running_loop()
+    assert type(server()) is RequestHandler
+    timed = HeadTimeoutAppRunner(app, head_timeout_s=5.0, access_log=None)
+    timed_server = await timed._make_server()
+    handler = timed_server()
+    assert type(handler).__name__ == "_HeadTimeoutHandler"
+    assert isinstance(handler, RequestHandler)
+
+
+@pytest.mark.parametrize(("response_class", "head_waits"), [(StreamWithHead, True),
+                                                           (web.StreamResponse, False)])
+async def test_a_stream_head_waits_for_its_first_chunk(
+    raw_socket: Callable[[int], socket.socket], response_class: type[web.StreamResponse],
+    head_waits: bool,
+) -> None:
+    prepared = asyncio.Event()
+    checked = asyncio.Event()
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        response = response_class(status=200)
+        await response.prepare(request)
+        prepared.set()
+        await checked.wait()
+        await response.write(b"first")
+        await response.write_eof()
+        return response
+
+    runner, port = await _serve(handler)
+    try:
+        sock = raw_socket(port)
+        sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        await prepared.wait()
+        # A head written at prepare() is in this socket's receive queue by now (loopback
+        # delivers on send); one held back is not.
+        sock.setblocking(False)
+        try:
+            early = sock.recv(65536)
+        except BlockingIOError:
+            early = b""
+        checked.set()
+        rest = await _recv_until(sock, b"0\r\n\r\n")
+    finally:
+        await runner.cleanup()
+    assert (early == b"") is head_waits
+    assert b"HTTP/1.1 200" in early + rest and (early + rest).endswith(b"0\r\n\r\n")
+
+
+async def _relay_three(request: web.Request) -> web.StreamResponse:
+    response = StreamWithHead(status=200, headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    await response.write(b"data: one\n\n")  # the head leaves with it
+    client = ClientSocket(request, response)
+    transport = client.open()
+    assert transport is not None
+    assert client.write(transport, b"data: two\n\n") is True
+    await client.drain()
+    await response.write(b"data: three\n\n")
+    await response.write_eof()
+    return response
+
+
+async def test_bytes_on_the_transport_are_framed_as_aiohttp_frames_them() -> None:
+    runner, port = await _serve(_relay_three)
+    try:
+        async with aiohttp.ClientSession() as session:
+            async with session.get(f"http://127.0.0.1:{port}/") as response:
+                assert response.headers["Transfer-Encoding"] == "chunked"
+                body = await response.read()
+    finally:
+        await runner.cleanup()
+    assert body == b"data: one\n\ndata: two\n\ndata: three\n\n"
+
+
+async def test_an_http10_client_gets_the_bare_bytes(
+    raw_socket: Callable[[int], socket.socket],
+) -> None:
+    runner, port = await _serve(_relay_three)
+    try:
+        sock = raw_socket(port)
+        sock.sendall(b"GET / HTTP/1.0\r\n\r\n")
+        raw = await _recv_until(sock, b"three\n\n")
+    finally:
+        await runner.cleanup()
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert b"Transfer-Encoding" not in head
+    assert body == b"data: one\n\ndata: two\n\ndata: three\n\n"
