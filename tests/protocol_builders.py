@@ -29,7 +29,7 @@ BODY_CHECKS = BodyChecks(handoff_keys())
 HANDOFF_FIELDS = BODY_CHECKS.handoff_fields
 parse_client_body = BODY_CHECKS.parse
 
-#: 2026-01-01T00:00:00Z: the contracts.md vector instant.
+#: 2026-01-01T00:00:00Z: the instant of the vectors in docs/handoffs.md#trtllm-snowflake.
 FIXED_NOW_MS = 1_767_225_600_000
 
 

@@ -2,7 +2,7 @@
 
 One line per dialect (``DIALECTS.register``); installed packages add theirs through the
 ``disagg_sidecar.dialects`` entry points (``sidecar.dialects.registry``). Resolution follows
-the seed's rules:
+the rules of docs/handoffs.md#resolution:
 
     engine label missing           -> DEFAULT_ENGINE ("vllm")
     engine not registered          -> the "default" dialect (plain prefill then decode)

@@ -1,4 +1,4 @@
-"""The rules common to every prefill leg (contracts.md section 1), in one place.
+"""The rules common to every prefill leg (docs/handoffs.md#common-rules), in one place.
 
     client body ──prefill_base()──▶ prefill body (+ engine/agent fields)
     client body ──merge_top_level(handoff)──▶ decode body

@@ -7,7 +7,8 @@ documented request key (its handler's ``token_id_fields``: vLLM and SGLang
 ``return_token_ids: true``, TensorRT-LLM ``detokenize: false``); the ids then arrive in the
 same place, ``choices[0].token_ids``, as the delta of each chunk.
 
-Finish reasons collapse to the seed's three: ``length`` (the token limit), ``abort`` (the
+Finish reasons collapse to three (docs/grpc.md#finish-reasons; the origin has ``stop`` and
+``length``, ``abort`` is this project's): ``length`` (the token limit), ``abort`` (the
 engine aborted or cancelled the request), ``stop`` (everything else that ends normally: EOS,
 a stop string, a stop token).
 
@@ -47,7 +48,7 @@ _ABORT_REASONS: Final = frozenset({"abort", "aborted", "cancelled", "canceled", 
 
 
 def normalize_finish_reason(reason: str) -> str:
-    """The seed's finish reason (stop | length | abort) for an engine's finish reason."""
+    """The contract's finish reason (stop | length | abort) for an engine's finish reason."""
     lowered = reason.lower()
     if lowered == FINISH_LENGTH:
         return FINISH_LENGTH

@@ -3,7 +3,7 @@
 In native mode the KV cache stays in the engines and moves by their own transport; what the
 gRPC Prefill stream carries is the *hand-off*: the top-level fields the decode body gets
 (an engine handler's ``handoff()`` result), plus who produced it. It travels as control
-blocks, ``KVBlock``s with ``layer_idx == -1``, so the proto stays the seed's byte for byte and
+blocks, ``KVBlock``s with ``layer_idx == -1``, so the proto stays the contract's byte for byte and
 a router that forwards blocks opaquely carries it.
 
     prefill sidecar: handoff dict ─encode_handoff()─▶ [KVBlock(layer -1, block 0..n-1)]

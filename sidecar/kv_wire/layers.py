@@ -1,6 +1,7 @@
 """The control layers of a ``KVBlock`` stream: ``layer_idx < 0`` carries metadata, not KV.
 
-The seed's proto has no field for anything but KV bytes; a router forwards blocks opaquely,
+The gRPC contract's proto (docs/grpc.md) has no field for anything but KV bytes; a router forwards
+blocks opaquely,
 so the sidecar's own messages ride as blocks with a negative layer (protos/README.md):
 
     layer_idx  meaning                                   written by           read by

@@ -16,7 +16,7 @@ RBAC: the sidecar's service account needs ``get``, ``list`` and ``watch`` on ``p
 namespace (a Role and RoleBinding; see the report for deploy/).
 
 Deliberate limits: one namespace and one selector; readiness gates and container ports are
-not read (the port label is the contract the seeds use); pods that share an IP (host
+not read (the port label is the contract, docs/handoffs.md#pod-labels); pods that share an IP (host
 network) are told apart by port only.
 """
 
@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
-#: The port of a selected pod without the port label (the seeds' default engine port).
+#: The port of a selected pod without the port label (the default of docs/handoffs.md#pod-labels).
 DEFAULT_POD_PORT = 8000
 #: The namespace file a pod's service account mounts.
 NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")

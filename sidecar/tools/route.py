@@ -1,4 +1,4 @@
-"""``disagg-sidecar route``: the seed's gRPC router, for humans and tests.
+"""``disagg-sidecar route``: the gRPC contract's router (docs/grpc.md), for humans and tests.
 
     disagg-sidecar route --prefill 10.0.0.7:50051 --decode 10.0.0.8:50051 \\
         --tokens 1,2,3 --max-new-tokens 16 [--temperature 0] [--json]
@@ -6,7 +6,7 @@
     Prefill(token_ids) on --prefill ─collect blocks until done─▶
     Decode(token_ids, blocks) on --decode ─▶ prints the token ids and the finish reason
 
-The blocks are forwarded opaquely, as the seed's router does: the route client neither reads
+The blocks are forwarded opaquely, as the origin's router does: the route client neither reads
 nor checks them. Output (stdout): the generated token ids, comma-separated, then
 ``finish_reason: <reason>``; with ``--json`` one object ``{"request_id", "token_ids",
 "finish_reason", "blocks"}``. A gRPC error prints ``route: <method> failed: <STATUS>: <details>``

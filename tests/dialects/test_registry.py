@@ -1,4 +1,5 @@
-"""Proves the dialect registry follows the seed's resolution rules and loads what it lists.
+"""Proves the dialect registry follows the resolution rules (docs/handoffs.md#resolution) and loads
+what it lists.
 
 Every registered (engine, connector) loads a ``Dialect`` declaring exactly that engine and
 connector; an unknown engine resolves to the default dialect, an engine with connectors to

@@ -1,4 +1,5 @@
-"""Proves the Mooncake dialect (contracts.md 2.3), completions and chat, and /query parsing.
+"""Proves the Mooncake dialect (docs/handoffs.md#vllm-mooncake), completions and chat, and /query
+parsing.
 
 One transfer_id per request on both legs; prefill and decode kv_transfer_params exactly as
 vLLM's MooncakeConnector reads them; remote_bootstrap_addr with IPv4, DNS and bracketed

@@ -1,4 +1,5 @@
-"""Proves the Neuron NIXL agent (seed ``nixl``, contracts.md 2.2), completions and chat.
+"""Proves the Neuron NIXL dialect (label ``nixl``, docs/handoffs.md#neuron-nixl), completions and
+chat.
 
 Prefill gets nothing; decode gets ``disagg_prefill_resp``: the entire prefill response,
 always, with no top-level kv_transfer_params and no remote_host rewrite.

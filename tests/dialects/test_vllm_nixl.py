@@ -1,4 +1,5 @@
-"""Proves the NIXL pull agent (seed ``shfs``, contracts.md 2.1), completions and chat.
+"""Proves the NIXL pull dialect (label ``shfs``, docs/handoffs.md#vllm-nixl-pull), completions and
+chat.
 
 Prefill gets exactly the six-key skeleton; decode gets the prefill response's
 kv_transfer_params verbatim (newer keys, nested block ids and key order included) except

@@ -1,4 +1,5 @@
-"""A second, independent copy of the seed's gRPC contract, written from the Go struct tags.
+"""A second, independent copy of the gRPC contract (docs/grpc.md#origin: zerfoo's ``disaggpb``),
+written from the Go struct tags.
 
 The seed (shared/seeds/000_*.txt, package ``disaggpb``) gives each field as a struct tag, e.g.
 ``protobuf:"varint,2,rep,packed,name=token_ids"``. ``SEED_MESSAGES`` transcribes those tags
@@ -27,7 +28,7 @@ _TYPES = {
 
 @dataclass(frozen=True)
 class SeedField:
-    """One field as the seed's struct tag gives it."""
+    """One field as the origin's Go struct tag gives it."""
 
     number: int
     name: str
@@ -103,7 +104,7 @@ def field_proto(field: SeedField) -> descriptor_pb2.FieldDescriptorProto:
 def independent_file() -> descriptor_pb2.FileDescriptorProto:
     """The contract as a FileDescriptorProto, built from ``SEED_MESSAGES`` alone."""
     file = descriptor_pb2.FileDescriptorProto(
-        # Named like the seed's file; it lives in a private pool, so no clash with ours.
+        # Named like the origin's file; it lives in a private pool, so no clash with ours.
         name="serve/disaggregated/proto/disagg.proto",
         package=PACKAGE,
         syntax="proto3",

@@ -1,9 +1,9 @@
-"""Our generated code describes exactly the seed's contract.
+"""Our generated code describes exactly the gRPC contract (docs/grpc.md#messages).
 
 Proves: package ``disagg``; the two services with their server-streaming methods and the full
 method names ``/disagg.PrefillWorker/Prefill`` and ``/disagg.DecodeWorker/Decode`` (both in the
 descriptors and in the strings the generated stubs send); every message with exactly the
-seed's field names, numbers, types and labels; repeated int32 packed. Does not prove wire
+origin's field names, numbers, types and labels; repeated int32 packed. Does not prove wire
 behaviour (test_grpc_wire, test_grpc_interop do).
 """
 

@@ -1,10 +1,11 @@
-"""Our messages put exactly the seed's bytes on the wire, checked against hand-encoded protobuf.
+"""Our messages put exactly the contract's bytes (docs/grpc.md#messages) on the wire, checked
+against hand-encoded protobuf.
 
-The expected bytes are written here from the seed's struct tags with a few lines of protobuf
+The expected bytes are written here from the origin's struct tags with a few lines of protobuf
 encoding (tag = number << 3 | wire type; varint, fixed32, length-delimited), not produced by
 any protobuf library. Proves: field numbers and wire types (varint int32/bool, fixed32 float,
 length-delimited string/bytes/messages), packed repeated int32, negative int32 as a 10-byte
-varint (control blocks use ``layer_idx < 0``), and that our parser reads the seed's bytes,
+varint (control blocks use ``layer_idx < 0``), and that our parser reads the origin's bytes,
 unpacked repeated int32 included (the proto3 rule every parser must accept).
 """
 

@@ -105,7 +105,7 @@ def url_host(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
-# -- vLLM NixlConnector (the seed's ``shfs``): pull model ----------------------------------
+# -- vLLM NixlConnector (label ``shfs``): pull model ----------------------------------
 
 
 def flat_block_ids(block_ids: Any) -> list[int] | None:

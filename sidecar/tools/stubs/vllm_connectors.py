@@ -95,7 +95,8 @@ async def _get_json(stub: Stub, url: str, timeout_s: float) -> tuple[int, Any]:
 
 
 class NixlConnector:
-    """vLLM NixlConnector (the seed's ``shfs``): pull model (``handoff.NixlHolder``)."""
+    """vLLM NixlConnector (label ``shfs``, docs/handoffs.md#vllm-nixl-pull): pull model
+    (``handoff.NixlHolder``)."""
 
     def __init__(self, stub: Stub) -> None:
         self.stub = stub
@@ -142,7 +143,8 @@ class NixlConnector:
 
 
 class NeuronConnector:
-    """vLLM on AWS Neuron (the seed's ``nixl``): the decode gets the whole prefill answer."""
+    """vLLM on AWS Neuron (label ``nixl``, docs/handoffs.md#neuron-nixl): the decode gets the whole
+    prefill answer."""
 
     def __init__(self, stub: Stub) -> None:
         self.stub = stub
