@@ -1,4 +1,5 @@
-"""The "acme" engine's dialect, as a third party would write it (tests/dialects/test_plugin_dialect.py).
+"""The "acme" engine's dialect, as a third party would write it (tests/dialects/
+test_plugin_dialect.py runs it).
 
 Acme pairs its legs by a session the sidecar names and a ticket its prefill answers with:
 
