@@ -95,7 +95,7 @@ from sidecar.grpc_server.inline.wire import (
     parse_blocks,
     parse_entries,
 )
-from sidecar.grpc_server.prefill import Send, engine_target
+from sidecar.grpc_server.prefill import PrefillCall, Send, engine_target
 from sidecar.observability.metrics import Metrics
 from sidecar.protocol.context import FrontDoor, HandoffContext, Route
 from sidecar.protocol.request_id import REQUEST_ID_HEADER, request_id_or_new
@@ -116,13 +116,8 @@ class InlinePrefill:
         #: Staging keys of the Prefills in flight (the orphan sweep leaves them alone).
         self.active_keys: set[str] = set()
 
-    async def run(
-        self,
-        request: disagg_pb2.PreFillRequest,
-        scope: RequestScope,
-        time_remaining: float | None,
-        send: Send,
-    ) -> None:
+    async def run(self, call: PrefillCall) -> None:
+        request, scope, send = call.request, call.scope, call.send
         settings = self._settings
         token_ids = check_token_ids(request.token_ids)
         check_temperature(request.temperature)
@@ -142,7 +137,7 @@ class InlinePrefill:
             url=self._url,
             body=self._dialect.prefill_body(client_body, ctx),
             headers={REQUEST_ID_HEADER: request_id},
-            timeout_s=self._flow.prefill_timeout(time_remaining),
+            timeout_s=self._flow.prefill_timeout(call.time_remaining),
             trace=scope.trace,
         )
         self.active_keys.add(key)
