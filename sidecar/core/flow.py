@@ -16,10 +16,8 @@ abort and release to its ``PDExchange``. Cancellation (a client gone) propagates
 upstream call is closed on the way out, and the exchange aborts the engines' legs.
 
 Deliberate limits: one retry, only of a prefill whose connect was refused (the engine never
-saw it) and only on another of the request's targets; a prefill that may have half-run is
-never retried (it would double the engine's work; routers pick another pair); the
-local-prefill fallback applies to sequential dialects only (a concurrent dialect's decode
-cannot run without its prefill).
+saw it), on another of the request's targets; the local-prefill fallback applies to
+sequential dialects only (a concurrent dialect's decode cannot run without its prefill).
 """
 
 from __future__ import annotations
@@ -290,6 +288,9 @@ class PDFlow:
         except BaseException:
             await cancel_and_wait(decode_task)
             await cancel_and_wait(prefill_task)
+            if decode_task.done() and not decode_task.cancelled() and (
+                    decode_task.exception() is None):
+                decode_task.result().close()  # its head came in the turn the prefill failed
             raise
         timings.decode_first_byte = time.perf_counter() - started
         if prefill_task.done():

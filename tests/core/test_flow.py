@@ -309,10 +309,6 @@ async def test_a_failed_concurrent_prefill_cancels_the_decode_and_raises_its_err
     assert calls.aborts == [("/abort_request", {"rid": f"rq-1-{room}"}, TARGET_A)]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: _start_concurrent drops a decode response whose head arrived in the same loop turn "
-    "as the prefill's failure without closing it (cancel_and_wait on a finished task does "
-    "nothing): the connection is never closed nor released"))
 async def test_a_decode_head_that_arrives_with_the_prefill_failure_is_closed() -> None:
     calls = FakeCalls()
     _, flow = sglang_flow(calls)
