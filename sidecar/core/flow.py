@@ -10,10 +10,9 @@
     open_decode(...)  ─▶ UpstreamResponse     gRPC Decode: the decode half
 
 The dialect (``sidecar.dialects``) says what the bodies hold and whether the legs are
-sequential or concurrent; ``EngineCalls`` makes the calls; the flow puts them in order, keeps
-the deadlines, starts and ends the dialect's per-request state, and hands the request's
-abort and release to its ``PDExchange``. Cancellation (a client gone) propagates: every
-upstream call is closed on the way out, and the exchange aborts the engines' legs.
+sequential or concurrent; ``EngineCalls`` makes the calls; the flow orders them, keeps the
+deadlines, starts and ends the dialect's per-request state and hands the request's abort and
+release to its ``PDExchange``. A client gone cancels every upstream call on the way out.
 
 Deliberate limits: one retry, only of a prefill whose connect was refused (the engine never
 saw it), on another of the request's targets; the local-prefill fallback applies to
