@@ -41,6 +41,7 @@ from sidecar.errors import FailedPrecondition, InvalidRequest, Stage
 from sidecar.grpc_gen import disagg_pb2
 from sidecar.grpc_server.decode import DecodeInput
 from sidecar.grpc_server.native import NativeDecode, NativePrefill
+from sidecar.grpc_server.prefill import PrefillCall
 from sidecar.kv_wire.handoff import decode_handoff, encode_handoff
 from sidecar.observability.metrics import Metrics
 from sidecar.protocol.context import PrefillTarget
@@ -62,6 +63,9 @@ def decode_request(blocks: list[disagg_pb2.KVBlock], request_id: str = "rq-1",
     return disagg_pb2.DecodeRequest(request_id=request_id, kv_blocks=blocks,
                                     token_ids=[5, 6, 7], max_new_tokens=max_new_tokens,
                                     temperature=0.7)
+
+
+PREFILL = "/disagg.PrefillWorker/Prefill"
 
 
 async def decode_body(dialect: Dialect, request: disagg_pb2.DecodeRequest | bytes,
@@ -181,7 +185,7 @@ async def test_prefill_hands_the_flow_the_client_body_and_sends_the_hand_off() -
     scope = scopes.open("/disagg.PrefillWorker/Prefill", "rq-1")
     sent = Sent()
 
-    await native.run(prefill_request(), scope, 2.5, sent)
+    await native.run(PrefillCall(prefill_request(), scope, 2.5, sent))
 
     ((client_body, kwargs),) = flow.seen
     assert client_body == {"model": "served-model", "prompt": [5, 6, 7], "max_tokens": 1,
@@ -204,8 +208,8 @@ async def test_prefill_keeps_an_asked_token_count_and_makes_a_request_id() -> No
     flow = FakeFlow(make_dialect(NixlPullDialect), NIXL_FIELDS)
     native, scopes = native_prefill(flow)
     sent = Sent()
-    await native.run(prefill_request(request_id="", max_new_tokens=4),
-                     scopes.open("/disagg.PrefillWorker/Prefill"), None, sent)
+    await native.run(PrefillCall(prefill_request(request_id="", max_new_tokens=4),
+                     scopes.open(PREFILL), None, sent))
     ((client_body, kwargs),) = flow.seen
     assert client_body["max_tokens"] == 4
     request_id = kwargs["request_id"]
@@ -219,14 +223,14 @@ async def test_prefill_without_an_advertise_host_is_refused_before_the_flow() ->
     flow = FakeFlow(make_dialect(NixlPullDialect), {})
     native, scopes = native_prefill(flow, advertise_host=None)
     with pytest.raises(FailedPrecondition):
-        await native.run(prefill_request(), scopes.open("/disagg.PrefillWorker/Prefill"),
-                         None, Sent())
+        await native.run(PrefillCall(prefill_request(), scopes.open(PREFILL),
+                         None, Sent()))
     assert flow.seen == []
     # A non-loopback engine URL names the pod itself.
     named, scopes = native_prefill(flow, advertise_host=None,
                                    engine_url="http://10.0.0.5:8000")
-    await named.run(prefill_request(), scopes.open("/disagg.PrefillWorker/Prefill"), None,
-                    Sent())
+    await named.run(PrefillCall(prefill_request(), scopes.open(PREFILL), None,
+                    Sent()))
     assert flow.seen[0][1]["target"] == PrefillTarget("10.0.0.5", 8000)
 
 
@@ -236,8 +240,8 @@ async def test_a_bad_prefill_request_is_refused_before_the_flow(fields: dict[str
     flow = FakeFlow(make_dialect(NixlPullDialect), {})
     native, scopes = native_prefill(flow)
     with pytest.raises(InvalidRequest):
-        await native.run(prefill_request(**fields), scopes.open("/disagg.PrefillWorker/Prefill"),
-                         None, Sent())
+        await native.run(PrefillCall(prefill_request(**fields), scopes.open(PREFILL),
+                         None, Sent()))
     assert flow.seen == []
 
 
@@ -259,7 +263,7 @@ async def test_what_the_prefill_side_sends_is_what_the_decode_side_merges() -> N
     scope = scopes.open("/disagg.PrefillWorker/Prefill", "rq-1")
     scope.admit()
     sent = Sent()
-    await native.run(prefill_request(), scope, None, sent)
+    await native.run(PrefillCall(prefill_request(), scope, None, sent))
     assert prefill_calls.prefills[0].body["disaggregated_params"] == {
         "request_type": "context_only", "disagg_request_id": disagg_id}
 
