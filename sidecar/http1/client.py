@@ -34,8 +34,9 @@ from collections.abc import AsyncIterable, Iterable, Mapping
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from sidecar.http1.connection import Connection, UpstreamResponse, expire_future
+from sidecar.http1.connection import Connection, expire_future
 from sidecar.http1.errors import UpstreamBroken, UpstreamConnectError, UpstreamError
+from sidecar.http1.response import UpstreamResponse
 
 Headers = Mapping[str, str] | Iterable[tuple[str, str]]
 Body = bytes | AsyncIterable[bytes] | None

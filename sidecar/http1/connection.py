@@ -1,8 +1,9 @@
-"""One keep-alive HTTP/1.1 connection to an engine, and the response being read on it.
+"""One keep-alive HTTP/1.1 connection to an engine: the socket, the parser and the exchange.
 
     Connection (asyncio.Protocol)  ── bytes ─▶ httptools parser ─▶ head future, body chunks
-    UpstreamResponse               ── status, headers, readany() / read() / pipe() / release()
-                                      / close()
+                                   ── deadlines (one lazily re-armed timer), flow control
+
+The reader's side of an exchange is ``response.UpstreamResponse``, on the state kept here.
 
 Why not aiohttp's client: a PD request makes two upstream exchanges, and aiohttp's client
 spends about 85 us of CPU on each (request/response objects, multidicts, URL objects, timers,
@@ -13,14 +14,8 @@ one uvicorn and Node use, so no HTTP parsing is written here.
 Body chunks are queued as they arrive and handed out together: a reader that falls behind
 (a busy loop relaying SSE) gets every queued token in one ``readany()``, one write downstream.
 Reading pauses when more than ``_HIGH_WATER`` bytes wait, so a slow client cannot make the
-sidecar buffer an engine's whole answer.
-
-``pipe(sink, catch_up)`` is the relay's way: the body bytes of each read go to ``sink`` from
-the read callback itself, with no future resolved, no task woken and no coroutine resumed per
-read (at an engine's pace every token is its own read: those wake-ups were most of the
-relay's cost per token). A sink that cannot take more (the client's socket is full, or it
-needs an ``await``) answers False: reading pauses and ``catch_up()`` runs in the piping task
-before reading resumes.
+sidecar buffer an engine's whole answer. With a sink set (``pipe()``) each read's body goes
+to it from ``data_received``; a sink that refuses pauses reading until it caught up.
 
 Deliberate limits: one exchange at a time per connection (no pipelining); no ``Expect:
 100-continue``; a ``HEAD`` response closes its connection afterwards (no body framing to
@@ -30,7 +25,7 @@ trust); informational (1xx) responses are not expected from engines and are refu
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import cast
 
 import httptools
@@ -399,130 +394,3 @@ def expire_future(future: asyncio.Future[None]) -> None:
     """A timer's callback: end a wait with ``TimeoutError`` unless it already ended."""
     if not future.done():
         future.set_exception(TimeoutError())
-
-
-class UpstreamResponse:
-    """A response whose head has arrived; read its body, then release or close it."""
-
-    __slots__ = ("_conn", "_release", "content_length", "headers", "status")
-
-    def __init__(
-        self, conn: Connection, release: Callable[[Connection], None]
-    ) -> None:
-        self.status = conn.status
-        self.headers = conn.headers
-        self.content_length: int | None = None
-        for name, value in self.headers:
-            if name.lower() == "content-length":
-                try:
-                    self.content_length = int(value)
-                except ValueError:
-                    self.content_length = None
-                break
-        self._conn: Connection | None = conn
-        self._release = release
-
-    def header(self, name: str) -> str | None:
-        """The first header called ``name`` (case-insensitive), or None."""
-        lower = name.lower()
-        for key, value in self.headers:
-            if key.lower() == lower:
-                return value
-        return None
-
-    async def readany(self) -> bytes:
-        """The body bytes that have arrived (waiting for some); b"" once the body ended.
-
-        Raises ``UpstreamBroken``/``UpstreamProtocolError`` when the connection failed and
-        ``TimeoutError`` when no byte came within the read deadline.
-        """
-        conn = self._conn
-        if conn is None:
-            return b""
-        while True:
-            # A complete response stands even if bytes after it broke the connection (the
-            # error then only keeps the connection out of the pool).
-            if conn.has_body:
-                data = conn.take_body()
-                if conn.complete:
-                    self._give_back(conn)
-                return data
-            if conn.complete:
-                self._give_back(conn)
-                return b""
-            if conn.error is not None:
-                raise conn.error
-            await conn.wait_body()
-
-    async def pipe(
-        self, sink: Callable[[bytes], bool], catch_up: Callable[[], Awaitable[None]]
-    ) -> None:
-        """Give the rest of the body to ``sink``, each read's bytes from the read callback.
-
-        ``sink(data)`` returns False when it takes no more for now; reading then pauses until
-        ``await catch_up()`` (run here, in the caller's task) returns. The first bytes are
-        awaited here and given to ``sink`` from this task (what a sink needs an await for is
-        usually the first bytes: a response head to send with them). Returns when the body
-        ended; raises as ``readany()`` does, and whatever ``catch_up`` raises.
-        """
-        # The first bytes are awaited as readany() would: a sink usually needs an await for
-        # them (the client's response head leaves with them), and reading need not pause.
-        first = await self.readany()
-        if first and not sink(first):
-            await catch_up()
-        conn = self._conn
-        if conn is None:  # the body ended with its first bytes: readany() gave it back
-            return
-        conn.set_sink(sink)
-        try:
-            while True:
-                if conn.has_body:  # bytes that arrived before the sink was set
-                    if not sink(conn.take_body()):
-                        conn.sink_refused()
-                    continue
-                if conn.sink_full:
-                    await catch_up()
-                    conn.sink_caught_up()
-                    continue
-                if conn.complete:
-                    break
-                if conn.error is not None:
-                    raise conn.error
-                await conn.wait_body()
-        finally:
-            conn.set_sink(None)
-        self._give_back(conn)
-
-    async def read(self, max_bytes: int | None = None) -> bytes:
-        """The whole body; with ``max_bytes``, stops once more than that has arrived."""
-        parts: list[bytes] = []
-        size = 0
-        while chunk := await self.readany():
-            parts.append(chunk)
-            size += len(chunk)
-            if max_bytes is not None and size > max_bytes:
-                break
-        return b"".join(parts)
-
-    def release(self) -> None:
-        """Done with this response: keep the connection when it ended cleanly, else close."""
-        conn = self._conn
-        if conn is not None:
-            self._give_back(conn)
-
-    def close(self) -> None:
-        """Drop the connection now (the engine sees the client go away). Idempotent."""
-        conn = self._conn
-        if conn is not None:
-            conn.close()
-            self._give_back(conn)
-
-    def _give_back(self, conn: Connection) -> None:
-        self._conn = None
-        self._release(conn)
-
-    async def __aenter__(self) -> UpstreamResponse:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        self.release()
