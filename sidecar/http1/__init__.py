@@ -1,4 +1,12 @@
-"""A lean pooled HTTP/1.1 client for the sidecar's engine calls (see ``client``)."""
+"""Every HTTP/1.1 stack on llhttp (``httptools``) in the project, in one package.
+
+    client.py      EngineClient: the pooled upstream client of the sidecar's engine calls
+    connection.py  one pooled connection: socket, parser, deadlines, flow control
+    response.py    UpstreamResponse: the reader's side of an exchange (readany, pipe, release)
+    errors.py      what can go wrong upstream, as callers tell it apart
+    server.py      a lean keep-alive server (the bench's stub engines; the sidecar serves with
+                   aiohttp), imported by name: not loaded with the client
+"""
 
 from sidecar.http1.client import EngineClient
 from sidecar.http1.errors import (

@@ -27,10 +27,11 @@ from urllib.parse import unquote
 
 import orjson
 
+from sidecar.http1.server import Request
 from sidecar.tools.stubs import handoff
 from sidecar.tools.stubs.handoff import Verdict
 from sidecar.tools.stubs.lean import openai as lean_openai
-from sidecar.tools.stubs.lean.http import HttpConnection, Request
+from sidecar.tools.stubs.lean.http import HttpConnection
 from sidecar.tools.stubs.lean.nixl import Pulled, Puller
 from sidecar.tools.stubs.lean.openai import Completion
 from sidecar.tools.stubs.lean.server import FlavourBase
