@@ -180,9 +180,12 @@ class Connection(asyncio.Protocol):
         if status < 200:
             raise UpstreamProtocolError(f"unexpected informational response {status}")
         self._status = status
-        self._until_close = not any(
-            name.lower() in ("content-length", "transfer-encoding") for name, _ in self._headers
-        )
+        until_close = True
+        for name, _ in self._headers:  # a loop, not any(): no generator per response
+            if name.lower() in ("content-length", "transfer-encoding"):
+                until_close = False
+                break
+        self._until_close = until_close
         if self._head_only:
             self._complete = True
             self._keep_alive = False
