@@ -1,7 +1,9 @@
 """Every HTTP/1.1 stack on llhttp (``httptools``) in the project, in one package.
 
     client.py      EngineClient: the pooled upstream client of the sidecar's engine calls
-    connection.py  one pooled connection: socket, parser, deadlines, flow control
+    request.py     a request on the wire: its target (parsed once per URL) and head bytes
+    connection.py  one pooled connection: socket, parser, flow control
+    deadlines.py   its read and whole-exchange deadlines (one lazily re-armed timer)
     response.py    UpstreamResponse: the reader's side of an exchange (readany, pipe, release)
     errors.py      what can go wrong upstream, as callers tell it apart
     server.py      a lean keep-alive server (the bench's stub engines; the sidecar serves with

@@ -27,121 +27,18 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import functools
 import socket
 import ssl
-from collections.abc import AsyncIterable, Iterable, Mapping
-from dataclasses import dataclass
-from urllib.parse import urlsplit
+from collections.abc import AsyncIterable
 
-from sidecar.http1.connection import Connection, expire_future
-from sidecar.http1.errors import UpstreamBroken, UpstreamConnectError, UpstreamError
+from sidecar.http1.connection import Connection
+from sidecar.http1.deadlines import expire_future
+from sidecar.http1.errors import UpstreamBroken, UpstreamConnectError
+from sidecar.http1.request import Body, Headers, PoolKey, Target, encode_head, framing, target_of
 from sidecar.http1.response import UpstreamResponse
 
-Headers = Mapping[str, str] | Iterable[tuple[str, str]]
-Body = bytes | AsyncIterable[bytes] | None
-
-_DEFAULT_PORTS = {"http": 80, "https": 443}
 #: Bodies up to this size are joined with their head and sent in one write.
 _COPY_LIMIT = 64 * 1024
-
-
-#: Which pooled connections can serve a request: scheme, host, port and the TLS name the
-#: peer's certificate was verified for ("" for plain HTTP).
-PoolKey = tuple[str, str, int, str]
-
-
-@dataclass(frozen=True, slots=True)
-class _Target:
-    key: PoolKey
-    host: str
-    port: int
-    #: The name the server's certificate must carry; None for plain HTTP.
-    tls_name: str | None
-    host_header: str
-    path: str
-
-
-@functools.lru_cache(maxsize=4096)
-def _target(url: str, server_hostname: str | None = None) -> _Target:
-    # A URL that carries an id in its path (a new one per call) would miss this cache every
-    # time, and a full parse costs about 6 us: only its origin's parse is cached then, and
-    # its request target is cut off the string (the same cut urlsplit makes).
-    cut = _split_origin(url)
-    if cut is None:
-        return _parse(url, server_hostname)
-    origin, path = cut
-    try:
-        base = _origin_target(origin, server_hostname)
-    except (UpstreamError, ValueError):
-        return _parse(url, server_hostname)  # the error, naming the whole URL
-    return _Target(base.key, base.host, base.port, base.tls_name, base.host_header, path)
-
-
-def _split_origin(url: str) -> tuple[str, str] | None:
-    """``url`` as its ``scheme://authority`` and its request target (path and query, the
-    fragment dropped); None when it has no path or holds anything unprintable (urlsplit
-    removes tabs and line breaks: the full parse decides those)."""
-    start = url.find("://") + 3
-    end = url.find("/", start)
-    # The authority ends at the first "/", "?" or "#": without a "/" first, parse it whole.
-    if start < 4 or end < 0 or url.find("?", start, end) >= 0 or url.find("#", start, end) >= 0:
-        return None
-    if not url.isprintable():
-        return None
-    rest = url[end:]
-    if "#" in rest:
-        rest = rest.partition("#")[0]
-    if "?" in rest:
-        path, _, query = rest.partition("?")
-        rest = f"{path}?{query}" if query else path
-    return url[:end], rest
-
-
-@functools.lru_cache(maxsize=1024)
-def _origin_target(origin: str, server_hostname: str | None) -> _Target:
-    return _parse(origin, server_hostname)
-
-
-def _parse(url: str, server_hostname: str | None) -> _Target:
-    parts = urlsplit(url)
-    scheme = parts.scheme.lower()
-    if scheme not in _DEFAULT_PORTS or not parts.hostname:
-        raise UpstreamError(f"unsupported upstream URL {url!r}")
-    host = parts.hostname
-    port = parts.port or _DEFAULT_PORTS[scheme]
-    shown = f"[{host}]" if ":" in host else host
-    host_header = shown if port == _DEFAULT_PORTS[scheme] else f"{shown}:{port}"
-    path = parts.path or "/"
-    if parts.query:
-        path = f"{path}?{parts.query}"
-    tls_name = (server_hostname or host) if scheme == "https" else None
-    key = (scheme, host, port, tls_name or "")
-    return _Target(key, host, port, tls_name, host_header, path)
-
-
-def _encode_head(method: str, target: _Target, headers: Headers, framing: str) -> bytes:
-    """The request line and headers; ``framing`` is the body's length header line (or "")."""
-    lines = [f"{name}: {value}\r\n" for name, value in
-             (headers.items() if isinstance(headers, Mapping) else headers)]
-    block = "".join(lines)
-    # Header injection: each line adds exactly one CR and one LF; a CR, LF or NUL inside a
-    # name or value would let a caller-supplied string write headers of its own.
-    if block.count("\n") != len(lines) or block.count("\r") != len(lines) or "\0" in block:
-        raise UpstreamError("header name or value contains a line break or NUL")
-    head = (f"{method} {target.path} HTTP/1.1\r\nHost: {target.host_header}\r\n"
-            f"{block}{framing}\r\n")
-    return head.encode("utf-8", "surrogateescape")
-
-
-def _framing(method: str, body: Body, content_length: int | None) -> str:
-    if isinstance(body, bytes):
-        return f"Content-Length: {len(body)}\r\n"
-    if body is None:
-        return "Content-Length: 0\r\n" if method in ("POST", "PUT", "PATCH") else ""
-    if content_length is None:
-        return "Transfer-Encoding: chunked\r\n"
-    return f"Content-Length: {content_length}\r\n"
 
 
 class EngineClient:
@@ -193,8 +90,8 @@ class EngineClient:
         an ``asyncio.timeout`` scope around the call. ``server_hostname``: for an https URL
         naming an address, the name its certificate must carry (default: the URL's host).
         """
-        target = _target(url, server_hostname)
-        head = _encode_head(method, target, headers, _framing(method, body, content_length))
+        target = target_of(url, server_hostname)
+        head = encode_head(method, target, headers, framing(method, body, content_length))
         deadline = None if timeout_s is None else self._loop.time() + timeout_s
         # A warm idle connection is the usual case: taken without a coroutine of its own.
         conn = self._take_idle(target.key) or await self._acquire(target, deadline)
@@ -251,7 +148,7 @@ class EngineClient:
                 conn.close()
         return None
 
-    async def _acquire(self, target: _Target, deadline: float | None) -> Connection:
+    async def _acquire(self, target: Target, deadline: float | None) -> Connection:
         while True:
             if self._closed:
                 raise UpstreamConnectError("client closed")
@@ -299,7 +196,7 @@ class EngineClient:
             self._ssl = ssl.create_default_context()
         return self._ssl
 
-    async def _connect(self, target: _Target, deadline: float | None) -> Connection:
+    async def _connect(self, target: Target, deadline: float | None) -> Connection:
         self._open += 1
         timeout = self._connect_timeout_s
         if deadline is not None:

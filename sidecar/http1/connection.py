@@ -1,7 +1,7 @@
 """One keep-alive HTTP/1.1 connection to an engine: the socket, the parser and the exchange.
 
-    Connection (asyncio.Protocol)  ── bytes ─▶ httptools parser ─▶ head future, body chunks
-                                   ── deadlines (one lazily re-armed timer), flow control
+    Connection ── bytes ─▶ httptools parser ─▶ head future, body chunks
+               ── flow control; its waits bounded by ``deadlines.Deadlines`` (a base class)
 
 The reader's side of an exchange is ``response.UpstreamResponse``, on the state kept here.
 
@@ -30,13 +30,14 @@ from typing import cast
 
 import httptools
 
+from sidecar.http1.deadlines import Deadlines
 from sidecar.http1.errors import UpstreamBroken, UpstreamError, UpstreamProtocolError
 
 #: Queued body bytes above which the socket stops being read until the reader catches up.
 _HIGH_WATER = 256 * 1024
 
 
-class Connection(asyncio.Protocol):
+class Connection(Deadlines, asyncio.Protocol):
     """The protocol object of one pooled connection; owned by the pool between exchanges."""
 
     __slots__ = (
@@ -44,24 +45,18 @@ class Connection(asyncio.Protocol):
         "_busy",
         "_chunks",
         "_complete",
-        "_deadline",
         "_drain",
         "_error",
         "_head",
         "_head_only",
         "_headers",
         "_keep_alive",
-        "_last_io",
-        "_loop",
         "_on_lost",
         "_parser",
         "_paused",
-        "_read_timeout_s",
         "_sink",
         "_sink_full",
         "_status",
-        "_timed",
-        "_timer",
         "_until_close",
         "_waiter",
         "closed",
@@ -82,7 +77,7 @@ class Connection(asyncio.Protocol):
         self.closed = False
         self.idle_since = 0.0
         self.holds_slot = True  # counted against the pool's limit until forgotten
-        self._loop = loop
+        Deadlines.__init__(self, loop)
         self._on_lost = on_lost
         self._parser = httptools.HttpResponseParser(self)
         self._busy = False
@@ -102,13 +97,6 @@ class Connection(asyncio.Protocol):
         # pipe(): where each read's body goes, and whether it asked to stop for a while.
         self._sink: Callable[[bytes], bool] | None = None
         self._sink_full = False
-        self._read_timeout_s: float | None = None
-        self._deadline: float | None = None
-        # One timer per connection, re-armed lazily: a relayed stream waits once per chunk,
-        # and a timer created and cancelled per wait would cost more than the wait itself.
-        self._last_io = 0.0
-        self._timed: asyncio.Future[None] | None = None
-        self._timer: asyncio.TimerHandle | None = None
 
     # ---- asyncio.Protocol ------------------------------------------------------------
 
@@ -215,9 +203,7 @@ class Connection(asyncio.Protocol):
         """
         self._busy = True
         self._head_only = head_only
-        self._read_timeout_s = read_timeout_s
-        self._deadline = deadline
-        self._last_io = self._loop.time()
+        self.set_deadlines(read_timeout_s, deadline)
         self._status = 0
         self._headers = []
         self._chunks = []
@@ -332,48 +318,6 @@ class Connection(asyncio.Protocol):
 
     # ---- internals -----------------------------------------------------------------------
 
-    async def _wait_for(self, future: asyncio.Future[None]) -> None:
-        """Await ``future``, failing it with ``TimeoutError`` at the read or total deadline.
-
-        The read deadline counts from the connection's last received bytes (as aiohttp's
-        ``sock_read`` does), the total one from the request's start.
-        """
-        when = self._expiry()
-        if when is None:
-            await future
-            return
-        self._timed = future
-        if self._timer is None:
-            self._timer = self._loop.call_at(when, self._on_timer)
-        try:
-            await future
-        finally:
-            self._timed = None
-
-    def _expiry(self) -> float | None:
-        when = None if self._read_timeout_s is None else self._last_io + self._read_timeout_s
-        if self._deadline is not None and (when is None or self._deadline < when):
-            when = self._deadline
-        return when
-
-    def _on_timer(self) -> None:
-        self._timer = None
-        future = self._timed
-        if future is None or future.done():
-            return  # nobody waits now; the next wait arms a new timer
-        when = self._expiry()
-        if when is None:
-            return
-        if when <= self._loop.time():
-            expire_future(future)
-        else:
-            self._timer = self._loop.call_at(when, self._on_timer)
-
-    def _cancel_timer(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-
     def _fail(self, error: UpstreamError) -> None:
         if self._error is None:
             self._error = error
@@ -391,9 +335,3 @@ class Connection(asyncio.Protocol):
             self._chunks or self._complete or self._error is not None or self._sink_full
         ):
             waiter.set_result(None)
-
-
-def expire_future(future: asyncio.Future[None]) -> None:
-    """A timer's callback: end a wait with ``TimeoutError`` unless it already ended."""
-    if not future.done():
-        future.set_exception(TimeoutError())

@@ -26,7 +26,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sidecar.http1 import EngineClient, UpstreamError
-from sidecar.http1.client import _parse, _target
+from sidecar.http1.request import parse_url, target_of
 
 T = TypeVar("T")
 
@@ -193,12 +193,12 @@ def test_any_url_names_the_same_target_as_its_whole_parse(
 ) -> None:
     url = "".join(pieces)
     try:
-        expected = _parse(url, server_hostname)
+        expected = parse_url(url, server_hostname)
     except (UpstreamError, ValueError) as exc:
         with pytest.raises(type(exc)):
-            _target(url, server_hostname)
+            target_of(url, server_hostname)
         return
-    assert _target(url, server_hostname) == expected
+    assert target_of(url, server_hostname) == expected
 
 
 @FUZZ
@@ -207,9 +207,9 @@ def test_any_url_names_the_same_target_as_its_whole_parse(
 def test_any_path_after_an_origin_names_the_same_target(origin: str, pieces: list[str]) -> None:
     url = origin + "/" + "".join(pieces)
     try:
-        expected = _parse(url, None)
+        expected = parse_url(url, None)
     except (UpstreamError, ValueError) as exc:
         with pytest.raises(type(exc)):
-            _target(url, None)
+            target_of(url, None)
         return
-    assert _target(url, None) == expected
+    assert target_of(url, None) == expected
