@@ -2,7 +2,7 @@
 
     bytes ─▶ httptools.HttpRequestParser ─▶ Request ─▶ handle(request, conn)
         ─▶ conn.send(status, body)
-         | conn.begin_chunked(...), conn.write_chunk(data)..., conn.end_chunked()
+         | conn.begin_chunked(...), conn.write_chunk(data) | write_chunks(it)..., end_chunked()
 
 The sidecar itself serves with aiohttp; this server is what the bench's stub engines
 (``sidecar.tools.stubs.lean``) are built on, kept here so that one package owns every use of
@@ -29,7 +29,7 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any, Final, Generic, TypeVar, cast
@@ -254,6 +254,21 @@ class ServerConnection(asyncio.Protocol):
         """One non-empty chunk of the current answer, one write."""
         if self.transport is not None and not self.closed:
             self.transport.write(b"%x\r\n%s\r\n" % (len(data), data))
+
+    def write_chunks(self, chunks: Iterator[bytes]) -> bool:
+        """Non-empty chunks, one write each, while the transport takes them: True once
+        ``chunks`` ended, False when the transport asked to pause first (go on from
+        ``on_writable``) or the connection is gone. One loop here rather than a call per
+        chunk: a burst of tokens is the stubs' most frequent write."""
+        transport = self.transport
+        if transport is None or self.closed:
+            return False
+        while not self.writing_paused:
+            chunk = next(chunks, None)
+            if chunk is None:
+                return True
+            transport.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+        return False
 
     def end_chunked(self) -> None:
         """The last chunk: the answer is complete (the next queued request starts)."""

@@ -77,7 +77,7 @@ async def test_pipelined_requests_answer_in_order_a_coroutine_included() -> None
         if request.path == "/stream":
             assert conn.begin_chunked(200, b"text/event-stream", b"x-extra: 1\r\n")
             conn.write_chunk(b"one")
-            conn.write_chunk(b"two")
+            assert conn.write_chunks(iter([b"two"]))  # True: they ended, nothing paused
             conn.end_chunked()
             return None
         conn.send(200, request.path.encode())

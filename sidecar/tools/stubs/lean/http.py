@@ -87,22 +87,30 @@ class HttpConnection(ServerConnection):
         if events is None or self.closed:
             return
         pacing = self._pacing
-        while not self.writing_paused:
+        while pacing is not None and self._sent < pacing.paced:
+            # A paced token: one a tick; the next is due one interval after this one was,
+            # so a late tick sends it at once but never two in one tick.
+            if self.writing_paused:
+                return  # on_writable goes on
             event = next(events, None)
             if event is None:
-                self._events = None
-                self._pacing = None
-                self.end_chunked()
+                self._end_stream()
                 return
             self.write_chunk(event)
             self._sent += 1
-            if pacing is not None and self._sent < pacing.paced:
-                # The next token is due one interval after this one was; a late tick
-                # sends it at once but never two in one tick.
+            if self._sent < pacing.paced:
                 loop = asyncio.get_running_loop()
                 self._due = max(self._due + pacing.every_s, loop.time())
                 self._tick = loop.call_at(self._due, self._on_tick)
                 return
+        # Unpaced, or the events after the last paced token: all at once.
+        if self.write_chunks(events):
+            self._end_stream()
+
+    def _end_stream(self) -> None:
+        self._events = None
+        self._pacing = None
+        self.end_chunked()
 
     # -- sidecar.http1.server hooks ---------------------------------------------------
 
