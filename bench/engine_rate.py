@@ -62,10 +62,10 @@ async def measure(pid: int, port: int, path: str, max_tokens: int, concurrency: 
         try:
             while not stopping:
                 if path == "/health":
-                    answer = await client.request(origin, b"GET", path)
+                    answer = await client.request(origin, "GET", path)
                 else:
                     answer = await client.request(
-                        origin, b"POST", path, {"content-type": "application/json"}, body
+                        origin, "POST", path, {"content-type": "application/json"}, body
                     )
                 if answer.status != 200:
                     raise RuntimeError(f"HTTP {answer.status}: {answer.body[:200]!r}")

@@ -4,9 +4,10 @@
         http = new_http()              # one per closed-loop worker
         answer = await http.post(origin, "/v1/completions", headers, body, stream=True)
 
-``lean`` (the default): ``bench.lean_client``, each worker owning its connections (one per
-origin, like wrk), SSE events counted as they arrive. ``aiohttp``: the load generator the
-bench had before, one pooled ``ClientSession`` shared by all workers, kept for comparison.
+``lean`` (the default): ``bench.lean_client`` (``sidecar.http1.EngineClient``), each worker
+owning its pool (one connection per origin, like wrk), SSE events counted as they arrive.
+``aiohttp``: the load generator the bench had before, one pooled ``ClientSession`` shared by
+all workers, kept for comparison.
 
 Deliberate limits: POST only (the flows need nothing else); a transport failure raises one
 of ``TRANSPORT_ERRORS``, which the load phases count as errors.
@@ -22,9 +23,11 @@ from typing import Final, Protocol
 import aiohttp
 
 from bench.lean_client import Answer, Client, EventCounter, EventTally, Origin
+from sidecar.http1 import UpstreamError
 
 CLIENTS: Final = ("lean", "aiohttp")
-TRANSPORT_ERRORS: Final = (aiohttp.ClientError, OSError, TimeoutError, ValueError)
+#: ValueError: a body that is not the JSON a flow expects (orjson's JSONDecodeError).
+TRANSPORT_ERRORS: Final = (aiohttp.ClientError, UpstreamError, OSError, TimeoutError, ValueError)
 
 
 class Http(Protocol):
@@ -44,7 +47,7 @@ class LeanHttp:
         self, origin: Origin, path: str, headers: Mapping[str, str], body: bytes, stream: bool
     ) -> Answer:
         return await self.client.request(
-            origin, b"POST", path, headers, body, count_events=stream,
+            origin, "POST", path, headers, body, count_events=stream,
             time_events=self.time_events,
         )
 

@@ -235,11 +235,21 @@ async def paced_loop(
     interval = plan.itl_ms / 1e3
     stream_s = plan.stream_s_of(tokens or plan.tokens)
 
+    warm = 0  # workers that have run a whole stream
+    all_warm = asyncio.Event()
+
     async def worker(index: int, http: Http) -> None:
+        nonlocal warm
         # Spread the starts over one interval: streams tick out of phase, as from many batches.
         await asyncio.sleep(interval * index / streams)
+        first = True
         while not stopping:
             result = await load.safe_call(flow, http)
+            if first:
+                first = False
+                warm += 1
+                if warm == streams:
+                    all_warm.set()
             if not recording:
                 continue
             if not result.ok:
@@ -254,6 +264,10 @@ async def paced_loop(
         tasks = [asyncio.ensure_future(worker(i, new_http())) for i in range(streams)]
         try:
             await asyncio.sleep(interval + stream_s * 1.5 + 0.2)
+            # A first connect whose SYN a full listen queue dropped is retried after 1 s: its
+            # worker's first stream (TTFT over a second) must end before the window opens.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(all_warm.wait(), 30 + stream_s * 2)
             meter.start()
             calls0 = procs.tree_syscalls(relay_pid) if relay_pid else (0, 0)
             events0 = tally.events

@@ -1,13 +1,23 @@
-"""A lean pooled HTTP/1.1 client for the sidecar's engine calls (see ``client``)."""
+"""Every HTTP/1.1 stack on llhttp (``httptools``) in the project, in one package.
+
+    client.py      EngineClient: the pooled upstream client of the sidecar's engine calls
+    request.py     a request on the wire: its target (parsed once per URL) and head bytes
+    connection.py  one pooled connection: socket, parser, flow control
+    deadlines.py   its read and whole-exchange deadlines (one lazily re-armed timer)
+    response.py    UpstreamResponse: the reader's side of an exchange (readany, pipe, release)
+    errors.py      what can go wrong upstream, as callers tell it apart
+    server.py      a lean keep-alive server (the bench's stub engines; the sidecar serves with
+                   aiohttp), imported by name: not loaded with the client
+"""
 
 from sidecar.http1.client import EngineClient
-from sidecar.http1.connection import UpstreamResponse
 from sidecar.http1.errors import (
     UpstreamBroken,
     UpstreamConnectError,
     UpstreamError,
     UpstreamProtocolError,
 )
+from sidecar.http1.response import UpstreamResponse
 
 __all__ = [
     "EngineClient",

@@ -27,80 +27,18 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import functools
 import socket
 import ssl
-from collections.abc import AsyncIterable, Iterable, Mapping
-from dataclasses import dataclass
-from urllib.parse import urlsplit
+from collections.abc import AsyncIterable
 
-from sidecar.http1.connection import Connection, UpstreamResponse, expire_future
-from sidecar.http1.errors import UpstreamBroken, UpstreamConnectError, UpstreamError
+from sidecar.http1.connection import Connection
+from sidecar.http1.deadlines import expire_future
+from sidecar.http1.errors import UpstreamBroken, UpstreamConnectError
+from sidecar.http1.request import Body, Headers, PoolKey, Target, encode_head, framing, target_of
+from sidecar.http1.response import UpstreamResponse
 
-Headers = Mapping[str, str] | Iterable[tuple[str, str]]
-Body = bytes | AsyncIterable[bytes] | None
-
-_DEFAULT_PORTS = {"http": 80, "https": 443}
 #: Bodies up to this size are joined with their head and sent in one write.
 _COPY_LIMIT = 64 * 1024
-
-
-#: Which pooled connections can serve a request: scheme, host, port and the TLS name the
-#: peer's certificate was verified for ("" for plain HTTP).
-PoolKey = tuple[str, str, int, str]
-
-
-@dataclass(frozen=True, slots=True)
-class _Target:
-    key: PoolKey
-    host: str
-    port: int
-    #: The name the server's certificate must carry; None for plain HTTP.
-    tls_name: str | None
-    host_header: str
-    path: str
-
-
-@functools.lru_cache(maxsize=4096)
-def _target(url: str, server_hostname: str | None = None) -> _Target:
-    parts = urlsplit(url)
-    scheme = parts.scheme.lower()
-    if scheme not in _DEFAULT_PORTS or not parts.hostname:
-        raise UpstreamError(f"unsupported upstream URL {url!r}")
-    host = parts.hostname
-    port = parts.port or _DEFAULT_PORTS[scheme]
-    shown = f"[{host}]" if ":" in host else host
-    host_header = shown if port == _DEFAULT_PORTS[scheme] else f"{shown}:{port}"
-    path = parts.path or "/"
-    if parts.query:
-        path = f"{path}?{parts.query}"
-    tls_name = (server_hostname or host) if scheme == "https" else None
-    key = (scheme, host, port, tls_name or "")
-    return _Target(key, host, port, tls_name, host_header, path)
-
-
-def _encode_head(method: str, target: _Target, headers: Headers, framing: str) -> bytes:
-    """The request line and headers; ``framing`` is the body's length header line (or "")."""
-    lines = [f"{name}: {value}\r\n" for name, value in
-             (headers.items() if isinstance(headers, Mapping) else headers)]
-    block = "".join(lines)
-    # Header injection: each line adds exactly one CR and one LF; a CR, LF or NUL inside a
-    # name or value would let a caller-supplied string write headers of its own.
-    if block.count("\n") != len(lines) or block.count("\r") != len(lines) or "\0" in block:
-        raise UpstreamError("header name or value contains a line break or NUL")
-    head = (f"{method} {target.path} HTTP/1.1\r\nHost: {target.host_header}\r\n"
-            f"{block}{framing}\r\n")
-    return head.encode("utf-8", "surrogateescape")
-
-
-def _framing(method: str, body: Body, content_length: int | None) -> str:
-    if isinstance(body, bytes):
-        return f"Content-Length: {len(body)}\r\n"
-    if body is None:
-        return "Content-Length: 0\r\n" if method in ("POST", "PUT", "PATCH") else ""
-    if content_length is None:
-        return "Transfer-Encoding: chunked\r\n"
-    return f"Content-Length: {content_length}\r\n"
 
 
 class EngineClient:
@@ -152,10 +90,11 @@ class EngineClient:
         an ``asyncio.timeout`` scope around the call. ``server_hostname``: for an https URL
         naming an address, the name its certificate must carry (default: the URL's host).
         """
-        target = _target(url, server_hostname)
-        head = _encode_head(method, target, headers, _framing(method, body, content_length))
+        target = target_of(url, server_hostname)
+        head = encode_head(method, target, headers, framing(method, body, content_length))
         deadline = None if timeout_s is None else self._loop.time() + timeout_s
-        conn = await self._acquire(target, deadline)
+        # A warm idle connection is the usual case: taken without a coroutine of its own.
+        conn = self._take_idle(target.key) or await self._acquire(target, deadline)
         conn.start(method == "HEAD", self._read_timeout_s, deadline)
         try:
             transport = conn.transport
@@ -197,18 +136,25 @@ class EngineClient:
 
     # ---- the pool ------------------------------------------------------------------------
 
-    async def _acquire(self, target: _Target, deadline: float | None) -> Connection:
+    def _take_idle(self, key: PoolKey) -> Connection | None:
+        """The warmest idle connection for ``key`` still fresh (stale ones closed), or None."""
+        idle = self._idle.get(key)
+        if idle and not self._closed:
+            stale_before = self._loop.time() - self._keepalive_s
+            while idle:
+                conn = idle.pop()
+                if not conn.closed and conn.idle_since > stale_before:
+                    return conn
+                conn.close()
+        return None
+
+    async def _acquire(self, target: Target, deadline: float | None) -> Connection:
         while True:
             if self._closed:
                 raise UpstreamConnectError("client closed")
-            idle = self._idle.get(target.key)
-            if idle:
-                stale_before = self._loop.time() - self._keepalive_s
-                while idle:
-                    conn = idle.pop()
-                    if not conn.closed and conn.idle_since > stale_before:
-                        return conn
-                    conn.close()
+            conn = self._take_idle(target.key)
+            if conn is not None:
+                return conn
             if self._open < self._limit or self._drop_oldest_idle():
                 return await self._connect(target, deadline)
             waiter = self._loop.create_future()
@@ -250,7 +196,7 @@ class EngineClient:
             self._ssl = ssl.create_default_context()
         return self._ssl
 
-    async def _connect(self, target: _Target, deadline: float | None) -> Connection:
+    async def _connect(self, target: Target, deadline: float | None) -> Connection:
         self._open += 1
         timeout = self._connect_timeout_s
         if deadline is not None:

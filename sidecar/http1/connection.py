@@ -1,8 +1,9 @@
-"""One keep-alive HTTP/1.1 connection to an engine, and the response being read on it.
+"""One keep-alive HTTP/1.1 connection to an engine: the socket, the parser and the exchange.
 
-    Connection (asyncio.Protocol)  ── bytes ─▶ httptools parser ─▶ head future, body chunks
-    UpstreamResponse               ── status, headers, readany() / read() / pipe() / release()
-                                      / close()
+    Connection ── bytes ─▶ httptools parser ─▶ head future, body chunks
+               ── flow control; its waits bounded by ``deadlines.Deadlines`` (a base class)
+
+The reader's side of an exchange is ``response.UpstreamResponse``, on the state kept here.
 
 Why not aiohttp's client: a PD request makes two upstream exchanges, and aiohttp's client
 spends about 85 us of CPU on each (request/response objects, multidicts, URL objects, timers,
@@ -13,14 +14,8 @@ one uvicorn and Node use, so no HTTP parsing is written here.
 Body chunks are queued as they arrive and handed out together: a reader that falls behind
 (a busy loop relaying SSE) gets every queued token in one ``readany()``, one write downstream.
 Reading pauses when more than ``_HIGH_WATER`` bytes wait, so a slow client cannot make the
-sidecar buffer an engine's whole answer.
-
-``pipe(sink, catch_up)`` is the relay's way: the body bytes of each read go to ``sink`` from
-the read callback itself, with no future resolved, no task woken and no coroutine resumed per
-read (at an engine's pace every token is its own read: those wake-ups were most of the
-relay's cost per token). A sink that cannot take more (the client's socket is full, or it
-needs an ``await``) answers False: reading pauses and ``catch_up()`` runs in the piping task
-before reading resumes.
+sidecar buffer an engine's whole answer. With a sink set (``pipe()``) each read's body goes
+to it from ``data_received``; a sink that refuses pauses reading until it caught up.
 
 Deliberate limits: one exchange at a time per connection (no pipelining); no ``Expect:
 100-continue``; a ``HEAD`` response closes its connection afterwards (no body framing to
@@ -30,18 +25,19 @@ trust); informational (1xx) responses are not expected from engines and are refu
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import cast
 
 import httptools
 
+from sidecar.http1.deadlines import Deadlines
 from sidecar.http1.errors import UpstreamBroken, UpstreamError, UpstreamProtocolError
 
 #: Queued body bytes above which the socket stops being read until the reader catches up.
 _HIGH_WATER = 256 * 1024
 
 
-class Connection(asyncio.Protocol):
+class Connection(Deadlines, asyncio.Protocol):
     """The protocol object of one pooled connection; owned by the pool between exchanges."""
 
     __slots__ = (
@@ -49,24 +45,18 @@ class Connection(asyncio.Protocol):
         "_busy",
         "_chunks",
         "_complete",
-        "_deadline",
         "_drain",
         "_error",
         "_head",
         "_head_only",
         "_headers",
         "_keep_alive",
-        "_last_io",
-        "_loop",
         "_on_lost",
         "_parser",
         "_paused",
-        "_read_timeout_s",
         "_sink",
         "_sink_full",
         "_status",
-        "_timed",
-        "_timer",
         "_until_close",
         "_waiter",
         "closed",
@@ -87,7 +77,7 @@ class Connection(asyncio.Protocol):
         self.closed = False
         self.idle_since = 0.0
         self.holds_slot = True  # counted against the pool's limit until forgotten
-        self._loop = loop
+        Deadlines.__init__(self, loop)
         self._on_lost = on_lost
         self._parser = httptools.HttpResponseParser(self)
         self._busy = False
@@ -107,13 +97,6 @@ class Connection(asyncio.Protocol):
         # pipe(): where each read's body goes, and whether it asked to stop for a while.
         self._sink: Callable[[bytes], bool] | None = None
         self._sink_full = False
-        self._read_timeout_s: float | None = None
-        self._deadline: float | None = None
-        # One timer per connection, re-armed lazily: a relayed stream waits once per chunk,
-        # and a timer created and cancelled per wait would cost more than the wait itself.
-        self._last_io = 0.0
-        self._timed: asyncio.Future[None] | None = None
-        self._timer: asyncio.TimerHandle | None = None
 
     # ---- asyncio.Protocol ------------------------------------------------------------
 
@@ -185,9 +168,12 @@ class Connection(asyncio.Protocol):
         if status < 200:
             raise UpstreamProtocolError(f"unexpected informational response {status}")
         self._status = status
-        self._until_close = not any(
-            name.lower() in ("content-length", "transfer-encoding") for name, _ in self._headers
-        )
+        until_close = True
+        for name, _ in self._headers:  # a loop, not any(): no generator per response
+            if name.lower() in ("content-length", "transfer-encoding"):
+                until_close = False
+                break
+        self._until_close = until_close
         if self._head_only:
             self._complete = True
             self._keep_alive = False
@@ -217,9 +203,7 @@ class Connection(asyncio.Protocol):
         """
         self._busy = True
         self._head_only = head_only
-        self._read_timeout_s = read_timeout_s
-        self._deadline = deadline
-        self._last_io = self._loop.time()
+        self.set_deadlines(read_timeout_s, deadline)
         self._status = 0
         self._headers = []
         self._chunks = []
@@ -334,48 +318,6 @@ class Connection(asyncio.Protocol):
 
     # ---- internals -----------------------------------------------------------------------
 
-    async def _wait_for(self, future: asyncio.Future[None]) -> None:
-        """Await ``future``, failing it with ``TimeoutError`` at the read or total deadline.
-
-        The read deadline counts from the connection's last received bytes (as aiohttp's
-        ``sock_read`` does), the total one from the request's start.
-        """
-        when = self._expiry()
-        if when is None:
-            await future
-            return
-        self._timed = future
-        if self._timer is None:
-            self._timer = self._loop.call_at(when, self._on_timer)
-        try:
-            await future
-        finally:
-            self._timed = None
-
-    def _expiry(self) -> float | None:
-        when = None if self._read_timeout_s is None else self._last_io + self._read_timeout_s
-        if self._deadline is not None and (when is None or self._deadline < when):
-            when = self._deadline
-        return when
-
-    def _on_timer(self) -> None:
-        self._timer = None
-        future = self._timed
-        if future is None or future.done():
-            return  # nobody waits now; the next wait arms a new timer
-        when = self._expiry()
-        if when is None:
-            return
-        if when <= self._loop.time():
-            expire_future(future)
-        else:
-            self._timer = self._loop.call_at(when, self._on_timer)
-
-    def _cancel_timer(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-
     def _fail(self, error: UpstreamError) -> None:
         if self._error is None:
             self._error = error
@@ -393,136 +335,3 @@ class Connection(asyncio.Protocol):
             self._chunks or self._complete or self._error is not None or self._sink_full
         ):
             waiter.set_result(None)
-
-
-def expire_future(future: asyncio.Future[None]) -> None:
-    """A timer's callback: end a wait with ``TimeoutError`` unless it already ended."""
-    if not future.done():
-        future.set_exception(TimeoutError())
-
-
-class UpstreamResponse:
-    """A response whose head has arrived; read its body, then release or close it."""
-
-    __slots__ = ("_conn", "_release", "content_length", "headers", "status")
-
-    def __init__(
-        self, conn: Connection, release: Callable[[Connection], None]
-    ) -> None:
-        self.status = conn.status
-        self.headers = conn.headers
-        self.content_length: int | None = None
-        for name, value in self.headers:
-            if name.lower() == "content-length":
-                try:
-                    self.content_length = int(value)
-                except ValueError:
-                    self.content_length = None
-                break
-        self._conn: Connection | None = conn
-        self._release = release
-
-    def header(self, name: str) -> str | None:
-        """The first header called ``name`` (case-insensitive), or None."""
-        lower = name.lower()
-        for key, value in self.headers:
-            if key.lower() == lower:
-                return value
-        return None
-
-    async def readany(self) -> bytes:
-        """The body bytes that have arrived (waiting for some); b"" once the body ended.
-
-        Raises ``UpstreamBroken``/``UpstreamProtocolError`` when the connection failed and
-        ``TimeoutError`` when no byte came within the read deadline.
-        """
-        conn = self._conn
-        if conn is None:
-            return b""
-        while True:
-            # A complete response stands even if bytes after it broke the connection (the
-            # error then only keeps the connection out of the pool).
-            if conn.has_body:
-                data = conn.take_body()
-                if conn.complete:
-                    self._give_back(conn)
-                return data
-            if conn.complete:
-                self._give_back(conn)
-                return b""
-            if conn.error is not None:
-                raise conn.error
-            await conn.wait_body()
-
-    async def pipe(
-        self, sink: Callable[[bytes], bool], catch_up: Callable[[], Awaitable[None]]
-    ) -> None:
-        """Give the rest of the body to ``sink``, each read's bytes from the read callback.
-
-        ``sink(data)`` returns False when it takes no more for now; reading then pauses until
-        ``await catch_up()`` (run here, in the caller's task) returns. The first bytes are
-        awaited here and given to ``sink`` from this task (what a sink needs an await for is
-        usually the first bytes: a response head to send with them). Returns when the body
-        ended; raises as ``readany()`` does, and whatever ``catch_up`` raises.
-        """
-        # The first bytes are awaited as readany() would: a sink usually needs an await for
-        # them (the client's response head leaves with them), and reading need not pause.
-        first = await self.readany()
-        if first and not sink(first):
-            await catch_up()
-        conn = self._conn
-        if conn is None:  # the body ended with its first bytes: readany() gave it back
-            return
-        conn.set_sink(sink)
-        try:
-            while True:
-                if conn.has_body:  # bytes that arrived before the sink was set
-                    if not sink(conn.take_body()):
-                        conn.sink_refused()
-                    continue
-                if conn.sink_full:
-                    await catch_up()
-                    conn.sink_caught_up()
-                    continue
-                if conn.complete:
-                    break
-                if conn.error is not None:
-                    raise conn.error
-                await conn.wait_body()
-        finally:
-            conn.set_sink(None)
-        self._give_back(conn)
-
-    async def read(self, max_bytes: int | None = None) -> bytes:
-        """The whole body; with ``max_bytes``, stops once more than that has arrived."""
-        parts: list[bytes] = []
-        size = 0
-        while chunk := await self.readany():
-            parts.append(chunk)
-            size += len(chunk)
-            if max_bytes is not None and size > max_bytes:
-                break
-        return b"".join(parts)
-
-    def release(self) -> None:
-        """Done with this response: keep the connection when it ended cleanly, else close."""
-        conn = self._conn
-        if conn is not None:
-            self._give_back(conn)
-
-    def close(self) -> None:
-        """Drop the connection now (the engine sees the client go away). Idempotent."""
-        conn = self._conn
-        if conn is not None:
-            conn.close()
-            self._give_back(conn)
-
-    def _give_back(self, conn: Connection) -> None:
-        self._conn = None
-        self._release(conn)
-
-    async def __aenter__(self) -> UpstreamResponse:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        self.release()

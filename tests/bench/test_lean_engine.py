@@ -46,7 +46,7 @@ async def client() -> AsyncIterator[Client]:
 
 async def post(client: Client, engine: Engine, body: dict[str, Any], **kw: Any) -> Any:
     return await client.request(
-        Origin("127.0.0.1", engine.port), b"POST", "/v1/completions",
+        Origin("127.0.0.1", engine.port), "POST", "/v1/completions",
         {"content-type": "application/json"}, orjson.dumps(body), **kw,
     )
 
@@ -89,7 +89,7 @@ async def test_nixl_decode_accepts_its_prefills_handoff_once(client: Client) -> 
         params["remote_host"] = "127.0.0.1"
         first = text_of(await post(client, decode, decode_body(params)))
         again = text_of(await post(client, decode, decode_body(params)))
-        metrics = await client.request(Origin("127.0.0.1", decode.port), b"GET", "/metrics")
+        metrics = await client.request(Origin("127.0.0.1", decode.port), "GET", "/metrics")
     assert first == textgen.expected_text(textgen.encode_text(PROMPT), 4)
     assert textgen.is_local_text(again)
     assert dict(decode.verdicts) == {("remote", "ok"): 1, ("local", "unknown_request"): 1}
@@ -259,7 +259,6 @@ async def test_keep_alive_reuses_one_connection(client: Client) -> None:
             answer = await post(client, decode, {"prompt": PROMPT, "max_tokens": 2,
                                                  "stream": stream}, count_events=stream)
             assert answer.status == 200
-    assert client.connects == 1
     assert decode.server.accepted == 1
 
 
@@ -307,11 +306,11 @@ async def test_bad_bodies_are_400_in_the_engines_words(client: Client) -> None:
         run_engine(engine="sglang", role="decode") as sglang,
     ):
         origin = Origin("127.0.0.1", vllm.port)
-        not_json = await client.request(origin, b"POST", "/v1/completions", {}, b"{nope")
+        not_json = await client.request(origin, "POST", "/v1/completions", {}, b"{nope")
         no_prompt = await post(client, vllm, {"max_tokens": 2})
         bad_room = await post(client, sglang, {"prompt": PROMPT, "bootstrap_room": "x"})
-        models = await client.request(origin, b"GET", "/v1/models")
-        health = await client.request(origin, b"GET", "/health")
+        models = await client.request(origin, "GET", "/v1/models")
+        health = await client.request(origin, "GET", "/health")
     assert not_json.status == 400
     assert orjson.loads(not_json.body)["error"]["type"] == "BadRequestError"
     assert no_prompt.status == 400

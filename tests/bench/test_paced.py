@@ -76,9 +76,9 @@ async def test_client_reports_a_gap_per_token_pair_and_tallies_events() -> None:
     try:
         async with run_lean(engine="vllm", role="decode", ttft_s=0.0, itl_s=ITL_S) as paced:
             origin = Origin("127.0.0.1", paced.port)
-            timed = await client.request(origin, b"POST", "/v1/completions", {}, body,
+            timed = await client.request(origin, "POST", "/v1/completions", {}, body,
                                          count_events=True, time_events=True)
-            untimed = await client.request(origin, b"POST", "/v1/completions", {}, body,
+            untimed = await client.request(origin, "POST", "/v1/completions", {}, body,
                                            count_events=True)
     finally:
         await client.close()

@@ -4,7 +4,10 @@ Proves: any well-formed response (any status from 200, any headers, a body frame
 Content-Length, chunked with any chunk sizes, or the connection's end), written in pieces cut
 anywhere, is read back exactly, and a framed one leaves its connection reusable; any bytes at
 all from a server that then hangs up end in a response or a typed ``UpstreamError``: never
-another exception, never a wait past the peer's close.
+another exception, never a wait past the peer's close. Any URL string (scheme, authority,
+path, query and fragment pieces mixed with delimiters, spaces and control characters) names
+the same target, or fails the same way, whether its origin's parse is cached apart or the
+whole URL is parsed.
 """
 
 from __future__ import annotations
@@ -16,12 +19,14 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import pytest
 import uvloop
 from fuzz_builders import FUZZ
 from hypothesis import given
 from hypothesis import strategies as st
 
 from sidecar.http1 import EngineClient, UpstreamError
+from sidecar.http1.request import parse_url, target_of
 
 T = TypeVar("T")
 
@@ -172,3 +177,39 @@ def test_an_answer_cut_short_ends_in_a_typed_error(
         assert answer.body.startswith(got[0][2])
 
     _run(loop, one())
+
+
+URL_PIECE = st.sampled_from([
+    "http", "https", "HTTP", "ftp", "", "://", ":/", ":", "//", "/", "?", "#", "@", "[", "]",
+    "127.0.0.1", "[::1]", "example.com", "user@host", ":8000", ":0", ":99999", ":x", "a b",
+    "nixl", "id-0", "=", "&", "%2F", "\t", "\r\n", "\x00", "\x7f", " ", "\u00e9",
+])
+
+
+@FUZZ
+@given(st.lists(URL_PIECE, max_size=12), st.sampled_from([None, "pool.example"]))
+def test_any_url_names_the_same_target_as_its_whole_parse(
+    pieces: list[str], server_hostname: str | None
+) -> None:
+    url = "".join(pieces)
+    try:
+        expected = parse_url(url, server_hostname)
+    except (UpstreamError, ValueError) as exc:
+        with pytest.raises(type(exc)):
+            target_of(url, server_hostname)
+        return
+    assert target_of(url, server_hostname) == expected
+
+
+@FUZZ
+@given(st.sampled_from(["http://127.0.0.1:8000", "https://[::1]", "http://h"]),
+       st.lists(URL_PIECE, max_size=8))
+def test_any_path_after_an_origin_names_the_same_target(origin: str, pieces: list[str]) -> None:
+    url = origin + "/" + "".join(pieces)
+    try:
+        expected = parse_url(url, None)
+    except (UpstreamError, ValueError) as exc:
+        with pytest.raises(type(exc)):
+            target_of(url, None)
+        return
+    assert target_of(url, None) == expected

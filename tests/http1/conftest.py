@@ -1,6 +1,6 @@
-"""Every test of the upstream client runs on both loops the sidecar uses: asyncio's own (the
-tests' default) and uvloop (what ``disagg-sidecar serve`` runs on), whose transports differ
-in buffering, flow control and close ordering."""
+"""Every test of the upstream client and of the lean server runs on both loops the sidecar
+uses: asyncio's own (the tests' default) and uvloop (what ``disagg-sidecar serve`` and the
+lean stubs run on), whose transports differ in buffering, flow control and close ordering."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
-"""The stub engines' lean transport: asyncio Protocols + httptools, for the benchmark.
+"""The stub engines' lean transport: ``sidecar.http1`` on uvloop, for the benchmark.
 
     server.py    the HTTP app: common routes, dispatch to a flavour, hand-off tally
-    http.py      keep-alive HTTP/1.1 server (answers without a task when nothing waits)
-    vllm.py      vLLM NixlConnector flavour     nixl.py   its pull client
+    http.py      the answer timing on ``sidecar.http1.server`` (held answers, paced streams)
+    vllm.py      vLLM NixlConnector flavour     nixl.py   its pull (``sidecar.http1`` client)
     sglang.py    SGLang flavour                 rooms.py  its bootstrap rendezvous channel
     openai.py    ``/v1/completions`` parsing and pre-rendered answers (cached words)
 

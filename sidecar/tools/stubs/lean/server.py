@@ -12,10 +12,11 @@ transport, ``stub_requests_total``), SGLang ``POST /abort_request`` (200), vLLM 
 /_stub/nixl/<request id>`` (the decode's pull); anything else 404 ``{"detail": "Not Found"}``.
 An SGLang prefill also listens on a bootstrap port (``lean.rooms``).
 
-Built on ``lean.http`` (asyncio Protocols, httptools, uvloop): the aiohttp transport costs
-about 0.5 cores per stub under the bench's load, which the sidecar then lacks on a 2-core
-machine. Config, identity, dispatch by engine name, verdicts and their metric lines are the
-ones the aiohttp transport uses (``config``, ``handoff``).
+Built on ``sidecar.http1.server`` (asyncio Protocols, httptools, uvloop) with the answer
+timing of ``lean.http``: the aiohttp transport costs about 0.5 cores per stub under the
+bench's load, which the sidecar then lacks on a 2-core machine. Config, identity, dispatch
+by engine name, verdicts and their metric lines are the ones the aiohttp transport uses
+(``config``, ``handoff``).
 
 Latency shaping (``--ttft``, ``--itl``, the bench's paced mode) as the aiohttp transport
 shapes it: a stream's first token after ``ttft``, the next ones ``itl`` apart (timer ticks,
@@ -36,10 +37,11 @@ from typing import Any, Final, Protocol
 
 import orjson
 
+from sidecar.http1.server import TEXT, Request, Server
 from sidecar.tools.stubs import handoff, shapes
 from sidecar.tools.stubs.config import StubConfig, flavour_class
 from sidecar.tools.stubs.lean import openai as lean_openai
-from sidecar.tools.stubs.lean.http import TEXT, HttpConnection, Pacing, Request, Server
+from sidecar.tools.stubs.lean.http import HttpConnection, Pacing
 from sidecar.tools.stubs.lean.openai import Completion
 from sidecar.tools.stubs.openai import BadRequest
 
@@ -101,7 +103,7 @@ class Engine:
         self.bootstrap_port: int | None = None
         self.requests = 0
         self.tally = handoff.Tally()
-        self.server = Server(self, keepalive_s=config.keepalive_s)
+        self.server = Server(self.handle, HttpConnection, keepalive_s=config.keepalive_s)
         self.flavour: Flavour = flavour_class(config)(self)
 
     @property
@@ -126,7 +128,7 @@ class Engine:
         await self.flavour.close()
         await self.server.close()
 
-    # -- lean.http.App ----------------------------------------------------------------
+    # -- what sidecar.http1.server.Server calls -------------------------------------
 
     def handle(self, request: Request, conn: HttpConnection) -> Coroutine[Any, Any, None] | None:
         path = request.path

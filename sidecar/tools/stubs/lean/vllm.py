@@ -4,7 +4,7 @@
              under a lease, kv_transfer_params answered (non-streamed answers only, as vLLM)
              GET /_stub/nixl/<id> ─▶ handoff.NixlHolder.take (the decode's pull, once)
     decode:  kv_transfer_params.do_remote_prefill ─▶ handoff.nixl_pull_target ─▶ pull
-             (``lean.nixl``, answered from its callback) ─▶ handoff.judge_nixl_pull
+             (``lean.nixl``, in the request's task) ─▶ handoff.judge_nixl_pull
              ─▶ verdict counted
              ─▶ remote words (lowercase) or a local recompute (UPPERCASE)
 
@@ -27,11 +27,12 @@ from urllib.parse import unquote
 
 import orjson
 
+from sidecar.http1.server import Request
 from sidecar.tools.stubs import handoff
-from sidecar.tools.stubs.handoff import Verdict
+from sidecar.tools.stubs.handoff import PullTarget, Verdict
 from sidecar.tools.stubs.lean import openai as lean_openai
-from sidecar.tools.stubs.lean.http import HttpConnection, Request
-from sidecar.tools.stubs.lean.nixl import Pulled, Puller
+from sidecar.tools.stubs.lean.http import HttpConnection
+from sidecar.tools.stubs.lean.nixl import Puller
 from sidecar.tools.stubs.lean.openai import Completion
 from sidecar.tools.stubs.lean.server import FlavourBase
 from sidecar.tools.stubs.textgen import PrefillKind
@@ -113,16 +114,16 @@ class VllmFlavour(FlavourBase):
         if isinstance(target, Verdict):
             self._judged(conn, c, response_id, target)
             return None
+        return self._pull_then_answer(conn, c, response_id, target)
 
-        # Answered from the pull's callback: no task per request (see lean.nixl).
-        def pulled(answer: Pulled) -> None:
-            verdict = handoff.local("pull_failed") if answer is None else handoff.judge_nixl_pull(
-                target, answer[0], answer[1], c.digest
-            )
-            self._judged(conn, c, response_id, verdict)
-
-        self._puller().pull(target, pulled)
-        return None
+    async def _pull_then_answer(
+        self, conn: HttpConnection, c: Completion, response_id: str, target: PullTarget
+    ) -> None:
+        answer = await self._puller().pull(target)
+        verdict = handoff.local("pull_failed") if answer is None else handoff.judge_nixl_pull(
+            target, answer[0], answer[1], c.digest
+        )
+        self._judged(conn, c, response_id, verdict)
 
     def _judged(self, conn: HttpConnection, c: Completion, response_id: str, v: Verdict) -> None:
         self.engine.count(v)
