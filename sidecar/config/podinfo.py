@@ -1,20 +1,12 @@
 """The pod's own labels and annotations, read from a Kubernetes downward-API volume.
 
-The kubelet writes ``metadata.labels`` and ``metadata.annotations`` as files (here named
-``labels`` and ``annotations``), one ``key="value"`` per line, keys sorted, no trailing newline.
-The value is Go's ``%q`` of the string (``strconv.Quote``; kubernetes ``pkg/fieldpath``
-``FormatMap``): ``\\"`` and ``\\\\``, ``\\a \\b \\f \\n \\r \\t \\v``, ``\\xNN`` for control
-characters and bytes that are not UTF-8, ``\\uNNNN``/``\\UNNNNNNNN`` for other unprintable
-runes; printable Unicode is written as is.
+    <podinfo-dir>/labels:       model.aibrix.ai/engine="vllm"      one key="value" per line,
+    <podinfo-dir>/annotations:  note="two\\nlines \\u00e9"          the value in Go's %q
 
-    labels:        model.aibrix.ai/engine="vllm"
-                   role-name="decode"
-    annotations:   note="two\\nlines \\"quoted\\" \\u00e9"
+Deliberate limits: read once at start (the loader's job), never watched; a missing directory
+or file means no labels or annotations; a malformed line is an error naming the file and line.
 
-Deliberate limits: read once at start (the loader's job), never watched; a missing directory or
-file means no labels or annotations; a malformed line is an error naming the file and line,
-since the kubelet never writes one. Octal escapes (``\\NNN``), which Go's ``Unquote`` also
-reads, are accepted; Go never writes them here.
+The kubelet's file format, escape by escape: docs/design-notes.md#downward-api-files
 """
 
 from __future__ import annotations

@@ -2,12 +2,8 @@
 
     settings ─make_session()─▶ EngineClient (pooled, keep-alive < engines' 5 s)
 
-Why these knobs: vLLM closes idle connections after 5 s, so a pool that keeps them longer gets
-resets on reuse; no total timeout (it would cut long decode streams), only connect and
-per-read deadlines. The client (``sidecar.http1``) reads no proxy variables, follows no
-redirect, keeps no cookie and does not decompress: engine answers are relayed as they are.
-
 Deliberate limits: one session serves every upstream; its connection limit is global.
+Why these knobs: docs/design-notes.md#upstream-client
 """
 
 from __future__ import annotations

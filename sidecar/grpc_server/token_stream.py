@@ -2,20 +2,11 @@
 
     engine SSE bytes ─TokenStreamParser.feed()─▶ [token ids] ... ─finish()─▶ "stop"|"length"|"abort"
 
-Each engine family returns generated token ids on a streamed ``/v1/completions`` by its own,
-documented request key (its handler's ``token_id_fields``: vLLM and SGLang
-``return_token_ids: true``, TensorRT-LLM ``detokenize: false``); the ids then arrive in the
-same place, ``choices[0].token_ids``, as the delta of each chunk.
-
-Finish reasons collapse to three (docs/grpc.md#finish-reasons; the origin has ``stop`` and
-``length``, ``abort`` is this project's): ``length`` (the token limit), ``abort`` (the
-engine aborted or cancelled the request), ``stop`` (everything else that ends normally: EOS,
-a stop string, a stop token).
-
-Deliberate limits: one choice per stream (``n == 1``; the gRPC contract has one sequence);
-only ``data:`` lines are read (the engines use no other SSE fields); an ``error`` object in
-the stream (SGLang and vLLM report mid-stream failures that way) is a ``DecodeFailed``, its
-text is not relayed (it may quote the prompt).
+The ids arrive in ``choices[0].token_ids`` once the dialect's ``token_id_fields`` asked for
+them; finish reasons collapse to three (docs/grpc.md#finish-reasons). Deliberate limits: one
+choice per stream (the contract has one sequence); only ``data:`` lines are read; an
+``error`` object mid-stream is a ``DecodeFailed`` whose text is not relayed (it may quote the
+prompt).
 """
 
 from __future__ import annotations

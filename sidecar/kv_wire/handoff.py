@@ -1,25 +1,12 @@
-"""The native hand-off as KVBlocks: the control-block encoding of protos/README.md.
-
-In native mode the KV cache stays in the engines and moves by their own transport; what the
-gRPC Prefill stream carries is the *hand-off*: the top-level fields the decode body gets
-(an engine handler's ``handoff()`` result), plus who produced it. It travels as control
-blocks, ``KVBlock``s with ``layer_idx == -1``, so the proto stays the contract's byte for byte and
-a router that forwards blocks opaquely carries it.
+"""The native hand-off as KVBlocks: the ``layer_idx -1`` encoding of protos/README.md.
 
     prefill sidecar: handoff dict ─encode_handoff()─▶ [KVBlock(layer -1, block 0..n-1)]
         ─▶ KVBlockStream ... {done} ─▶ router ─▶ DecodeRequest.kv_blocks
     decode sidecar:  kv_blocks ─decode_handoff()─▶ DecodedHandoff(fields, engine, ...)
 
-``k_data`` of the control blocks, concatenated in ``block_idx`` order, is one UTF-8 JSON
-object (orjson: integers stay exact, so TensorRT-LLM ids above 2**53 survive; key order is
-kept). ``v_data`` is empty.
-
-Deliberate limits: pure functions, no I/O. Data blocks (``layer_idx >= 0``) and the inline
-mode's metadata blocks (``layer_idx == -2``, reserved) are skipped here, not interpreted: the
-inline mode owns them. It does not check the hand-off's engine or connector against the
-registries, nor its ``request_id`` against the Decode request's: the caller decides.
-Unknown keys in the JSON are ignored (a reader of version 1 accepts additions); any other
-negative ``layer_idx`` is rejected, since only -1 and -2 are defined.
+The document, its keys and every rule a reader applies are specified there; JSON is orjson's
+(integers stay exact). Deliberate limits: data blocks and ``-2`` blocks are skipped, not
+interpreted; the hand-off's engine, connector and ``request_id`` are the caller's to check.
 """
 
 from __future__ import annotations
@@ -60,11 +47,8 @@ _MAX_PORT = 65535
 
 @dataclass(frozen=True, slots=True)
 class DecodedHandoff:
-    """A hand-off read back from control blocks.
-
-    ``fields`` is a fresh dict owned by the caller: the top-level fields to merge into the
-    decode body, exactly as the prefill side's engine handler produced them.
-    """
+    """A hand-off read back from control blocks; ``fields`` (a fresh dict, the caller's) are
+    the top-level fields for the decode body, exactly as the prefill side's dialect made them."""
 
     request_id: str
     engine: str
@@ -166,11 +150,8 @@ def _require_str(document: Mapping[str, Any], key: str) -> str:
 
 
 def decode_handoff(blocks: Sequence[KVBlock]) -> DecodedHandoff:
-    """Read the hand-off from a Decode request's blocks; raises ``InvalidRequest`` when unusable.
-
-    Data blocks and inline metadata blocks in ``blocks`` are skipped; the control blocks may
-    come in any order (they are reassembled by ``block_idx``).
-    """
+    """Read the hand-off from a Decode request's blocks (control blocks in any order, others
+    skipped); raises ``InvalidRequest`` when unusable."""
     payload = _handoff_payload(blocks)
     try:
         document = jsonutil.loads(payload)

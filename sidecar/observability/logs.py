@@ -1,9 +1,7 @@
 """Process logging: plain text or one JSON object per line (``--log-format json``).
 
-A worker of a pool (``--workers N``) names itself on every line (``worker=I`` in text, a
-``worker`` field in JSON): the workers share the supervisor's stderr. A JSON line written
-while a traced request's span is current carries ``trace_id`` and ``span_id`` (W3C hex), so
-a log search and a trace view meet on the same request.
+A pool's worker names itself on every line (``worker=I``; JSON: a ``worker`` field); a JSON
+line written under a traced request's span carries its ``trace_id`` and ``span_id``.
 """
 
 from __future__ import annotations

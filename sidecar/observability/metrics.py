@@ -1,22 +1,12 @@
 """Prometheus metrics of one sidecar (one registry, shared by both front doors).
 
-Every metric carries ``front_door`` (http | grpc). Names and labels are the public contract
-documented in README's metrics table; ``tests`` read them through the real exposition.
+Names and labels are the public contract of README's Metrics table (``front_door`` is http
+or grpc); tests read them through the real exposition. With ``--workers N`` every worker's
+``/metrics`` reads the whole pool's values (``pool_dir``; how each family combines: README,
+"Workers"; docs/design-notes.md#pool-metrics).
 
-Deliberate limits: label values come from closed sets (routes, engines, connectors, error
-codes, stages), never from client input, so cardinality stays bounded; that also bounds
-``Metrics.labelled``'s cache of labelled children (the hot path's way to skip ``labels()``).
-
-Workers (``--workers N``, N > 1): the supervisor sets ``PROMETHEUS_MULTIPROC_DIR`` for every
-worker, so prometheus-client keeps each process's values in files there and every worker's
-``/metrics`` reads all of them (``MultiProcessCollector``): the pod is one sidecar, with the
-same names and labels. Counters and histograms add up across workers, a dead worker's
-included (they never go backwards); the gauges say how they combine: ``livesum`` for what
-each worker holds (requests in flight, staged KV bytes), ``livemax`` for the engine's
-readiness (every worker probes the same engine; a worker just restarted and not yet probing
-must not report it down). One worker (no pool) exposes its registry as it is, exactly as
-before, even where someone else set that variable. prometheus-client's multiprocess mode
-keeps no ``_created`` samples.
+Deliberate limits: label values come from closed sets, never from client input, so
+cardinality stays bounded (and so does ``Metrics.labelled``'s cache of children).
 """
 
 from __future__ import annotations
@@ -141,10 +131,8 @@ class Metrics:
         )
 
     def labelled(self, metric: _M, *values: str) -> _M:
-        """``metric.labels(*values)``, remembered: ``labels()`` validates and locks per call.
-
-        ``metric`` must be one of this object's families (the key is its identity).
-        """
+        """``metric.labels(*values)``, remembered (``labels()`` validates and locks per call);
+        ``metric`` must be one of this object's families (the key is its identity)."""
         key = (id(metric), values)
         child = self._children.get(key)
         if child is None:

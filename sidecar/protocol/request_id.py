@@ -2,10 +2,9 @@
 
     X-Request-Id: <id>  ─request_id_or_new()─▶ the id when sane, else a fresh uuid4 hex
 
-The same id rides on both legs to the engines, comes back to the client and names the request
-in logs; over gRPC a ``PreFillRequest``/``DecodeRequest.request_id`` plays the header's part.
-A sane id is 1-200 characters of ``[A-Za-z0-9._:@/+=-]``: it can never inject a header or a
-log line.
+The same id rides on both engine legs, comes back to the client and names the request in
+logs (over gRPC the messages' ``request_id``). A sane id is 1-200 characters of
+``[A-Za-z0-9._:@/+=-]``: it can never inject a header or a log line.
 """
 
 from __future__ import annotations

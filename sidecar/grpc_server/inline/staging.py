@@ -1,11 +1,10 @@
 """The decode side's staging area: request directories on the shared volume, bounded.
 
 ``StagingArea.stage(kv)`` is an async context manager: it reserves the request's bytes
-against ``max_bytes`` (over the bound: RESOURCE_EXHAUSTED, nothing written), writes the
-layer files and then ``meta.json`` (the connector trusts a directory only once that file
-exists) under a fresh key, yields the key, and removes the directory and the reservation
-when the block exits: normally, by an error or by cancellation. ``staged_keys()`` and
-``reserved_bytes`` let tests assert that nothing leaks.
+against ``max_bytes`` (over the bound: RESOURCE_EXHAUSTED, nothing written), writes the layer
+files, then ``meta.json`` (the connector trusts a directory only once that file exists) under a
+fresh key, yields the key, and removes the directory and the reservation however the block
+exits. ``staged_keys()`` and ``reserved_bytes`` let tests assert that nothing leaks.
 
 Deliberate limits: one process owns a staging root (reservations are in memory); the
 engine-published ``engine.json`` in the root is never touched.
