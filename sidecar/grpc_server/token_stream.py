@@ -59,7 +59,6 @@ class TokenStreamParser:
         self._pending = bytearray()
         self._finish_reason: str | None = None
         self.done = False
-        self.events = 0
 
     @property
     def finish_reason(self) -> str | None:
@@ -109,7 +108,6 @@ class TokenStreamParser:
             event = jsonutil.loads(data)
         except jsonutil.JSONDecodeError:
             raise _broken("an event is not JSON") from None
-        self.events += 1
         if not isinstance(event, Mapping):
             raise _broken("an event is not a JSON object")
         if ERROR in event:

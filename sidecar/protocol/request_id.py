@@ -18,11 +18,6 @@ REQUEST_ID_HEADER: Final = "X-Request-Id"
 _SAFE_REQUEST_ID: Final = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,200}$")
 
 
-def is_safe_request_id(candidate: str) -> bool:
-    """True when ``candidate`` may be forwarded as a request id as it is."""
-    return _SAFE_REQUEST_ID.match(candidate) is not None
-
-
 def request_id_or_new(*candidates: str | None) -> str:
     """The first sane request id among ``candidates``, else a fresh one."""
     for candidate in candidates:

@@ -128,10 +128,6 @@ class Allowlist:
         """Parse every entry; the first malformed one raises ValueError."""
         return cls(parse_entry(text) for text in texts)
 
-    @property
-    def entries(self) -> tuple[AllowEntry, ...]:
-        return self._entries
-
     def __len__(self) -> int:
         return len(self._entries)
 

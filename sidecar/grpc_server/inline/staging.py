@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
-from connectors.inline_layout import ENGINE_FILE, META_FILE, InlineMeta, layer_file, write_atomic
+from connectors.inline_layout import META_FILE, InlineMeta, layer_file, write_atomic
 from sidecar.errors import ResourceExhausted, Stage
 from sidecar.grpc_server.inline.wire import InlineKV, Tile
 
@@ -100,5 +100,3 @@ def _write_chunks(path: Path, chunks: list[Tile]) -> None:
     finally:
         os.close(fd)
 
-
-__all__ = ["ENGINE_FILE", "StagingArea"]
