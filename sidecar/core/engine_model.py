@@ -49,23 +49,20 @@ class EngineModel:
                     raw = await response.read(_MAX_BYTES)
                     status = response.status
         except (UpstreamError, TimeoutError):
-            raise EngineNotReady(
-                f"local engine did not answer {MODELS_PATH}", stage=self._stage
-            ) from None
+            raise self._not_ready(f"local engine did not answer {MODELS_PATH}") from None
         if status != 200 or len(raw) > _MAX_BYTES:
-            raise EngineNotReady(
-                f"local engine answered {MODELS_PATH} with HTTP {status}", stage=self._stage
-            )
+            raise self._not_ready(f"local engine answered {MODELS_PATH} with HTTP {status}")
         try:
             payload = jsonutil.loads(raw)
         except jsonutil.JSONDecodeError:
             payload = None
         name = _first_model(payload)
         if name is None:
-            raise EngineNotReady(
-                f"local engine's {MODELS_PATH} lists no model", stage=self._stage
-            )
+            raise self._not_ready(f"local engine's {MODELS_PATH} lists no model")
         return name
+
+    def _not_ready(self, message: str) -> EngineNotReady:
+        return EngineNotReady(message, stage=self._stage)
 
 
 def _first_model(payload: object) -> str | None:

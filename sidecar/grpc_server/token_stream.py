@@ -16,6 +16,7 @@ from typing import Final
 
 from sidecar import jsonutil
 from sidecar.errors import DecodeFailed, Stage
+from sidecar.protocol.sse import DATA_FIELD, DONE_PAYLOAD, ERROR_KEY
 
 FINISH_STOP: Final = "stop"
 FINISH_LENGTH: Final = "length"
@@ -24,15 +25,12 @@ FINISH_ABORT: Final = "abort"
 CHOICES: Final = "choices"
 TOKEN_IDS: Final = "token_ids"
 FINISH_REASON: Final = "finish_reason"
-ERROR: Final = "error"
 
 #: Largest value a TokenStream.token_id (int32) can carry.
 INT32_MAX: Final = (1 << 31) - 1
 #: One SSE event line is never this long for a token chunk; a longer one is garbage.
 MAX_PENDING_BYTES: Final = 4 * 1024 * 1024
 
-_DONE: Final = b"[DONE]"
-_DATA_PREFIX: Final = b"data:"
 
 #: Engine finish reasons that mean the request did not end normally.
 _ABORT_REASONS: Final = frozenset({"abort", "aborted", "cancelled", "canceled", "error"})
@@ -98,10 +96,10 @@ class TokenStreamParser:
         return self._finish_reason
 
     def _line(self, line: bytes) -> list[int]:
-        if not line.startswith(_DATA_PREFIX):
+        if not line.startswith(DATA_FIELD):
             return []  # blank separators, comments, other SSE fields
-        data = line[len(_DATA_PREFIX):].strip()
-        if data == _DONE:
+        data = line[len(DATA_FIELD):].strip()
+        if data == DONE_PAYLOAD:
             self.done = True
             return []
         try:
@@ -110,7 +108,7 @@ class TokenStreamParser:
             raise _broken("an event is not JSON") from None
         if not isinstance(event, Mapping):
             raise _broken("an event is not a JSON object")
-        if ERROR in event:
+        if ERROR_KEY in event:
             raise _broken("the engine reported an error mid-stream")
         return self._choice(event.get(CHOICES))
 

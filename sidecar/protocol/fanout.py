@@ -19,11 +19,10 @@ from typing import Any
 from sidecar import jsonutil
 from sidecar.errors import InvalidRequest
 from sidecar.protocol.request import ClientRequest
+from sidecar.protocol.sse import DATA, DATA_FIELD, DONE_PAYLOAD, sse_event
 
 _SEED_SPAN = 1 << 63
 _USAGE_FIELDS = ("prompt_tokens", "completion_tokens", "total_tokens")
-_DATA = b"data: "
-_DONE = b"[DONE]"
 
 
 def check_fanout(request: ClientRequest, max_fanout: int) -> None:
@@ -130,10 +129,10 @@ class SSEEvents:
         payloads = []
         for event in events:
             for line in event.split(b"\n"):
-                if line.startswith(_DATA):
-                    payloads.append(line[len(_DATA):])
-                elif line.startswith(b"data:"):
-                    payloads.append(line[5:])
+                if line.startswith(DATA):
+                    payloads.append(line[len(DATA):])
+                elif line.startswith(DATA_FIELD):
+                    payloads.append(line[len(DATA_FIELD):])
         return payloads
 
     @property
@@ -158,7 +157,7 @@ class StreamMerger:
         self.done: set[int] = set()
 
     def event(self, k: int, payload: bytes) -> bytes | None:
-        if payload.strip() == _DONE:
+        if payload.strip() == DONE_PAYLOAD:
             self.done.add(k)
             return None
         chunk = jsonutil.loads(payload)
@@ -183,7 +182,7 @@ class StreamMerger:
         elif "id" in chunk:
             chunk["id"] = self._id
         self._remember(chunk)
-        return b"data: " + jsonutil.dumps(chunk) + b"\n\n"
+        return sse_event(jsonutil.dumps(chunk))
 
     def _remember(self, chunk: Mapping[str, Any]) -> None:
         if not self._last:
@@ -195,4 +194,4 @@ class StreamMerger:
             return None
         chunk: dict[str, Any] = {"id": self._id, **self._last, "choices": [],
                                  "usage": summed_usage(self._usages, self._n)}
-        return b"data: " + jsonutil.dumps(chunk) + b"\n\n"
+        return sse_event(jsonutil.dumps(chunk))

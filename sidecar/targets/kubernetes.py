@@ -23,11 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from sidecar.targets.allowlist import Allowlist
+from sidecar.targets.allowlist import Allowlist, IPAddress
 
 logger = logging.getLogger(__name__)
-
-IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 #: The port of a selected pod without the port label (the default of docs/handoffs.md#pod-labels).
 DEFAULT_POD_PORT = 8000

@@ -135,20 +135,15 @@ def parse_entries(entries: Sequence[Entry], *, max_blocks: int) -> InlineKV:
 def check_compatible(meta: InlineMeta, engine: InlineLayout | None) -> None:
     """FAILED_PRECONDITION unless the KV fits the local engine exactly."""
     if engine is None:
-        raise FailedPrecondition(
-            "the local engine has not published its KV layout (engine.json in the staging "
-            "directory): is it running SidecarKVConnector?",
-            stage=Stage.HANDOFF,
-        )
+        raise _unfit("the local engine has not published its KV layout (engine.json in the "
+                     "staging directory): is it running SidecarKVConnector?")
     got = meta.layout
     if got.fingerprint != engine.fingerprint:
-        raise FailedPrecondition(
-            f"inline KV comes from another model/config (fingerprint {got.fingerprint}, "
-            f"local engine {engine.fingerprint})",
-            stage=Stage.HANDOFF,
-        )
+        raise _unfit(f"inline KV comes from another model/config (fingerprint "
+                     f"{got.fingerprint}, local engine {engine.fingerprint})")
     if got != engine:
-        raise FailedPrecondition(
-            f"inline KV layout {got} does not match the local engine's {engine}",
-            stage=Stage.HANDOFF,
-        )
+        raise _unfit(f"inline KV layout {got} does not match the local engine's {engine}")
+
+
+def _unfit(message: str) -> FailedPrecondition:
+    return FailedPrecondition(message, stage=Stage.HANDOFF)
