@@ -90,13 +90,8 @@ def _new_server_context(require_client_cert: bool) -> ssl.SSLContext:
 class ReloadingServerTLS:
     """The server side: one SSLContext and gRPC credentials that follow the files."""
 
-    def __init__(
-        self,
-        cert_file: str,
-        key_file: str,
-        reload_interval_s: float = 10.0,
-        client_ca_file: str | None = None,
-    ) -> None:
+    def __init__(self, cert_file: str, key_file: str, reload_interval_s: float = 10.0,
+                 client_ca_file: str | None = None) -> None:
         self.cert_file = cert_file
         self.key_file = key_file
         self.client_ca_file = client_ca_file
@@ -222,8 +217,7 @@ class ReloadingServerTLS:
         # The stubs say the fetcher never returns None; grpc documents None as "no change".
         return grpc.dynamic_ssl_server_credentials(
             self._grpc_config(), self._grpc_fetch,  # type: ignore[arg-type]
-            require_client_authentication=self.require_client_cert,
-        )
+            require_client_authentication=self.require_client_cert)
 
 
 def _pem_ca(data: bytes) -> str:
@@ -235,11 +229,8 @@ def _pem_ca(data: bytes) -> str:
     return text
 
 
-def client_ssl_context(
-    ca_file: str | None,
-    cert_file: str | None = None,
-    key_file: str | None = None,
-) -> ssl.SSLContext:
+def client_ssl_context(ca_file: str | None, cert_file: str | None = None,
+                       key_file: str | None = None) -> ssl.SSLContext:
     """Verify upstream servers (engines, prefill targets) against ``ca_file`` (None: the
     system store), TLS >= 1.2; present ``cert_file``/``key_file`` when a server asks."""
     try:

@@ -93,14 +93,8 @@ def configuration_reference_markdown() -> str:
         if not info.description:
             raise UndocumentedSetting(f"setting {name!r} has no description")
         default = info.get_default(call_default_factory=True)
-        cells = [
-            f"`{name}`",
-            _flag_text(name),
-            _env_text(name),
-            _pod_text(name),
-            _default_text(default),
-            info.description,
-        ]
+        cells = [f"`{name}`", _flag_text(name), _env_text(name), _pod_text(name),
+                 _default_text(default), info.description]
         rows.append("| " + " | ".join(_cell(cell) for cell in cells) + " |")
     return "\n".join(rows) + "\n"
 

@@ -19,17 +19,8 @@ from types import MappingProxyType
 LABELS_FILE = "labels"
 ANNOTATIONS_FILE = "annotations"
 
-_SIMPLE_ESCAPES = {
-    "a": "\a",
-    "b": "\b",
-    "f": "\f",
-    "n": "\n",
-    "r": "\r",
-    "t": "\t",
-    "v": "\v",
-    "\\": "\\",
-    '"': '"',
-}
+_SIMPLE_ESCAPES = {"a": "\a", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t", "v": "\v",
+                   "\\": "\\", '"': '"'}
 _HEX_WIDTH = {"x": 2, "u": 4, "U": 8}
 _HEX_DIGITS = frozenset("0123456789abcdefABCDEF")
 _OCT_DIGITS = frozenset("01234567")
@@ -138,5 +129,4 @@ def read_podinfo(directory: str | Path) -> PodInfo:
     base = Path(directory)
     return PodInfo(
         labels=MappingProxyType(_read_file(base / LABELS_FILE)),
-        annotations=MappingProxyType(_read_file(base / ANNOTATIONS_FILE)),
-    )
+        annotations=MappingProxyType(_read_file(base / ANNOTATIONS_FILE)))

@@ -96,11 +96,8 @@ class FanOut:
                 await cancel_and_wait(reader)
 
     @staticmethod
-    async def _pump(
-        k: int,
-        exchange: PDExchange,
-        queue: asyncio.Queue[tuple[int, bytes | None] | BaseException],
-    ) -> None:
+    async def _pump(k: int, exchange: PDExchange,
+                    queue: asyncio.Queue[tuple[int, bytes | None] | BaseException]) -> None:
         try:
             async for chunk in exchange.chunks():
                 await queue.put((k, chunk))

@@ -111,26 +111,19 @@ def _services(runtime: Runtime) -> tuple[PrefillService, DecodeService, OrphanSw
     flow = runtime.grpc_flow
     scopes = runtime.grpc_scopes
     if settings.kv_transport != KVTransport.INLINE:
-        return (
-            PrefillService(scopes, NativePrefill(flow, scopes, settings)),
-            DecodeService(flow, scopes, NativeDecode(flow, runtime.metrics)),
-            None,
-        )
+        return (PrefillService(scopes, NativePrefill(flow, scopes, settings)),
+                DecodeService(flow, scopes, NativeDecode(flow, runtime.metrics)), None)
     root = Path(settings.kv_staging_dir)
     area = StagingArea(root, settings.max_staged_bytes)
     inline_prefill = InlinePrefill(flow, settings)
     sweeper = OrphanSweeper(
-        root,
-        lambda: inline_prefill.active_keys | area.owned_keys(),
+        root, lambda: inline_prefill.active_keys | area.owned_keys(),
         older_than_s=settings.prefill_timeout_s + _ORPHAN_MARGIN_S,
         sweeps=runtime.worker.runs_pod_chores,  # one sweep per pod (worker 0)
-        touches=runtime.worker.pooled,
-    )
-    return (
-        PrefillService(scopes, inline_prefill),
-        DecodeService(flow, scopes, InlineDecode(flow, settings, area, runtime.metrics)),
-        sweeper,
-    )
+        touches=runtime.worker.pooled)
+    return (PrefillService(scopes, inline_prefill),
+            DecodeService(flow, scopes, InlineDecode(flow, settings, area, runtime.metrics)),
+            sweeper)
 
 
 async def start_grpc_server(
@@ -167,9 +160,7 @@ async def start_grpc_server(
     logger.info("gRPC listening on %s:%d (%s, max message %d bytes)", url_host(settings.host),
                 port, "plaintext" if tls is None else "TLS", settings.grpc_max_message_bytes)
 
-    sweeping = None if sweeper is None else asyncio.ensure_future(
-        sweeper.run(_SWEEP_INTERVAL_S)
-    )
+    sweeping = None if sweeper is None else asyncio.ensure_future(sweeper.run(_SWEEP_INTERVAL_S))
 
     async def stop(grace: float) -> None:
         await mirror.shutdown()

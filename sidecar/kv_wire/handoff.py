@@ -64,14 +64,8 @@ def is_control_block(block: KVBlock) -> bool:
 
 
 def encode_handoff(
-    handoff: Mapping[str, Any],
-    *,
-    request_id: str,
-    engine: str,
-    kv_connector: str | None,
-    prefill_host: str,
-    prefill_port: int,
-    max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+    handoff: Mapping[str, Any], *, request_id: str, engine: str, kv_connector: str | None,
+    prefill_host: str, prefill_port: int, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
 ) -> list[KVBlock]:
     """The hand-off as control blocks (``layer_idx`` -1, ``block_idx`` 0..n-1), in order.
 
@@ -98,12 +92,8 @@ def encode_handoff(
     # Chunks split the UTF-8 bytes, possibly inside a character: only the concatenation is
     # decoded, never a chunk alone.
     return [
-        KVBlock(
-            request_id=request_id,
-            layer_idx=HANDOFF_LAYER,
-            block_idx=index,
-            k_data=payload[start : start + max_chunk_bytes],
-        )
+        KVBlock(request_id=request_id, layer_idx=HANDOFF_LAYER, block_idx=index,
+                k_data=payload[start : start + max_chunk_bytes])
         for index, start in enumerate(range(0, len(payload), max_chunk_bytes))
     ]
 
@@ -185,11 +175,6 @@ def decode_handoff(blocks: Sequence[KVBlock]) -> DecodedHandoff:
     port = prefill.get(KEY_PORT)
     if not isinstance(port, int) or isinstance(port, bool) or not 0 < port <= _MAX_PORT:
         raise _invalid(f"'{KEY_PREFILL}.{KEY_PORT}' must be an integer in 1..{_MAX_PORT}")
-    return DecodedHandoff(
-        request_id=_require_str(document, KEY_REQUEST_ID),
-        engine=engine,
-        kv_connector=kv_connector,
-        fields=fields,
-        prefill_host=host,
-        prefill_port=port,
-    )
+    return DecodedHandoff(request_id=_require_str(document, KEY_REQUEST_ID), engine=engine,
+                          kv_connector=kv_connector, fields=fields, prefill_host=host,
+                          prefill_port=port)

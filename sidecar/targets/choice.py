@@ -30,14 +30,9 @@ HEADER_LABEL = "header"
 class TargetChoice:
     """Least-in-flight choice among prefill targets, with a cool-down for refusing ones."""
 
-    def __init__(
-        self,
-        *,
-        cooldown_s: float,
-        pool: Collection[PrefillTarget] = (),
-        clock: Callable[[], float] = time.monotonic,
-        rng: random.Random | None = None,
-    ) -> None:
+    def __init__(self, *, cooldown_s: float, pool: Collection[PrefillTarget] = (),
+                 clock: Callable[[], float] = time.monotonic,
+                 rng: random.Random | None = None) -> None:
         self._cooldown_s = cooldown_s
         self._clock = clock
         self._rng = rng or random.Random()

@@ -245,13 +245,8 @@ class KubernetesPodSource:
 
 @contextlib.asynccontextmanager
 async def watched_pod_allowlist(
-    selector: str,
-    static: Allowlist,
-    *,
-    namespace: str | None = None,
-    port_label: str,
-    first_list_timeout_s: float,
-    source: PodSource | None = None,
+    selector: str, static: Allowlist, *, namespace: str | None = None, port_label: str,
+    first_list_timeout_s: float, source: PodSource | None = None,
 ) -> AsyncIterator[PodAllowlist]:
     """The allowlist of the pods ``selector`` picks (in ``namespace``, default this pod's
     own), each at its ``port_label``, watched until the context exits; waits up to

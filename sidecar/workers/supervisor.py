@@ -129,8 +129,7 @@ class _Pool:
                 "--count", str(self.count), "--report-fd", str(report_write),
                 "--lifeline-fd", str(self.lifeline_read),
                 pass_fds=(report_write, self.lifeline_read),
-                env={**os.environ, MULTIPROC_DIR_ENV: str(self.metrics_dir)},
-            )
+                env={**os.environ, MULTIPROC_DIR_ENV: str(self.metrics_dir)})
         finally:
             os.close(report_write)  # the worker holds the only write end: its exit is EOF
         self.processes[index] = process

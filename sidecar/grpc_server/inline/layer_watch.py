@@ -45,12 +45,8 @@ class LayerNotices:
         self.open()
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         self.close()
 
     def open(self) -> None:
@@ -71,8 +67,7 @@ class LayerNotices:
                     self.path.unlink()
             logger.warning(
                 "inline KV %s: no layer notices (%s); layers stream once the engine answers",
-                self.key, exc,
-            )
+                self.key, exc)
             return
         self._sock, self._loop = sock, loop
 

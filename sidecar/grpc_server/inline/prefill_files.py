@@ -56,8 +56,7 @@ def read_staged_meta(directory: Path) -> InlineMeta:
         raise FailedPrecondition(
             "the prefill engine wrote no inline KV (is it running SidecarKVConnector with the "
             "sidecar's staging directory?)",
-            stage=Stage.PREFILL,
-        ) from None
+            stage=Stage.PREFILL) from None
     try:
         return InlineMeta.from_json(data)
     except LayoutError as exc:
@@ -99,8 +98,7 @@ def ready_layer_messages(
         if size != expected:
             raise FailedPrecondition(
                 f"layer {layer_idx} file has {size} bytes, expected {expected}",
-                stage=Stage.PREFILL,
-            )
+                stage=Stage.PREFILL)
         fh.seek(0)
         data = memoryview(fh.read())
     messages: list[LayerMessage] = []

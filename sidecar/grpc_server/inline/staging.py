@@ -55,8 +55,7 @@ class StagingArea:
             raise ResourceExhausted(
                 f"inline KV of {nbytes} bytes does not fit: {self.reserved_bytes} of "
                 f"{self.max_bytes} staged bytes in use",
-                stage=Stage.HANDOFF,
-            )
+                stage=Stage.HANDOFF)
         key = f"d-{uuid.uuid4().hex}"
         self._reserved[key] = nbytes
         return key

@@ -97,8 +97,7 @@ def parse_entries(entries: Sequence[Entry], *, max_blocks: int) -> InlineKV:
     if expected > max_blocks:
         raise ResourceExhausted(
             f"inline KV has {expected} blocks; this sidecar accepts {max_blocks} per request",
-            stage=Stage.HANDOFF,
-        )
+            stage=Stage.HANDOFF)
     tiles: list[list[tuple[Tile, Tile] | None]] = [
         [None] * runs for _ in range(layout.num_layers)
     ]
