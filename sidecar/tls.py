@@ -2,31 +2,14 @@
 the upstream client's context (engine CA, client certificate).
 
     tls_cert_file + tls_key_file [+ tls_client_ca_file] ─▶ ReloadingServerTLS
-        .context            the listener's ssl.SSLContext for the HTTP site (HTTPS)
-        .grpc_credentials() grpc dynamic credentials (TLS on the gRPC port)
-        .watch()            every tls_reload_interval_s: check_now()
-        .check_now()        files changed? build a fresh context from them; new handshakes
-                            are switched to it (the listener's SNI callback) and the pair is
-                            also loaded into the listener's context; open connections keep
-                            theirs; the gRPC fetcher hands the new generation to the next one
+        .context / .grpc_credentials()   the HTTP site's SSLContext, the gRPC port's credentials
+        .watch()                         every tls_reload_interval_s: check_now()
+        .check_now()                     files changed? a fresh context serves new handshakes
     engine_ca_file, engine_client_cert_file + engine_client_key_file ─▶ client_ssl_context()
-        for the upstream client (engines, prefill targets)
 
-Mutual TLS: with ``tls_client_ca_file`` both front doors require a client certificate that
-chains to that CA (missing, foreign or expired: the handshake fails). The CA is one of the
-watched files: rotating it (with or without the pair) takes effect for new connections
-without a restart, and a CA that is taken out is no longer trusted (each generation is a
-fresh context, not the old one with certificates added).
-
-A change is seen by stat (mtime, size, inode), which also catches Kubernetes' symlink swap of
-a mounted secret. The new files are read once into memory and loaded into a fresh context
-before anything live changes: a half-written or mismatched set is logged and the old one
-kept, so a bad rotation never takes the listener down.
-
-Deliberate limits: no insecure modes (an engine over https is always verified, against
-``engine_ca_file`` or the system store); the separate metrics port stays plaintext and asks
-for no client certificate; TLS 1.2 is the floor; the outbound client certificate is read at
-start (rotating it needs a restart).
+Deliberate limits (README, "Reliability and security"): no insecure modes; the metrics port
+stays plaintext; TLS 1.2 is the floor; the outbound client certificate is read at start.
+How a rotation is seen and switched in: docs/design-notes.md#tls-reload
 """
 
 from __future__ import annotations
@@ -60,10 +43,8 @@ class _Stamp(NamedTuple):
 
 @dataclass(frozen=True)
 class _Pair:
-    """One certificate chain, its key and the client CA (mutual TLS), as loaded.
-
-    ``generation`` counts loads; ``stamps`` are the files' stamps when they were read.
-    """
+    """One certificate chain, its key and the client CA as loaded (``generation`` counts
+    loads; ``stamps`` are the files' stamps when they were read)."""
 
     cert: bytes
     key: bytes
@@ -79,11 +60,8 @@ def _stamp(path: str) -> _Stamp:
 
 @contextlib.contextmanager
 def _as_paths(cert: bytes, key: bytes) -> Iterator[tuple[str, str]]:
-    """``load_cert_chain`` takes paths only; give it paths to the exact bytes we checked.
-
-    Memory files where the OS has them (a read-only root filesystem needs no writable
-    temp directory, and the key never touches a disk); else a private temp directory.
-    """
+    """Paths to the exact bytes we checked (``load_cert_chain`` takes paths only): memory
+    files where the OS has them, else a private temp directory (docs/design-notes.md#tls-reload)."""
     if hasattr(os, "memfd_create"):
         fds = [os.memfd_create("disagg-tls-cert"), os.memfd_create("disagg-tls-key")]
         try:
@@ -112,20 +90,14 @@ def _new_server_context(require_client_cert: bool) -> ssl.SSLContext:
 class ReloadingServerTLS:
     """The server side: one SSLContext and gRPC credentials that follow the files."""
 
-    def __init__(
-        self,
-        cert_file: str,
-        key_file: str,
-        reload_interval_s: float = 10.0,
-        client_ca_file: str | None = None,
-    ) -> None:
+    def __init__(self, cert_file: str, key_file: str, reload_interval_s: float = 10.0,
+                 client_ca_file: str | None = None) -> None:
         self.cert_file = cert_file
         self.key_file = key_file
         self.client_ca_file = client_ca_file
         self.reload_interval_s = reload_interval_s
         pair = self._read(generation=1)
-        # The listener's context: its verify mode is fixed for the life of the socket
-        # (OpenSSL copies it into each connection before the SNI callback can switch).
+        # The listener's own context keeps its verify mode: each generation is a fresh one.
         self.context = self._build(pair)
         self._serving = self.context
         self.context.sni_callback = self._switch_context
@@ -201,8 +173,7 @@ class ReloadingServerTLS:
             return False
         try:
             pair = self._read(self._pair.generation + 1)
-            # A fresh context first: a failed load_cert_chain can leave the context it was
-            # loading into with the new certificate and the old key.
+            # A fresh context first: a failed load can leave a new certificate and old key.
             fresh = self._build(pair)
             self._load(self.context, pair)
         except TLSFileError as exc:
@@ -246,8 +217,7 @@ class ReloadingServerTLS:
         # The stubs say the fetcher never returns None; grpc documents None as "no change".
         return grpc.dynamic_ssl_server_credentials(
             self._grpc_config(), self._grpc_fetch,  # type: ignore[arg-type]
-            require_client_authentication=self.require_client_cert,
-        )
+            require_client_authentication=self.require_client_cert)
 
 
 def _pem_ca(data: bytes) -> str:
@@ -259,11 +229,8 @@ def _pem_ca(data: bytes) -> str:
     return text
 
 
-def client_ssl_context(
-    ca_file: str | None,
-    cert_file: str | None = None,
-    key_file: str | None = None,
-) -> ssl.SSLContext:
+def client_ssl_context(ca_file: str | None, cert_file: str | None = None,
+                       key_file: str | None = None) -> ssl.SSLContext:
     """Verify upstream servers (engines, prefill targets) against ``ca_file`` (None: the
     system store), TLS >= 1.2; present ``cert_file``/``key_file`` when a server asks."""
     try:

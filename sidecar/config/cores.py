@@ -2,13 +2,9 @@
 
     available_cores() = min(CPU affinity, cgroup CPU quota rounded up), at least 1
 
-Kubernetes expresses a pod's CPU limit as a CFS quota (cgroup v2 ``cpu.max``: ``QUOTA
-PERIOD`` or ``max PERIOD``; cgroup v1 ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``), not as
-an affinity mask, so ``os.cpu_count()`` alone would count the node's cores. A fractional
-limit rounds up (1.5 cores: 2 workers, each using what the quota leaves).
-
-Deliberate limits: reads the cgroup of this process at ``/sys/fs/cgroup`` (the container's
-own view under cgroup namespaces); a nested cgroup's parents are not walked.
+Deliberate limits: reads this process's cgroup at ``/sys/fs/cgroup`` (v2 ``cpu.max`` or v1
+``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``); a nested cgroup's parents are not walked.
+Why the quota: docs/design-notes.md#worker-count
 """
 
 from __future__ import annotations

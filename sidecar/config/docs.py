@@ -2,12 +2,9 @@
 
     Settings fields + descriptions + config_loader naming  ->  Markdown table
 
-``python -m sidecar.config.docs`` prints it; README.md carries the same text between
-``<!-- config-reference:start -->`` and ``<!-- config-reference:end -->``, and a test fails
-when the two differ or when a field has no description.
-
-Deliberate limits: Markdown only; the flags' ``--help`` text comes from the same descriptions
-but is rendered by argparse.
+``python -m sidecar.config.docs`` prints it (``--write README.md`` refreshes README's block
+between the markers); a test fails when the two differ or a field has no description.
+Deliberate limits: Markdown only; ``--help`` renders the same descriptions through argparse.
 """
 
 from __future__ import annotations
@@ -96,14 +93,8 @@ def configuration_reference_markdown() -> str:
         if not info.description:
             raise UndocumentedSetting(f"setting {name!r} has no description")
         default = info.get_default(call_default_factory=True)
-        cells = [
-            f"`{name}`",
-            _flag_text(name),
-            _env_text(name),
-            _pod_text(name),
-            _default_text(default),
-            info.description,
-        ]
+        cells = [f"`{name}`", _flag_text(name), _env_text(name), _pod_text(name),
+                 _default_text(default), info.description]
         rows.append("| " + " | ".join(_cell(cell) for cell in cells) + " |")
     return "\n".join(rows) + "\n"
 

@@ -1,20 +1,12 @@
 """The pod's own labels and annotations, read from a Kubernetes downward-API volume.
 
-The kubelet writes ``metadata.labels`` and ``metadata.annotations`` as files (here named
-``labels`` and ``annotations``), one ``key="value"`` per line, keys sorted, no trailing newline.
-The value is Go's ``%q`` of the string (``strconv.Quote``; kubernetes ``pkg/fieldpath``
-``FormatMap``): ``\\"`` and ``\\\\``, ``\\a \\b \\f \\n \\r \\t \\v``, ``\\xNN`` for control
-characters and bytes that are not UTF-8, ``\\uNNNN``/``\\UNNNNNNNN`` for other unprintable
-runes; printable Unicode is written as is.
+    <podinfo-dir>/labels:       model.aibrix.ai/engine="vllm"      one key="value" per line,
+    <podinfo-dir>/annotations:  note="two\\nlines \\u00e9"          the value in Go's %q
 
-    labels:        model.aibrix.ai/engine="vllm"
-                   role-name="decode"
-    annotations:   note="two\\nlines \\"quoted\\" \\u00e9"
+Deliberate limits: read once at start (the loader's job), never watched; a missing directory
+or file means no labels or annotations; a malformed line is an error naming the file and line.
 
-Deliberate limits: read once at start (the loader's job), never watched; a missing directory or
-file means no labels or annotations; a malformed line is an error naming the file and line,
-since the kubelet never writes one. Octal escapes (``\\NNN``), which Go's ``Unquote`` also
-reads, are accepted; Go never writes them here.
+The kubelet's file format, escape by escape: docs/design-notes.md#downward-api-files
 """
 
 from __future__ import annotations
@@ -27,17 +19,8 @@ from types import MappingProxyType
 LABELS_FILE = "labels"
 ANNOTATIONS_FILE = "annotations"
 
-_SIMPLE_ESCAPES = {
-    "a": "\a",
-    "b": "\b",
-    "f": "\f",
-    "n": "\n",
-    "r": "\r",
-    "t": "\t",
-    "v": "\v",
-    "\\": "\\",
-    '"': '"',
-}
+_SIMPLE_ESCAPES = {"a": "\a", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t", "v": "\v",
+                   "\\": "\\", '"': '"'}
 _HEX_WIDTH = {"x": 2, "u": 4, "U": 8}
 _HEX_DIGITS = frozenset("0123456789abcdefABCDEF")
 _OCT_DIGITS = frozenset("01234567")
@@ -146,5 +129,4 @@ def read_podinfo(directory: str | Path) -> PodInfo:
     base = Path(directory)
     return PodInfo(
         labels=MappingProxyType(_read_file(base / LABELS_FILE)),
-        annotations=MappingProxyType(_read_file(base / ANNOTATIONS_FILE)),
-    )
+        annotations=MappingProxyType(_read_file(base / ANNOTATIONS_FILE)))

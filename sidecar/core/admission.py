@@ -3,12 +3,9 @@
     enter() ─▶ Overloaded (over --max-inflight) | Draining (after SIGTERM) | admitted
     leave() ─▶ wakes wait_idle() when the last request ends
 
-With ``--workers N`` the bound is the pool's: ``pool`` (this worker's view of every worker's
-in-flight count, ``sidecar.workers.shared_inflight``) adds the other workers' requests to
-this one's before comparing, and each change is published there.
-
-Deliberate limits: a plain counter, not a queue; a refused client retries (HTTP 503 carries
-Retry-After) rather than waiting here. Draining is per process (every worker gets SIGTERM).
+With ``--workers N`` the bound is the pool's (``pool``: ``sidecar.workers.shared_inflight``).
+Deliberate limits: a plain counter, not a queue (a refused client retries: HTTP 503 carries
+Retry-After); draining is per process (every worker gets SIGTERM).
 """
 
 from __future__ import annotations

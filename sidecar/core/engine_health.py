@@ -22,14 +22,8 @@ _MAX_BODY = 64 * 1024
 class EngineHealth:
     """Tracks whether the local engine answers its health endpoint."""
 
-    def __init__(
-        self,
-        session: EngineClient,
-        engine_url: str,
-        *,
-        timeout_s: float = 2.0,
-        interval_s: float = 2.0,
-    ) -> None:
+    def __init__(self, session: EngineClient, engine_url: str, *, timeout_s: float = 2.0,
+                 interval_s: float = 2.0) -> None:
         self._session = session
         self._url = engine_url.rstrip("/") + "/health"
         self._timeout_s = timeout_s

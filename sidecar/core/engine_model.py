@@ -1,16 +1,10 @@
 """The local engine's served model name, for the bodies the gRPC front door builds.
 
-The gRPC contract carries no model name, but engine bodies need one: TensorRT-LLM's
-``CompletionRequest.model`` is required, and older vLLM builds required it too. The engine
-says what it serves at ``GET /v1/models`` (every OpenAI-compatible server has it):
+    GET /v1/models ─▶ {"object": "list", "data": [{"id": "<model>", ...}, ...]} ─▶ data[0].id
 
-    {"object": "list", "data": [{"id": "<model>", ...}, ...]}
-
-The first entry is taken (an engine serving LoRA adapters lists the base model first) and
-cached for the life of the process: an engine does not change its model while it runs.
-
-Deliberate limits: a failed lookup is not cached (the next request asks again), and failures
-map to ``EngineNotReady`` (gRPC UNAVAILABLE): a router retries elsewhere.
+Cached for the life of the process. Deliberate limits: a failed lookup is not cached, and
+fails as ``EngineNotReady`` (gRPC UNAVAILABLE: a router retries elsewhere).
+Why a lookup, and why the first entry: docs/design-notes.md#engine-model
 """
 
 from __future__ import annotations
@@ -55,23 +49,20 @@ class EngineModel:
                     raw = await response.read(_MAX_BYTES)
                     status = response.status
         except (UpstreamError, TimeoutError):
-            raise EngineNotReady(
-                f"local engine did not answer {MODELS_PATH}", stage=self._stage
-            ) from None
+            raise self._not_ready(f"local engine did not answer {MODELS_PATH}") from None
         if status != 200 or len(raw) > _MAX_BYTES:
-            raise EngineNotReady(
-                f"local engine answered {MODELS_PATH} with HTTP {status}", stage=self._stage
-            )
+            raise self._not_ready(f"local engine answered {MODELS_PATH} with HTTP {status}")
         try:
             payload = jsonutil.loads(raw)
         except jsonutil.JSONDecodeError:
             payload = None
         name = _first_model(payload)
         if name is None:
-            raise EngineNotReady(
-                f"local engine's {MODELS_PATH} lists no model", stage=self._stage
-            )
+            raise self._not_ready(f"local engine's {MODELS_PATH} lists no model")
         return name
+
+    def _not_ready(self, message: str) -> EngineNotReady:
+        return EngineNotReady(message, stage=self._stage)
 
 
 def _first_model(payload: object) -> str | None:

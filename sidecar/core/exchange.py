@@ -5,14 +5,12 @@
         .chunks()    its body as the engine writes it; a break raises a ``SidecarError``
         .pipe(sink, catch_up)   the same bytes handed to ``sink`` from the read callback
                      (the streamed relay's way: no task wake-up per read), same errors
-        .aclose()    close the decode response, stop a running prefill, abort the engines'
-                     legs (a decode that did not finish) and end the dialect state: through
-                     its ``owner`` (the flow that started it), once
+        .aclose()    close the decode, stop a running prefill, abort the legs of a decode
+                     that did not finish and end the dialect state (through ``owner``), once
 
-Concurrent flows (SGLang, Mooncake) keep the prefill running while the decode streams:
-``watch_prefill`` closes the decode connection the moment that prefill fails, so the relay's
-pending read fails at once with the prefill's error instead of waiting for the engines'
-bootstrap timeout.
+A concurrent flow's prefill is watched (``watch_prefill``): its failure closes the decode at
+once, so the relay's pending read fails with the prefill's error instead of waiting for the
+engines' bootstrap timeout.
 """
 
 from __future__ import annotations

@@ -6,18 +6,10 @@
         .chunks()         (k, chunk) from every decode stream as it arrives, interleaved
         .aclose()         close every exchange (engines aborted where they have an abort)
 
-Failure semantics: the first sub-request to fail (starting, or reading its body) cancels all
-the others and its error is the request's; a client that goes away cancels them all (the
-caller's task is cancelled, and ``aclose`` runs on the way out). Nothing stays in flight on
-any engine: each sub-request's own ``PDExchange.aclose`` closes its decode, stops a running
-prefill and aborts both legs where the engine has an abort call.
-
-The sub-requests are ordinary single requests of the core (``PDFlow.start``, which may run
-a short prompt locally): each has its own hand-off context (its own
-``kv_transfer_params`` / bootstrap room / ``disagg_request_id``) and its own request id.
-
-Deliberate limits: decode streams are read into a bounded queue, so a slow client slows
-every leg alike; the interleaving follows arrival, not choice order.
+Each sub-request is an ordinary single request of the core (``PDFlow.start``), with its own
+hand-off context and request id; the first to fail cancels the others and its error is the
+request's (README, "Request shapes"). Deliberate limits: decode streams are read into a
+bounded queue, so a slow client slows every leg alike; the interleaving follows arrival.
 """
 
 from __future__ import annotations
@@ -84,12 +76,8 @@ class FanOut:
         return await exchange.read_all(max_bytes)
 
     async def chunks(self) -> AsyncIterator[tuple[int, bytes | None]]:
-        """``(k, chunk)`` from every decode stream as it arrives; ``(k, None)`` ends leg k.
-
-        A leg's failure raises its ``SidecarError`` here (the others are stopped by
-        ``aclose``). Legs answered by their prefill yield nothing: the caller renders their
-        ``answer``.
-        """
+        """``(k, chunk)`` from every decode stream as it arrives; ``(k, None)`` ends leg k; a
+        leg's failure raises its ``SidecarError``; legs answered by their prefill yield nothing."""
         queue: asyncio.Queue[tuple[int, bytes | None] | BaseException] = asyncio.Queue(
             _QUEUE_CHUNKS)
         readers = [asyncio.ensure_future(self._pump(k, exchange, queue))
@@ -108,11 +96,8 @@ class FanOut:
                 await cancel_and_wait(reader)
 
     @staticmethod
-    async def _pump(
-        k: int,
-        exchange: PDExchange,
-        queue: asyncio.Queue[tuple[int, bytes | None] | BaseException],
-    ) -> None:
+    async def _pump(k: int, exchange: PDExchange,
+                    queue: asyncio.Queue[tuple[int, bytes | None] | BaseException]) -> None:
         try:
             async for chunk in exchange.chunks():
                 await queue.put((k, chunk))
@@ -131,11 +116,8 @@ class FanOut:
 
 
 async def start_all(start: StartOne, requests: Sequence[PDRequest]) -> FanOut:
-    """Start every sub-request concurrently; returns once every decode head has arrived.
-
-    The first failure cancels the others (each cleans up after itself) and is raised; a
-    cancelled caller cancels them all.
-    """
+    """Start every sub-request concurrently; returns once every decode head has arrived (the
+    first failure, or the caller's cancellation, cancels the others)."""
     tasks = [asyncio.ensure_future(start(request)) for request in requests]
     try:
         await _first_failure(tasks)

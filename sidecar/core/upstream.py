@@ -2,12 +2,8 @@
 
     settings ─make_session()─▶ EngineClient (pooled, keep-alive < engines' 5 s)
 
-Why these knobs: vLLM closes idle connections after 5 s, so a pool that keeps them longer gets
-resets on reuse; no total timeout (it would cut long decode streams), only connect and
-per-read deadlines. The client (``sidecar.http1``) reads no proxy variables, follows no
-redirect, keeps no cookie and does not decompress: engine answers are relayed as they are.
-
 Deliberate limits: one session serves every upstream; its connection limit is global.
+Why these knobs: docs/design-notes.md#upstream-client
 """
 
 from __future__ import annotations
@@ -21,22 +17,10 @@ from sidecar.http1 import EngineClient
 from sidecar.tls import client_ssl_context
 
 #: Hop-by-hop headers (RFC 9110 section 7.6.1) and those the client library recomputes.
-_NOT_FORWARDED = frozenset(
-    {
-        "connection",
-        "keep-alive",
-        "proxy-authenticate",
-        "proxy-authorization",
-        "proxy-connection",
-        "te",
-        "trailer",
-        "trailers",
-        "transfer-encoding",
-        "upgrade",
-        "host",
-        "content-length",
-    }
-)
+_NOT_FORWARDED = frozenset({
+    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
+    "te", "trailer", "trailers", "transfer-encoding", "upgrade", "host", "content-length",
+})
 
 #: Routing headers a router sets for the sidecar; never forwarded to an engine.
 ROUTING_HEADERS = frozenset({"x-prefiller-host-port", "x-prefiller-url", "x-decoder-host-port"})
@@ -51,20 +35,13 @@ def make_session(settings: Settings) -> EngineClient:
                            settings.engine_client_key_file)
         if settings.engine_ca_file or settings.engine_client_cert_file else None
     )
-    return EngineClient(
-        limit=settings.max_connections,
-        keepalive_s=settings.keepalive_s,
-        connect_timeout_s=settings.connect_timeout_s,
-        read_timeout_s=settings.read_timeout_s,
-        ssl_context=ssl_context,
-    )
+    return EngineClient(limit=settings.max_connections, keepalive_s=settings.keepalive_s,
+                        connect_timeout_s=settings.connect_timeout_s,
+                        read_timeout_s=settings.read_timeout_s, ssl_context=ssl_context)
 
 
-def forwardable_headers(
-    headers: Iterable[tuple[str, str]] | Mapping[str, str],
-    *,
-    drop: Iterable[str] = (),
-) -> CIMultiDict[str]:
+def forwardable_headers(headers: Iterable[tuple[str, str]] | Mapping[str, str], *,
+                        drop: Iterable[str] = ()) -> CIMultiDict[str]:
     """Client headers minus hop-by-hop, routing and ``drop`` headers (case-insensitive)."""
     dropped = {name.lower() for name in drop}
     items = headers.items() if isinstance(headers, Mapping) else headers

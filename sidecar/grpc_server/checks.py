@@ -1,19 +1,10 @@
-"""Checks on the gRPC contract's request messages (docs/grpc.md#checks) before anything is sent to
-an engine.
+"""Checks on the gRPC contract's request messages before anything is sent to an engine.
 
     PreFillRequest / DecodeRequest ─check_*()─▶ plain values | InvalidRequest (INVALID_ARGUMENT)
 
-- ``token_ids``: non-empty, every id >= 0 (engines reject negative ids).
-- ``max_new_tokens``: Decode needs ``1..MAX_NEW_TOKENS``. Prefill computes one token whatever
-  it says, so there 0 means "unset" (the origin's routers may leave it out) and only negative
-  or too large values are refused. The origin project turned ``<= 0`` into 1; this
-  sidecar refuses instead, since a silent rewrite hides a router bug.
-- ``temperature``: finite and ``>= 0``; sent as the shortest decimal that reads back as the
-  same float32, so engine logs show ``0.7``, not ``0.699999988079071``.
-- ``request_id``: ``sidecar.protocol.request_id.request_id_or_new`` (the HTTP rule).
-
-Deliberate limits: no check against the engine's context length (the engine refuses, and its
-4xx maps to INVALID_ARGUMENT).
+The rules, and why Prefill lets ``max_new_tokens`` 0 pass: docs/grpc.md#checks (the request
+id: ``sidecar.protocol.request_id``). Deliberate limits: no check against the engine's context
+length (the engine refuses, and its 4xx maps to INVALID_ARGUMENT).
 """
 
 from __future__ import annotations

@@ -6,9 +6,9 @@
         ... scope.outcome = "ok" before the last message
                                            on exit: counted, admission left
 
-The scope (``sidecar.core.scope``) is the one both front doors use; this module only adds what
-is gRPC's own: ``context.abort`` with the error's status, and a cancellation counted unless
-the call had already succeeded (a router may hang up as soon as it has the last message).
+What is gRPC's own beyond ``sidecar.core.scope``: ``context.abort`` with the error's status,
+and a cancellation counted unless the call had already succeeded (a router may hang up as
+soon as it has the last message).
 """
 
 from __future__ import annotations

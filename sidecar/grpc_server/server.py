@@ -1,23 +1,15 @@
 """The gRPC front door: one grpc.aio server in the HTTP server's process and event loop.
 
-    start_grpc_server(runtime) ─▶ (bound port, stop(grace))
-      services: disagg.PrefillWorker, disagg.DecodeWorker   (every sidecar serves both; the
-                                                            router's choice decides the role)
-                grpc.health.v1.Health                       ("" and both services: SERVING
-                                                            only while the local engine is ready)
-                grpc.reflection.v1alpha.ServerReflection
+    start_grpc_server(runtime, tls) ─▶ (bound port, stop(grace))
+      services: disagg.PrefillWorker, disagg.DecodeWorker (every sidecar serves both),
+                grpc.health.v1.Health ("" and both: SERVING while the engine is ready and the
+                sidecar not draining), grpc.reflection.v1alpha.ServerReflection
       options:  max send/receive message size = settings.grpc_max_message_bytes
-      inline:   the process keeps freed heap for reuse (``sidecar.grpc_server.inline.heap``)
+      inline:   freed heap kept for reuse (``inline.heap``), the staging sweep (``inline.orphans``)
+    stop(grace) ─▶ NOT_SERVING for good, in-flight RPCs finish within ``grace``, then the
+                   background prefills left are cancelled (``serve`` drained admission first)
 
-Health follows ``runtime.health`` (the engine watcher started by ``serve``): its change
-listener flips the statuses; once draining starts (SIGTERM), Check answers NOT_SERVING.
-``stop(grace)`` reports NOT_SERVING for good, lets in-flight RPCs finish for ``grace``
-seconds, then cancels the background prefills left (``serve`` has already drained admission,
-which includes them, before it calls stop).
-
-Deliberate limits: TLS only when ``serve`` passes a ``ReloadingServerTLS`` (tls_cert_file and
-tls_key_file set; client certificates with tls_client_ca_file), else plaintext; the bind is
-``settings.host`` (an IPv6 literal is bracketed).
+Deliberate limits: TLS only with ``serve``'s ``ReloadingServerTLS``, else plaintext.
 """
 
 from __future__ import annotations
@@ -90,11 +82,8 @@ class _HealthMirror:
         self._pending: set[asyncio.Task[None]] = set()
 
     async def apply(self, ready: bool) -> None:
-        status = (
-            health_pb2.HealthCheckResponse.SERVING
-            if ready
-            else health_pb2.HealthCheckResponse.NOT_SERVING
-        )
+        response = health_pb2.HealthCheckResponse
+        status = response.SERVING if ready else response.NOT_SERVING
         for service in HEALTH_SERVICES:
             await self._servicer.set(service, status)
 
@@ -110,8 +99,8 @@ class _HealthMirror:
         await self._servicer.enter_graceful_shutdown()
 
 
-#: How often the inline staging root is swept for orphans, and the age that makes one (past
-#: the prefill deadline: an engine's late writes come within one forward pass).
+#: How often the staging root is swept, and the age past the prefill deadline that makes an
+#: orphan (docs/design-notes.md#orphan-sweep).
 _SWEEP_INTERVAL_S = 60.0
 _ORPHAN_MARGIN_S = 60.0
 
@@ -122,26 +111,19 @@ def _services(runtime: Runtime) -> tuple[PrefillService, DecodeService, OrphanSw
     flow = runtime.grpc_flow
     scopes = runtime.grpc_scopes
     if settings.kv_transport != KVTransport.INLINE:
-        return (
-            PrefillService(scopes, NativePrefill(flow, scopes, settings)),
-            DecodeService(flow, scopes, NativeDecode(flow, runtime.metrics)),
-            None,
-        )
+        return (PrefillService(scopes, NativePrefill(flow, scopes, settings)),
+                DecodeService(flow, scopes, NativeDecode(flow, runtime.metrics)), None)
     root = Path(settings.kv_staging_dir)
     area = StagingArea(root, settings.max_staged_bytes)
     inline_prefill = InlinePrefill(flow, settings)
     sweeper = OrphanSweeper(
-        root,
-        lambda: inline_prefill.active_keys | area.owned_keys(),
+        root, lambda: inline_prefill.active_keys | area.owned_keys(),
         older_than_s=settings.prefill_timeout_s + _ORPHAN_MARGIN_S,
         sweeps=runtime.worker.runs_pod_chores,  # one sweep per pod (worker 0)
-        touches=runtime.worker.pooled,
-    )
-    return (
-        PrefillService(scopes, inline_prefill),
-        DecodeService(flow, scopes, InlineDecode(flow, settings, area, runtime.metrics)),
-        sweeper,
-    )
+        touches=runtime.worker.pooled)
+    return (PrefillService(scopes, inline_prefill),
+            DecodeService(flow, scopes, InlineDecode(flow, settings, area, runtime.metrics)),
+            sweeper)
 
 
 async def start_grpc_server(
@@ -150,8 +132,7 @@ async def start_grpc_server(
     """Start serving (over TLS when ``tls`` is given); returns the port and ``stop(grace)``."""
     settings = runtime.settings
     if settings.kv_transport == KVTransport.INLINE:
-        # KV messages are tens of MiB per request: reuse freed heap instead of faulting it in
-        # anew. Before the server exists: its threads then share the one tuned arena.
+        # Before the server exists: its threads then share the one tuned arena.
         retain_freed_heap(settings.max_staged_bytes + 2 * settings.grpc_max_message_bytes)
     server = grpc.aio.server(options=server_options(settings.grpc_max_message_bytes))
     prefill, decode, sweeper = _services(runtime)
@@ -179,9 +160,7 @@ async def start_grpc_server(
     logger.info("gRPC listening on %s:%d (%s, max message %d bytes)", url_host(settings.host),
                 port, "plaintext" if tls is None else "TLS", settings.grpc_max_message_bytes)
 
-    sweeping = None if sweeper is None else asyncio.ensure_future(
-        sweeper.run(_SWEEP_INTERVAL_S)
-    )
+    sweeping = None if sweeper is None else asyncio.ensure_future(sweeper.run(_SWEEP_INTERVAL_S))
 
     async def stop(grace: float) -> None:
         await mirror.shutdown()

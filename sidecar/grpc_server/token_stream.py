@@ -2,20 +2,11 @@
 
     engine SSE bytes ─TokenStreamParser.feed()─▶ [token ids] ... ─finish()─▶ "stop"|"length"|"abort"
 
-Each engine family returns generated token ids on a streamed ``/v1/completions`` by its own,
-documented request key (its handler's ``token_id_fields``: vLLM and SGLang
-``return_token_ids: true``, TensorRT-LLM ``detokenize: false``); the ids then arrive in the
-same place, ``choices[0].token_ids``, as the delta of each chunk.
-
-Finish reasons collapse to three (docs/grpc.md#finish-reasons; the origin has ``stop`` and
-``length``, ``abort`` is this project's): ``length`` (the token limit), ``abort`` (the
-engine aborted or cancelled the request), ``stop`` (everything else that ends normally: EOS,
-a stop string, a stop token).
-
-Deliberate limits: one choice per stream (``n == 1``; the gRPC contract has one sequence);
-only ``data:`` lines are read (the engines use no other SSE fields); an ``error`` object in
-the stream (SGLang and vLLM report mid-stream failures that way) is a ``DecodeFailed``, its
-text is not relayed (it may quote the prompt).
+The ids arrive in ``choices[0].token_ids`` once the dialect's ``token_id_fields`` asked for
+them; finish reasons collapse to three (docs/grpc.md#finish-reasons). Deliberate limits: one
+choice per stream (the contract has one sequence); only ``data:`` lines are read; an
+``error`` object mid-stream is a ``DecodeFailed`` whose text is not relayed (it may quote the
+prompt).
 """
 
 from __future__ import annotations
@@ -25,6 +16,7 @@ from typing import Final
 
 from sidecar import jsonutil
 from sidecar.errors import DecodeFailed, Stage
+from sidecar.protocol.sse import DATA_FIELD, DONE_PAYLOAD, ERROR_KEY
 
 FINISH_STOP: Final = "stop"
 FINISH_LENGTH: Final = "length"
@@ -33,15 +25,12 @@ FINISH_ABORT: Final = "abort"
 CHOICES: Final = "choices"
 TOKEN_IDS: Final = "token_ids"
 FINISH_REASON: Final = "finish_reason"
-ERROR: Final = "error"
 
 #: Largest value a TokenStream.token_id (int32) can carry.
 INT32_MAX: Final = (1 << 31) - 1
 #: One SSE event line is never this long for a token chunk; a longer one is garbage.
 MAX_PENDING_BYTES: Final = 4 * 1024 * 1024
 
-_DONE: Final = b"[DONE]"
-_DATA_PREFIX: Final = b"data:"
 
 #: Engine finish reasons that mean the request did not end normally.
 _ABORT_REASONS: Final = frozenset({"abort", "aborted", "cancelled", "canceled", "error"})
@@ -68,7 +57,6 @@ class TokenStreamParser:
         self._pending = bytearray()
         self._finish_reason: str | None = None
         self.done = False
-        self.events = 0
 
     @property
     def finish_reason(self) -> str | None:
@@ -108,20 +96,19 @@ class TokenStreamParser:
         return self._finish_reason
 
     def _line(self, line: bytes) -> list[int]:
-        if not line.startswith(_DATA_PREFIX):
+        if not line.startswith(DATA_FIELD):
             return []  # blank separators, comments, other SSE fields
-        data = line[len(_DATA_PREFIX):].strip()
-        if data == _DONE:
+        data = line[len(DATA_FIELD):].strip()
+        if data == DONE_PAYLOAD:
             self.done = True
             return []
         try:
             event = jsonutil.loads(data)
         except jsonutil.JSONDecodeError:
             raise _broken("an event is not JSON") from None
-        self.events += 1
         if not isinstance(event, Mapping):
             raise _broken("an event is not a JSON object")
-        if ERROR in event:
+        if ERROR_KEY in event:
             raise _broken("the engine reported an error mid-stream")
         return self._choice(event.get(CHOICES))
 

@@ -1,25 +1,12 @@
-"""The native hand-off as KVBlocks: the control-block encoding of protos/README.md.
-
-In native mode the KV cache stays in the engines and moves by their own transport; what the
-gRPC Prefill stream carries is the *hand-off*: the top-level fields the decode body gets
-(an engine handler's ``handoff()`` result), plus who produced it. It travels as control
-blocks, ``KVBlock``s with ``layer_idx == -1``, so the proto stays the contract's byte for byte and
-a router that forwards blocks opaquely carries it.
+"""The native hand-off as KVBlocks: the ``layer_idx -1`` encoding of protos/README.md.
 
     prefill sidecar: handoff dict ─encode_handoff()─▶ [KVBlock(layer -1, block 0..n-1)]
         ─▶ KVBlockStream ... {done} ─▶ router ─▶ DecodeRequest.kv_blocks
     decode sidecar:  kv_blocks ─decode_handoff()─▶ DecodedHandoff(fields, engine, ...)
 
-``k_data`` of the control blocks, concatenated in ``block_idx`` order, is one UTF-8 JSON
-object (orjson: integers stay exact, so TensorRT-LLM ids above 2**53 survive; key order is
-kept). ``v_data`` is empty.
-
-Deliberate limits: pure functions, no I/O. Data blocks (``layer_idx >= 0``) and the inline
-mode's metadata blocks (``layer_idx == -2``, reserved) are skipped here, not interpreted: the
-inline mode owns them. It does not check the hand-off's engine or connector against the
-registries, nor its ``request_id`` against the Decode request's: the caller decides.
-Unknown keys in the JSON are ignored (a reader of version 1 accepts additions); any other
-negative ``layer_idx`` is rejected, since only -1 and -2 are defined.
+The document, its keys and every rule a reader applies are specified there; JSON is orjson's
+(integers stay exact). Deliberate limits: data blocks and ``-2`` blocks are skipped, not
+interpreted; the hand-off's engine, connector and ``request_id`` are the caller's to check.
 """
 
 from __future__ import annotations
@@ -60,11 +47,8 @@ _MAX_PORT = 65535
 
 @dataclass(frozen=True, slots=True)
 class DecodedHandoff:
-    """A hand-off read back from control blocks.
-
-    ``fields`` is a fresh dict owned by the caller: the top-level fields to merge into the
-    decode body, exactly as the prefill side's engine handler produced them.
-    """
+    """A hand-off read back from control blocks; ``fields`` (a fresh dict, the caller's) are
+    the top-level fields for the decode body, exactly as the prefill side's dialect made them."""
 
     request_id: str
     engine: str
@@ -80,14 +64,8 @@ def is_control_block(block: KVBlock) -> bool:
 
 
 def encode_handoff(
-    handoff: Mapping[str, Any],
-    *,
-    request_id: str,
-    engine: str,
-    kv_connector: str | None,
-    prefill_host: str,
-    prefill_port: int,
-    max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+    handoff: Mapping[str, Any], *, request_id: str, engine: str, kv_connector: str | None,
+    prefill_host: str, prefill_port: int, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
 ) -> list[KVBlock]:
     """The hand-off as control blocks (``layer_idx`` -1, ``block_idx`` 0..n-1), in order.
 
@@ -114,12 +92,8 @@ def encode_handoff(
     # Chunks split the UTF-8 bytes, possibly inside a character: only the concatenation is
     # decoded, never a chunk alone.
     return [
-        KVBlock(
-            request_id=request_id,
-            layer_idx=HANDOFF_LAYER,
-            block_idx=index,
-            k_data=payload[start : start + max_chunk_bytes],
-        )
+        KVBlock(request_id=request_id, layer_idx=HANDOFF_LAYER, block_idx=index,
+                k_data=payload[start : start + max_chunk_bytes])
         for index, start in enumerate(range(0, len(payload), max_chunk_bytes))
     ]
 
@@ -166,11 +140,8 @@ def _require_str(document: Mapping[str, Any], key: str) -> str:
 
 
 def decode_handoff(blocks: Sequence[KVBlock]) -> DecodedHandoff:
-    """Read the hand-off from a Decode request's blocks; raises ``InvalidRequest`` when unusable.
-
-    Data blocks and inline metadata blocks in ``blocks`` are skipped; the control blocks may
-    come in any order (they are reassembled by ``block_idx``).
-    """
+    """Read the hand-off from a Decode request's blocks (control blocks in any order, others
+    skipped); raises ``InvalidRequest`` when unusable."""
     payload = _handoff_payload(blocks)
     try:
         document = jsonutil.loads(payload)
@@ -204,11 +175,6 @@ def decode_handoff(blocks: Sequence[KVBlock]) -> DecodedHandoff:
     port = prefill.get(KEY_PORT)
     if not isinstance(port, int) or isinstance(port, bool) or not 0 < port <= _MAX_PORT:
         raise _invalid(f"'{KEY_PREFILL}.{KEY_PORT}' must be an integer in 1..{_MAX_PORT}")
-    return DecodedHandoff(
-        request_id=_require_str(document, KEY_REQUEST_ID),
-        engine=engine,
-        kv_connector=kv_connector,
-        fields=fields,
-        prefill_host=host,
-        prefill_port=port,
-    )
+    return DecodedHandoff(request_id=_require_str(document, KEY_REQUEST_ID), engine=engine,
+                          kv_connector=kv_connector, fields=fields, prefill_host=host,
+                          prefill_port=port)

@@ -1,16 +1,8 @@
 """The control layers of a ``KVBlock`` stream: ``layer_idx < 0`` carries metadata, not KV.
 
-The gRPC contract's proto (docs/grpc.md) has no field for anything but KV bytes; a router forwards
-blocks opaquely,
-so the sidecar's own messages ride as blocks with a negative layer (protos/README.md):
-
-    layer_idx  meaning                                   written by           read by
-    -1         native hand-off JSON in k_data (chunked)  kv_wire.handoff      kv_wire.handoff
-    -2         inline KV metadata JSON in k_data         kv_wire.inline       kv_wire.inline
-    >= 0       KV data: one layer's block, K and V
-
-Any other negative layer is refused by both readers: a newer sidecar's control block must not
-be mistaken for KV.
+-1 is the native hand-off (``kv_wire.handoff``), -2 the inline KV metadata
+(``grpc_server.inline.wire``), ``>= 0`` KV data; readers refuse any other negative layer, so
+a newer sidecar's control block is never taken for KV (protos/README.md, "KVBlock").
 """
 
 from __future__ import annotations

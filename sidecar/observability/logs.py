@@ -1,9 +1,7 @@
 """Process logging: plain text or one JSON object per line (``--log-format json``).
 
-A worker of a pool (``--workers N``) names itself on every line (``worker=I`` in text, a
-``worker`` field in JSON): the workers share the supervisor's stderr. A JSON line written
-while a traced request's span is current carries ``trace_id`` and ``span_id`` (W3C hex), so
-a log search and a trace view meet on the same request.
+A pool's worker names itself on every line (``worker=I``; JSON: a ``worker`` field); a JSON
+line written under a traced request's span carries its ``trace_id`` and ``span_id``.
 """
 
 from __future__ import annotations
@@ -22,10 +20,8 @@ class _JsonFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         entry: dict[str, object] = {
-            "ts": self.formatTime(record, "%Y-%m-%dT%H:%M:%S"),
-            "level": record.levelname.lower(),
-            "logger": record.name,
-            "msg": record.getMessage(),
+            "ts": self.formatTime(record, "%Y-%m-%dT%H:%M:%S"), "level": record.levelname.lower(),
+            "logger": record.name, "msg": record.getMessage(),
         }
         if self._worker is not None:
             entry["worker"] = self._worker

@@ -1,22 +1,12 @@
 """Prometheus metrics of one sidecar (one registry, shared by both front doors).
 
-Every metric carries ``front_door`` (http | grpc). Names and labels are the public contract
-documented in README's metrics table; ``tests`` read them through the real exposition.
+Names and labels are the public contract of README's Metrics table (``front_door`` is http
+or grpc); tests read them through the real exposition. With ``--workers N`` every worker's
+``/metrics`` reads the whole pool's values (``pool_dir``; how each family combines: README,
+"Workers"; docs/design-notes.md#pool-metrics).
 
-Deliberate limits: label values come from closed sets (routes, engines, connectors, error
-codes, stages), never from client input, so cardinality stays bounded; that also bounds
-``Metrics.labelled``'s cache of labelled children (the hot path's way to skip ``labels()``).
-
-Workers (``--workers N``, N > 1): the supervisor sets ``PROMETHEUS_MULTIPROC_DIR`` for every
-worker, so prometheus-client keeps each process's values in files there and every worker's
-``/metrics`` reads all of them (``MultiProcessCollector``): the pod is one sidecar, with the
-same names and labels. Counters and histograms add up across workers, a dead worker's
-included (they never go backwards); the gauges say how they combine: ``livesum`` for what
-each worker holds (requests in flight, staged KV bytes), ``livemax`` for the engine's
-readiness (every worker probes the same engine; a worker just restarted and not yet probing
-must not report it down). One worker (no pool) exposes its registry as it is, exactly as
-before, even where someone else set that variable. prometheus-client's multiprocess mode
-keeps no ``_created`` samples.
+Deliberate limits: label values come from closed sets, never from client input, so
+cardinality stays bounded (and so does ``Metrics.labelled``'s cache of children).
 """
 
 from __future__ import annotations
@@ -33,8 +23,7 @@ _M = TypeVar("_M", bound=MetricWrapperBase)
 
 _LATENCY_BUCKETS = (
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
-    60.0, 120.0, 300.0,
-)
+    60.0, 120.0, 300.0)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 #: Read by prometheus-client when it is first imported: set by the supervisor for its workers.
@@ -67,84 +56,50 @@ class Metrics:
         self.requests = Counter(
             "disagg_requests",
             "Requests handled, by front door, route, engine, connector and outcome.",
-            ["front_door", "route", "engine", "connector", "outcome"],
-            registry=r,
-        )
+            ["front_door", "route", "engine", "connector", "outcome"], registry=r)
         self.stage_seconds = Histogram(
             "disagg_stage_seconds",
             "Latency of each stage: prefill, handoff, decode_first_byte, total.",
-            ["front_door", "stage"],
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
+            ["front_door", "stage"], buckets=_LATENCY_BUCKETS, registry=r)
         self.inflight = Gauge(
-            "disagg_inflight_requests",
-            "Requests in flight, by front door.",
-            ["front_door"],
-            registry=r,
-            multiprocess_mode="livesum",
-        )
+            "disagg_inflight_requests", "Requests in flight, by front door.",
+            ["front_door"], registry=r, multiprocess_mode="livesum")
         self.errors = Counter(
-            "disagg_errors",
-            "Errors reported to clients, by front door, stage and code.",
-            ["front_door", "stage", "code"],
-            registry=r,
-        )
+            "disagg_errors", "Errors reported to clients, by front door, stage and code.",
+            ["front_door", "stage", "code"], registry=r)
         self.relayed_bytes = Counter(
-            "disagg_relayed_bytes",
-            "Bytes relayed from the decode engine to clients.",
-            ["front_door"],
-            registry=r,
-        )
+            "disagg_relayed_bytes", "Bytes relayed from the decode engine to clients.",
+            ["front_door"], registry=r)
         self.prefill_fallbacks = Counter(
             "disagg_prefill_fallbacks",
             "Requests served by a local prefill after their prefill leg failed (policy 'local').",
-            ["front_door", "reason"],
-            registry=r,
-        )
+            ["front_door", "reason"], registry=r)
         self.prefill_legs = Counter(
             "disagg_prefill_legs",
             "Prefill legs to remote targets by target (its address for static-pool members, "
             "'header' for router-named ones) and outcome (ok, failed, connect_refused).",
-            ["target", "outcome"],
-            registry=r,
-        )
+            ["target", "outcome"], registry=r)
         self.prefill_retries = Counter(
-            "disagg_prefill_retries",
-            "Prefills moved to another target after a refused connect.",
-            ["front_door"],
-            registry=r,
-        )
+            "disagg_prefill_retries", "Prefills moved to another target after a refused connect.",
+            ["front_door"], registry=r)
         self.tokenize_failures = Counter(
             "disagg_tokenize_failures",
             "Prompt-length tokenize calls that failed (the request was disaggregated).",
-            ["reason"],
-            registry=r,
-        )
+            ["reason"], registry=r)
         self.kv_bytes = Counter(
             "disagg_kv_bytes",
             "KV block bytes streamed through the gRPC front door, by direction (out|in).",
-            ["direction"],
-            registry=r,
-        )
+            ["direction"], registry=r)
         self.staged_bytes = Gauge(
-            "disagg_staged_kv_bytes",
-            "KV bytes staged for decode requests (inline KV transport).",
-            registry=r,
-            multiprocess_mode="livesum",
-        )
+            "disagg_staged_kv_bytes", "KV bytes staged for decode requests (inline KV transport).",
+            registry=r, multiprocess_mode="livesum")
         self.engine_ready = Gauge(
-            "disagg_engine_ready",
-            "1 when the local engine answered its health check, else 0.",
-            registry=r,
-            multiprocess_mode="livemax",
-        )
+            "disagg_engine_ready", "1 when the local engine answered its health check, else 0.",
+            registry=r, multiprocess_mode="livemax")
 
     def labelled(self, metric: _M, *values: str) -> _M:
-        """``metric.labels(*values)``, remembered: ``labels()`` validates and locks per call.
-
-        ``metric`` must be one of this object's families (the key is its identity).
-        """
+        """``metric.labels(*values)``, remembered (``labels()`` validates and locks per call);
+        ``metric`` must be one of this object's families (the key is its identity)."""
         key = (id(metric), values)
         child = self._children.get(key)
         if child is None:

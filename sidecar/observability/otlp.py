@@ -3,13 +3,9 @@
     settings.otlp_endpoint ──start_tracing()──▶ Tracing (``sidecar.observability.tracing``)
          (unset) ──────────────────────────────▶ NO_TRACING: no SDK import, no thread
 
-The endpoint's scheme picks the transport: ``grpc://HOST:PORT`` (plaintext) and
-``grpcs://HOST:PORT`` (TLS) export OTLP/gRPC; ``http://`` and ``https://`` export OTLP/HTTP
-(protobuf) to the URL's path, ``/v1/traces`` when it has none. The SDK itself reads the
-standard variables: ``OTEL_SERVICE_NAME`` and ``OTEL_RESOURCE_ATTRIBUTES`` (over this module's
-defaults, service name ``disagg-sidecar``), ``OTEL_TRACES_SAMPLER``/``_ARG`` (default: parent
-based, always on), ``OTEL_BSP_*`` (batching), ``OTEL_EXPORTER_OTLP_HEADERS``/``_TIMEOUT``/
-``_COMPRESSION``/``_CERTIFICATE``.
+The endpoint's scheme picks the transport (OTLP/HTTP is protobuf), and the SDK reads the
+standard ``OTEL_*`` variables over this module's defaults (README, "Tracing"; also
+``OTEL_EXPORTER_OTLP_COMPRESSION``).
 
 Deliberate limits: the provider is this process's own, not the OpenTelemetry global one.
 """

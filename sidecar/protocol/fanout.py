@@ -6,19 +6,9 @@
     answers ─merge_answers()─▶ one answer: choices indexed k, one id, usage summed
     events  ─StreamMerger──▶ each leg's chunks with index k and one id; usage summed at the end
 
-Each sub-request is a plain single request: ``prompt`` is prompt i (a string or token ids),
-``n`` is 1 (when the client sent ``n``), every other field is the client's. With a ``seed``,
-choice j of a prompt gets ``seed + j`` (wrapping into 0..2^63-1), so choice 0 keeps the
-client's seed and a batch of prompts with ``n`` 1 sends every prompt the client's seed.
-
-Usage is summed as the engine counts it: completion tokens over every choice, prompt tokens
-once per prompt (the first choice of each prompt reports them), total = prompt + completion.
-
-Refused when fanning out (400): ``best_of`` above 1 (the engine would rank best_of samples
-per prompt; separate pairs cannot), ``prompt_logprobs`` (vLLM answers it per request, and
-its shape differs between routes), ``stream_options.continuous_usage_stats`` (per-chunk usage
-of one leg is not the request's). ``echo``, ``logprobs`` and ``top_logprobs`` work: they are
-per choice, and each leg answers them for its own prompt.
+A sub-body is the client's with ``prompt`` := prompt i, ``n`` := 1 (when sent) and ``seed`` :=
+``seed + j``; usage is summed as the engine counts it (prompt tokens once per prompt). Every
+shape, what is refused and why: README, "Request shapes".
 """
 
 from __future__ import annotations
@@ -29,11 +19,10 @@ from typing import Any
 from sidecar import jsonutil
 from sidecar.errors import InvalidRequest
 from sidecar.protocol.request import ClientRequest
+from sidecar.protocol.sse import DATA, DATA_FIELD, DONE_PAYLOAD, sse_event
 
 _SEED_SPAN = 1 << 63
 _USAGE_FIELDS = ("prompt_tokens", "completion_tokens", "total_tokens")
-_DATA = b"data: "
-_DONE = b"[DONE]"
 
 
 def check_fanout(request: ClientRequest, max_fanout: int) -> None:
@@ -140,10 +129,10 @@ class SSEEvents:
         payloads = []
         for event in events:
             for line in event.split(b"\n"):
-                if line.startswith(_DATA):
-                    payloads.append(line[len(_DATA):])
-                elif line.startswith(b"data:"):
-                    payloads.append(line[5:])
+                if line.startswith(DATA):
+                    payloads.append(line[len(DATA):])
+                elif line.startswith(DATA_FIELD):
+                    payloads.append(line[len(DATA_FIELD):])
         return payloads
 
     @property
@@ -155,10 +144,9 @@ class SSEEvents:
 class StreamMerger:
     """Rewrites the legs' stream chunks into one stream: index k, one id, usage summed.
 
-    ``event(k, payload)`` returns the SSE event to send for leg k's payload, None when the
-    payload is absorbed (``[DONE]``, a usage-only chunk) or raises ``ValueError`` when it is
-    not JSON; ``usage_event()`` is the one usage chunk at the end, when any leg reported usage
-    (the client asked ``include_usage``, or the engine sends usage by default).
+    ``event(k, payload)``: the SSE event for leg k's payload, None when absorbed (``[DONE]``, a
+    usage-only chunk), ``ValueError`` when not JSON; ``usage_event()``: the one usage chunk at
+    the end, when any leg reported usage.
     """
 
     def __init__(self, n: int) -> None:
@@ -169,7 +157,7 @@ class StreamMerger:
         self.done: set[int] = set()
 
     def event(self, k: int, payload: bytes) -> bytes | None:
-        if payload.strip() == _DONE:
+        if payload.strip() == DONE_PAYLOAD:
             self.done.add(k)
             return None
         chunk = jsonutil.loads(payload)
@@ -194,7 +182,7 @@ class StreamMerger:
         elif "id" in chunk:
             chunk["id"] = self._id
         self._remember(chunk)
-        return b"data: " + jsonutil.dumps(chunk) + b"\n\n"
+        return sse_event(jsonutil.dumps(chunk))
 
     def _remember(self, chunk: Mapping[str, Any]) -> None:
         if not self._last:
@@ -206,4 +194,4 @@ class StreamMerger:
             return None
         chunk: dict[str, Any] = {"id": self._id, **self._last, "choices": [],
                                  "usage": summed_usage(self._usages, self._n)}
-        return b"data: " + jsonutil.dumps(chunk) + b"\n\n"
+        return sse_event(jsonutil.dumps(chunk))

@@ -1,11 +1,9 @@
-"""Host formatting and classification for addresses the sidecar writes or connects to.
+"""Host formatting and classification: an IPv6 literal goes in brackets inside a URL or
+``host:port`` (``http://[fd00::1]:8998``), anything else as is; ``localhost`` and loopback
+addresses are what other pods cannot reach.
 
-Owns two rules: an IPv6 literal goes in brackets inside a URL or ``host:port`` string
-(``http://[fd00::1]:8998``), everything else (IPv4, DNS names) is written as is; and what
-counts as a loopback host (``localhost`` or a loopback address), which other pods cannot reach.
-
-Deliberate limits: no DNS resolution and no validation of names; a host that is already
-bracketed is left alone so the helper is idempotent.
+Deliberate limits: no DNS resolution and no validation of names; an already bracketed host
+is left alone (idempotent).
 """
 
 from __future__ import annotations

@@ -1,13 +1,11 @@
 """How many tokens a prompt has, without a tokenizer (pure; conditional disaggregation).
 
-- ``exact_tokens``: a prompt given as token ids (completions) has exactly that many;
-- ``estimate_tokens``: a text or chat prompt is estimated from its UTF-8 bytes: bytes / 4,
-  rounded up (chat: the text of every message, plus 4 per message for the template's role
-  markers). Multimodal parts are not counted.
+    exact_tokens(route, body)     token-id prompts (completions): exactly that many, else None
+    estimate_tokens(route, body)  text and chat: UTF-8 bytes / 4, rounded up (chat: plus 4 per
+                                  message); multimodal parts are not counted
 
-``python -m bench.estimate_error TOKENIZER_JSON`` measures the estimate against a real
-tokenizer (README states the result); this module imports nothing beyond the standard
-library and ``sidecar.protocol.context`` so that it runs in an engine's environment too.
+The estimate's measured error: README, "Request shapes". Imports only the standard library
+and ``sidecar.protocol.context``, so it runs in an engine's environment too.
 """
 
 from __future__ import annotations

@@ -2,10 +2,9 @@
 
     X-Request-Id: <id>  ─request_id_or_new()─▶ the id when sane, else a fresh uuid4 hex
 
-The same id rides on both legs to the engines, comes back to the client and names the request
-in logs; over gRPC a ``PreFillRequest``/``DecodeRequest.request_id`` plays the header's part.
-A sane id is 1-200 characters of ``[A-Za-z0-9._:@/+=-]``: it can never inject a header or a
-log line.
+The same id rides on both engine legs, comes back to the client and names the request in
+logs (over gRPC the messages' ``request_id``). A sane id is 1-200 characters of
+``[A-Za-z0-9._:@/+=-]``: it can never inject a header or a log line.
 """
 
 from __future__ import annotations
@@ -17,11 +16,6 @@ from typing import Final
 REQUEST_ID_HEADER: Final = "X-Request-Id"
 
 _SAFE_REQUEST_ID: Final = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,200}$")
-
-
-def is_safe_request_id(candidate: str) -> bool:
-    """True when ``candidate`` may be forwarded as a request id as it is."""
-    return _SAFE_REQUEST_ID.match(candidate) is not None
 
 
 def request_id_or_new(*candidates: str | None) -> str:

@@ -8,16 +8,13 @@ Entries, each naming a port or ``*`` (any port) so an IP rule never opens every 
     10.0.0.0/8:*            a network
     [fd00::/8]:8000         IPv6 addresses and networks in brackets
 
-``Allowlist.allows(host, addresses, port)`` decides a target. A host-name entry matches the
-target's host string; IP entries match addresses. The target passes when its host name is
-covered, or when EVERY address it resolved to is covered, for that port. The caller resolves
-once, checks, and connects only to the addresses it checked, so a DNS answer that changes
-between check and connect (rebinding) cannot reach an unlisted address.
+``Allowlist.allows(host, addresses, port)`` passes a target when its host name is covered,
+or when EVERY address it resolved to is covered, for that port. No I/O here: the caller
+resolves once, checks, and connects only to the addresses it checked (no DNS rebinding).
 
-Deliberate limits: no wildcard host names (``*:8000`` or ``*.svc``): letting any host through
-is the open-proxy hole the allowlist exists to close; write ``0.0.0.0/0:8000`` if that is
-really meant. An empty allowlist allows nothing; the static prefill pool is allowed by the
-caller. No I/O here: resolving names is the caller's job.
+Deliberate limits: no wildcard host names (``*:8000``, ``*.svc``: the open-proxy hole the
+allowlist closes; write ``0.0.0.0/0:8000`` if that is meant); an empty allowlist allows
+nothing (the caller allows the static prefill pool).
 """
 
 from __future__ import annotations
@@ -130,10 +127,6 @@ class Allowlist:
     def parse(cls, texts: Iterable[str]) -> Allowlist:
         """Parse every entry; the first malformed one raises ValueError."""
         return cls(parse_entry(text) for text in texts)
-
-    @property
-    def entries(self) -> tuple[AllowEntry, ...]:
-        return self._entries
 
     def __len__(self) -> int:
         return len(self._entries)

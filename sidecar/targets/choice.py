@@ -1,25 +1,14 @@
 """Which of several prefill targets gets a prefill leg, and which are cooling down.
 
-    TargetChoice.pick(candidates, exclude)  ─▶ the target with the fewest prefill legs in
-                                               flight from this sidecar (ties at random;
-                                               power of two random choices past 4 targets),
-                                               skipping targets whose connect was refused
-                                               within the cool-down
+    TargetChoice.pick(candidates, exclude)  ─▶ the fewest prefill legs in flight from this
+                                               sidecar (ties at random; two random choices
+                                               past 4 targets), cooling targets skipped
     with choice.leg(target): ...            counts a prefill leg in flight on ``target``
-    choice.refused(target)                  its connect was refused: cool it down
-    choice.answered(target)                 it answered a prefill: the cool-down ends
+    choice.refused(target) / .answered(target)   its connect was refused: cool it down / ends it
 
-The state is this sidecar's own view (no coordination between sidecars): in-flight counts of
-the legs it runs, and the time each refusing target may be tried again. When every candidate
-is cooling down one is still picked (a refusal cannot make a request fail by itself); when
-the cool-down is 0 nothing is skipped.
-
-Metric labels are bounded: a target of the static pool (``--prefill-url``) is labelled by its
-address, any target named by a router's header is labelled ``header`` (the allowlist can
-admit a whole CIDR range, so addresses there would be unbounded label values).
-
-Deliberate limits: counts are per process (``--workers`` gives each worker its own view); the
-maps forget a target once it has nothing in flight and no cool-down running.
+Deliberate limits: this process's own view (each ``--workers`` worker its own); the maps
+forget a target with nothing in flight and no cool-down. Why it picks this way, and its
+bounded metric labels: docs/design-notes.md#target-choice
 """
 
 from __future__ import annotations
@@ -41,14 +30,9 @@ HEADER_LABEL = "header"
 class TargetChoice:
     """Least-in-flight choice among prefill targets, with a cool-down for refusing ones."""
 
-    def __init__(
-        self,
-        *,
-        cooldown_s: float,
-        pool: Collection[PrefillTarget] = (),
-        clock: Callable[[], float] = time.monotonic,
-        rng: random.Random | None = None,
-    ) -> None:
+    def __init__(self, *, cooldown_s: float, pool: Collection[PrefillTarget] = (),
+                 clock: Callable[[], float] = time.monotonic,
+                 rng: random.Random | None = None) -> None:
         self._cooldown_s = cooldown_s
         self._clock = clock
         self._rng = rng or random.Random()

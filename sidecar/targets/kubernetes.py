@@ -4,20 +4,12 @@
         ─watch_pods()─▶ PodAllowlist.replace_all / .apply(event)
                         allows(host, addresses, port)   (the same interface as Allowlist)
 
-A pod is a target while it is Running, has a pod IP and is not being deleted; its port is
-the value of the port label (``model.aibrix.ai/port``) or, without one, the default port.
-``allows`` passes a target when EVERY address it resolved to is a current pod's IP with that
-port, or when the static allowlist (``--prefill-allowlist``) passes it. The watch resumes from
-the last resource version; an expired version (HTTP 410) or a broken stream relists, after a
-bounded backoff, so the set converges to the cluster's state. Until the first list has
-arrived the pod set is empty: pods are refused, never let through by default.
-
-RBAC: the sidecar's service account needs ``get``, ``list`` and ``watch`` on ``pods`` in the
-namespace (a Role and RoleBinding; see the report for deploy/).
-
-Deliberate limits: one namespace and one selector; readiness gates and container ports are
-not read (the port label is the contract, docs/handoffs.md#pod-labels); pods that share an IP (host
-network) are told apart by port only.
+A target is a Running pod with an IP, not being deleted, at its port label's value
+(docs/handoffs.md#pod-labels); every resolved address must be one, unless the static
+allowlist passes the target. Before the first list, pods are refused. RBAC: get, list and
+watch on pods (deploy/base/rbac.yaml). Deliberate limits: one namespace and one selector;
+readiness gates and container ports are not read; pods sharing an IP differ by port only.
+How the watch converges: docs/design-notes.md#pod-watch
 """
 
 from __future__ import annotations
@@ -31,11 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from sidecar.targets.allowlist import Allowlist
+from sidecar.targets.allowlist import Allowlist, IPAddress
 
 logger = logging.getLogger(__name__)
-
-IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 #: The port of a selected pod without the port label (the default of docs/handoffs.md#pod-labels).
 DEFAULT_POD_PORT = 8000
@@ -157,10 +147,8 @@ class PodSource(Protocol):
         ...
 
     def watch(self, resource_version: str) -> AsyncIterator[tuple[str, Mapping[str, Any]]]:
-        """(event type, pod JSON) from ``resource_version`` on; raises WatchExpired on 410.
-
-        BOOKMARK events carry a pod whose metadata holds only the new resource version.
-        """
+        """(event type, pod JSON) from ``resource_version`` on; raises WatchExpired on 410
+        (BOOKMARK events: a pod whose metadata holds only the new resource version)."""
         ...
 
 
@@ -213,10 +201,7 @@ class KubernetesPodSource:
 
     async def open(self) -> None:
         # Optional dependency (extra "k8s"): imported only in Kubernetes mode.
-        from kubernetes_asyncio import (  # type: ignore[import-not-found,unused-ignore]
-            client,
-            config,
-        )
+        from kubernetes_asyncio import client, config  # type: ignore[import-not-found,unused-ignore]
 
         config.load_incluster_config()  # type: ignore[no-untyped-call,unused-ignore]
         self._client = client.ApiClient()
@@ -227,9 +212,7 @@ class KubernetesPodSource:
             await self._client.close()
 
     async def list(self) -> tuple[list[Mapping[str, Any]], str]:
-        from kubernetes_asyncio.client import (  # type: ignore[import-not-found,unused-ignore]
-            ApiException,
-        )
+        from kubernetes_asyncio.client import ApiException  # type: ignore[import-not-found,unused-ignore]
 
         try:
             response = await self._api.list_namespaced_pod(
@@ -241,9 +224,7 @@ class KubernetesPodSource:
 
     async def watch(self, resource_version: str) -> AsyncIterator[tuple[str, Mapping[str, Any]]]:
         from kubernetes_asyncio import watch  # type: ignore[import-not-found,unused-ignore]
-        from kubernetes_asyncio.client import (  # type: ignore[import-not-found,unused-ignore]
-            ApiException,
-        )
+        from kubernetes_asyncio.client import ApiException  # type: ignore[import-not-found,unused-ignore]
 
         stream = watch.Watch()
         try:
@@ -264,20 +245,13 @@ class KubernetesPodSource:
 
 @contextlib.asynccontextmanager
 async def watched_pod_allowlist(
-    selector: str,
-    static: Allowlist,
-    *,
-    namespace: str | None = None,
-    port_label: str,
-    first_list_timeout_s: float,
-    source: PodSource | None = None,
+    selector: str, static: Allowlist, *, namespace: str | None = None, port_label: str,
+    first_list_timeout_s: float, source: PodSource | None = None,
 ) -> AsyncIterator[PodAllowlist]:
     """The allowlist of the pods ``selector`` picks (in ``namespace``, default this pod's
-    own), each at its ``port_label``, watched until the context exits.
-
-    Waits up to ``first_list_timeout_s`` for the first list so the first requests are not
-    refused for nothing; later, it serves whatever set it has (refusing when it has none).
-    """
+    own), each at its ``port_label``, watched until the context exits; waits up to
+    ``first_list_timeout_s`` for the first list so the first requests are not refused for
+    nothing."""
     allowlist = PodAllowlist(port_label=port_label, default_port=DEFAULT_POD_PORT,
                              static=static)
     owned: KubernetesPodSource | None = None

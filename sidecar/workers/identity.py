@@ -1,14 +1,9 @@
 """Which worker of the pod's pool this process is: its index, the pool's size, its shared dir.
 
-One sidecar process (``--workers 1``, the default) is ``SOLO``: index 0 of 1, nothing shared,
-every behaviour exactly as without a pool. In a pool the supervisor hands each worker process
-its index (0..count-1) and the run directory it made; what must stay whole across the
-processes derives from these three values:
-
-- identifiers: each worker draws from its own lane (``index`` of ``count``) of the TRT-LLM
-  snowflake counter and of the SGLang room range (the dialects (``sidecar.dialects``));
-- admission: one in-flight slot per worker in a file under ``run_dir`` (``shared_inflight``);
-- pod-wide chores (the inline-KV staging sweep) run in worker 0 only.
+One process (``--workers 1``, the default) is ``SOLO``: index 0 of 1, nothing shared. In a
+pool the supervisor hands each worker its index (0..count-1) and the run directory; from
+these derive the id lanes of the dialects (``index`` of ``count``), the in-flight slot under
+``run_dir`` (``shared_inflight``) and the pod-wide chores (the staging sweep) of worker 0.
 """
 
 from __future__ import annotations

@@ -2,11 +2,7 @@
 
     reserve(host, port) -> socket   bound with SO_REUSEPORT, never listening
 
-Why: with ``--port 0`` every worker binding port 0 would get a different port; the supervisor
-asks the OS once and hands the workers the number. The reserving socket stays bound (but not
-listening, so the kernel never hands it a connection) for the supervisor's life, which keeps
-the port in this pool while a worker restarts, and fails early, in one place, when another
-program holds the port.
+Why the supervisor holds them: docs/design-notes.md#pool-ports
 """
 
 from __future__ import annotations

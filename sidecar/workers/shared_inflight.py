@@ -5,14 +5,8 @@ bound on the whole pool, not on each worker.
     InflightSlots.open(path, count, index)     a worker: its own slot, every slot readable
     slots.others()  the sum of the other workers' slots;   slots.publish(n)  this worker's
 
-Why per-worker slots and not one shared counter: a counter needs a cross-process lock, and a
-worker killed while holding requests would leave them counted forever. A slot has one
-writer; the supervisor zeroes a dead worker's slot (``clear``) before restarting it.
-
-Deliberate limits: admission reads the others' slots and then writes its own without a lock,
-so workers admitting at the same instant can pass the bound together by at most
-``count - 1`` requests; the kernel's load spreading makes that rare, and a 503 is a soft
-limit anyway (clients retry).
+Deliberate limits: no lock, so workers admitting at the same instant can pass the bound by at
+most ``count - 1`` requests. Why slots and not one counter: docs/design-notes.md#pool-slots
 """
 
 from __future__ import annotations

@@ -2,20 +2,15 @@
 
     supervise(settings)
       run dir (temp): settings.json, inflight.slots, metrics/ (PROMETHEUS_MULTIPROC_DIR)
-      reserve the ports (port 0 resolved once) ─▶ spawn worker 0..N-1 ─▶ all report listening
-      ─▶ ports file, "pool listening" ─▶ a worker exits: log, forget its live gauges and its
-      in-flight slot, restart it after a bounded backoff
-      SIGTERM/SIGINT ─▶ SIGTERM to every worker (each drains within --drain-grace-s) ─▶
-      wait for all ─▶ remove the run dir ─▶ exit 0 (1 when a worker failed)
+      reserve the ports ─▶ spawn ``python -m sidecar.worker`` 0..N-1 ─▶ each reports its
+      ports on a pipe once listening ─▶ ports file, "pool listening" ─▶ a worker exits: log,
+      forget its live gauges and in-flight slot, restart it after a ``Backoff``
+      SIGTERM/SIGINT ─▶ SIGTERM to every worker (each drains) ─▶ wait for all ─▶ remove
+      the run dir ─▶ exit 0 (1 when a worker failed)
 
-Each worker is ``python -m sidecar.worker`` with its index; it reports its bound ports
-on a pipe once listening, and holds the read end of a lifeline pipe whose end-of-file (this
-process gone, even by SIGKILL) makes it drain and exit, so no worker outlives its supervisor.
-
-Deliberate limits: a worker that dies before it ever listened on its first start (a bad
-certificate, a port taken) stops the whole pool with exit 1, as a lone process would refuse to
-start; after that, a worker is restarted however often it dies (backoff 0.2 s doubling to
-10 s, reset once it has served for 30 s).
+A lifeline pipe's end-of-file (the supervisor gone, even by SIGKILL) makes a worker drain and
+exit. Deliberate limit: a worker that dies before it first listened stops the pool (exit 1).
+What operators see: README, "Workers".
 """
 
 from __future__ import annotations
@@ -134,8 +129,7 @@ class _Pool:
                 "--count", str(self.count), "--report-fd", str(report_write),
                 "--lifeline-fd", str(self.lifeline_read),
                 pass_fds=(report_write, self.lifeline_read),
-                env={**os.environ, MULTIPROC_DIR_ENV: str(self.metrics_dir)},
-            )
+                env={**os.environ, MULTIPROC_DIR_ENV: str(self.metrics_dir)})
         finally:
             os.close(report_write)  # the worker holds the only write end: its exit is EOF
         self.processes[index] = process

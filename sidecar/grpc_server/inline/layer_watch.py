@@ -6,27 +6,9 @@
         await notices.wait()      returns after a notice or a ``wake()`` (e.g. engine answered)
     # socket closed and unlinked on exit, whatever the exit
 
-Why a Unix datagram socket bound per request (the wire format is in
-``connectors.inline_layout``): it costs the engine one non-blocking ``sendto`` per layer and
-the sidecar one ``recv`` per layer, delivered straight into the event loop by ``add_reader``
-(no thread, no polling, no dependency); binding before the engine is called means no notice
-can precede the listener; the per-request path keeps requests apart without a dispatcher and
-lets several sidecars share a staging root; and datagrams keep message boundaries, so there
-is no framing to get wrong. inotify (via ctypes or a library such as watchfiles) would need
-a watch on a directory the engine creates (a race the sidecar must close by re-scanning),
-is Linux-only through ctypes, and watchfiles runs a thread per watcher with debouncing that
-delays events by design. A socket on the shared volume works between the containers of one
-pod (same kernel).
-
-Loss is harmless by construction: a notice only wakes the reader, which then trusts nothing
-but the layer file itself (it appears under its final name only complete); whatever was not
-announced is read from its file after the engine has answered. Notices that do not parse or
-name another key are ignored.
-
-Deliberate limits: a staging root so long that ``<root>/.<key>.notify`` does not fit
-``sun_path`` (about 107 bytes) disables the notices for that request (a warning is logged;
-the stream then starts when the engine answers); the socket is made group-writable (0660):
-the engine's container must share the sidecar's user or group (Kubernetes ``fsGroup``).
+Deliberate limits: a path too long for ``sun_path`` (about 107 bytes) disables the notices
+(the layers then stream once the engine answers); the socket is mode 0660. Why a datagram
+socket, and why a lost notice is harmless: docs/design-notes.md#layer-notices
 """
 
 from __future__ import annotations
@@ -63,12 +45,8 @@ class LayerNotices:
         self.open()
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         self.close()
 
     def open(self) -> None:
@@ -89,8 +67,7 @@ class LayerNotices:
                     self.path.unlink()
             logger.warning(
                 "inline KV %s: no layer notices (%s); layers stream once the engine answers",
-                self.key, exc,
-            )
+                self.key, exc)
             return
         self._sock, self._loop = sock, loop
 

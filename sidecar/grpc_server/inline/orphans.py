@@ -3,28 +3,11 @@
     sweep_orphans(root, owned, older_than_s)     one pass; returns the names removed
     OrphanSweeper(root, owned, older_than_s).run(interval_s)    a pass now, then periodically
 
-Why: every request removes its own directory when it ends, whatever the end. One case escapes
-that: a Prefill cancelled while the engine's forward pass is already saving its KV (vLLM
-cannot stop a forward pass in progress) gets its layer files written *after* the sidecar
-removed the directory, and a sidecar that crashed leaves its requests' files behind. On a
-memory-backed volume those bytes would stay until the pod dies. The sweep removes them.
-
-What counts as an orphan: an entry named like this project's request keys (``p-<32 hex>``
-prefill, ``d-<32 hex>`` decode, or a prefill's notice socket ``.p-<32 hex>.notify``) that no
-in-flight request of this process owns and that has not changed for ``older_than_s`` (an
-engine's late writes come within one forward pass, so the age also guards a directory the
-engine is still writing). Nothing else in the root is touched (``engine.json``, other
-tenants' files).
-
-Workers (``--workers N``): the staging root is the pod's, the owned sets are each worker's.
-Worker 0 alone sweeps (``sweeps``); every worker keeps the entries it owns fresh (``touches``:
-their mtime set to now, more often than ``older_than_s``), so an entry another worker still
-owns (a decode staged for minutes) is never old enough to be swept, and one whose worker
-died stops being refreshed and goes after ``older_than_s``.
-
-Deliberate limits: age is the entry's own mtime (a directory's changes with every file the
-connector creates, the layer files being written under a temporary name and renamed); one
-sidecar (one pool of workers) per staging root.
+An orphan is an entry named like a request key (``p-<32 hex>``, ``d-<32 hex>``, a prefill's
+``.p-<32 hex>.notify``) that no in-flight request of this process owns and that has not changed
+for ``older_than_s``; nothing else in the root is touched. Deliberate limits: age is the
+entry's own mtime; one sidecar (one pool) per staging root. Why a sweep, and how a pool of
+workers shares it: docs/design-notes.md#orphan-sweep
 """
 
 from __future__ import annotations
@@ -92,21 +75,11 @@ def touch_owned(root: Path, owned: Collection[str]) -> int:
 
 
 class OrphanSweeper:
-    """Sweeps ``root`` now and then every ``interval_s`` (run as a task; cancel to stop).
+    """Sweeps ``root`` now and then every ``interval_s`` (run as a task; cancel to stop), if
+    ``sweeps``; with ``touches``, keeps this process's entries fresh for another's sweeps."""
 
-    ``sweeps`` False: only keeps this process's entries fresh (another worker sweeps);
-    ``touches`` True: keeps them fresh, for the sweeps of another worker.
-    """
-
-    def __init__(
-        self,
-        root: Path,
-        owned: Callable[[], Collection[str]],
-        older_than_s: float,
-        *,
-        sweeps: bool = True,
-        touches: bool = False,
-    ) -> None:
+    def __init__(self, root: Path, owned: Callable[[], Collection[str]], older_than_s: float,
+                 *, sweeps: bool = True, touches: bool = False) -> None:
         self.root = root
         self._owned = owned
         self.older_than_s = older_than_s

@@ -1,22 +1,15 @@
 """What the prefill side reads from its engine's files: the announced metadata, one layer.
 
-    announced_meta(root, key, num_tokens)  ─▶ InlineMeta from engine.json, before any compute
-                                              (None: no or unreadable engine.json)
-    pages_per_block(meta, kv_block_bytes)  ─▶ engine pages per streamed block (at least 1)
+    announced_meta(root, key, num_tokens)  ─▶ the InlineMeta the connector will write, from
+                                              engine.json before any compute (None: no file)
     read_staged_meta(dir)                  ─▶ the metadata the connector wrote (meta.json)
-    read_layer_messages(rid, meta, dir, l) ─▶ layer l's KVBlockStream messages, serialized,
-                                              block order (``meta.pages_per_block`` pages each)
+    read_layer_messages(rid, meta, dir, l) ─▶ layer l's KVBlockStream messages, serialized
     ready_layer_messages(...)              ─▶ the same, or None while the file is not there
 
-``announced_meta`` predicts what the connector will write to ``meta.json`` for a prompt of
-``num_tokens`` tokens: the engine's layout, ``num_tokens``, ``ceil(num_tokens /
-block_size)`` blocks, the key. ``meta.json`` adds nothing else; the caller still compares the
-two once the engine has answered (a restarted engine with another configuration, or a
-connector that saved a different token count, must not pass).
-
-Deliberate limits: the messages of one layer are built in memory at once (one layer, not the
-request: the file's bytes and its messages, about twice the layer); a layer file of the
-wrong size is FAILED_PRECONDITION (the engine wrote something else than announced).
+The caller compares announced and written metadata once the engine has answered
+(docs/design-notes.md#announced-meta). Deliberate limits: one layer's messages
+are built in memory at once (about twice the layer); a layer file of the wrong size is
+FAILED_PRECONDITION.
 """
 
 from __future__ import annotations
@@ -63,8 +56,7 @@ def read_staged_meta(directory: Path) -> InlineMeta:
         raise FailedPrecondition(
             "the prefill engine wrote no inline KV (is it running SidecarKVConnector with the "
             "sidecar's staging directory?)",
-            stage=Stage.PREFILL,
-        ) from None
+            stage=Stage.PREFILL) from None
     try:
         return InlineMeta.from_json(data)
     except LayoutError as exc:
@@ -92,14 +84,9 @@ def read_layer_messages(
 def ready_layer_messages(
     request_id: str, meta: InlineMeta, directory: Path, layer_idx: int
 ) -> list[LayerMessage] | None:
-    """Layer ``layer_idx``'s data blocks as serialized Prefill stream messages, None if no
-    file yet: block ``j`` carries pages ``meta.run_pages(j)``, their K tiles one after the
-    other in ``k_data`` and their V tiles in ``v_data``.
-
-    The file (K tile, V tile per page) is read once; each message is framed from slices of
-    it (``frame_stream_block``): one copy from the file to the message, none through
-    protobuf objects.
-    """
+    """Layer ``layer_idx``'s data blocks as serialized Prefill stream messages (block ``j``:
+    pages ``meta.run_pages(j)``), None if no file yet; the file is read once and each message
+    framed from slices of it: one copy from the file to the message."""
     tile = meta.layout.tile_bytes
     expected = meta.num_blocks * 2 * tile
     try:
@@ -111,8 +98,7 @@ def ready_layer_messages(
         if size != expected:
             raise FailedPrecondition(
                 f"layer {layer_idx} file has {size} bytes, expected {expected}",
-                stage=Stage.PREFILL,
-            )
+                stage=Stage.PREFILL)
         fh.seek(0)
         data = memoryview(fh.read())
     messages: list[LayerMessage] = []

@@ -1,27 +1,15 @@
 """The protobuf wire of DecodeRequest walked without building messages: KV tiles as memoryviews.
 
     split_decode_request(data) ─▶ (head, blocks)
-      head:   every field of the DecodeRequest but ``kv_blocks`` (2), re-framed as they came:
-              small, parsed by upb as usual (``DecodeRequest.FromString(head)``)
+      head:   every field but ``kv_blocks`` (2), re-framed as they came (``FromString`` it)
       blocks: one ``WireBlock(layer_idx, block_idx, k_data, v_data)`` per ``kv_blocks`` entry,
               ``k_data`` / ``v_data`` memoryviews into ``data`` (no copy of the KV)
-    kv_block_of_stream(data) ─▶ the KVBlock bytes inside a serialized KVBlockStream (a router
-                                that forwards blocks opaquely frames DecodeRequest from them)
-    frame_decode_request(head, blocks) ─▶ that framing: ``head`` then each block as field 2
-    frame_stream_block(rid, layer, block, k_parts, v_parts) ─▶ a serialized KVBlockStream
-                                whose K and V are parts joined (the inline Prefill's blocks)
+    kv_block_of_stream, frame_decode_request, frame_stream_block: the router's and the inline
+              Prefill's framing of blocks, without message objects
 
-Why: upb parsing a 32 MiB DecodeRequest copies every tile into its arena, and reading a
-``bytes`` field copies it again; this walk copies nothing, so the decode side holds the KV
-once (the request bytes grpc hands over) until it is written to the staging files.
-
-Same meaning as protobuf's parser for what a conformant encoder emits: fields in any order;
-the last value of a repeated scalar wins; unknown fields, and known fields of an unexpected
-wire type (protobuf treats them as unknown), are skipped; ``int32`` from a 64-bit varint
-(negative numbers are sign-extended to ten bytes); a KVBlock's ``request_id`` must be UTF-8.
-Malformed wire (a truncated field, a varint over ten bytes, a length past the end, field
-number 0, wire types 6 and 7) raises ``WireError``. Deliberate limit: groups (wire types 3
-and 4, proto2 only, never emitted for this proto3 contract) are refused as malformed too.
+Malformed wire raises ``WireError``; groups (wire types 3 and 4, proto2 only) count as
+malformed. Why, and what it reads exactly as protobuf's parser does:
+docs/design-notes.md#decode-wire-walk
 """
 
 from __future__ import annotations
@@ -181,14 +169,8 @@ _KV_BLOCKS_KEY: Final = encode_varint(DECODE_KV_BLOCKS << 3 | LEN)
 
 
 def frame_decode_request(head: bytes, blocks: Iterable[bytes | memoryview]) -> bytes:
-    """A DecodeRequest's bytes: ``head`` (its other fields, serialized) followed by each
-    serialized KVBlock as a ``kv_blocks`` entry.
-
-    Protobuf concatenation: a repeated field's entries may follow the rest of the message, so
-    a router frames blocks it forwards opaquely instead of copying them into one message and
-    serializing that (upb serializes a 32 MiB message several times slower). The bytes parse
-    to the same DecodeRequest.
-    """
+    """A DecodeRequest's bytes: ``head`` (its other fields, serialized), then each serialized
+    KVBlock as a ``kv_blocks`` entry (protobuf concatenation: the same DecodeRequest)."""
     parts: list[bytes | memoryview] = [head]
     for block in blocks:
         parts += (_KV_BLOCKS_KEY, encode_varint(len(block)), block)
@@ -205,17 +187,11 @@ def _int_field(number: int, value: int) -> bytes:
     return encode_varint(number << 3 | VARINT) + encode_varint(value) if value else b""
 
 
-def frame_stream_block(
-    request_id: str,
-    layer_idx: int,
-    block_idx: int,
-    k_parts: Sequence[bytes | memoryview],
-    v_parts: Sequence[bytes | memoryview],
-) -> bytes:
-    """A serialized ``KVBlockStream{block: KVBlock{...}}`` whose ``k_data`` is ``k_parts``
-    joined and ``v_data`` is ``v_parts`` joined: the bytes ``SerializeToString`` gives for
-    that message, built with one copy of the parts (no message object, no join per field).
-    """
+def frame_stream_block(request_id: str, layer_idx: int, block_idx: int,
+                       k_parts: Sequence[bytes | memoryview],
+                       v_parts: Sequence[bytes | memoryview]) -> bytes:
+    """The bytes ``SerializeToString`` gives for ``KVBlockStream{block: KVBlock{...}}`` with
+    ``k_parts`` and ``v_parts`` joined, built with one copy of the parts."""
     k_len = sum(len(part) for part in k_parts)
     v_len = sum(len(part) for part in v_parts)
     rid = request_id.encode("utf-8")
@@ -234,11 +210,8 @@ def frame_stream_block(
 
 
 def kv_block_of_stream(data: bytes | memoryview) -> memoryview | None:
-    """The serialized KVBlock of a KVBlockStream message (None when it has no block).
-
-    A ``block`` field that occurs more than once is merged by protobuf; here that is refused
-    (no encoder emits it), so the bytes returned always parse to the block protobuf would see.
-    """
+    """The serialized KVBlock of a KVBlockStream message (None when it has no block); a
+    repeated ``block`` field (protobuf would merge them) is refused."""
     buf = memoryview(data).cast("B")
     end = len(buf)
     found: memoryview | None = None

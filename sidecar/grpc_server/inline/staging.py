@@ -1,11 +1,10 @@
 """The decode side's staging area: request directories on the shared volume, bounded.
 
 ``StagingArea.stage(kv)`` is an async context manager: it reserves the request's bytes
-against ``max_bytes`` (over the bound: RESOURCE_EXHAUSTED, nothing written), writes the
-layer files and then ``meta.json`` (the connector trusts a directory only once that file
-exists) under a fresh key, yields the key, and removes the directory and the reservation
-when the block exits: normally, by an error or by cancellation. ``staged_keys()`` and
-``reserved_bytes`` let tests assert that nothing leaks.
+against ``max_bytes`` (over the bound: RESOURCE_EXHAUSTED, nothing written), writes the layer
+files, then ``meta.json`` (the connector trusts a directory only once that file exists) under a
+fresh key, yields the key, and removes the directory and the reservation however the block
+exits. ``staged_keys()`` and ``reserved_bytes`` let tests assert that nothing leaks.
 
 Deliberate limits: one process owns a staging root (reservations are in memory); the
 engine-published ``engine.json`` in the root is never touched.
@@ -21,7 +20,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
-from connectors.inline_layout import ENGINE_FILE, META_FILE, InlineMeta, layer_file, write_atomic
+from connectors.inline_layout import META_FILE, InlineMeta, layer_file, write_atomic
 from sidecar.errors import ResourceExhausted, Stage
 from sidecar.grpc_server.inline.wire import InlineKV, Tile
 
@@ -56,8 +55,7 @@ class StagingArea:
             raise ResourceExhausted(
                 f"inline KV of {nbytes} bytes does not fit: {self.reserved_bytes} of "
                 f"{self.max_bytes} staged bytes in use",
-                stage=Stage.HANDOFF,
-            )
+                stage=Stage.HANDOFF)
         key = f"d-{uuid.uuid4().hex}"
         self._reserved[key] = nbytes
         return key
@@ -101,5 +99,3 @@ def _write_chunks(path: Path, chunks: list[Tile]) -> None:
     finally:
         os.close(fd)
 
-
-__all__ = ["ENGINE_FILE", "StagingArea"]

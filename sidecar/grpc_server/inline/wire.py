@@ -1,25 +1,14 @@
 """Inline KV blocks: the metadata control block (``layer_idx == -2``) and the data blocks.
 
 Prefill side: ``meta_block`` is the stream's first block; the data blocks are built from the
-engine's layer files by ``sidecar.grpc_server.inline.prefill_files`` (one layer at a time).
+engine's layer files (``prefill_files``). Decode side: ``parse_blocks`` (``parse_entries`` for
+blocks walked off the wire by ``protowire``) reassembles and checks a ``DecodeRequest``'s
+blocks: INVALID_ARGUMENT for anything malformed, RESOURCE_EXHAUSTED past ``max_kv_blocks``;
+``check_compatible`` refuses KV of another model, dtype or shape than the local engine's
+(FAILED_PRECONDITION).
 
-Decode side: ``parse_blocks`` reassembles a ``DecodeRequest``'s blocks and checks them
-(``parse_entries`` the same for blocks walked off the wire by
-``sidecar.grpc_server.inline.protowire``):
-a missing, duplicated or malformed metadata block, a data block outside the metadata's
-layers/blocks, a tile of the wrong size, a duplicated or missing block -> INVALID_ARGUMENT
-(``InvalidRequest``); ``check_compatible`` refuses KV of another model, dtype or shape than
-the local engine's -> FAILED_PRECONDITION.
-
-The ``-2`` block: ``block_idx`` 0, ``k_data`` the UTF-8 JSON of ``InlineMeta`` (keys
-``version`` 1, ``kind`` "inline_kv", ``dtype``, ``block_size``, ``num_kv_heads``,
-``head_size``, ``num_layers``, ``num_tokens``, ``num_blocks``, ``fingerprint``, ``layout``
-"HNC", ``key``, and ``pages_per_block`` when it is not 1), ``v_data`` empty. Data block
-``(layer, j)`` carries the engine pages ``meta.run_pages(j)`` of that layer: their K tiles
-back to back in ``k_data``, their V tiles in ``v_data``; a decode accepts any
-``pages_per_block`` (1, what senders without the key send, included) within
-``max_kv_blocks`` and the message size. Deliberate limit: the metadata fits one block (it
-is a few hundred bytes).
+The encoding (metadata keys, pages and runs) and every decode rule: protos/README.md
+("layer_idx -2"). Deliberate limit: the metadata fits one block (a few hundred bytes).
 """
 
 from __future__ import annotations
@@ -91,8 +80,7 @@ def parse_blocks(blocks: Sequence[disagg_pb2.KVBlock], *, max_blocks: int) -> In
 
 
 def parse_entries(entries: Sequence[Entry], *, max_blocks: int) -> InlineKV:
-    """``parse_blocks`` on blocks already taken apart (e.g. by
-    ``sidecar.grpc_server.inline.protowire``)."""
+    """``parse_blocks`` on blocks already taken apart (``protowire``)."""
     metas = [e for e in entries if e[0] == INLINE_META_LAYER]
     if len(metas) != 1:
         raise _bad(f"expected one metadata block (layer_idx -2), got {len(metas)}")
@@ -109,8 +97,7 @@ def parse_entries(entries: Sequence[Entry], *, max_blocks: int) -> InlineKV:
     if expected > max_blocks:
         raise ResourceExhausted(
             f"inline KV has {expected} blocks; this sidecar accepts {max_blocks} per request",
-            stage=Stage.HANDOFF,
-        )
+            stage=Stage.HANDOFF)
     tiles: list[list[tuple[Tile, Tile] | None]] = [
         [None] * runs for _ in range(layout.num_layers)
     ]
@@ -147,20 +134,15 @@ def parse_entries(entries: Sequence[Entry], *, max_blocks: int) -> InlineKV:
 def check_compatible(meta: InlineMeta, engine: InlineLayout | None) -> None:
     """FAILED_PRECONDITION unless the KV fits the local engine exactly."""
     if engine is None:
-        raise FailedPrecondition(
-            "the local engine has not published its KV layout (engine.json in the staging "
-            "directory): is it running SidecarKVConnector?",
-            stage=Stage.HANDOFF,
-        )
+        raise _unfit("the local engine has not published its KV layout (engine.json in the "
+                     "staging directory): is it running SidecarKVConnector?")
     got = meta.layout
     if got.fingerprint != engine.fingerprint:
-        raise FailedPrecondition(
-            f"inline KV comes from another model/config (fingerprint {got.fingerprint}, "
-            f"local engine {engine.fingerprint})",
-            stage=Stage.HANDOFF,
-        )
+        raise _unfit(f"inline KV comes from another model/config (fingerprint "
+                     f"{got.fingerprint}, local engine {engine.fingerprint})")
     if got != engine:
-        raise FailedPrecondition(
-            f"inline KV layout {got} does not match the local engine's {engine}",
-            stage=Stage.HANDOFF,
-        )
+        raise _unfit(f"inline KV layout {got} does not match the local engine's {engine}")
+
+
+def _unfit(message: str) -> FailedPrecondition:
+    return FailedPrecondition(message, stage=Stage.HANDOFF)
