@@ -3,15 +3,12 @@
     open_runtime ─▶ HTTP (aiohttp AppRunner) + gRPC (grpc.aio) + engine health watcher
     SIGTERM ─▶ not ready, refuse new requests ─▶ wait for in-flight (grace) ─▶ stop ─▶ exit 0
 
-With tls_cert_file and tls_key_file the HTTP port serves HTTPS and the gRPC port TLS, from one
-``sidecar.tls.ReloadingServerTLS`` whose reload task runs while serving.
-
-``--port 0`` / ``--grpc-port 0`` let the OS choose; the bound ports are logged and, with
-``--ports-file``, written as JSON once both servers listen (tests and scripts read it).
-
-With ``--workers N`` (N > 1) this runs in each worker process (``sidecar.workers``), given the
-worker's identity: the HTTP sites bind with SO_REUSEPORT so every worker listens on the same
-ports (grpcio sets SO_REUSEPORT on Linux by default) and the kernel spreads connections.
+TLS (tls_cert_file and tls_key_file): HTTPS and gRPC TLS from one ``ReloadingServerTLS``,
+whose reload task runs while serving. ``--port 0`` / ``--grpc-port 0``: the OS chooses; the
+bound ports are logged and written to ``--ports-file`` as JSON once both servers listen.
+With ``--workers N`` this runs in each worker process (``sidecar.workers``): the HTTP sites
+bind with SO_REUSEPORT (grpcio sets it on Linux by default), so every worker listens on the
+same ports and the kernel spreads connections.
 """
 
 from __future__ import annotations
@@ -95,12 +92,10 @@ async def run_server(
     tls: ReloadingServerTLS | None = None,
     worker: WorkerIdentity = SOLO,
 ) -> int:
-    """Serve until ``stop`` is set, then drain and return the exit code.
-
-    ``on_listening`` gets the bound ports (``http``, ``grpc``, ``metrics``) once all listen.
-    ``tls``: the server certificate (default: ``server_tls(settings)``); HTTPS and gRPC TLS
-    use it, and a task reloads it while serving. ``worker``: this process's place in a pool.
-    """
+    """Serve until ``stop`` is set, then drain and return the exit code. ``on_listening``
+    gets the bound ports (``http``, ``grpc``, ``metrics``) once all listen; ``tls``: the server
+    certificate (default ``server_tls(settings)``, reloaded by a task while serving);
+    ``worker``: this process's place in a pool."""
     tls = tls if tls is not None else server_tls(settings)
     async with open_runtime(settings, worker=worker) as runtime:
         http_runner = await _start_site(
@@ -152,13 +147,8 @@ async def run_server(
 
 
 def freeze_startup_objects(ports: dict[str, int]) -> None:
-    """Keep what starting up allocated out of the garbage collector's scans.
-
-    Modules, classes, settings and the app live as long as the process; after ``gc.freeze``
-    a full collection walks only what requests allocated since. Measured with 256 paced
-    streams (``bench.run --mode paced``): full collections of about 55,000 objects took
-    16-42 ms, a pause every stream's next token waited out.
-    """
+    """Keep what starting up allocated (it lives as long as the process) out of the garbage
+    collector's scans: docs/design-notes.md#gc-freeze."""
     gc.freeze()
 
 

@@ -1,7 +1,6 @@
 """Every call the core makes to an engine, with its URL, deadline, span and accounting.
 
-    post_prefill(leg)              ─▶ the prefill's JSON answer (a remote target's leg counts as
-                                      in flight there; a refused connect cools the target down)
+    post_prefill(leg)              ─▶ the prefill's JSON answer (counted in ``choice``)
     open_decode(route, body, ...)  ─▶ UpstreamResponse (head arrived, status 200)
     post_local(path, body, ...)    ─▶ a small JSON call to the local engine (its tokenizer)
     passthrough(method, path, ...) ─▶ the local engine's raw response (HTTP passthrough)
@@ -9,13 +8,9 @@
     abort(path, body, target)         a dialect's abort call to both engines, in the background
     get(url, max_bytes=)              a dialect's side-channel lookup (``EngineLookup``)
 
-Only the core talks to engines; this module knows no engine: bodies, paths and abort calls
-come from the dialect, through the flow (``sidecar.core.flow``).
-
-Tracing: a call of a traced request runs in its leg span, and that span, not the client's,
-is the ``traceparent`` the engine receives. An untraced request (tracing off) takes exactly
-the calls it took before tracing existed: the untraced branches hand back the plain call
-(no extra coroutine layer, which each resumption of the leg would cross again).
+This module knows no engine: bodies, paths and abort calls come from the dialect. A traced
+call runs in its leg span, the ``traceparent`` the engine receives; an untraced one is the
+plain call, with no extra coroutine layer (docs/design-notes.md#untraced-calls).
 """
 
 from __future__ import annotations
@@ -122,11 +117,8 @@ class EngineCalls:
     # -- prefill ----------------------------------------------------------------------------
 
     async def post_prefill(self, leg: PrefillLeg) -> dict[str, Any]:
-        """POST a prefill leg and return its JSON object answer.
-
-        A leg to a remote target counts as in flight there while it runs; a refused connect
-        cools the target down (``TargetChoice``).
-        """
+        """POST a prefill leg and return its JSON object answer (a remote target's leg is
+        accounted in ``choice``)."""
         post = self._post(leg)
         if leg.target is None:
             return await post
@@ -224,11 +216,8 @@ class EngineCalls:
 
     def abort(self, path: str, body: Mapping[str, Any], target: PrefillTarget) -> None:
         """POST a dialect's abort call to the local engine and to ``target``, in the
-        background, bounded by the connect timeout.
-
-        Closing a connection is not enough for engines that notice a gone client only when
-        they next write.
-        """
+        background, within the connect timeout (closing a connection is not enough for an
+        engine that notices a gone client only when it next writes)."""
         for base, tls_name in ((self.engine_url, None), (target.base_url, target.tls_name)):
             task = asyncio.ensure_future(self._post_abort(base + path, body, tls_name))
             self._aborts.add(task)

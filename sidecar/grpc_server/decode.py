@@ -1,5 +1,4 @@
-"""``disagg.DecodeWorker/Decode``: one service, given a hand-off strategy; one TokenStream
-per generated token.
+"""``disagg.DecodeWorker/Decode``: one service, given a hand-off strategy; a TokenStream a token.
 
     request (a DecodeRequest, or its wire bytes for inline KV) ─strategy.read()─▶ DecodeInput
       ─serving(scope)─▶ admit ─strategy.decode_body()─▶ (engine body, request id)
@@ -8,23 +7,12 @@ per generated token.
       ─flow.open_decode─▶ POST /v1/completions (stream) ─TokenStreamParser─▶
       TokenStream{request_id, token_id} ... {done, finish_reason}
 
-Tracing: the call's metadata is the trace carrier; the hand-off read, the decode's first byte
-and the relay (its token count) are spans of the request (``sidecar.observability.tracing``).
-
-The engine's stream is parsed as it arrives; nothing is buffered beyond one event. What a
-strategy sets up for the request (inline: the staged KV) lives in the request's exit stack
-and ends with the RPC, whether it finished, failed or was cancelled.
-
-Errors: a stream that breaks after tokens were sent ends the RPC with the error's status
-(tokens already sent stay sent, no fabricated ``done``). A client that cancels, or whose
-deadline passes, closes the engine connection: the engine aborts the request.
-
-Keep-alive: ``data: [DONE]`` ends the token stream, not the engine's HTTP response; its
-chunked terminator (``0\r\n\r\n``) often comes in a later read. After the last
-``TokenStream`` the relay reads on to the response's end, so the connection goes back to the
-pool instead of being closed; it waits at most ``_TAIL_WAIT_S`` and reads at most
-``_TAIL_MAX_BYTES`` (an engine that sends more, or nothing, only costs its connection).
-
+The engine's stream is parsed as it arrives (nothing buffered beyond one event); the call's
+metadata is the trace carrier. What a strategy sets up (inline: the staged KV) lives in the
+request's exit stack and ends with the RPC, however it ends. A break after tokens were sent
+ends the RPC with the error's status, no fabricated ``done`` (docs/grpc.md#finish-reasons); a
+client that cancels, or whose deadline passes, closes the engine connection (the engine
+aborts); after ``done`` the answer's rest is read (docs/design-notes.md#decode-tail).
 Deliberate limits: one sequence per request (the contract's ``TokenStream`` has one).
 """
 
@@ -55,9 +43,7 @@ SERVICE: Final = disagg_pb2.DESCRIPTOR.services_by_name["DecodeWorker"].full_nam
 METHOD: Final = f"/{SERVICE}/Decode"
 #: The sidecar reads the stream as is: no compression (the client does not decompress).
 _DECODE_HEADERS: Final = {"Accept-Encoding": "identity"}
-#: What follows ``[DONE]`` is read for at most this long, and this much (module docstring):
-#: engines send the terminator right after ``[DONE]``; the bound only stops a broken engine
-#: from holding the RPC's trailers (the client already has every token and ``done``).
+#: What follows ``[DONE]`` is read for at most this long, and this much (design notes).
 _TAIL_WAIT_S: Final = 5.0
 _TAIL_MAX_BYTES: Final = 64 * 1024
 
@@ -66,11 +52,8 @@ Context = grpc.aio.ServicerContext[Any, disagg_pb2.TokenStream]
 
 @dataclass(frozen=True, slots=True)
 class DecodeInput:
-    """A Decode request as received: its fields, and (inline) its KV blocks off the wire.
-
-    ``walked`` is None when the blocks are still in ``request.kv_blocks``; ``malformed`` is
-    why the wire bytes could not be read (answered after admission, like every refusal).
-    """
+    """A Decode request as received, and (inline) its KV blocks off the wire (``walked``; None:
+    still in ``request.kv_blocks``) or why they could not be read (refused after admission)."""
 
     request: disagg_pb2.DecodeRequest
     walked: list[Entry] | None = None
@@ -182,7 +165,6 @@ class DecodeService:
             yield disagg_pb2.TokenStream(request_id=request_id, token_id=token_id)
         finish_reason = parser.finish()
         yield disagg_pb2.TokenStream(request_id=request_id, done=True, finish_reason=finish_reason)
-        # After the client has its ``done``: the rest of the engine's answer.
         await _read_to_the_end(response)
 
 

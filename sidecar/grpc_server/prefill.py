@@ -5,13 +5,9 @@
         inline (``sidecar.grpc_server.inline.grpc``): the engine's KV cache itself, layer by layer
       ─▶ KVBlockStream{block} ... ─▶ KVBlockStream{done: true}
 
-The handler is a coroutine that writes with ``context.write``, not an async generator: a
-cancelled RPC raises ``CancelledError`` in this frame wherever it waits, so the strategy's
-engine call is cancelled (closing its connection, which makes the engine abort the request)
-and its resources released before the RPC's bookkeeping ends.
-
-The hand-off names this pod by ``advertise_host`` (``resolve_advertise_host``): decode engines
-connect to it (NIXL side channel, SGLang and Mooncake bootstrap servers).
+A coroutine handler writing with ``context.write``: a cancelled RPC cancels the engine call in
+its frame (docs/design-notes.md#grpc-prefill-handler). The hand-off names this pod by
+``resolve_advertise_host``, which decode engines dial (NIXL side channel, bootstrap servers).
 """
 
 from __future__ import annotations
@@ -37,8 +33,7 @@ SERVICE: Final = disagg_pb2.DESCRIPTOR.services_by_name["PrefillWorker"].full_na
 METHOD: Final = f"/{SERVICE}/Prefill"
 _DEFAULT_PORTS: Final = {"http": 80, "https": 443}
 
-#: One stream message: a KVBlockStream, or one already serialized (inline KV data blocks,
-#: framed straight from the engine's files by ``sidecar.grpc_server.inline.prefill_files``).
+#: One stream message: a KVBlockStream, or one serialized (inline data blocks, ``prefill_files``).
 StreamMessage = disagg_pb2.KVBlockStream | bytes
 #: Sends one stream message and counts its K+V bytes.
 Send = Callable[[StreamMessage, int], Awaitable[None]]
@@ -69,13 +64,10 @@ class PrefillStrategy(Protocol):
 
 
 def resolve_advertise_host(settings: Settings) -> str | None:
-    """The host decode engines use to reach this pod's engine, or None when unknown.
-
-    ``advertise_host`` (flag, env or POD_IP) wins, loopback included (an operator who runs
-    both pods on one host says so explicitly). Without it, the engine URL's host serves when
-    it is not loopback. A loopback engine URL and no advertise host: None, and Prefill refuses
-    with FAILED_PRECONDITION rather than hand decode an address that points at itself.
-    """
+    """The host decode engines use to reach this pod's engine: ``advertise_host`` (flag, env
+    or POD_IP; loopback included: both pods on one host, said explicitly), else the engine
+    URL's host unless loopback; else None, and Prefill refuses (FAILED_PRECONDITION) rather
+    than hand decode an address that points at itself."""
     if settings.advertise_host:
         return settings.advertise_host
     host = urlsplit(settings.engine_url).hostname or ""

@@ -1,36 +1,18 @@
 """Every use of aiohttp's private surface, in one place, each with its contract test.
 
-aiohttp offers no public hook for three things the front door needs; each is done here, and
-``tests/http_server/test_aiohttp_private.py`` checks every touch against the installed
-aiohttp (pyproject.toml pins the minor versions those tests passed on):
+``tests/http/test_aiohttp_private.py`` checks every touch against the installed aiohttp
+(pyproject.toml pins the minor versions those tests passed on):
 
-1. **A deadline for a client's request head** (``HeadTimeoutAppRunner``). aiohttp bounds the
-   size of a head but not the time it takes to arrive, so a client that sends a head a byte at
-   a time (or connects and sends nothing) holds a socket for as long as the keep-alive
-   timeout allows. ``web.Server`` builds ``RequestHandler`` directly, so the runner re-classes
-   the server it built (``AppRunner._make_server``; the server's ``_kwargs`` and ``_loop``
-   rebuild the handler with every argument the application set) to one that builds the
-   subclass below, which reads two attributes of ``RequestHandler``: ``_waiter`` (set while
-   the handler waits for the next request) and ``_request_count`` (heads parsed).
-   A timer is armed on ``connection_made`` and when a kept-alive, idle connection receives
-   bytes that do not complete a head; cancelled when a head is parsed; when it fires the
-   connection is closed. Requests whose head arrives in one read never arm a timer on
-   kept-alive connections.
-2. **A stream's head leaving with its first chunk** (``StreamWithHead``): the private class
-   attribute ``_send_headers_immediately``, which aiohttp's own ``web.Response`` sets; one
-   send instead of two.
-3. **Relayed bytes written straight onto the client's transport** (``ClientSocket``): the
-   streamed relay writes each read's bytes from the upstream connection's read callback, in
-   the framing aiohttp's ``StreamWriter`` uses (HTTP/1.1 chunks ``%x\r\n...\r\n``; an
-   HTTP/1.0 client gets the bare bytes), after aiohttp has written the head and the first
-   chunk (its writer then holds nothing back), and waits out a full socket with the writer's
-   ``drain``.
+1. ``HeadTimeoutAppRunner``: a deadline for a client's request head. The runner re-classes the
+   server ``AppRunner._make_server`` built; its handler times heads by ``RequestHandler._waiter``
+   and ``_request_count`` and closes a connection whose head is late.
+2. ``StreamWithHead``: a stream's head leaves with its first chunk (``_send_headers_immediately``).
+3. ``ClientSocket``: relayed bytes written straight onto the client's transport in aiohttp's
+   framing, after aiohttp wrote the head and first chunk; a full socket waits on ``drain``.
 
-Deliberate limits (the head deadline): the bytes of a next request that a client pipelines
-while its current one is still being answered are not timed (they are told from a body only
-once the handler waits for a new head; a timer starts then if more bytes arrive); a
-connection that stays idle between requests is left to aiohttp's keep-alive timeout; the TLS
-handshake has asyncio's own timeout (60 s) and ``connection_made`` comes after it.
+Deliberate limits (the head deadline): bytes pipelined while a request is being answered are
+not timed; an idle kept-alive connection is left to aiohttp's keep-alive timeout; the TLS
+handshake has asyncio's own timeout (60 s). Why each touch: docs/design-notes.md#aiohttp-private
 """
 
 from __future__ import annotations
@@ -60,8 +42,7 @@ class _HeadTimeoutHandler(RequestHandler):
         self._arm()  # a client that connects and sends nothing is late too
 
     def data_received(self, data: bytes) -> None:
-        # ``_waiter`` is set while the handler waits for the next request: bytes arriving
-        # then start a head (bytes arriving while it is handling one are its body).
+        # ``_waiter`` is set while waiting for the next request: bytes then start a head.
         awaiting_head = self._waiter is not None
         heads_before = self._request_count
         super().data_received(data)
@@ -110,8 +91,7 @@ class HeadTimeoutAppRunner(web.AppRunner):
 
     async def _make_server(self) -> web.Server:
         server = await super()._make_server()
-        # Re-class rather than rebuild: the server carries the application's handler
-        # arguments, which only aiohttp's own factory knows how to assemble.
+        # Re-class, not rebuild: only aiohttp's factory assembles the handler arguments.
         server.__class__ = _HeadTimeoutServer
         assert isinstance(server, _HeadTimeoutServer)
         server.head_timeout_s = self._head_timeout_s
@@ -119,11 +99,7 @@ class HeadTimeoutAppRunner(web.AppRunner):
 
 
 class StreamWithHead(web.StreamResponse):
-    """A stream whose head leaves with its first chunk: one send instead of two.
-
-    aiohttp's own ``web.Response`` buffers its head this way; a ``StreamResponse`` sends it at
-    ``prepare()`` unless told otherwise.
-    """
+    """A stream whose head leaves with its first chunk (as ``web.Response`` does): one send."""
 
     _send_headers_immediately = False
 
@@ -139,8 +115,7 @@ class ClientSocket:
     __slots__ = ("_chunked", "_protocol", "_writer")
 
     def __init__(self, request: web.BaseRequest, response: web.StreamResponse) -> None:
-        # What aiohttp's prepare() chose: chunks for HTTP/1.1, the bare bytes until the
-        # connection closes for an HTTP/1.0 client.
+        # What prepare() chose: chunks for HTTP/1.1, bare bytes to the close for HTTP/1.0.
         self._chunked = response.headers.get(hdrs.TRANSFER_ENCODING, "").lower() == "chunked"
         self._protocol = request.protocol
         self._writer = request.writer

@@ -8,19 +8,12 @@
     relay.total, relay.engine_error          what the stream is counted by
                                              (``stream_broke``, ``engine_error_reported``)
 
-``feed`` runs in the upstream connection's read callback (``PDExchange.pipe``): it writes the
-bytes straight onto the client's socket (``aiohttp_private.ClientSocket``: aiohttp's framing,
-byte for byte) and does the stream's bookkeeping: bytes relayed, an engine's error event in
-the stream (``markers.error_event``), the last bytes (for the ``markers.done`` check). At an
-engine's pace every token is its own read, so this is the path each token takes; it
-resolves no future, wakes no task and touches no metric. What needs an ``await`` runs in
-``catch_up`` (the piping task): the first chunk goes through aiohttp's ``response.write`` so
-the head leaves with it in one send; a full client socket is waited out; a client that went
-away makes ``response.write`` raise as it always did.
-
-A failure after the first byte cannot change the status: ``break_off`` ends the stream with
-one error event (after the cut event's end, so the two are not glued together) and closes
-the connection, never a fabricated end marker.
+``feed`` runs in the upstream connection's read callback: it writes the bytes straight onto
+the client's socket (``aiohttp_private.ClientSocket``) and keeps the stream's bookkeeping
+(bytes, an engine's error event, the tail for the ``markers.done`` check), awaiting nothing;
+``catch_up`` (the piping task) awaits: the first chunk through aiohttp (the head leaves with
+it), a full socket, a gone client's error. A break after the first byte: one error event and a
+closed connection, never a fabricated end marker (docs/design-notes.md#relay-read-callback).
 """
 
 from __future__ import annotations
@@ -84,9 +77,7 @@ class SSERelay:
         assert socket is not None
         room = socket.write(transport, chunk)
         self._account(chunk)
-        # Bytes the socket did not take stay in the transport; past its high-water mark
-        # (where aiohttp's protocol pauses writing) reading stops until they drain.
-        return room
+        return room  # False past the high-water mark: reading stops until the bytes drain
 
     async def catch_up(self) -> None:
         """Send what ``feed`` held back (through aiohttp), then wait out a full socket."""
@@ -132,8 +123,6 @@ class SSERelay:
         self.total += len(chunk)
         tail = self.tail
         marker = self._error_event
-        # The common case costs one substring search; the seam check runs only for a chunk
-        # that does not start an event.
         if marker is not None and not self.engine_error and (chunk.find(marker) >= 0 or (
                 tail and not chunk.startswith(DATA) and carries_error_event(tail, chunk,
                                                                             marker))):
@@ -144,12 +133,8 @@ class SSERelay:
 
 
 def carries_error_event(tail: bytes, chunk: bytes, marker: bytes) -> bool:
-    """True when ``chunk`` holds (or completes) an engine's error event starting ``marker``.
-
-    Text inside an event is JSON, where a quote is always escaped, so the marker never
-    occurs inside a token. One substring search per chunk; the seam with the previous chunk
-    is looked at only when this one does not start a new event (an event split across reads).
-    """
+    """True when ``chunk`` holds (or completes) an engine's error event starting ``marker``
+    (event text is JSON, where a quote is escaped: the marker never occurs inside a token)."""
     if marker in chunk:
         return True
     if chunk.startswith(DATA) or not tail:

@@ -11,20 +11,14 @@
       ├─ trace.span(RELAY_SPAN)   relayed bytes (HTTP) or tokens (gRPC)
       └─ trace.end(outcome, error)
 
-The exporter and the SDK's provider are ``sidecar.observability.otlp``'s.
-
-When tracing is off, the front doors get ``NOOP_TRACE`` (``active`` False): the request scope
-and the core test that flag and take the calls they took before tracing existed; where a no-op
-span is still handed around, every call on it returns at once and ``headers()`` hands back the
-caller's mapping untouched, so a client's own ``traceparent`` travels to the engines exactly
-as it did without this module. When on, the sidecar's leg span
-replaces the client's ``traceparent``/``tracestate`` on each engine request, so an engine
+Off, every request gets ``NOOP_TRACE`` (``active`` False) and a client's own ``traceparent``
+reaches the engines untouched (docs/design-notes.md#untraced-calls); on, each leg span
+replaces the client's ``traceparent``/``tracestate`` on its engine request, so an engine
 started with tracing puts its spans under the sidecar's.
 
-Deliberate limits: W3C trace context only (``OTEL_PROPAGATORS`` is not read; ``baggage`` is an
-ordinary client header and is forwarded as such); no prompt or completion text, and no error
-message, is ever an attribute (messages may quote upstream state; the stable error code is
-enough); the provider is this process's own, not the OpenTelemetry global one.
+Deliberate limits: W3C trace context only (``OTEL_PROPAGATORS`` is not read; ``baggage`` is
+forwarded as an ordinary header); no prompt, completion or error message is ever an attribute
+(messages may quote upstream state: the stable code is); the provider is this process's own.
 """
 
 from __future__ import annotations
@@ -78,11 +72,8 @@ Carrier = Mapping[str, str] | Iterable[tuple[str, str | bytes]]
 
 
 class LegSpan:
-    """One span of a request (a leg, the hand-off, the relay); ends once.
-
-    This class itself is the span of a request that is not traced (``NOOP_SPAN``): nothing to
-    do, nothing to add; a traced request's spans override each method.
-    """
+    """One span of a request (a leg, the hand-off, the relay); ends once. This class itself
+    is an untraced request's span (``NOOP_SPAN``: does nothing); a traced one overrides each."""
 
     __slots__ = ()
     #: False when nothing is recorded: callers skip computing attributes.
@@ -109,11 +100,8 @@ class LegSpan:
 
 
 class RequestTrace:
-    """The spans of one client request, rooted at its request span.
-
-    This class itself is the trace of a request that is not traced (``NOOP_TRACE``): every
-    call returns at once; a traced request's trace overrides each method.
-    """
+    """The spans of one client request, rooted at its request span. This class itself is an
+    untraced request's trace (``NOOP_TRACE``: returns at once); a traced one overrides each."""
 
     __slots__ = ()
     #: False for ``NOOP_TRACE``: a caller may skip its bookkeeping calls altogether.
@@ -211,9 +199,8 @@ class _Trace(RequestTrace):
         self._context = otel_trace.set_span_in_context(span)
         self._ended = False
         self._token: Token[otel_context.Context] | None = None
-        # A request the sampler dropped: its legs would be dropped too (every standard sampler
-        # decides children like their trace), so they share the request's non-recording span,
-        # whose context still tells the engines "not sampled".
+        # Dropped by the sampler: its legs would be too (standard samplers follow the trace),
+        # so they share its non-recording span, whose context tells engines "not sampled".
         self._unsampled = None if span.is_recording() else _Span(span)
 
     def span(

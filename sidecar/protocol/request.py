@@ -1,30 +1,18 @@
 """Checks on a client's OpenAI body before a prefill/decode flow starts.
 
     checks = BodyChecks(handoff_fields)          once: the hand-off keys the dialects own
-    raw bytes ──checks.parse(raw, route)──▶ ClientRequest(route, body, stream)
+    raw bytes ──checks.parse(raw, route)──▶ ClientRequest(route, body, stream, batch, n)
                                       └──▶ InvalidRequest (HTTP 400) with a clear message
 
-This runs on every PD request, so it reads only the fields the sidecar itself acts on and
-leaves everything else to the engine: no model of the whole body. Refused:
-
-- malformed JSON, or a body that is not an object;
-- wrong types of ``stream``, ``max_tokens``, ``max_completion_tokens``, ``min_tokens``, ``n``,
-  ``prompt`` (completions) and ``messages`` (chat);
-- hand-off fields sent by the client (only a trusted router may set them; engines would
-  otherwise act on foreign KV coordinates);
-- duplicated top-level control keys (orjson silently keeps the last one; another parser on
-  the path may keep the first);
-- a ``prompt`` array that mixes strings and token-id arrays, or holds an empty one.
-
-``n > 1`` and batched prompts (an array of several strings or of several token-id arrays)
-are accepted and described by ``ClientRequest.batch`` and ``.n``: the core runs them as one
-PD pair per (prompt, choice) (``sidecar.protocol.fanout``).
-
-Duplicate detection is cheap: a key the body holds is re-checked only when its quoted name
-occurs more than once in the raw bytes, and then the top level is re-parsed with the standard
-library's ``object_pairs_hook`` to confirm. Deliberate limit: a duplicate spelled with escapes
-(``"max\\u005ftokens"``) is not detected; the sidecar forwards re-serialized bodies, so the
-engines see the same single value the sidecar read.
+It runs on every PD request, so it reads only the fields the sidecar acts on (the engine
+judges the rest). Refused: malformed JSON or a body that is not an object; wrong types of
+``stream``, ``max_tokens``, ``max_completion_tokens``, ``min_tokens``, ``n``, ``prompt``
+(completions) and ``messages`` (chat); hand-off fields sent by the client (unless a trusted
+router); duplicated top-level control keys; a ``prompt`` array mixing strings and token-id
+arrays, or holding an empty one. ``n > 1`` and batched prompts are accepted and described by
+``ClientRequest.batch`` and ``.n`` (one PD pair each: ``sidecar.protocol.fanout``).
+Deliberate limit: a duplicate spelled with escapes (``"max\\u005ftokens"``) is not detected
+(why duplicates are refused, and how cheaply: docs/design-notes.md#duplicate-keys).
 """
 
 from __future__ import annotations
@@ -169,13 +157,9 @@ def _check_messages(body: dict[str, Any]) -> None:
 
 
 class BodyChecks:
-    """The checks of one sidecar's client bodies.
-
-    ``handoff_fields`` are the top-level keys only the sidecar (or a trusted router) may set:
-    the engines' hand-off coordinates, as every dialect declares them
-    (``sidecar.dialects.handoff_keys``); a client sending one is refused, since an engine
-    would otherwise act on foreign KV coordinates.
-    """
+    """The checks of one sidecar's client bodies. ``handoff_fields`` (every dialect's, from
+    ``sidecar.dialects.handoff_keys``) only the sidecar or a trusted router may set: an engine
+    would otherwise act on foreign KV coordinates."""
 
     def __init__(self, handoff_fields: Iterable[str]) -> None:
         self.handoff_fields: tuple[str, ...] = tuple(sorted(set(handoff_fields)))
@@ -184,10 +168,8 @@ class BodyChecks:
         }
 
     def parse(self, raw: bytes, route: Route, *, trusted_router: bool = False) -> ClientRequest:
-        """Parse and check a client body; raises ``InvalidRequest`` naming what is wrong.
-
-        ``trusted_router`` allows the hand-off fields (a router that computed them itself).
-        """
+        """Parse and check a client body; raises ``InvalidRequest`` naming what is wrong
+        (``trusted_router``: the hand-off fields are allowed, the router computed them)."""
         try:
             body = jsonutil.loads(raw)
         except jsonutil.JSONDecodeError:
