@@ -91,8 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_settings_arguments(config)
     config.set_defaults(run=run_config_command)
 
-    # The tools wing, loaded only here. grpcio is a hard dependency: a broken install fails
-    # here (the route tool imports it), loudly, not without a word.
+    # The tools wing, loaded only here; a broken grpcio install fails loudly (route needs it).
     from sidecar.tools.demo import add_demo_arguments
     from sidecar.tools.route import add_route_arguments
     from sidecar.tools.stubs.cli import add_stub_arguments

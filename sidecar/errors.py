@@ -1,17 +1,14 @@
 """The closed error taxonomy: every failure the sidecar reports, with its HTTP status.
 
 Each error has a stable ``code`` (what clients and metrics key on), the ``stage`` where it
-happened (request, prefill, handoff, decode, sidecar), an HTTP status and a *safe* message:
-one written by the sidecar, never an engine's body (engine bodies may quote the prompt) and
-never a traceback.
+happened, an HTTP status and a *safe* message: the sidecar's own, never an engine's body (it
+may quote the prompt), never a traceback.
 
     raise PrefillFailed("prefill engine answered 500")
         -> HTTP 502 {"error": {"message": ..., "type": "prefill_error", "code": "prefill_failed"}}
         -> gRPC UNAVAILABLE (the gRPC door's mapping, ``sidecar.grpc_server.errors``)
 
-Deliberate limits: rendering and transport statuses live in the front doors
-(``http_server.errors``, ``grpc_server.errors``); this module only names the cases and
-imports no transport.
+Deliberate limit: imports no transport (``http_server.errors``, ``grpc_server.errors`` render).
 """
 
 from __future__ import annotations
@@ -92,11 +89,8 @@ class PrefillFailed(SidecarError):
 
 
 class PrefillUnreachable(PrefillFailed):
-    """The prefill engine refused the connection: it never saw the request (retryable).
-
-    The same code and statuses as ``PrefillFailed``; the core tells it apart to move the
-    prefill to another target.
-    """
+    """The prefill engine refused the connection: it never saw the request (retryable). The
+    same code and statuses as ``PrefillFailed``; the core moves the prefill to another target."""
 
 
 class EngineRejected(SidecarError):

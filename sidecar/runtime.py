@@ -4,17 +4,13 @@
                                        engine calls, scopes per front door, selector,
                                        admission, health, metrics, tracing)
 
-Both front doors (HTTP and gRPC) take the same ``Runtime`` and reach engines only through
-their ``PDFlow`` (``runtime.flow`` for HTTP, ``runtime.grpc_flow`` for gRPC: the same flow,
-unless ``--kv-transport inline`` gives the gRPC door the inline transport's dialect). The
-dialect is built once here, from the engine and connector settings. One pooled upstream
-client (``sidecar.http1.EngineClient``), one metrics registry, one admission counter, one
-tracer provider when ``--otlp-endpoint`` is set (flushed and stopped on exit, off the loop).
-``open_runtime`` must run inside the event loop (the client binds to it).
-
-In a pool of workers (``worker``: ``sidecar.workers.WorkerIdentity``) each process has its own
-Runtime; the worker's lane keeps its dialect's ids apart from the other workers' and its
-admission counts the whole pool's requests (``sidecar.workers.shared_inflight``).
+Both front doors reach engines only through their ``PDFlow`` (``runtime.flow``; and
+``runtime.grpc_flow``: the same, unless ``--kv-transport inline`` gives the gRPC door the
+inline transport's dialect). One dialect, one pooled upstream client, one metrics registry,
+one admission counter, one tracer provider with ``--otlp-endpoint`` (flushed and stopped on
+exit, off the loop); ``open_runtime`` runs inside the event loop (the client binds to it).
+Each worker of a pool has its own Runtime: its lane keeps its dialect's ids apart from the
+other workers', its admission counts the whole pool (``sidecar.workers.shared_inflight``).
 """
 
 from __future__ import annotations
@@ -151,7 +147,6 @@ async def open_runtime(
             max_prefill_response_bytes=settings.max_prefill_response_bytes, choice=choice,
             on_prefill_leg=lambda target, outcome: metrics.labelled(legs, target, outcome).inc(),
         )
-        # Each worker of a pool draws ids from its own lane (the dialects' id sources).
         setup = DialectSetup(settings, lane=worker.index, lanes=worker.count, lookup=calls)
         http_flow, grpc_flow = _flows(settings, metrics, calls, setup)
         dialect = http_flow.dialect

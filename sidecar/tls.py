@@ -116,8 +116,7 @@ class ReloadingServerTLS:
         self, connection: ssl.SSLObject | ssl.SSLSocket, server_name: str | None,
         listener: ssl.SSLContext,
     ) -> None:
-        # Called in every handshake (also without SNI): hand the connection the context of
-        # the current generation, whose client CA is the one now configured.
+        # Called in every handshake (also without SNI): the current generation's context.
         serving = self._serving
         if serving is not listener:
             connection.context = serving
@@ -201,8 +200,7 @@ class ReloadingServerTLS:
                                                          root_certificates=pair.client_ca)
 
     def _grpc_fetch(self) -> grpc.ServerCertificateConfiguration | None:
-        # gRPC calls this before every new connection's handshake: it must be cheap and
-        # never raise. check_now() swaps ``_pair`` in one assignment, so a read is whole.
+        # Before every handshake: cheap, never raising; check_now() swaps ``_pair`` whole.
         pair = self._pair
         if pair.generation == self._grpc_seen:
             return None

@@ -5,8 +5,7 @@
     check_connector_engine a connector given by flag or env serves the engine
     check_prompt_length_source  ``tokenize`` only for an engine with a tokenizer endpoint
 
-Each raises ``ConfigError``; the loader runs them after ``Settings`` has checked every value
-on its own.
+Each raises ``ConfigError``; the loader runs them after ``Settings`` checked each value alone.
 """
 
 from __future__ import annotations

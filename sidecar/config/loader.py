@@ -5,18 +5,11 @@
 
 Every field gets one flag (``--`` + the field name with dashes; ``--grpc/--no-grpc`` is the
 exception, and list flags are singular and repeatable: ``--prefill-url``) and one variable
-``DISAGG_<FIELD>``. Lists are comma-separated; booleans read true/false/1/0/yes/no; an empty
-variable counts as unset.
-The label rules are those of docs/handoffs.md#pod-labels: a missing engine label means the default
-engine; a missing or
-unknown connector label falls back to ``default_kv_connector`` with one warning (only for an
-engine that has connectors); the port label gives ``http://127.0.0.1:<port>``; a role other
-than prefill or decode means both; a dialect's own pod sources (``DialectOptions.pod_sources``)
-are read as they declare.
-
-A bad value raises ``ConfigError`` naming the field, the value and where it came from, so an
-operator can fix the right layer; ``run_config_command`` prints the resolved settings with
-their sources as JSON (``disagg-sidecar config``).
+``DISAGG_<FIELD>`` (value syntax: README's configuration reference). Labels follow
+docs/handoffs.md#pod-labels (a missing or unknown connector label: ``default_kv_connector``,
+one warning); a dialect's are read as ``DialectOptions.pod_sources`` declares. A bad value
+raises ``ConfigError`` naming the field, the value and its source; ``run_config_command``
+prints the resolved settings with their sources as JSON (``disagg-sidecar config``).
 
 Deliberate limits: the loader only reads (it never logs; ``log_effective_settings`` does,
 once, when the caller is ready), and reads the pod's metadata once, at start.
@@ -268,8 +261,7 @@ class _Resolver:
             fallback,
             SOURCE_DEFAULT if via == SOURCE_DEFAULT else f"default_kv_connector ({via})",
         )
-        # Engines without connectors ignore the label, so say nothing; and without pod info
-        # there is no label to miss.
+        # Engines without connectors ignore the label; without pod info none can be missed.
         if not uses_connectors(engine) or not self.pod_read:
             return
         if label is None:

@@ -43,10 +43,8 @@ class PodInfo:
 
 
 def unquote_go(quoted: str) -> str:
-    """The string a Go double-quoted literal (as ``strconv.Quote`` writes it) stands for.
-
-    ValueError on a missing quote, an unescaped quote inside, or a bad escape.
-    """
+    """The string a Go double-quoted literal (as ``strconv.Quote`` writes it) stands for;
+    ValueError on a missing quote, an unescaped quote inside, or a bad escape."""
     if len(quoted) < 2 or quoted[0] != '"' or quoted[-1] != '"':
         raise ValueError("value is not a double-quoted string")
     body = quoted[1:-1]

@@ -1,26 +1,18 @@
-"""The sidecar's configuration: one frozen object, built once at start.
+"""The sidecar's configuration: one frozen object, built once at start by ``sidecar.config.loader``
+(flags > environment ``DISAGG_*`` > the pod's labels and annotations > defaults).
 
-Precedence, highest first: command-line flags > environment ``DISAGG_*`` > the pod's labels
-and annotations (downward-API files under ``--podinfo-dir``) > defaults. The loader that
-applies it lives in ``sidecar.config.loader``; this module defines the fields and checks each
-value on its own (types, ranges, names, URL shapes, allowlist entries).
+This module defines the fields and checks each value on its own (types, ranges, names, URL
+shapes, allowlist entries). A field's ``description`` is its flag's help and a row of the
+generated reference (``sidecar.config.docs``; a test fails without one). ``POD_SOURCES``: the
+fields a pod label or annotation can set, and which field holds the key; ``EXTRA_ENV``:
+variables read besides ``DISAGG_<FIELD>``. ``Settings`` is composed once, at import, from the
+sidecar's own fields (``ServingSettings``, ``LimitsSettings``, ``TLSSettings``) and each
+dialect's ``Options``: a dialect's settings get flags, variables, pod sources and reference
+rows like every other, and no engine is named here (for the type checker ``Settings`` is the
+sidecar's part; a dialect reads its own fields through ``Options.of(settings)``).
 
-Every field has a ``description``: it is the flag's help text and a row of the generated
-configuration reference (``sidecar.config.docs``), so a field without one fails a test.
-``POD_SOURCES`` names the fields a pod label or annotation can set, and which field holds the
-key; ``EXTRA_ENV`` names environment variables read besides ``DISAGG_<FIELD>``.
-
-The fields are the sidecar's own (``ServingSettings``, ``LimitsSettings``, ``TLSSettings``)
-plus each dialect's ``Options`` (``sidecar.dialects``: an engine's bootstrap port, id machine,
-...): ``Settings`` is composed from them once, at import, so a dialect's settings get flags,
-environment variables, pod sources and reference rows like every other, and no engine is
-named here.
-For the type checker ``Settings`` is the sidecar's own part; a dialect reads its fields
-through its ``Options.of(settings)``.
-
-Deliberate limits: checks that relate two fields or import plug-ins (same port twice, a
-connector for an engine it does not serve) live in the loader, where the source of each value
-is known and can be named in the message.
+Deliberate limits: checks that relate two fields or import plug-ins run in the loader
+(``sidecar.config.checks``), where each value's source is known and named in the message.
 """
 
 from __future__ import annotations

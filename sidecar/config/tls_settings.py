@@ -1,7 +1,6 @@
 """The TLS settings: the sidecar's own certificate, its clients' CA, and its engines' trust.
 
-Part of ``sidecar.config.settings.Settings``; the loader checks that pairs are whole and that
-every file loads (``sidecar.config.loader``).
+Part of ``sidecar.config.settings.Settings``; pairs whole, files loading: ``checks.check_tls``.
 """
 
 from __future__ import annotations

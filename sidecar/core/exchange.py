@@ -8,9 +8,8 @@
         .aclose()    close the decode, stop a running prefill, abort the legs of a decode
                      that did not finish and end the dialect state (through ``owner``), once
 
-A concurrent flow's prefill is watched (``watch_prefill``): its failure closes the decode at
-once, so the relay's pending read fails with the prefill's error instead of waiting for the
-engines' bootstrap timeout.
+A concurrent flow's prefill is watched (``watch_prefill``): its failure closes the decode, so
+the relay's read fails at once with its error, not at the engines' bootstrap timeout.
 """
 
 from __future__ import annotations

@@ -9,14 +9,13 @@
         CONCURRENT: the hand-off at once; the engine call runs on in the background, watched
     open_decode(...)  ─▶ UpstreamResponse     gRPC Decode: the decode half
 
-The dialect (``sidecar.dialects``) says what the bodies hold and whether the legs are
-sequential or concurrent; ``EngineCalls`` makes the calls; the flow orders them, keeps the
-deadlines, starts and ends the dialect's per-request state and hands the request's abort and
-release to its ``PDExchange``. A client gone cancels every upstream call on the way out.
+The dialect says what the bodies hold and how the legs run; ``EngineCalls`` makes the calls;
+the flow orders them, keeps the deadlines, begins and ends the dialect's per-request state and
+hands abort and release to the ``PDExchange``. A client gone cancels every upstream call.
 
 Deliberate limits: one retry, only of a prefill whose connect was refused (the engine never
-saw it), on another of the request's targets; the local-prefill fallback applies to
-sequential dialects only (a concurrent dialect's decode cannot run without its prefill).
+saw it), on another target; the local-prefill fallback is for sequential dialects only (a
+concurrent decode cannot run without its prefill).
 """
 
 from __future__ import annotations
@@ -65,8 +64,7 @@ class PDRequest:
     target: PrefillTarget
     request_id: str
     headers: Mapping[str, str]
-    #: Every target the request may use (``target`` among them): a prefill whose connect is
-    #: refused moves once to another of these.
+    #: Every target the request may use (``target`` among them), for a refused prefill's retry.
     candidates: tuple[PrefillTarget, ...] = ()
     trace: RequestTrace = NOOP_TRACE
     front_door: FrontDoor = FrontDoor.HTTP
@@ -74,11 +72,8 @@ class PDRequest:
 
 @dataclass(slots=True)
 class Handoff:
-    """What a prefill leg produced for its decode.
-
-    ``fields`` are the top-level fields the decode body gets. When the prefill already is the
-    whole answer, ``answer`` holds it as the client sees it and ``fields`` is empty.
-    """
+    """What a prefill leg produced for its decode: the top-level ``fields`` of the decode body,
+    or (empty fields) the ``answer`` as the client sees it when the prefill already is one."""
 
     fields: dict[str, Any]
     answer: dict[str, Any] | None = None
@@ -173,12 +168,8 @@ class PDFlow:
     # -- both legs: the HTTP door and fan-out sub-requests ----------------------------------
 
     async def start(self, request: PDRequest) -> PDExchange:
-        """Run the request's legs until the decode response head has arrived.
-
-        A short prompt runs whole on the local engine. A prefill whose connect was refused
-        (the engine never saw it) is run once more on another of the request's candidates,
-        with a new context; a concurrent flow's decode, already sent, is aborted first.
-        """
+        """Run the request's legs until the decode response head has arrived (a refused
+        prefill's retry gets a new context; a concurrent decode already sent is aborted)."""
         local = self._local
         if local is not None and await local.is_short(
                 request.route, request.body, request.request_id):
@@ -314,13 +305,10 @@ class PDFlow:
         scopes: Scopes,
     ) -> Handoff:
         """The prefill half on the local engine, as gRPC Prefill runs it; ``target`` is this
-        pod's engine as the hand-off names it.
-
-        Concurrent dialects: the hand-off is known at once and returned; the engine call
-        (which blocks until a decode connects) runs on in the background, holding the
-        request's admission slot (``scope.detach``) and its dialect state until it ends,
-        bounded by the prefill timeout, counted through ``scopes`` and logged when it fails.
-        """
+        pod's engine as the hand-off names it. A concurrent dialect's engine call (blocking
+        until a decode connects) runs on in the background, holding the admission slot
+        (``scope.detach``) and the dialect state, bounded by the prefill timeout, its failure
+        counted through ``scopes`` and logged."""
         route = Route.COMPLETIONS
         ctx = await self.begin(route, request_id, target, advertise_host, FrontDoor.GRPC)
         handed_off = False

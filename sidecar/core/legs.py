@@ -3,12 +3,11 @@
     post_prefill()  ─▶ dict (the prefill engine's JSON answer, size-capped, deadline-bound)
     open_decode()   ─▶ UpstreamResponse (head arrived, body not read; caller releases)
 
-Errors map to the taxonomy: unreachable -> PrefillFailed/EngineNotReady, 4xx ->
-EngineRejected, 5xx or garbage -> PrefillFailed/DecodeFailed, deadlines -> DeadlineExceeded.
-Engine error bodies are read (to free the connection) but never relayed: they may quote the
-prompt. Each call names the engine's HTTP status on its leg span
-(``sidecar.observability.tracing``; a no-op
-when tracing is off).
+Errors map to the taxonomy: a refused connect -> PrefillUnreachable (a retryable
+PrefillFailed) / EngineNotReady, 400/413/422 -> EngineRejected, other statuses, breaks or
+garbage -> PrefillFailed / DecodeFailed, deadlines -> DeadlineExceeded. Engine error bodies
+are read (to free the connection), never relayed: they may quote the prompt. The engine's
+HTTP status goes on the leg span.
 """
 
 from __future__ import annotations

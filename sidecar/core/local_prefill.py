@@ -5,23 +5,14 @@
                                                        engine (no prefill leg, no hand-off)
         otherwise (or the length is unknown)        ─▶ False: a PD pair
 
-Prompt length:
+Prompt length (README, "Request shapes"): exact for token ids; ``estimate``:
+``sidecar.protocol.prompt_length``; ``tokenize``: ``Dialect.tokenize``'s endpoint (chat
+prompts only where it takes ``messages``, else estimated). A failed tokenize call
+disaggregates the request, counted in ``disagg_tokenize_failures_total{reason}``: ``timeout``,
+``rejected`` (4xx), ``failed`` (unreachable, 5xx, not JSON), ``malformed_answer`` (no ``count``).
 
-- token-id prompts: exact (the array's length);
-- text and chat, ``--prompt-length-source estimate``: ``sidecar.protocol.prompt_length``
-  (UTF-8 bytes / 4; README states its measured error);
-- ``tokenize``: the local engine's tokenizer endpoint, as its dialect declares it
-  (``Dialect.tokenize``: a path, and whether it takes chat ``messages``; chat prompts of an
-  engine whose endpoint does not are estimated). A tokenize call that fails in any way
-  disaggregates the request (never an error), counted in
-  ``disagg_tokenize_failures_total{reason}``: ``timeout``, ``rejected`` (4xx), ``failed``
-  (unreachable, 5xx, not JSON), ``malformed_answer`` (no usable ``count``).
-
-The decision is logged at debug level and the request counted with outcome ``local_short``.
-
-Deliberate limits: a tokenize call costs a round trip to the local engine before the request
-starts (bounded by ``--connect-timeout-s``); multimodal chat parts are not counted by the
-estimate.
+Deliberate limits: a tokenize call is a round trip to the local engine before the request
+(within ``--connect-timeout-s``); the estimate counts no multimodal chat parts.
 """
 
 from __future__ import annotations

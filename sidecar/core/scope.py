@@ -1,28 +1,19 @@
 """The bookkeeping of one request, the same for both front doors.
 
-    scope = scopes.open(route, request_id, carrier)   route: an HTTP path or a gRPC method name;
+    scope = scopes.open(route, request_id, carrier)   route: an HTTP path or a gRPC method;
                                carrier: the client's headers or metadata (W3C trace context)
     scope.admit()              Overloaded / Draining raise here (503 / RESOURCE_EXHAUSTED...)
     scope.observe_timings(t)   stage latencies the core measured (prefill, handoff, decode...)
     scope.outcome = "ok"       or scope.failed(error) / scope.cancelled() / scope.broken(error)
-    scope.close()              counted once: requests{outcome}, stage "total", in-flight gauge,
-                               admission left (once a detached background task ended too);
-                               the request span ended with the outcome
-    scope.trace                the request's spans (``sidecar.observability.tracing``; a no-op
-                               when off): the
-                               core opens leg spans under it and injects it into engine calls
+    scope.detach()             a background engine call (a gRPC Prefill's concurrent prefill)
+                               shares the admission slot, so draining waits for it too
+    scope.close()              counted once (requests{outcome}, stage "total", in-flight);
+                               admission left once every holder ended; the request span ended
+    scope.trace                the request's spans (a no-op when off), current in the opening
+                               task (log lines carry its ids); the core's leg spans go under it
 
-Every metric carries the front door (``http`` | ``grpc``); the ``route`` label is a closed set
-(the two OpenAI paths, the two gRPC methods). A request refused at admission is counted with
-outcome ``refused``; a stream that broke after its first byte with ``broken_stream``; a
-client that went away with ``cancelled`` (and ``client_cancelled`` in the errors). A
-background engine call that outlives the request (a gRPC Prefill whose SGLang/Mooncake prefill
-runs on) shares the admission slot (``detach``), so draining waits for it too.
-
-While a scope is open its request span is the current span of the task that opened it, so
-JSON log lines written for the request carry its ``trace_id`` and ``span_id``.
-
-Deliberate limits: the scope does not log; the front door says what went wrong in its words.
+Every metric carries the front door; ``route`` is a closed set (two OpenAI paths, two gRPC
+methods); outcomes: README, "Metrics". Deliberate limit: the scope never logs (the door does).
 """
 
 from __future__ import annotations
@@ -202,11 +193,8 @@ class RequestScope:
         self._scopes.count_error(self._error)
 
     def detach(self) -> Callable[[], None]:
-        """Share the admission slot with a background task; call the result once it ends.
-
-        The slot is left when both the request (``close``) and the task have ended, so a
-        ``wait_idle`` that returns has seen the request counted too.
-        """
+        """Share the admission slot with a background task; call the result once it ends (the
+        slot is left when both have ended: a ``wait_idle`` that returns saw the request counted)."""
         self._holders += 1
         released = False
 

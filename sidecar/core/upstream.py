@@ -28,8 +28,7 @@ ROUTING_HEADERS = frozenset({"x-prefiller-host-port", "x-prefiller-url", "x-deco
 
 def make_session(settings: Settings) -> EngineClient:
     """The process-wide upstream client; create it inside the running event loop."""
-    # Without engine_ca_file or a client certificate an https upstream is verified against
-    # the system store (the client loads it when it first meets one).
+    # No engine_ca_file nor client certificate: the system store, loaded at the first https.
     ssl_context = (
         client_ssl_context(settings.engine_ca_file, settings.engine_client_cert_file,
                            settings.engine_client_key_file)

@@ -1,17 +1,12 @@
 """Dialects by the pod labels that name them: the engine, and for vLLM the KV connector.
 
 One line per dialect (``DIALECTS.register``); installed packages add theirs through the
-``disagg_sidecar.dialects`` entry points (``sidecar.dialects.registry``). Resolution follows
-the rules of docs/handoffs.md#resolution:
-
-    engine label missing           -> DEFAULT_ENGINE ("vllm")
-    engine not registered          -> the "default" dialect (plain prefill then decode)
-    engine with connectors (vLLM)  -> the dialect of its connector label; a missing or unknown
-                                      label falls back to the configured default (the loader)
-    --kv-transport inline          -> ``InlineDialect``, for the gRPC front door only
-
-``handoff_keys`` is every body key some dialect owns in a hand-off: the client-body refusal
-list and the demo derive theirs from it.
+``disagg_sidecar.dialects`` entry points (``sidecar.dialects.registry``). Resolution
+(docs/handoffs.md#resolution): no engine label -> ``DEFAULT_ENGINE``; an engine nobody
+registered -> the "default" dialect; an engine with connectors (vLLM) -> its connector
+label's dialect (a missing or unknown label: the configured default, in the loader);
+``--kv-transport inline`` -> ``InlineDialect``, for the gRPC door only. ``handoff_keys()`` is
+every body key some dialect owns: the client-body refusal list and the demo derive from it.
 """
 
 from __future__ import annotations

@@ -1,27 +1,19 @@
 """What a dialect is: everything the sidecar knows about one engine (and one KV connector).
 
-A dialect turns the client's body into the engine's prefill body, says how the two legs run,
-reads the prefill's answer into the fields the decode body gets (the *hand-off*), and owns
-the per-request state its hand-off needs (rooms, ids, transfer ids, looked-up engine ids):
-
     ctx = dialect.begin(ctx)              this request's state (``ctx.state``, opaque to the core)
     ctx = await dialect.look_up(ctx)      only when ``looks_up``: values the engines must tell
     dialect.prefill_body(client, ctx)  ─▶ POST prefill ─▶ answer ─dialect.handoff(answer, ctx)─▶
     dialect.decode_body(client, fields)─▶ POST decode (local engine)
     dialect.end(ctx)                      the state given back (once the request is over)
 
-``legs`` says whether the decode waits for the prefill's answer (``SEQUENTIAL``) or both go
-at once (``CONCURRENT``: the hand-off is known before the prefill answers, and the core
-watches the prefill). Everything else a dialect declares is data: the body keys it owns
-(``handoff_keys``: clients may not send them), the request keys that make a streamed
-completion carry token ids (``token_id_fields``), its abort call, its tokenizer endpoint,
-the settings it adds (``Options``). The core never names an engine: it asks the dialect.
+``legs``: the decode waits for the prefill's answer (``SEQUENTIAL``), or both go at once
+(``CONCURRENT``: the hand-off is known first; the core watches the prefill). The rest is data
+(``handoff_keys``, ``token_id_fields``, abort call, tokenizer, ``Options``): the core never
+names an engine, it asks the dialect.
 
-Dialects do no I/O of their own. The one lookup a hand-off may need (an engine id that only
-the prefill's side channel tells) goes through the ``EngineLookup`` the core hands in.
-
-Deliberate limits: one dialect instance serves every request of a process (its id sources
-are the process's); per-request values live in ``ctx.state`` only.
+Deliberate limits: dialects do no I/O of their own (a side-channel lookup goes through the
+``EngineLookup`` the core hands in); one instance serves every request of a process (its id
+sources are the process's); per-request values live in ``ctx.state`` only.
 """
 
 from __future__ import annotations
@@ -70,11 +62,9 @@ class PodSource(NamedTuple):
 
 
 class DialectOptions(BaseModel):
-    """The settings a dialect adds to the sidecar's (flags, env, pod labels, docs).
-
-    Every field needs a ``description`` (it is the flag's help and a row of README's
-    reference); ``pod_sources`` names fields a pod label or annotation can set.
-    """
+    """The settings a dialect adds to the sidecar's (flags, env, pod labels, docs): every
+    field needs a ``description`` (the flag's help and a row of README's reference);
+    ``pod_sources`` names fields a pod label or annotation can set."""
 
     model_config = ConfigDict(frozen=True, extra="ignore")
 
@@ -178,11 +168,8 @@ class Dialect(ABC):
     def handoff(
         self, prefill_response: Mapping[str, Any] | None, ctx: HandoffContext
     ) -> dict[str, Any]:
-        """Top-level fields the decode body gets; raises ``InvalidHandoff`` when unusable.
-
-        ``prefill_response`` is None for concurrent dialects (decode is built before the
-        prefill answers).
-        """
+        """Top-level fields the decode body gets; raises ``InvalidHandoff`` when unusable
+        (``prefill_response`` is None for concurrent dialects: built before it answers)."""
 
     def decode_body(
         self, client_body: Mapping[str, Any], handoff: Mapping[str, Any]

@@ -27,12 +27,9 @@ PREFILL_MAX_TOKENS = 1
 def prefill_base(
     client_body: Mapping[str, Any], *, drop_max_completion_tokens: bool = False
 ) -> dict[str, Any]:
-    """The client body as a prefill leg: one token, not streamed, no lower token bounds.
-
-    ``max_completion_tokens`` is capped only when the client sent it (vLLM's reference proxy;
-    vLLM prefers it over ``max_tokens`` on chat), or deleted for engines that reject it
-    (TensorRT-LLM).
-    """
+    """The client body as a prefill leg: one token, not streamed, no lower token bounds;
+    ``max_completion_tokens`` capped only when the client sent it (vLLM's reference proxy; vLLM
+    prefers it over ``max_tokens`` on chat), or deleted for engines that reject it (TRT-LLM)."""
     body = dict(client_body)
     body[MAX_TOKENS] = PREFILL_MAX_TOKENS
     if drop_max_completion_tokens:

@@ -1,17 +1,13 @@
 """The dialect registry: (engine, connector) -> "module:Class", imported on first use.
 
 Built-in dialects are registered by one line each (``sidecar.dialects``); an installed
-package adds its own through the entry point group ``disagg_sidecar.dialects``, as vLLM
-loads out-of-tree connectors by module path:
-
-    [project.entry-points."disagg_sidecar.dialects"]
-    acme = "acme_sidecar.dialect:AcmeDialect"            # engine label "acme"
-    "vllm.lmcache" = "acme_sidecar.lmcache:LMCache"       # engine vllm, connector label "lmcache"
+package adds its own through the entry point group ``disagg_sidecar.dialects`` (README,
+"Writing a dialect"), as vLLM loads out-of-tree connectors by module path: the entry point
+``acme`` names engine label "acme", ``vllm.lmcache`` engine vllm with connector "lmcache".
 
 A name registered twice raises (a plug-in cannot silently replace a built-in); an entry
 point that does not load, or loads something that is not a ``Dialect`` subclass whose
 ``engine`` and ``connector`` match its name, raises ``DialectLoadError`` naming it.
-
 Deliberate limits: entry points are read once per process, at the first lookup.
 """
 

@@ -1,22 +1,14 @@
 """SGLang: bootstrap host, port and room on both legs, sent at the same time.
 
-SGLang pairs a prefill and a decode request through the prefill engine's bootstrap server:
-both bodies carry the same ``bootstrap_host``, ``bootstrap_port`` and ``bootstrap_room``
-(docs/handoffs.md#sglang), and the prefill blocks until the decode connects, so the legs run
-at the same time.
-
     begin: room := a free room (int64 over HTTP; int32 over gRPC, as SGLang's own gRPC has it)
     prefill fields == decode fields == {bootstrap_host, bootstrap_port, bootstrap_room, rid}
     end:   the room is free again
 
-Both legs also carry ``rid`` (SGLang's request id field), so the sidecar can name the request
-in ``POST /abort_request`` when the client goes away or the prefill fails. The fields are set
-after the client's keys, so client-supplied bootstrap values are always overwritten.
-
-Rooms (``RoomAllocator``): random, non-negative, unique among the rooms in flight (a reused
-room can inherit a stale failure); in a pool of workers ``room % lanes == lane``, so no two
-workers of one pod can hand out the same room, in either range.
-
+SGLang pairs the legs through the prefill engine's bootstrap server and its prefill blocks
+until the decode connects, hence concurrent legs (docs/handoffs.md#sglang). ``rid`` names the
+request in ``POST /abort_request``; the fields are set after the client's keys, so they win.
+Rooms (``RoomAllocator``, docs/handoffs.md#sglang-rooms): random, non-negative, unique among
+the rooms in flight; in a pool of workers ``room % lanes == lane``, in either range.
 Deliberate limits: one room per request (fan-out gives each sub-request its own).
 """
 
@@ -72,10 +64,8 @@ class SGLangOptions(DialectOptions):
 
 
 class RoomAllocator:
-    """Random bootstrap rooms in ``[0, max_room]``, unique among those in flight.
-
-    ``lane`` of ``lanes``: only rooms with ``room % lanes == lane`` (one worker's share).
-    """
+    """Random bootstrap rooms in ``[0, max_room]``, unique among those in flight; only rooms
+    with ``room % lanes == lane`` (one worker's share)."""
 
     def __init__(self, max_room: int = INT64_ROOMS, *, lane: int = 0, lanes: int = 1) -> None:
         if max_room < 1:
@@ -90,11 +80,8 @@ class RoomAllocator:
         self._lock = threading.Lock()
 
     def narrowed(self, max_room: int) -> RoomAllocator:
-        """An allocator over ``[0, max_room]`` sharing this one's rooms in flight.
-
-        Sharing the in-flight set keeps int32 rooms unique against the int64 ones on the
-        same prefill engine.
-        """
+        """An allocator over ``[0, max_room]`` sharing this one's rooms in flight (int32
+        rooms stay unique against the int64 ones on the same prefill engine)."""
         view = RoomAllocator(min(max_room, self._max_room), lane=self._lane, lanes=self._lanes)
         view._in_flight = self._in_flight
         view._lock = self._lock

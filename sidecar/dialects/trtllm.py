@@ -9,19 +9,11 @@ Follows TensorRT-LLM's own disaggregated server (``openai_disagg_service``, cont
     decode fields = {"disaggregated_params": <that object, request_type := "generation_only">,
                      "prompt": ids (completions) | "prompt_token_ids": ids (chat)}
 
-TRT-LLM's request models forbid unknown fields, so nothing of our own is ever added; the
-object from the context response is copied with only ``request_type`` changed (its other keys,
-e.g. ``ctx_request_id``, ``encoded_opaque_state``, ``first_gen_tokens``, stay as they are).
-Ids stay Python ints end to end, so values above 2**53 survive exactly.
-
-When the context response already finished (``answered_by_prefill``), the core returns it as
-the answer, without its ``disaggregated_params`` (``prefill_answer``).
-
-The ``disagg_request_id`` (``SnowflakeIds``, docs/handoffs.md#trtllm-snowflake):
-``[timestamp 41b][machine 10b][counter 12b]``, folded into ``[2**42, 2**63-1)`` so TRT-LLM
-treats it as a global (cross-worker) id. In a pool of workers the 12-bit counter runs
-``lane, lane + N, lane + 2N, ...`` below ``N * (4096 // N)``: no two workers of one pod can
-produce the same id, and every worker keeps the configured machine id (the pod's identity).
+TRT-LLM's request models forbid unknown fields: nothing of our own is added, and the context's
+object is copied with only ``request_type`` changed (``ctx_request_id``, ... stay); ids stay
+Python ints (exact above 2**53). A finished context response is the answer, without
+``disaggregated_params``. docs/handoffs.md#trtllm; the ``disagg_request_id`` and its lanes in
+a pool of workers: ``SnowflakeIds`` (docs/handoffs.md#trtllm-snowflake).
 """
 
 from __future__ import annotations
@@ -75,7 +67,8 @@ def snowflake_id(now_ms: int, machine_id: int, counter: int) -> int:
 
 
 class SnowflakeIds:
-    """Generates disagg request ids for one machine id (and one worker's lane)."""
+    """Disagg request ids for one machine id (the pod's: every worker keeps it) and one
+    worker's lane of the 12-bit counter."""
 
     def __init__(
         self,
@@ -142,8 +135,7 @@ class TRTLLMDialect(Dialect):
     )
 
     handoff_keys = frozenset({DISAGGREGATED_PARAMS})
-    #: TRT-LLM's ``CompletionRequest.detokenize``: false streams token ids and empty text (its
-    #: request models forbid unknown keys, so it gets only this one).
+    #: ``CompletionRequest.detokenize`` false: token ids, empty text (the one key it gets).
     token_id_fields = MappingProxyType({"detokenize": False})
 
     Options = TRTLLMOptions
@@ -192,9 +184,8 @@ class TRTLLMDialect(Dialect):
         return fields
 
     def prefill_answer(self, prefill_response: Mapping[str, Any]) -> dict[str, Any]:
-        """The context answer without engine hand-off state: TensorRT-LLM's own disaggregated
-        server drops ``disaggregated_params`` from a context response it returns as the answer.
-        """
+        """The context answer without ``disaggregated_params``, as TensorRT-LLM's own
+        disaggregated server returns a context response that is the answer."""
         answer = {k: v for k, v in prefill_response.items() if k != DISAGGREGATED_PARAMS}
         choices = answer.get(CHOICES)
         if isinstance(choices, list):

@@ -23,8 +23,7 @@ class VLLMDialect(Dialect):
 
     engine = "vllm"
     handoff_keys = frozenset({KV_TRANSFER_PARAMS})
-    #: vLLM's ``/tokenize`` takes a completions ``prompt`` or chat ``messages``, rendered as
-    #: these chat request fields say.
+    #: ``/tokenize`` takes a completions ``prompt`` or chat ``messages`` (rendered by these).
     tokenize = TokenizeEndpoint("/tokenize", chat=True, chat_fields=(
         "add_generation_prompt", "continue_final_message", "add_special_tokens", "chat_template",
         "chat_template_kwargs", "tools", "mm_processor_kwargs",

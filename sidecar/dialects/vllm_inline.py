@@ -1,20 +1,17 @@
 """The inline KV transport's dialect (``--kv-transport inline``): KV bytes ride the gRPC stream.
 
-This project's own vLLM connector (``connectors.sidecar_kv``) reads one key inside
-``kv_transfer_params`` (defined next to the connector's layout, ``connectors.inline_layout``):
+This project's vLLM connector (``connectors.sidecar_kv``) reads one key inside
+``kv_transfer_params`` (``connectors.inline_layout``; docs/handoffs.md#inline):
 
     prefill kv_transfer_params = {"disagg_inline": {"action": "save", "key": K}}
     decode kv_transfer_params  = {"disagg_inline": {"action": "load", "key": K}}
 
-``K`` names the request's directory in the staging area shared with the engine (the
-transport chooses it, ``sidecar.grpc_server.inline``, and hands it in with ``keyed``: the prefill
-and the
-decode side each choose one for their own engine, so the two keys of one request differ).
-The KV itself never appears in a body. The prefill body is the prompt and the model only:
-one token at temperature 0, since the KV of the prompt is all that is wanted.
-
-Deliberate limits: not in the label registry (``DIALECTS``): the inline transport is chosen by
-``--kv-transport``, only for the gRPC front door, and never mixes with a connector label.
+``K`` names the request's directory in the staging area shared with the engine, chosen by
+each side's transport for its own engine (``sidecar.grpc_server.inline``, handed in with
+``keyed``): the two keys of one request differ, and the KV never appears in a body. The
+prefill body is the prompt and the model, one token at temperature 0 (the prompt's KV is all
+that is wanted). Deliberate limits: not in the label registry (``DIALECTS``): chosen by
+``--kv-transport``, for the gRPC front door only, never mixed with a connector label.
 """
 
 from __future__ import annotations
@@ -42,7 +39,6 @@ class InlineDialect(VLLMDialect):
         return {
             "model": client_body["model"],
             "prompt": client_body["prompt"],
-            # One token: the KV of the prompt is what is wanted; decode generates the rest.
             "max_tokens": 1,
             "temperature": 0.0,
             **save_fields(_key(ctx)),

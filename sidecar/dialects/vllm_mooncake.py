@@ -1,8 +1,7 @@
 """vLLM MooncakeConnector (pod label ``mooncake``): push model, prefill and decode at once.
 
-docs/handoffs.md#vllm-mooncake, confirmed against vLLM's
-``MooncakeConnectorMetadata.add_new_req`` (decode reads ``transfer_id``, ``remote_engine_id``,
-``remote_bootstrap_addr``) and its Mooncake proxy example:
+docs/handoffs.md#vllm-mooncake, confirmed against vLLM's ``MooncakeConnectorMetadata.add_new_req``
+(what the decode reads) and its Mooncake proxy example:
 
     begin:   transfer id T := "xfer-<uuid>"
     look_up: engine id E := GET <remote_bootstrap_addr>/query (cached per host a minute)
@@ -13,17 +12,11 @@ docs/handoffs.md#vllm-mooncake, confirmed against vLLM's
                                   remote_bootstrap_addr: "http://<advertise host>:<port>",
                                   remote_engine_id: E}
 
-``E`` comes from the prefill's bootstrap server, ``GET <remote_bootstrap_addr>/query``,
-fetched through the core's ``EngineLookup`` and cached here (``EngineIdCache``: ids change
-when an engine restarts, so entries expire after a minute). ``engine_id_from_query`` reads
-both answer shapes vLLM has shipped:
-
-    {"<dp_rank>": {"engine_id": E, "worker_addr": {...}, ...}, ...}     (dict[int, EngineEntry])
-    {"<E>": {"<dp_rank>": {"<tp_rank>": {"<pp_rank>": addr}}}, ...}    (dict[EngineId, ...])
-
-Deliberate limits: the prefill response carries no params and is not read; no invalidation
-of a cached engine id on a failed decode (a decode fails for many reasons; the id is stale
-only after a restart, which the expiry covers).
+``E`` is fetched through the core's ``EngineLookup`` and cached (``EngineIdCache``: a restarted
+engine gets a new id); ``engine_id_from_query`` reads both answer shapes vLLM has shipped
+(docs/handoffs.md#mooncake-query). Deliberate limits: the prefill response is not read (it has
+no params); a failed decode does not invalidate a cached id (decodes fail for many reasons;
+the id is stale only after a restart, which the expiry covers).
 """
 
 from __future__ import annotations
@@ -71,11 +64,8 @@ def _has_rank(entry: Mapping[Any, Any], rank: int) -> bool:
 
 
 def engine_id_from_query(payload: object, dp_rank: int = 0) -> str:
-    """The prefill engine id for ``dp_rank`` from a bootstrap ``/query`` answer.
-
-    Raises ``InvalidHandoff`` for any other shape, a missing rank, or an ambiguous answer
-    (several engines serving the same rank).
-    """
+    """The prefill engine id for ``dp_rank`` from a bootstrap ``/query`` answer; raises
+    ``InvalidHandoff`` for any other shape, a missing rank, or several engines serving it."""
     if not isinstance(payload, Mapping) or not payload:
         raise InvalidHandoff("Mooncake /query answer is not a non-empty object")
     entries = list(payload.items())

@@ -5,17 +5,14 @@ docs/handoffs.md#vllm-nixl-pull:
     prefill kv_transfer_params = {do_remote_decode: true, do_remote_prefill: false,
                                   remote_engine_id: null, remote_block_ids: null,
                                   remote_host: null, remote_port: null}
-    decode kv_transfer_params  = the prefill response's kv_transfer_params, verbatim,
-                                 except remote_host := ctx.advertise_host
-
-vLLM fills ``remote_host`` from ``VLLM_NIXL_SIDE_CHANNEL_HOST`` (default ``localhost``), which
-is wrong across pods; the prefill pod's address replaces it. Every other key (``tp_size``,
-``dcp_size``, ``remote_num_tokens``, nested ``remote_block_ids``, keys of future versions)
-passes through untouched and in its order.
+    decode kv_transfer_params  = the prefill response's kv_transfer_params, verbatim and in
+                                 order (keys of future versions too), except
+                                 remote_host := ctx.advertise_host (vLLM's default from
+                                 VLLM_NIXL_SIDE_CHANNEL_HOST, localhost, is wrong across pods)
 
 Deliberate limits: a response without usable params is an ``InvalidHandoff``, never a decode
-without them (vLLM would silently recompute the whole prompt). Builds from before
-``remote_request_id`` existed are therefore refused.
+without them (vLLM would silently recompute the prompt), so builds from before
+``remote_request_id`` existed are refused.
 """
 
 from __future__ import annotations

@@ -4,11 +4,9 @@
         -> status UNAVAILABLE, details "prefill_failed (prefill): prefill engine answered HTTP 500"
            trailing metadata disagg-error-code: prefill_failed, disagg-error-stage: prefill
 
-The status is the error kind's (``GRPC_STATUSES``, by the taxonomy of ``sidecar.errors``:
-a subclass takes its parent's); the details are the error's own
-safe message (written by the sidecar, never an engine body), prefixed by its stable code and
+The status is the error kind's (``GRPC_STATUSES``; a subclass takes its parent's); the
+details are the error's safe message (never an engine body), prefixed by its stable code and
 stage so a router can tell a prefill failure from a decode failure without parsing text.
-
 Deliberate limits: no rich status (``google.rpc.Status`` details); the two metadata keys carry
 what a router needs.
 """

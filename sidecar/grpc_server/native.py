@@ -1,29 +1,16 @@
 """The native hand-off over gRPC: the KV stays in the engines, the stream carries the hand-off.
 
-Prefill (``NativePrefill``):
+    NativePrefill: PreFillRequest ─checks─▶ client body (token ids, the dialect's token-id
+        fields) ─flow.prefill_only─▶ hand-off fields ─encode_handoff─▶ KVBlock{layer -1 ...}
+    NativeDecode:  DecodeRequest ─checks─▶ decode_handoff(kv_blocks) ─engine/connector
+        match─▶ fields ─flow.decode_body(body, fields)─▶ the decode leg
 
-    PreFillRequest ─checks─▶ client body {"model", "prompt": ids, "max_tokens", "temperature",
-                                          <the dialect's token-id fields>}
-      ─flow.prefill_only─▶ the hand-off fields (the flow runs the prefill half: at once for a
-                           sequential dialect; for a concurrent one the engine call runs on in
-                           the background, watched)
-      ─encode_handoff─▶ KVBlock{layer -1 ...} (``sidecar.kv_wire.handoff``)
+The bodies (docs/grpc.md#sidecar-services) come from the same dialect as HTTP, on
+``/v1/completions``; the decode body is built from the request and the hand-off's fields only.
 
-Decode (``NativeDecode``):
-
-    DecodeRequest ─checks─▶ decode_handoff(kv_blocks) ─engine/connector match─▶ fields
-      body = {"model", "prompt": token_ids, "max_tokens", "temperature", "stream": true,
-              <token-id fields>} ─flow.decode_body(body, fields)─▶ the decode leg
-
-The bodies come from the same dialect as HTTP, on ``/v1/completions``; the decode body is
-built from the request and the hand-off's fields only, exactly as the HTTP front door merges a
-hand-off.
-
-Deliberate limits: a failed background prefill cannot abort the decode, which runs on another
-sidecar: that decode waits for its engine's own timeout. When the prefill's answer already
-is the whole answer, the hand-off has no fields, so the decode engine recomputes the prompt
-(counted as a prefill fallback, ``answered_by_prefill``). A Decode's inline KV blocks
-(``layer_idx >= 0``) are skipped, not staged.
+Deliberate limits: a failed background prefill cannot abort the decode on another sidecar
+(it waits for its engine's own timeout); a prefill that is the whole answer hands off no
+fields (the decode recomputes: ``answered_by_prefill``); inline KV blocks are skipped.
 """
 
 from __future__ import annotations

@@ -6,9 +6,8 @@
         ... scope.outcome = "ok" before the last message
                                            on exit: counted, admission left
 
-What is gRPC's own beyond ``sidecar.core.scope``: ``context.abort`` with the error's status,
-and a cancellation counted unless the call had already succeeded (a router may hang up as
-soon as it has the last message).
+gRPC's own beyond ``sidecar.core.scope``: ``context.abort`` with the error's status, and a
+cancellation counted unless the call had succeeded (a router may hang up at the last message).
 """
 
 from __future__ import annotations

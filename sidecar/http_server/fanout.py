@@ -5,10 +5,8 @@
         streamed: legs' events as they arrive ─StreamMerger─▶ index k, one id ─▶ client
                   then one usage chunk (when the legs sent usage) and one ``data: [DONE]``
 
-Each sub-request k carries ``X-Request-Id: <id>-<k>`` to the engines and gets its own prefill
-target choice; the client sees its own request id. A failure before the client's first byte
-is the request's error status; after it, the stream ends with one error event and no
-``[DONE]`` (as for single requests). The caller closes the fan-out (every leg) on the way out.
+Sub-request k carries ``X-Request-Id: <id>-<k>`` and its own target choice; failures are
+answered as for single requests (README, "Request shapes"). The caller closes every leg.
 """
 
 from __future__ import annotations
@@ -135,7 +133,6 @@ async def _relay_stream(
         return relay.response
     scope.relayed_bytes.inc(relay.total)
     if relay.engine_error:
-        # An engine's own error event is relayed as written, and counted.
         engine_error_reported(scope)
     await relay.finish()
     return relay.response

@@ -9,10 +9,8 @@
                                       └─ n > 1 or a batch ─▶ http_server.fanout (one PD pair
                                                              per prompt and choice, merged)
 
-The relay writes the decode engine's bytes as they arrive (no re-encoding). A failure after
-the first byte ends the stream with one error event and an unterminated body: no second
-status, no fabricated ``[DONE]``. The client's headers are the trace carrier: the request span
-continues a client's ``traceparent``; the relay runs in its own span, which counts the bytes.
+The relay writes the decode engine's bytes as they arrive, unchanged (a break after the first
+byte: one error event, no ``[DONE]``); the client's headers are the trace carrier.
 """
 
 from __future__ import annotations
@@ -182,8 +180,6 @@ async def _relay(
         if span.recording:
             span.set(RELAYED_BYTES, len(body))
         return web.Response(body=body, headers=headers)
-    # Each read's bytes go to the client from the read callback (sse_relay): no task wake-up
-    # per token; the error-event check and the tail are kept there.
     relay = SSERelay(request, headers, runtime.dialect.stream_markers(route))
     await relay.start()
     try:

@@ -1,8 +1,7 @@
 """The passthrough: any request the sidecar does not disaggregate goes to the local engine.
 
-Method, path, query, headers (minus hop-by-hop and routing headers) and body are forwarded
-unchanged and streamed both ways; the engine's status, headers and body come back as they are.
-The engine call itself is the core's (``EngineCalls.passthrough``).
+Method, path, query, headers (less hop-by-hop and routing ones) and body go as they are,
+streamed both ways, and so does the answer; the call is the core's ``EngineCalls.passthrough``.
 """
 
 from __future__ import annotations

@@ -67,12 +67,10 @@ def encode_handoff(
     handoff: Mapping[str, Any], *, request_id: str, engine: str, kv_connector: str | None,
     prefill_host: str, prefill_port: int, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
 ) -> list[KVBlock]:
-    """The hand-off as control blocks (``layer_idx`` -1, ``block_idx`` 0..n-1), in order.
-
-    ``handoff`` holds the top-level fields for the decode body; it is serialized, not kept.
-    Raises ``ValueError`` for arguments the sidecar itself got wrong (an empty engine, a port
-    out of range, a chunk size below 1) and ``TypeError`` for a hand-off that is not JSON.
-    """
+    """The hand-off (the decode body's top-level fields, serialized, not kept) as control
+    blocks (``layer_idx`` -1, ``block_idx`` 0..n-1), in order; ``ValueError`` for arguments the
+    sidecar got wrong (an empty engine, a port out of range, a chunk size below 1) and
+    ``TypeError`` for a hand-off that is not JSON."""
     if not engine:
         raise ValueError("engine must be a non-empty string")
     if not 0 < prefill_port <= _MAX_PORT:
@@ -89,8 +87,7 @@ def encode_handoff(
         KEY_REQUEST_ID: request_id,
     }
     payload = jsonutil.dumps(document)
-    # Chunks split the UTF-8 bytes, possibly inside a character: only the concatenation is
-    # decoded, never a chunk alone.
+    # Chunks may split a UTF-8 character: only the concatenation is ever decoded.
     return [
         KVBlock(request_id=request_id, layer_idx=HANDOFF_LAYER, block_idx=index,
                 k_data=payload[start : start + max_chunk_bytes])

@@ -1,8 +1,7 @@
-"""What a hand-off is built from: the route, the prefill target, the front door, and the
-dialect's own per-request state.
+"""What a hand-off is built from: the route, the prefill target, the front door, the state.
 
-The PD flow (``sidecar.core.flow``) makes one ``HandoffContext`` per request; its dialect fills
-``state`` (``Dialect.begin``) and reads it back; nothing else looks inside.
+The PD flow makes one ``HandoffContext`` per request; its dialect fills ``state``
+(``Dialect.begin``) and reads it back; nothing else looks inside.
 """
 
 from __future__ import annotations
@@ -22,16 +21,11 @@ class Route(StrEnum):
 
 
 class PrefillTarget(NamedTuple):
-    """A prefill engine's address: host (IPv6 without brackets), port and scheme.
-
-    ``scheme`` is ``https`` only for a static pool entry written so (a router's header names
-    plain ``host:port``). ``tls_name`` is the name its certificate must carry when ``host``
-    is the address that name resolved to (the sidecar connects to the address it resolved,
-    and the hand-off names that address); None: verify ``host`` itself.
-
-    A named tuple, not a dataclass: targets key the per-request lookups (in-flight legs,
-    remembered URLs), and a tuple hashes in C.
-    """
+    """A prefill engine's address: host (IPv6 without brackets), port and scheme (``https``
+    only for a static pool entry written so; a router's header names plain ``host:port``);
+    ``tls_name``: the name its certificate must carry when ``host`` is the address that name
+    resolved to (None: verify ``host``). A named tuple: targets key the per-request lookups
+    (in-flight legs, remembered URLs), and a tuple hashes in C."""
 
     host: str
     port: int
@@ -60,13 +54,9 @@ class FrontDoor(StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class HandoffContext:
-    """What every request has besides its bodies, and its dialect's own state.
-
-    ``advertise_host`` is the address the *decode* engine must use to reach the prefill
-    engine's side channel. Over HTTP it is the prefill target's host; over gRPC the prefill
-    sidecar fills in its own pod address. ``state`` belongs to the dialect that set it
-    (``Dialect.begin``); nothing else reads it.
-    """
+    """What every request has besides its bodies, and its dialect's own ``state``;
+    ``advertise_host``: the address the *decode* engine dials to reach the prefill engine's
+    side channel (HTTP: the prefill target's host; gRPC: the prefill sidecar's own pod)."""
 
     route: Route
     request_id: str

@@ -143,11 +143,9 @@ class SSEEvents:
 
 class StreamMerger:
     """Rewrites the legs' stream chunks into one stream: index k, one id, usage summed.
-
     ``event(k, payload)``: the SSE event for leg k's payload, None when absorbed (``[DONE]``, a
     usage-only chunk), ``ValueError`` when not JSON; ``usage_event()``: the one usage chunk at
-    the end, when any leg reported usage.
-    """
+    the end, when any leg reported usage."""
 
     def __init__(self, n: int) -> None:
         self._n = n

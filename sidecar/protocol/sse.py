@@ -4,10 +4,9 @@
     data: [DONE]\\n\\n           the OpenAI routes' last event (``DONE_EVENT``)
     data: {"error": ...}\\n\\n   an engine's own failure inside its stream (``ERROR_EVENT``)
 
-``StreamMarkers`` says, per API, how a finished stream ends and how an in-stream error
-event starts; a dialect names the markers of its engine's streams (``Dialect.stream_markers``).
-``answer_as_sse`` turns a whole answer into the events a streaming client expects, for the
-one case without a decode stream (a prefill that already finished the answer).
+``StreamMarkers``: per API, how a finished stream ends and how an in-stream error event
+starts (``Dialect.stream_markers``). ``answer_as_sse``: a whole answer as the events a
+streaming client expects (a prefill that already finished the answer has no decode stream).
 """
 
 from __future__ import annotations

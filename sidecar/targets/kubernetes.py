@@ -248,10 +248,9 @@ async def watched_pod_allowlist(
     selector: str, static: Allowlist, *, namespace: str | None = None, port_label: str,
     first_list_timeout_s: float, source: PodSource | None = None,
 ) -> AsyncIterator[PodAllowlist]:
-    """The allowlist of the pods ``selector`` picks (in ``namespace``, default this pod's
-    own), each at its ``port_label``, watched until the context exits; waits up to
-    ``first_list_timeout_s`` for the first list so the first requests are not refused for
-    nothing."""
+    """The allowlist of the pods ``selector`` picks (in ``namespace``, default this pod's own)
+    at their ``port_label``, watched until the context exits; waits up to ``first_list_timeout_s``
+    for the first list, so the first requests are not refused needlessly."""
     allowlist = PodAllowlist(port_label=port_label, default_port=DEFAULT_POD_PORT,
                              static=static)
     owned: KubernetesPodSource | None = None

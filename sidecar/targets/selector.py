@@ -5,16 +5,11 @@
     pool "https://prefill-0.svc:8443" ─parse_prefill_url()─▶ resolve ─▶
         PrefillTarget(ip, scheme https, tls_name "prefill-0.svc")
 
-The sidecar connects to the address it checked (never re-resolves), so DNS rebinding between
-check and connect cannot redirect a prompt. Headers that name IP literals only are checked
-once and remembered (the allowlist is immutable and no name is resolved, so the verdict
-cannot change); names are resolved and checked on every request. Targets from the static
-pool (``--prefill-url``) are trusted configuration and skip the allowlist; an ``https`` entry
-stays https (verified against its configured name), a router's header is always plain http.
-
-Of several targets (a header list, or the static pool) ``TargetChoice`` picks the one with
-the fewest prefill legs in flight and skips targets whose connect was just refused;
-``candidates()`` gives the whole checked list, so a refused prefill can move to another.
+The sidecar connects to the address it checked (never re-resolves: no DNS rebinding); IP
+literals are checked once and remembered, names on every request. The static pool
+(``--prefill-url``) is trusted configuration, skipping the allowlist; an ``https`` entry stays
+https (verified against its configured name), a router's header is plain http. ``select`` =
+``candidates`` (the checked list: a refused prefill moves on) + ``choose`` (``TargetChoice``).
 
 Deliberate limits: one address per target is used (the first resolved); no active health
 checks of targets (a refused connect is the only signal).
@@ -92,10 +87,8 @@ def parse_target_header(values: Sequence[str]) -> list[PrefillTarget]:
 
 
 def parse_prefill_url(url: str) -> PrefillTarget:
-    """A static pool entry ``http(s)://host:port`` (its shape is checked by the settings).
-
-    The scheme is kept: an ``https`` entry is dialled over TLS and verified, never downgraded.
-    """
+    """A static pool entry ``http(s)://host:port`` (its shape checked by the settings); the
+    scheme is kept: an ``https`` entry is dialled over TLS and verified, never downgraded."""
     parts = urlsplit(url)
     scheme = parts.scheme.lower()
     if scheme not in ("http", "https") or parts.hostname is None or parts.port is None:
@@ -126,8 +119,7 @@ class TargetSelector:
         self._resolved_pool: tuple[PrefillTarget, ...] | None = None
         self.choice = choice if choice is not None else TargetChoice(cooldown_s=0.0)
         self._resolve_timeout_s = resolve_timeout_s
-        # Routers name the same few prefill pods again and again: a header naming IP
-        # literals only (no DNS, so nothing to rebind) checks the same way every time.
+        # A header of IP literals only (no DNS: nothing to rebind) checks the same every time.
         self._literal_selections: dict[tuple[str, ...], tuple[PrefillTarget, ...]] = {}
         self._allowlist_version: object = getattr(allowlist, "version", 0)
 
@@ -137,12 +129,8 @@ class TargetSelector:
         self._literal_selections[key] = checked
 
     async def select(self, header_values: Sequence[str]) -> PrefillTarget | None:
-        """The checked target for a request, or None when it names none and no pool exists.
-
-        Every named target must be allowed (a list with one foreign entry is refused whole);
-        of several, ``choice`` picks the one with the fewest prefill legs in flight, skipping
-        targets cooling down after a refused connect. Returns it with its resolved address.
-        """
+        """The checked target for a request (with its resolved address), or None when it
+        names none and no pool exists; one foreign entry refuses a whole list."""
         candidates = await self.candidates(header_values)
         return self.choose(candidates) if candidates else None
 
@@ -155,13 +143,10 @@ class TargetSelector:
         return chosen
 
     async def candidates(self, header_values: Sequence[str]) -> tuple[PrefillTarget, ...]:
-        """Every checked target a request may use (the header's, else the pool's; may be empty).
-
-        A prefill whose connect is refused is retried on another of these (``Orchestrator``).
-        """
+        """Every checked target a request may use (the header's, else the pool's; may be
+        empty): a prefill whose connect is refused moves to another (``PDFlow.start``)."""
         if header_values:
-            # A live allowlist (Kubernetes mode) bumps ``version`` on every change: the
-            # remembered verdicts are only as current as the set they were checked against.
+            # A live allowlist (Kubernetes mode) bumps ``version``: remembered verdicts go.
             version = getattr(self._allowlist, "version", 0)
             if version != self._allowlist_version:
                 self._literal_selections.clear()
@@ -185,8 +170,7 @@ class TargetSelector:
 
     async def _pool_member(self, target: PrefillTarget) -> PrefillTarget:
         addresses = await self._resolve(target)
-        # Over TLS the certificate names the configured host, not the address it resolved
-        # to: keep the name for verification (an IP literal verifies itself).
+        # Over TLS the certificate names the configured host (an IP literal verifies itself).
         tls_name = (target.host if target.scheme == "https" and _literal(target.host) is None
                     else None)
         member = PrefillTarget(str(addresses[0]), target.port, target.scheme, tls_name)

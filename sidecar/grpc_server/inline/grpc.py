@@ -10,17 +10,15 @@
       engine.json ─▶ staged (``staging``, within max_staged_bytes) ─▶ the inline dialect's
       decode body (load K): the engine's SidecarKVConnector loads the staged blocks
 
-The order, timing and every error of both directions are the contract's:
-protos/README.md ("layer_idx -2"). A notice only wakes the stream, which sends the next
-layer in order if its file is complete; lost notices merely delay layers to the engine's
-answer. The decode walks the wire bytes because a parsed 32 MiB ``DecodeRequest`` holds the
-KV in upb's arena and every read of a ``bytes`` field copies it again; walking keeps one copy.
+The order, timing and every error of both directions are the contract's: protos/README.md
+("layer_idx -2"). A notice only wakes the stream, which sends the next layer in order if its
+file is complete (lost notices delay layers to the engine's answer); the decode walks the wire
+bytes to hold the KV once (docs/design-notes.md#layer-notices, #decode-wire-walk).
 
 Deliberate limits: one layer's blocks are in memory at a time on the prefill side; an engine
-whose saving step already runs when the RPC is cancelled may write its files after they were
-removed (a forward pass cannot be aborted): ``active_keys`` names the requests in flight and
-``orphans`` removes such late directories once old. The decode cannot check that
-``token_ids`` are the prompt the KV was computed from; it refuses KV of more tokens.
+already saving when the RPC is cancelled writes its files after their removal (a forward pass
+cannot be aborted): ``orphans`` removes them once old (``active_keys``: requests in flight).
+The decode cannot check ``token_ids`` against the KV's prompt; it refuses KV of more tokens.
 """
 
 from __future__ import annotations
@@ -251,9 +249,8 @@ class InlineDecode:
         self._kv_in = metrics.kv_bytes.labels("in")
 
     def read(self, request: disagg_pb2.DecodeRequest | bytes) -> DecodeInput:
-        """The request without its blocks, and its blocks; a malformed one becomes an empty
-        request and the error, raised in ``decode_body`` so that it is counted and answered
-        like every other refusal."""
+        """The request without its blocks, and its blocks; a malformed one: an empty request and
+        the error, raised in ``decode_body`` (counted and answered like every refusal)."""
         if not isinstance(request, bytes):
             return DecodeInput(request)
         try:
