@@ -73,14 +73,6 @@ class Runtime:
         """The dialect of the local engine (and its connector), as the pod labels name it."""
         return self.flow.dialect
 
-    @property
-    def engine_name(self) -> str:
-        return self.dialect.engine
-
-    @property
-    def connector_name(self) -> str:
-        return self.dialect.connector_label
-
     async def close(self) -> None:
         """Cancel what the flows still run in the background (server stop)."""
         await self.flow.close()
