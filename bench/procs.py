@@ -106,20 +106,7 @@ def start_stub(
         ]
     else:
         raise ValueError(f"unknown stubs {kind!r}; known: {', '.join(STUBS)}")
-    stderr = (log_dir / f"{name}.log").open("wb")
-    popen = subprocess.Popen(
-        args, stdout=subprocess.PIPE, stderr=stderr, env=child_env(), cwd=REPO_ROOT
-    )
-    stderr.close()
-    try:
-        line = _read_line(popen, time.monotonic() + _START_TIMEOUT_S)
-        info: dict[str, Any] = json.loads(line)
-    except (RuntimeError, ValueError):
-        stop(Proc(name, popen, 0))
-        raise RuntimeError(
-            f"stub {name} failed to start; see {log_dir / (name + '.log')}"
-        ) from None
-    return Proc(name, popen, int(info["port"]), info)
+    return _start_reporting(name, "stub", args, log_dir)
 
 
 def start_relay(name: str, upstream_port: int, *, log_dir: Path,
@@ -127,6 +114,11 @@ def start_relay(name: str, upstream_port: int, *, log_dir: Path,
     """``bench.bare_relay`` forwarding to ``127.0.0.1:upstream_port``."""
     args = [*(prefix or []), sys.executable, "-m", "bench.bare_relay",
             "--upstream", f"127.0.0.1:{upstream_port}"]
+    return _start_reporting(name, "relay", args, log_dir)
+
+
+def _start_reporting(name: str, what: str, args: list[str], log_dir: Path) -> Proc:
+    """Start ``args``, which reports its port as one JSON line on stdout once listening."""
     stderr = (log_dir / f"{name}.log").open("wb")
     popen = subprocess.Popen(
         args, stdout=subprocess.PIPE, stderr=stderr, env=child_env(), cwd=REPO_ROOT
@@ -137,7 +129,7 @@ def start_relay(name: str, upstream_port: int, *, log_dir: Path,
     except (RuntimeError, ValueError):
         stop(Proc(name, popen, 0))
         raise RuntimeError(
-            f"relay {name} failed to start; see {log_dir / (name + '.log')}"
+            f"{what} {name} failed to start; see {log_dir / (name + '.log')}"
         ) from None
     return Proc(name, popen, int(info["port"]), info)
 
@@ -351,3 +343,12 @@ def stop(proc: Proc, timeout_s: float = 10.0) -> None:
             popen.wait(timeout_s)
     if popen.stdout is not None:
         popen.stdout.close()
+
+
+def cpu_model() -> str:
+    """The machine's CPU model name ("" when /proc/cpuinfo does not say)."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return ""

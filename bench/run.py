@@ -308,12 +308,7 @@ def _brief(summary: dict[str, Any]) -> str:
 
 
 def machine() -> dict[str, Any]:
-    model = ""
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
+    model = procs.cpu_model()
     versions = {}
     for name in ("aiohttp", "uvloop", "orjson", "httptools", "multidict", "yarl"):
         with contextlib.suppress(Exception):

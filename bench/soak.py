@@ -184,12 +184,7 @@ def stack(args: argparse.Namespace, log_dir: Path) -> Iterator[tuple[procs.Proc,
 
 
 def machine() -> str:
-    cpu = "unknown CPU"
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+    cpu = procs.cpu_model() or "unknown CPU"
     return f"{cpu}, {os.cpu_count()} CPUs, Linux {platform.release()}, Python " \
            f"{platform.python_version()}"
 

@@ -114,7 +114,7 @@ def _services(runtime: Runtime) -> tuple[PrefillService, DecodeService, OrphanSw
         return (PrefillService(scopes, NativePrefill(flow, scopes, settings)),
                 DecodeService(flow, scopes, NativeDecode(flow, runtime.metrics)), None)
     root = Path(settings.kv_staging_dir)
-    area = StagingArea(root, settings.max_staged_bytes)
+    area = StagingArea(root, settings.max_staged_bytes, runtime.metrics.staged_bytes.set)
     inline_prefill = InlinePrefill(flow, settings)
     sweeper = OrphanSweeper(
         root, lambda: inline_prefill.active_keys | area.owned_keys(),

@@ -26,6 +26,7 @@ from sidecar.grpc_server.errors import grpc_status
 from sidecar.grpc_server.inline.prefill_files import read_layer_messages, read_staged_meta
 from sidecar.grpc_server.inline.staging import StagingArea
 from sidecar.grpc_server.inline.wire import check_compatible, meta_block, parse_blocks
+from sidecar.observability.metrics import Metrics
 
 LAYOUT = InlineLayout(
     dtype="float32", block_size=4, num_kv_heads=2, head_size=8, num_layers=3, fingerprint="f0"
@@ -139,6 +140,17 @@ async def test_staging_writes_connector_layout_and_cleans_up(tmp_path: Path) -> 
         assert (directory / layer_file(1)).read_bytes() == layer_data(1)
         assert area.reserved_bytes == kv.nbytes
     assert area.staged_keys() == [] and area.reserved_bytes == 0
+
+
+async def test_staging_tells_the_staged_bytes_gauge(tmp_path: Path) -> None:
+    metrics = Metrics()
+    area = StagingArea(tmp_path, max_bytes=10**6, on_change=metrics.staged_bytes.set)
+    gauge = metrics.registry.get_sample_value
+    kv = parse_blocks(stream(), max_blocks=100)
+    assert gauge("disagg_staged_kv_bytes") == 0
+    async with area.stage(kv):
+        assert gauge("disagg_staged_kv_bytes") == kv.nbytes
+    assert gauge("disagg_staged_kv_bytes") == 0
 
 
 async def test_staging_cleans_up_after_failure(tmp_path: Path) -> None:

@@ -16,7 +16,7 @@ import asyncio
 import os
 import shutil
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -31,10 +31,13 @@ _IOV_MAX = 1024
 class StagingArea:
     """Bounded per-request KV directories under ``root`` (see the module docstring)."""
 
-    def __init__(self, root: Path, max_bytes: int) -> None:
+    def __init__(self, root: Path, max_bytes: int,
+                 on_change: Callable[[int], None] | None = None) -> None:
         self.root = root
         self.max_bytes = max_bytes
         self._reserved: dict[str, int] = {}
+        #: Told the bytes staged whenever they change (the ``disagg_staged_kv_bytes`` gauge).
+        self._on_change = on_change
         root.mkdir(parents=True, exist_ok=True)
 
     @property
@@ -58,7 +61,12 @@ class StagingArea:
                 stage=Stage.HANDOFF)
         key = f"d-{uuid.uuid4().hex}"
         self._reserved[key] = nbytes
+        self._changed()
         return key
+
+    def _changed(self) -> None:
+        if self._on_change is not None:
+            self._on_change(self.reserved_bytes)
 
     @asynccontextmanager
     async def stage(self, kv: InlineKV) -> AsyncIterator[str]:
@@ -73,6 +81,7 @@ class StagingArea:
             # Synchronous (tmpfs: fast) so that no cancellation can interrupt the clean-up.
             shutil.rmtree(directory, ignore_errors=True)
             self._reserved.pop(key, None)
+            self._changed()
 
     @staticmethod
     def _write(directory: Path, kv: InlineKV, key: str) -> None:
