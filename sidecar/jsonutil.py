@@ -21,3 +21,20 @@ def loads(data: bytes | bytearray | memoryview | str) -> Any:
 def dumps(obj: Any) -> bytes:
     """Serialize to compact UTF-8 JSON bytes."""
     return orjson.dumps(obj)
+
+
+def type_name(value: object) -> str:
+    """The JSON name of a parsed value's type, for messages (never a Python class name)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int):
+        return "integer"
+    if isinstance(value, float):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, list | tuple):
+        return "array"
+    return "object"

@@ -3,8 +3,12 @@
     post_prefill()  ─▶ dict (the prefill engine's JSON answer, size-capped, deadline-bound)
     open_decode()   ─▶ UpstreamResponse (head arrived, body not read; caller releases)
 
-Errors map to the taxonomy: unreachable -> PrefillFailed/EngineNotReady, 4xx ->
+Errors map to the taxonomy: unreachable -> PrefillUnreachable (refused, or not accepted
+within the connect timeout: the engine never saw the request) / EngineNotReady, a failed TLS
+handshake -> PrefillFailed/DecodeFailed (its own message: the verification error), 4xx ->
 EngineRejected, 5xx or garbage -> PrefillFailed/DecodeFailed, deadlines -> DeadlineExceeded.
+Messages say what happened in words and name the engine as the caller says (``who``: a
+router-named prefill target by its address); never an exception class.
 Engine error bodies are read (to free the connection) but never relayed: they may quote the
 prompt. Each call names the engine's HTTP status on its leg span
 (``sidecar.observability.tracing``; a no-op
@@ -13,6 +17,7 @@ when tracing is off).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -27,10 +32,23 @@ from sidecar.errors import (
     SidecarError,
     Stage,
 )
-from sidecar.http1 import EngineClient, UpstreamConnectError, UpstreamError, UpstreamResponse
+from sidecar.http1 import (
+    EngineClient,
+    UpstreamBroken,
+    UpstreamConnectError,
+    UpstreamError,
+    UpstreamProtocolError,
+    UpstreamResponse,
+    UpstreamTLSError,
+)
 from sidecar.observability.tracing import HTTP_STATUS, NOOP_SPAN, LegSpan
 
+logger = logging.getLogger(__name__)
+
 _MAX_ERROR_BODY = 64 * 1024
+#: How the messages name the local engine (the decode leg's, and any other local call).
+LOCAL_ENGINE = "local engine"
+DECODE_ENGINE = "decode engine"
 
 
 async def read_capped(response: UpstreamResponse, max_bytes: int) -> bytes:
@@ -55,12 +73,29 @@ def _json_headers(headers: Mapping[str, str]) -> list[tuple[str, str]]:
 _CLIENT_FAULT_STATUSES = frozenset({400, 413, 422})
 
 
-def _status_error(status: int, stage: Stage) -> SidecarError:
-    name = stage.value
+def _status_error(status: int, stage: Stage, who: str) -> SidecarError:
     if status in _CLIENT_FAULT_STATUSES:
-        return EngineRejected(f"{name} engine rejected the request (HTTP {status})", stage=stage)
+        return EngineRejected(f"{who} rejected the request (HTTP {status})", stage=stage)
     failed: type[SidecarError] = PrefillFailed if stage is Stage.PREFILL else DecodeFailed
-    return failed(f"{name} engine answered HTTP {status}", stage=stage)
+    return failed(f"{who} answered HTTP {status}", stage=stage)
+
+
+def broken_connection(exc: UpstreamError, who: str) -> str:
+    """What an upstream failure after the connect did, in words."""
+    if isinstance(exc, UpstreamBroken):
+        return f"{who} closed the connection before its answer was complete"
+    if isinstance(exc, UpstreamProtocolError):
+        return f"{who} answered something that is not HTTP/1.1 ({exc.reason})"
+    return f"{who}: {exc.reason}"
+
+
+def connect_failure(exc: UpstreamConnectError, who: str) -> str:
+    """A connect that failed, in words (a TLS handshake names its verification error)."""
+    if isinstance(exc, UpstreamTLSError):
+        return f"TLS handshake with {who} failed: {exc.reason}"
+    if exc.refused:
+        return f"{who} refused the connection"
+    return f"{who} unreachable: {exc.reason}"
 
 
 async def post_prefill(
@@ -73,9 +108,11 @@ async def post_prefill(
     max_bytes: int,
     server_hostname: str | None = None,
     span: LegSpan = NOOP_SPAN,
+    who: str = "prefill engine",
 ) -> dict[str, Any]:
     """POST the prefill body and return its JSON object answer (``server_hostname``: the
-    name an https target's certificate must carry when ``url`` names its address)."""
+    name an https target's certificate must carry when ``url`` names its address; ``who``:
+    the engine as the messages name it)."""
     payload = jsonutil.dumps(body)
     try:
         response = await session.request(
@@ -87,7 +124,7 @@ async def post_prefill(
         try:
             if response.status != 200:
                 await _drain_error_body(response)
-                raise _status_error(response.status, Stage.PREFILL)
+                raise _status_error(response.status, Stage.PREFILL, who)
             raw = await read_capped(response, max_bytes)
         finally:
             response.release()
@@ -95,19 +132,20 @@ async def post_prefill(
         raise DeadlineExceeded(
             f"prefill leg exceeded its {timeout_s:g} s deadline", stage=Stage.PREFILL
         ) from None
+    except UpstreamTLSError as exc:
+        _log_tls_failure(url, exc)
+        raise PrefillFailed(connect_failure(exc, who)) from None
     except UpstreamConnectError as exc:
         # No connection, so not one byte of the request reached the engine: safe to retry.
-        raise PrefillUnreachable(f"prefill engine unreachable or broke the connection: "
-                                 f"{type(exc).__name__}") from None
+        raise PrefillUnreachable(connect_failure(exc, who)) from None
     except UpstreamError as exc:
-        raise PrefillFailed(f"prefill engine unreachable or broke the connection: "
-                            f"{type(exc).__name__}") from None
+        raise PrefillFailed(broken_connection(exc, who)) from None
     try:
         answer = jsonutil.loads(raw)
     except jsonutil.JSONDecodeError:
-        raise PrefillFailed("prefill engine answered malformed JSON") from None
+        raise PrefillFailed(f"{who} answered malformed JSON") from None
     if not isinstance(answer, dict):
-        raise PrefillFailed("prefill engine answered JSON that is not an object")
+        raise PrefillFailed(f"{who} answered JSON that is not an object")
     return answer
 
 
@@ -124,14 +162,15 @@ async def open_decode(
         response = await session.request(
             "POST", url, headers=_json_headers(headers), body=payload
         )
-    except UpstreamConnectError:
-        raise EngineNotReady("local engine refused the connection", stage=Stage.DECODE) from None
+    except UpstreamTLSError as exc:
+        _log_tls_failure(url, exc)
+        raise DecodeFailed(connect_failure(exc, LOCAL_ENGINE), stage=Stage.DECODE) from None
+    except UpstreamConnectError as exc:
+        raise EngineNotReady(connect_failure(exc, LOCAL_ENGINE), stage=Stage.DECODE) from None
     except TimeoutError:
         raise DeadlineExceeded("decode engine did not answer in time", stage=Stage.DECODE) from None
     except UpstreamError as exc:
-        raise DecodeFailed(
-            f"decode engine broke the connection: {type(exc).__name__}", stage=Stage.DECODE
-        ) from None
+        raise DecodeFailed(broken_connection(exc, DECODE_ENGINE), stage=Stage.DECODE) from None
     if span.recording:
         span.set(HTTP_STATUS, response.status)
     if response.status != 200:
@@ -139,8 +178,14 @@ async def open_decode(
             await _drain_error_body(response)
         finally:
             response.release()
-        raise _status_error(response.status, Stage.DECODE)
+        raise _status_error(response.status, Stage.DECODE, DECODE_ENGINE)
     return response
+
+
+def _log_tls_failure(url: str, exc: UpstreamTLSError) -> None:
+    """A handshake that failed is a configuration to fix: say where, and why (never at the
+    level of a refused connection, which an engine restart explains)."""
+    logger.warning("TLS handshake with %s failed: %s", url, exc.reason)
 
 
 async def _drain_error_body(response: UpstreamResponse) -> None:

@@ -5,15 +5,19 @@ from sidecar.http1.connection import UpstreamResponse
 from sidecar.http1.errors import (
     UpstreamBroken,
     UpstreamConnectError,
+    UpstreamConnectTimeout,
     UpstreamError,
     UpstreamProtocolError,
+    UpstreamTLSError,
 )
 
 __all__ = [
     "EngineClient",
     "UpstreamBroken",
     "UpstreamConnectError",
+    "UpstreamConnectTimeout",
     "UpstreamError",
     "UpstreamProtocolError",
     "UpstreamResponse",
+    "UpstreamTLSError",
 ]

@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import errno
 import functools
+import os
 import socket
 import ssl
 from collections.abc import AsyncIterable, Iterable, Mapping
@@ -35,7 +37,12 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from sidecar.http1.connection import Connection, UpstreamResponse, expire_future
-from sidecar.http1.errors import UpstreamBroken, UpstreamConnectError, UpstreamError
+from sidecar.http1.errors import (
+    UpstreamBroken,
+    UpstreamConnectError,
+    UpstreamError,
+    UpstreamTLSError,
+)
 
 Headers = Mapping[str, str] | Iterable[tuple[str, str]]
 Body = bytes | AsyncIterable[bytes] | None
@@ -91,6 +98,28 @@ def _encode_head(method: str, target: _Target, headers: Headers, framing: str) -
     head = (f"{method} {target.path} HTTP/1.1\r\nHost: {target.host_header}\r\n"
             f"{block}{framing}\r\n")
     return head.encode("utf-8", "surrogateescape")
+
+
+#: OpenSSL's reasons when the peer answered the handshake with something that is not TLS.
+_NOT_TLS_REASONS = frozenset({"WRONG_VERSION_NUMBER", "HTTP_REQUEST", "PACKET_LENGTH_TOO_LONG",
+                              "RECORD_LAYER_FAILURE", "UNEXPECTED_EOF_WHILE_READING"})
+
+
+def _tls_reason(exc: ssl.SSLError) -> str:
+    """A failed handshake in words: the verification error, or what the peer did instead."""
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return f"certificate verify failed: {exc.verify_message or exc.reason}"
+    reason = exc.reason or ""
+    words = reason.replace("_", " ").lower() if reason else str(exc)
+    if reason in _NOT_TLS_REASONS or isinstance(exc, ssl.SSLEOFError):
+        return f"{words} (does it serve TLS on this port?)"
+    return words
+
+
+def _connect_reason(exc: OSError) -> str:
+    if exc.errno:
+        return os.strerror(exc.errno).lower()
+    return str(exc) or "connection failed"
 
 
 def _framing(method: str, body: Body, content_length: int | None) -> str:
@@ -267,9 +296,18 @@ class EngineClient:
         except TimeoutError:
             self._free_slot()
             raise
-        except (OSError, ssl.SSLError) as exc:
+        except ssl.SSLError as exc:  # an OSError too: the handshake, not the connect, failed
             self._free_slot()
-            raise UpstreamConnectError(f"cannot connect to {target.host_header}: {exc}") from None
+            reason = _tls_reason(exc)
+            raise UpstreamTLSError(
+                f"TLS handshake with {target.host_header} (name {target.tls_name}) failed: "
+                f"{reason}", reason=reason) from None
+        except OSError as exc:
+            self._free_slot()
+            reason = _connect_reason(exc)
+            raise UpstreamConnectError(f"cannot connect to {target.host_header}: {reason}",
+                                       reason=reason,
+                                       refused=exc.errno == errno.ECONNREFUSED) from None
         except BaseException:
             self._free_slot()
             raise

@@ -78,20 +78,7 @@ class ClientRequest:
         return (len(self.batch) if self.batch else 1) * self.n
 
 
-def _type_name(value: object) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, int):
-        return "integer"
-    if isinstance(value, float):
-        return "number"
-    if isinstance(value, str):
-        return "string"
-    if isinstance(value, list):
-        return "array"
-    return "object"
+_type_name = jsonutil.type_name
 
 
 def _is_int(value: object) -> bool:
