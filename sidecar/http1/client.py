@@ -40,6 +40,7 @@ from sidecar.http1.connection import Connection, UpstreamResponse, expire_future
 from sidecar.http1.errors import (
     UpstreamBroken,
     UpstreamConnectError,
+    UpstreamConnectTimeout,
     UpstreamError,
     UpstreamTLSError,
 )
@@ -282,8 +283,12 @@ class EngineClient:
     async def _connect(self, target: _Target, deadline: float | None) -> Connection:
         self._open += 1
         timeout = self._connect_timeout_s
-        if deadline is not None:
-            timeout = max(min(timeout, deadline - self._loop.time()), 0.0)
+        # Which bound ends a connect that does not complete: the connect timeout (the peer is
+        # unreachable: it never saw the request) or the caller's deadline (TimeoutError).
+        own_timeout = True
+        if deadline is not None and deadline - self._loop.time() < timeout:
+            timeout = max(deadline - self._loop.time(), 0.0)
+            own_timeout = False
         try:
             async with asyncio.timeout(timeout):
                 _, conn = await self._loop.create_connection(
@@ -295,7 +300,11 @@ class EngineClient:
                 )
         except TimeoutError:
             self._free_slot()
-            raise
+            if not own_timeout:
+                raise
+            reason = f"no connection within {timeout:g} s"
+            raise UpstreamConnectTimeout(f"cannot connect to {target.host_header}: {reason}",
+                                         reason=reason) from None
         except ssl.SSLError as exc:  # an OSError too: the handshake, not the connect, failed
             self._free_slot()
             reason = _tls_reason(exc)
