@@ -196,3 +196,23 @@ def test_several_bad_values_all_named() -> None:
 def test_malformed_podinfo_file() -> None:
     message = refused(podinfo=FIXTURES / "malformed")
     assert "labels line 2" in message
+
+
+@pytest.mark.parametrize("path", ["/v1", "/v1/", "/api/v1"])
+def test_an_engine_url_with_a_path_is_refused_saying_what_to_write(path: str) -> None:
+    # The sidecar appends /v1/completions itself: a path would send every call to
+    # /v1/v1/..., /ready would stay 503 and every PD request answer 502.
+    message = refused(["--engine-url", f"http://127.0.0.1:8200{path}"])
+    assert "flag --engine-url" in message and f"{path!r}" in message, message
+    assert "http://127.0.0.1:8200" in message.split("write")[-1], message
+
+
+def test_an_engine_url_with_only_a_trailing_slash_is_accepted() -> None:
+    assert load(["--engine-url", "https://engine:8443/"]).settings.engine_url == (
+        "https://engine:8443")
+
+
+def test_a_prefill_url_with_a_path_says_what_to_write() -> None:
+    message = refused(["--prefill-url", "http://10.0.0.7:8000/v1"])
+    assert "flag --prefill-url" in message and "'/v1'" in message, message
+    assert "http://10.0.0.7:8000" in message.split("write")[-1], message
