@@ -12,8 +12,12 @@ Each worker is ``python -m sidecar.worker`` with its index; it reports its bound
 on a pipe once listening, and holds the read end of a lifeline pipe whose end-of-file (this
 process gone, even by SIGKILL) makes it drain and exit, so no worker outlives its supervisor.
 
+A port another program holds stops the pool before any worker starts (``PortInUse``: one
+line, exit 2, as a lone process; the check binds without SO_REUSEPORT, so a holder that set
+it cannot let the pool join its port).
+
 Deliberate limits: a worker that dies before it ever listened on its first start (a bad
-certificate, a port taken) stops the whole pool with exit 1, as a lone process would refuse to
+certificate) stops the whole pool with exit 1, as a lone process would refuse to
 start; after that, a worker is restarted however often it dies (backoff 0.2 s doubling to
 10 s, reset once it has served for 30 s).
 """
@@ -39,7 +43,7 @@ from prometheus_client.multiprocess import mark_process_dead
 from sidecar.config.settings import Settings
 from sidecar.observability.metrics import MULTIPROC_DIR_ENV
 from sidecar.workers.identity import INFLIGHT_FILE, METRICS_DIR, SETTINGS_FILE
-from sidecar.workers.ports import bound_port, reserve
+from sidecar.workers.ports import bound_port, check_free, reserve
 from sidecar.workers.shared_inflight import InflightSlots
 
 logger = logging.getLogger(__name__)
@@ -99,8 +103,14 @@ class _Pool:
         self.lifeline_read, self.lifeline_write = os.pipe()
 
     def prepare(self) -> None:
-        """Reserve the ports and write what every worker reads at start."""
+        """Reserve the ports and write what every worker reads at start (``PortInUse`` when
+        another program holds one: SO_REUSEPORT would let the pool join it silently)."""
         s = self.settings
+        check_free(s.host, s.port, "--port")
+        if s.grpc_enabled:
+            check_free(s.host, s.grpc_port, "--grpc-port")
+        if s.metrics_port is not None:
+            check_free(s.host, s.metrics_port, "--metrics-port")
         ports: dict[str, int | None] = {"port": self._reserve(s.port)}
         if s.grpc_enabled:
             ports["grpc_port"] = self._reserve(s.grpc_port)
