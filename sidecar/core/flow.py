@@ -49,6 +49,7 @@ from sidecar.errors import (
     Stage,
 )
 from sidecar.http1 import UpstreamResponse
+from sidecar.observability.logs import LogEvery
 from sidecar.observability.tracing import HANDOFF_SPAN, NOOP_TRACE, RequestTrace
 from sidecar.protocol.context import FrontDoor, HandoffContext, PrefillTarget, Route
 
@@ -58,6 +59,8 @@ logger = logging.getLogger(__name__)
 _FALLBACK_ERRORS = (PrefillFailed, InvalidHandoff, DeadlineExceeded)
 #: The reason a gRPC Prefill counts when its prefill already finished the answer.
 ANSWERED_BY_PREFILL = "answered_by_prefill"
+#: Local-prefill fallbacks are logged at most once per this many seconds (each is counted).
+_FALLBACK_LOG_INTERVAL_S = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +122,7 @@ class PDFlow:
         self._local = local_prefill if local_prefill is not None and local_prefill.enabled else None
         self._counters = counters or FlowCounters()
         self._background: set[asyncio.Task[None]] = set()
+        self._fallback_log = LogEvery(_FALLBACK_LOG_INTERVAL_S)
 
     # -- per-request state: what the exchange calls back ------------------------------------
 
@@ -258,6 +262,7 @@ class PDFlow:
                 raise  # another target comes first; the local fallback is the last resort
             fallback_reason = error.code
             self._counters.fallback(request.front_door, fallback_reason)
+            self._log_fallback(request, error)
             decode_body = dict(request.body)
         decode_started = time.perf_counter()
         decode = await self.calls.open_decode(
@@ -266,6 +271,15 @@ class PDFlow:
         timings.decode_first_byte = time.perf_counter() - decode_started
         return PDExchange(ctx=ctx, decode=decode, fallback_reason=fallback_reason,
                           timings=timings, owner=self)
+
+    def _log_fallback(self, request: PDRequest, error: SidecarError) -> None:
+        left_out = self._fallback_log.due()
+        if left_out is None:
+            return
+        more = f" ({left_out} more since the last such line)" if left_out else ""
+        logger.warning("request %s: prefill failed: %s (%s); served whole by the local engine "
+                       "(--on-prefill-failure local)%s", request.request_id, error.code,
+                       error.message, more)
 
     async def _start_concurrent(self, request: PDRequest, ctx: HandoffContext) -> PDExchange:
         timings = Timings()

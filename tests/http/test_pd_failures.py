@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from typing import Any
 
 import aiohttp
 import pytest
 from pd_builders import PDPair, client_body, pd_pair, sse_events
 
+from sidecar.observability.logs import LogEvery
 from sidecar.protocol.context import Route
 
 
@@ -152,6 +154,32 @@ async def test_local_prefill_fallback_is_a_named_counted_policy() -> None:
         assert decision.outcome == "local"
         assert await pair.sidecar.metric(
             "disagg_prefill_fallbacks_total", reason="prefill_failed") == 1
+
+
+async def test_local_prefill_fallbacks_are_logged_at_a_bounded_rate(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO)
+    async with pd_pair("vllm", "shfs", on_prefill_failure="local") as pair:
+        pair.prefill.faults.add("status", path="/v1/completions", times=5, status=500)
+        for _ in range(5):
+            status, _, text = await pair.send()
+            assert status == 200, text
+        assert await pair.sidecar.metric("disagg_prefill_fallbacks_total") == 5
+    lines = [r.getMessage() for r in caplog.records if "on-prefill-failure local" in
+             r.getMessage()]
+    assert len(lines) == 1, lines  # five fallbacks within the bound: one line
+    assert "prefill_failed" in lines[0] and "local engine" in lines[0], lines
+
+
+def test_the_rate_bound_says_how_many_lines_it_left_out() -> None:
+    clock = [100.0]
+    every = LogEvery(10.0, clock=lambda: clock[0])
+    assert every.due() == 0  # the first is logged
+    assert [every.due() for _ in range(3)] == [None, None, None]
+    clock[0] += 10.0
+    assert every.due() == 3  # the next line says three were left out
+    assert every.due() is None
 
 
 async def _cancel_after(pair: PDPair, stub_path_seen: Any, stream: bool) -> None:
