@@ -101,7 +101,7 @@ def _admission(settings: Settings, worker: WorkerIdentity) -> Admission:
 
 
 def _flows(settings: Settings, metrics: Metrics, calls: EngineCalls,
-           setup: DialectSetup) -> tuple[PDFlow, PDFlow]:
+           setup: DialectSetup, health: EngineHealth) -> tuple[PDFlow, PDFlow]:
     """The HTTP door's flow and the gRPC door's (the same one but for the inline transport)."""
     dialect = dialect_class(settings.engine, settings.kv_connector)(setup)
     fallbacks = metrics.prefill_fallbacks
@@ -123,7 +123,7 @@ def _flows(settings: Settings, metrics: Metrics, calls: EngineCalls,
     def flow(of: Dialect) -> PDFlow:
         return PDFlow(of, calls, prefill_timeout_s=settings.prefill_timeout_s,
                       on_prefill_failure=settings.on_prefill_failure, local_prefill=local,
-                      counters=counters)
+                      counters=counters, local_engine=health)
 
     http_flow = flow(dialect)
     if settings.kv_transport is not KVTransport.INLINE:
@@ -153,7 +153,8 @@ async def open_runtime(
         )
         # Each worker of a pool draws ids from its own lane (the dialects' id sources).
         setup = DialectSetup(settings, lane=worker.index, lanes=worker.count, lookup=calls)
-        http_flow, grpc_flow = _flows(settings, metrics, calls, setup)
+        health = EngineHealth(session, settings.engine_url, timeout_s=settings.connect_timeout_s)
+        http_flow, grpc_flow = _flows(settings, metrics, calls, setup, health)
         dialect = http_flow.dialect
 
         def scopes(front_door: FrontDoor) -> Scopes:
@@ -184,7 +185,7 @@ async def open_runtime(
             grpc_scopes=scopes(FrontDoor.GRPC),
             selector=selector,
             admission=admission,
-            health=EngineHealth(session, settings.engine_url, timeout_s=settings.connect_timeout_s),
+            health=health,
             worker=worker,
             tracing=tracing,
             body_checks=BodyChecks(handoff_keys()),

@@ -3,7 +3,8 @@
 ``check()`` asks the engine's ``GET /health`` (every engine family serves it) with a short
 deadline; ``watch()`` repeats it in the background and calls listeners on changes (the gRPC
 health servicer flips SERVING / NOT_SERVING). ``known_down`` is true once a check found the
-engine not ready.
+engine not ready (the PD flow refuses at once then: ``sidecar.core.flow``), and
+``recheck()`` asks again, sharing one call among the requests that ask at the same time.
 
 Logged: the first check's result (an engine that never answers from start-up is said so at
 once, with the cause: refused, an HTTP status, no answer in time, a TLS handshake), every
@@ -53,6 +54,7 @@ class EngineHealth:
         self._down_since = 0.0
         self._down_logged_at = 0.0
         self._listeners: list[Callable[[bool], None]] = []
+        self._recheck: asyncio.Future[bool] | None = None
 
     @property
     def known_down(self) -> bool:
@@ -79,6 +81,16 @@ class EngineHealth:
             cause = exc.reason
         self._note(cause is None, cause)
         return self.ready
+
+    async def recheck(self) -> bool:
+        """``check()``, shared: callers arriving while one runs wait for its answer."""
+        if self._recheck is None:
+            self._recheck = asyncio.ensure_future(self.check())
+            self._recheck.add_done_callback(self._recheck_done)
+        return await asyncio.shield(self._recheck)
+
+    def _recheck_done(self, _: asyncio.Future[bool]) -> None:
+        self._recheck = None
 
     def _note(self, ready: bool, cause: str | None) -> None:
         now = self._clock()

@@ -1,6 +1,7 @@
 """The PD flow: how a request's two legs run, decided once for every front door.
 
     start(PDRequest) ─▶ PDExchange            the HTTP door, and each fan-out sub-request
+        local engine known down ─▶ EngineNotReady at once (asked again first; no prefill)
         short prompt (--local-prefill-max-tokens) ─▶ the local engine alone
         SEQUENTIAL: prefill ─▶ hand-off ─▶ open decode       (a refused connect: once more on
         CONCURRENT: prefill ║ open decode (prefill watched)    another target; a failed prefill
@@ -32,7 +33,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Protocol
 
 from sidecar.config.limits import PrefillFailurePolicy
 from sidecar.core.engine_calls import EngineCalls, PrefillLeg
@@ -42,6 +43,7 @@ from sidecar.core.scope import RequestScope, Scopes, Timings
 from sidecar.dialects import Dialect, Legs
 from sidecar.errors import (
     DeadlineExceeded,
+    EngineNotReady,
     InvalidHandoff,
     PrefillFailed,
     PrefillUnreachable,
@@ -93,6 +95,21 @@ class Handoff:
     timings: Timings = field(default_factory=Timings)
 
 
+class LocalEngineHealth(Protocol):
+    """What the flow knows of the local engine's readiness (``core.engine_health``)."""
+
+    @property
+    def known_down(self) -> bool:
+        """The last check found it not ready."""
+
+    @property
+    def cause(self) -> str | None:
+        """Why, in words."""
+
+    async def recheck(self) -> bool:
+        """Ask again now (shared by concurrent callers); whether it is ready."""
+
+
 @dataclass(frozen=True, slots=True)
 class FlowCounters:
     """What the flow counts: local-prefill fallbacks (front door, reason) and retries."""
@@ -113,6 +130,7 @@ class PDFlow:
         on_prefill_failure: PrefillFailurePolicy = PrefillFailurePolicy.FAIL,
         local_prefill: LocalPrefill | None = None,
         counters: FlowCounters | None = None,
+        local_engine: LocalEngineHealth | None = None,
     ) -> None:
         self.dialect = dialect
         self.calls = calls
@@ -123,6 +141,7 @@ class PDFlow:
         self._counters = counters or FlowCounters()
         self._background: set[asyncio.Task[None]] = set()
         self._fallback_log = LogEvery(_FALLBACK_LOG_INTERVAL_S)
+        self._local_engine = local_engine
 
     # -- per-request state: what the exchange calls back ------------------------------------
 
@@ -184,10 +203,16 @@ class PDFlow:
     async def start(self, request: PDRequest) -> PDExchange:
         """Run the request's legs until the decode response head has arrived.
 
-        A short prompt runs whole on the local engine. A prefill whose connect was refused
+        A local engine known to be down (and still down when asked again) fails the request
+        at once: its decode could not run, so nothing is spent on a prefill engine. A short
+        prompt runs whole on the local engine. A prefill whose connect was refused
         (the engine never saw it) is run once more on another of the request's candidates,
         with a new context; a concurrent flow's decode, already sent, is aborted first.
         """
+        health = self._local_engine
+        if health is not None and health.known_down and not await health.recheck():
+            raise EngineNotReady(f"local engine is not ready ({health.cause}); nothing was "
+                                 "sent to a prefill engine")
         local = self._local
         if local is not None and await local.is_short(
                 request.route, request.body, request.request_id):
