@@ -9,8 +9,10 @@ handshake -> PrefillFailed/DecodeFailed (its own message: the verification error
 EngineRejected, 5xx or garbage -> PrefillFailed/DecodeFailed, deadlines -> DeadlineExceeded.
 Messages say what happened in words and name the engine as the caller says (``who``: a
 router-named prefill target by its address); never an exception class.
-Engine error bodies are read (to free the connection) but never relayed: they may quote the
-prompt. Each call names the engine's HTTP status on its leg span
+An engine's 4xx answer is about the client's own request (a prompt over the context length,
+a bad parameter): its reason is relayed (the engine's error message, cut to 4 KiB, control
+characters removed, after the leg that answered). 5xx bodies are read (to free the
+connection) but never relayed. Each call names the engine's HTTP status on its leg span
 (``sidecar.observability.tracing``; a no-op
 when tracing is off).
 """
@@ -46,6 +48,12 @@ from sidecar.observability.tracing import HTTP_STATUS, NOOP_SPAN, LegSpan
 logger = logging.getLogger(__name__)
 
 _MAX_ERROR_BODY = 64 * 1024
+#: The most of an engine's 4xx reason a client sees (UTF-8 bytes).
+MAX_REASON_BYTES = 4096
+#: C0 and C1 controls and DEL: a relayed reason must not move a terminal's cursor or split a
+#: log line. Tabs and line breaks become spaces; the rest is dropped.
+_CONTROLS: dict[int, str | None] = {code: None for code in (*range(0x20), *range(0x7F, 0xA0))}
+_CONTROLS.update({ord("\t"): " ", ord("\n"): " ", ord("\r"): " "})
 #: How the messages name the local engine (the decode leg's, and any other local call).
 LOCAL_ENGINE = "local engine"
 DECODE_ENGINE = "decode engine"
@@ -73,11 +81,54 @@ def _json_headers(headers: Mapping[str, str]) -> list[tuple[str, str]]:
 _CLIENT_FAULT_STATUSES = frozenset({400, 413, 422})
 
 
-def _status_error(status: int, stage: Stage, who: str) -> SidecarError:
+def _status_error(status: int, stage: Stage, who: str, body: bytes = b"") -> SidecarError:
+    reason = engine_reason(body) if 400 <= status < 500 else None
+    said = f": {reason}" if reason else ""
     if status in _CLIENT_FAULT_STATUSES:
-        return EngineRejected(f"{who} rejected the request (HTTP {status})", stage=stage)
+        return EngineRejected(f"{who} rejected the request (HTTP {status}){said}", stage=stage)
     failed: type[SidecarError] = PrefillFailed if stage is Stage.PREFILL else DecodeFailed
-    return failed(f"{who} answered HTTP {status}", stage=stage)
+    return failed(f"{who} answered HTTP {status}{said}", stage=stage)
+
+
+def engine_reason(body: bytes) -> str | None:
+    """The engine's own explanation in a 4xx body, cleaned for a client (None: none).
+
+    The OpenAI shape ``{"error": {"message"}}`` (vLLM, SGLang), ``{"message"}`` (their
+    ``"object": "error"`` answers, TensorRT-LLM), FastAPI's ``{"detail"}`` (a string, or its
+    validation errors' ``msg``), else the body as text.
+    """
+    text: str | None
+    try:
+        document = jsonutil.loads(body)
+    except jsonutil.JSONDecodeError:
+        text = body.decode("utf-8", "replace")
+    else:
+        text = _json_reason(document)
+    if not text:
+        return None
+    cleaned = " ".join(text.translate(_CONTROLS).split())
+    cut = cleaned.encode()[:MAX_REASON_BYTES].decode("utf-8", "ignore")
+    return cut or None
+
+
+def _json_reason(document: Any) -> str | None:
+    if isinstance(document, str):
+        return document
+    if not isinstance(document, dict):
+        return None
+    error = document.get("error")
+    if isinstance(error, dict) and isinstance(error.get("message"), str):
+        return str(error["message"])
+    for key in ("message", "error", "detail"):
+        value = document.get(key)
+        if isinstance(value, str):
+            return value
+    detail = document.get("detail")
+    if isinstance(detail, list):
+        messages = [str(item["msg"]) for item in detail
+                    if isinstance(item, dict) and isinstance(item.get("msg"), str)]
+        return "; ".join(messages) or None
+    return None
 
 
 def broken_connection(exc: UpstreamError, who: str) -> str:
@@ -123,8 +174,8 @@ async def post_prefill(
             span.set(HTTP_STATUS, response.status)
         try:
             if response.status != 200:
-                await _drain_error_body(response)
-                raise _status_error(response.status, Stage.PREFILL, who)
+                error_body = await _drain_error_body(response)
+                raise _status_error(response.status, Stage.PREFILL, who, error_body)
             raw = await read_capped(response, max_bytes)
         finally:
             response.release()
@@ -175,10 +226,10 @@ async def open_decode(
         span.set(HTTP_STATUS, response.status)
     if response.status != 200:
         try:
-            await _drain_error_body(response)
+            body = await _drain_error_body(response)
         finally:
             response.release()
-        raise _status_error(response.status, Stage.DECODE, DECODE_ENGINE)
+        raise _status_error(response.status, Stage.DECODE, DECODE_ENGINE, body)
     return response
 
 
@@ -188,9 +239,10 @@ def _log_tls_failure(url: str, exc: UpstreamTLSError) -> None:
     logger.warning("TLS handshake with %s failed: %s", url, exc.reason)
 
 
-async def _drain_error_body(response: UpstreamResponse) -> None:
-    """Read (and drop) a bounded error body so the connection can be reused."""
+async def _drain_error_body(response: UpstreamResponse) -> bytes:
+    """Read a bounded error body, so the connection can be reused; what was read."""
     try:
-        await response.read(_MAX_ERROR_BODY)
+        return await response.read(_MAX_ERROR_BODY)
     except (UpstreamError, TimeoutError):
         response.close()
+        return b""

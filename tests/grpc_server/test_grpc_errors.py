@@ -198,6 +198,21 @@ async def test_prefill_engine_failures_map_to_statuses(
         assert pd.prefill.metric("disagg_errors_total", front_door="grpc") == 1
 
 
+async def test_an_engines_4xx_reason_is_in_the_status_details() -> None:
+    reason = "This model's maximum context length is 4096 tokens"
+    prefill_fault = Fault(FaultKind.STATUS, status=400, message=reason, path=COMPLETIONS)
+    async with grpc_pd("vllm", prefill_stub={"faults": (prefill_fault,)}) as pd:
+        error = await _status(prefill_blocks(pd.prefill.address, PROMPT_IDS))
+    assert error.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert f"prefill engine rejected the request (HTTP 400): {reason}" in (error.details() or "")
+    decode_fault = Fault(FaultKind.STATUS, status=422, message=reason, path=COMPLETIONS)
+    async with grpc_pd("vllm", decode_stub={"faults": (decode_fault,)}) as pd:
+        blocks = await prefill_blocks(pd.prefill.address, PROMPT_IDS)
+        error = await _status(decode_tokens(pd.decode.address, _decode_request(blocks)))
+    assert error.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert f"decode engine rejected the request (HTTP 422): {reason}" in (error.details() or "")
+
+
 async def test_decode_engine_5xx_is_unavailable() -> None:
     fault = Fault(FaultKind.STATUS, status=503, path=COMPLETIONS)
     async with grpc_pd("vllm", decode_stub={"faults": (fault,)}) as pd:

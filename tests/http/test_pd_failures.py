@@ -156,6 +156,48 @@ async def test_local_prefill_fallback_is_a_named_counted_policy() -> None:
             "disagg_prefill_fallbacks_total", reason="prefill_failed") == 1
 
 
+REASON = "This model's maximum context length is 4096 tokens. However, you requested 5016"
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang", "trtllm"])
+@pytest.mark.parametrize(("leg", "status"), [("prefill", 400), ("prefill", 422),
+                                             ("decode", 400), ("decode", 422)])
+async def test_an_engines_4xx_reason_reaches_the_client_naming_the_leg(
+    engine: str, leg: str, status: int
+) -> None:
+    async with pd_pair(engine) as pair:
+        stub = pair.prefill if leg == "prefill" else pair.decode
+        stub.faults.add("status", path="/v1/completions", times=1, status=status,
+                        message=REASON)
+        got, _, text = await pair.send()
+    error = json.loads(text)["error"]
+    assert got == 400 and error["code"] == "engine_rejected_request", text
+    assert REASON in error["message"], error
+    named = f"prefill target {pair.target}" if leg == "prefill" else "decode engine"
+    assert error["message"].startswith(f"{named} rejected the request (HTTP {status}): "), error
+
+
+async def test_a_relayed_reason_is_cut_to_4_kib_without_control_characters() -> None:
+    async with pd_pair("vllm") as pair:
+        reason = "bad\x1b[31m\x00 input\r\n" + "é" * 5000
+        pair.prefill.faults.add("status", path="/v1/completions", times=1, status=400,
+                                message=reason)
+        _, _, text = await pair.send()
+    message = json.loads(text)["error"]["message"]
+    relayed = message.split("): ", 1)[1]
+    assert relayed.startswith("bad[31m input é"), relayed
+    assert len(relayed.encode()) <= 4096 and relayed.endswith("é")
+    assert not any(ord(ch) < 0x20 or 0x7F <= ord(ch) < 0xA0 for ch in message), message
+
+
+async def test_a_5xx_body_is_never_relayed() -> None:
+    async with pd_pair("vllm") as pair:
+        pair.prefill.faults.add("status", path="/v1/completions", times=1, status=500,
+                                message="secret prompt text")
+        got, _, text = await pair.send()
+    assert got == 502 and "secret prompt text" not in text, text
+
+
 async def test_local_prefill_fallbacks_are_logged_at_a_bounded_rate(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
