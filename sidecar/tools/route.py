@@ -28,6 +28,7 @@ import grpc
 
 from sidecar import jsonutil
 from sidecar.grpc_gen import disagg_pb2, disagg_pb2_grpc
+from sidecar.grpc_server.checks import MAX_NEW_TOKENS
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
@@ -121,6 +122,19 @@ def _token_list(text: str) -> list[int]:
     return ids
 
 
+def _max_new_tokens(text: str) -> int:
+    """Decode's range, checked before the Prefill runs (it would be spent for nothing)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= MAX_NEW_TOKENS:
+        raise argparse.ArgumentTypeError(
+            f"--max-new-tokens must be an integer in 1..{MAX_NEW_TOKENS}, got {text!r}"
+        )
+    return value
+
+
 def add_route_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``route`` command's flags."""
     parser.add_argument("--prefill", required=True, metavar="HOST:PORT",
@@ -129,8 +143,8 @@ def add_route_arguments(parser: argparse.ArgumentParser) -> None:
                         help="gRPC address of the decode sidecar (DecodeWorker)")
     parser.add_argument("--tokens", required=True, type=_token_list, metavar="IDS",
                         help="prompt token ids, comma-separated (e.g. 1,2,3)")
-    parser.add_argument("--max-new-tokens", required=True, type=int, metavar="N",
-                        help="tokens to generate")
+    parser.add_argument("--max-new-tokens", required=True, type=_max_new_tokens, metavar="N",
+                        help=f"tokens to generate, 1..{MAX_NEW_TOKENS}")
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="sampling temperature (default 0: greedy)")
     parser.add_argument("--request-id", default=None, help="request id (default: random)")
