@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -38,10 +39,11 @@ from sidecar.http1 import EngineClient
 from sidecar.observability.metrics import Metrics, pool_metrics_dir
 from sidecar.observability.otlp import start_tracing
 from sidecar.observability.tracing import NoTracing, Tracing
-from sidecar.protocol.context import FrontDoor
+from sidecar.protocol.context import FrontDoor, PrefillTarget
 from sidecar.protocol.request import BodyChecks
 from sidecar.targets.allowlist import Allowlist
-from sidecar.targets.choice import TargetChoice
+from sidecar.targets.breaker import CircuitBreakers
+from sidecar.targets.choice import HEADER_LABEL, TargetChoice
 from sidecar.targets.selector import AllowlistLike, TargetSelector, parse_prefill_url
 from sidecar.workers.identity import INFLIGHT_FILE, SOLO, WorkerIdentity
 from sidecar.workers.shared_inflight import InflightSlots
@@ -90,6 +92,19 @@ class Runtime:
         await self.flow.close()
         if self.grpc_flow is not self.flow:
             await self.grpc_flow.close()
+
+
+def _literal_members(pool: list[PrefillTarget]) -> list[PrefillTarget]:
+    """The pool entries written as IP literals, as the selector resolves them: labelled by
+    their address from the start (a name is labelled by the address it resolves to, once)."""
+    members = []
+    for target in pool:
+        try:
+            address = ipaddress.ip_address(target.host)
+        except ValueError:
+            continue
+        members.append(PrefillTarget(str(address), target.port, target.scheme))
+    return members
 
 
 def _admission(settings: Settings, worker: WorkerIdentity) -> Admission:
@@ -144,7 +159,21 @@ async def open_runtime(
         admission = _admission(settings, worker)
         pool = [parse_prefill_url(url) for url in settings.prefill_urls]
         # One view of the prefill targets for the whole process: both front doors' legs count.
-        choice = TargetChoice(cooldown_s=settings.prefill_cooldown_s)
+        breaker_states = metrics.prefill_breaker_state
+
+        def breaker_changed(target: PrefillTarget, *_: object) -> None:
+            label = choice.label(target)
+            metrics.labelled(breaker_states, label).set(choice.breaker_state(label))
+
+        breakers = CircuitBreakers(
+            failures=settings.prefill_breaker_failures, open_s=settings.prefill_breaker_open_s,
+            successes=settings.prefill_breaker_successes, on_change=breaker_changed,
+        )
+        choice = TargetChoice(cooldown_s=settings.prefill_cooldown_s,
+                              pool=_literal_members(pool), breakers=breakers)
+        if choice.breakers is not None:
+            for label in {HEADER_LABEL, *(choice.label(t) for t in pool)}:
+                metrics.labelled(breaker_states, label).set(0)
         legs = metrics.prefill_legs
         calls = EngineCalls(
             session, settings.engine_url, connect_timeout_s=settings.connect_timeout_s,

@@ -41,7 +41,15 @@ from sidecar.core.legs import (
     post_prefill,
 )
 from sidecar.dialects.base import LookupFailed
-from sidecar.errors import DecodeFailed, EngineNotReady, PrefillUnreachable, SidecarError, Stage
+from sidecar.errors import (
+    DeadlineExceeded,
+    DecodeFailed,
+    EngineNotReady,
+    PrefillFailed,
+    PrefillUnreachable,
+    SidecarError,
+    Stage,
+)
 from sidecar.http1 import (
     EngineClient,
     UpstreamConnectError,
@@ -142,7 +150,11 @@ class EngineCalls:
         """POST a prefill leg and return its JSON object answer.
 
         A leg to a remote target counts as in flight there while it runs; a refused connect
-        cools the target down (``TargetChoice``).
+        cools the target down, and the leg's verdict goes to the target's circuit breaker
+        (``TargetChoice``): failures that show the engine unhealthy (5xx, resets, garbage,
+        deadlines, refused or unreachable connects) count against it, a 4xx or 429 answer
+        (the request's own fault, or a busy engine) and a cancelled leg do not. A leg its
+        breaker does not let through raises ``PrefillBreakerOpen`` and is not counted.
         """
         if leg.target is None:
             return await self._post(leg, "prefill engine")
@@ -151,24 +163,30 @@ class EngineCalls:
         # The router named it: the client's message may name it too (a pool member, which
         # the router does not know, is named in the log only).
         who = f"prefill target {target}" if label == HEADER_LABEL else "prefill engine"
-        outcome: str | None = "failed"
+        outcome: str | None = None
         try:
-            with self.choice.leg(target):
-                answer = await self._post(leg, who)
-            outcome = "ok"
+            with self.choice.leg(target) as verdict:
+                outcome = "failed"
+                try:
+                    answer = await self._post(leg, who)
+                except PrefillUnreachable as error:
+                    outcome = "connect_refused"
+                    self.choice.refused(target)
+                    verdict.failed(error.message)
+                    self._log_failed_leg(leg, target, error)
+                    raise
+                except SidecarError as error:
+                    if engine_fault(error):
+                        verdict.failed(error.message)
+                    self._log_failed_leg(leg, target, error)
+                    raise
+                except asyncio.CancelledError:
+                    outcome = None  # the request went away: not the target's doing
+                    raise
+                outcome = "ok"
+                verdict.answered()
             self.choice.answered(target)
             return answer
-        except PrefillUnreachable as error:
-            outcome = "connect_refused"
-            self.choice.refused(target)
-            self._log_failed_leg(leg, target, error)
-            raise
-        except SidecarError as error:
-            self._log_failed_leg(leg, target, error)
-            raise
-        except asyncio.CancelledError:
-            outcome = None  # the request went away: not the target's doing
-            raise
         finally:
             if self._on_prefill_leg is not None and outcome is not None:
                 self._on_prefill_leg(label, outcome)
@@ -288,6 +306,13 @@ class EngineCalls:
                     return response.status, await response.read(max_bytes)
         except (UpstreamError, TimeoutError):
             raise LookupFailed(url) from None
+
+
+def engine_fault(error: SidecarError) -> bool:
+    """Whether a failed prefill leg shows its engine unhealthy (its breaker counts it)."""
+    if isinstance(error, DeadlineExceeded):
+        return True
+    return isinstance(error, PrefillFailed) and error.engine_fault
 
 
 def _target(url: str) -> dict[str, AttributeValue]:

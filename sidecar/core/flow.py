@@ -3,10 +3,11 @@
     start(PDRequest) ─▶ PDExchange            the HTTP door, and each fan-out sub-request
         local engine known down ─▶ EngineNotReady at once (asked again first; no prefill)
         short prompt (--local-prefill-max-tokens) ─▶ the local engine alone
-        SEQUENTIAL: prefill ─▶ hand-off ─▶ open decode       (a refused connect: once more on
-        CONCURRENT: prefill ║ open decode (prefill watched)    another target; a failed prefill
-                                                              of a sequential dialect may run
-                                                              locally: --on-prefill-failure)
+        SEQUENTIAL: prefill ─▶ hand-off ─▶ open decode       (a prefill that did no work:
+        CONCURRENT: prefill ║ open decode (prefill watched)    once more on another target; a
+                                                              failed prefill of a sequential
+                                                              dialect may run locally:
+                                                              --on-prefill-failure)
     prefill_only(...) ─▶ Handoff              gRPC Prefill: the prefill half
         SEQUENTIAL: the prefill, then its hand-off
         CONCURRENT: the hand-off at once; the engine call runs on in the background, watched
@@ -18,11 +19,12 @@ the deadlines, starts and ends the dialect's per-request state, and hands the re
 abort and release to its ``PDExchange``. Cancellation (a client gone) propagates: every
 upstream call is closed on the way out, and the exchange aborts the engines' legs.
 
-Deliberate limits: one retry, only of a prefill whose connect was refused (the engine never
-saw it) and only on another of the request's targets; a prefill that may have half-run is
-never retried (it would double the engine's work; routers pick another pair); the
-local-prefill fallback applies to sequential dialects only (a concurrent dialect's decode
-cannot run without its prefill).
+Deliberate limits: one retry, only of a prefill whose engine provably did no work (a refused
+connect, a connect not accepted in time, a 503 or 429 answer, or a target whose circuit
+breaker let no leg through) and only on another of the request's targets whose breaker lets
+it; a prefill that may have half-run is never retried (it would double the engine's work;
+routers pick another pair); the local-prefill fallback applies to sequential dialects only
+(a concurrent dialect's decode cannot run without its prefill).
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from sidecar.errors import (
     EngineNotReady,
     InvalidHandoff,
     PrefillFailed,
-    PrefillUnreachable,
+    PrefillNotRun,
     SidecarError,
     Stage,
 )
@@ -205,8 +207,8 @@ class PDFlow:
 
         A local engine known to be down (and still down when asked again) fails the request
         at once: its decode could not run, so nothing is spent on a prefill engine. A short
-        prompt runs whole on the local engine. A prefill whose connect was refused
-        (the engine never saw it) is run once more on another of the request's candidates,
+        prompt runs whole on the local engine. A prefill whose engine provably did no work
+        (``PrefillNotRun``) is run once more on another of the request's candidates,
         with a new context; a concurrent flow's decode, already sent, is aborted first.
         """
         health = self._local_engine
@@ -221,13 +223,14 @@ class PDFlow:
         alternative = self._alternative(request, target)
         try:
             return await self._start_on(request, may_retry=alternative is not None)
-        except PrefillUnreachable:
+        except PrefillNotRun as error:
             if alternative is None:
                 raise
+            why = error.message
         # Picked again now: the first pick may have cooled down meanwhile, others changed.
         retry_target = self._alternative(request, target) or alternative
-        logger.info("request %s: prefill target %s refused the connection; retrying on %s",
-                    request.request_id, target, retry_target)
+        logger.info("request %s: prefill target %s did no work (%s); retrying on %s",
+                    request.request_id, target, why, retry_target)
         self._counters.retry(request.front_door)
         return await self._start_on(replace(request, target=retry_target), may_retry=False)
 
@@ -283,7 +286,7 @@ class PDFlow:
         except _FALLBACK_ERRORS as error:
             if not self._local_fallback:
                 raise
-            if may_retry and isinstance(error, PrefillUnreachable):
+            if may_retry and isinstance(error, PrefillNotRun):
                 raise  # another target comes first; the local fallback is the last resort
             fallback_reason = error.code
             self._counters.fallback(request.front_door, fallback_reason)

@@ -29,6 +29,7 @@ from sidecar.errors import (
     DecodeFailed,
     EngineNotReady,
     EngineRejected,
+    PrefillBusy,
     PrefillFailed,
     PrefillUnreachable,
     SidecarError,
@@ -79,15 +80,26 @@ def _json_headers(headers: Mapping[str, str]) -> list[tuple[str, str]]:
 
 #: Engine statuses that mean "this request is invalid": the client must change it.
 _CLIENT_FAULT_STATUSES = frozenset({400, 413, 422})
+#: Prefill statuses of an engine that took the request in no further (overloaded, not
+#: ready): the prefill did no work.
+_NOT_STARTED_STATUSES = frozenset({429, 503})
 
 
 def _status_error(status: int, stage: Stage, who: str, body: bytes = b"") -> SidecarError:
-    reason = engine_reason(body) if 400 <= status < 500 else None
+    client_side = 400 <= status < 500
+    reason = engine_reason(body) if client_side else None
     said = f": {reason}" if reason else ""
     if status in _CLIENT_FAULT_STATUSES:
         return EngineRejected(f"{who} rejected the request (HTTP {status}){said}", stage=stage)
-    failed: type[SidecarError] = PrefillFailed if stage is Stage.PREFILL else DecodeFailed
-    return failed(f"{who} answered HTTP {status}{said}", stage=stage)
+    message = f"{who} answered HTTP {status}{said}"
+    if stage is not Stage.PREFILL:
+        return DecodeFailed(message, stage=stage)
+    # A prefill answered 503/429 has not started (no token before the status line): it may
+    # move to another target. 429 and other 4xx say nothing against the engine's health.
+    failed = (PrefillBusy(message) if status in _NOT_STARTED_STATUSES
+              else PrefillFailed(message))
+    failed.engine_fault = not client_side
+    return failed
 
 
 def engine_reason(body: bytes) -> str | None:

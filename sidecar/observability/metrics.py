@@ -109,9 +109,19 @@ class Metrics:
             ["target", "outcome"],
             registry=r,
         )
+        self.prefill_breaker_state = Gauge(
+            "disagg_prefill_breaker_state",
+            "Circuit breaker of prefill targets by target (as disagg_prefill_legs_total "
+            "labels it; 'header': the worst among router-named ones): 0 closed, 1 open, "
+            "2 half-open.",
+            ["target"],
+            registry=r,
+            multiprocess_mode="livemax",
+        )
         self.prefill_retries = Counter(
             "disagg_prefill_retries",
-            "Prefills moved to another target after a refused connect.",
+            "Prefills moved to another target after one that provably did no work (refused "
+            "or unreachable connect, 503/429, open circuit breaker).",
             ["front_door"],
             registry=r,
         )
