@@ -156,6 +156,40 @@ async def test_local_prefill_fallback_is_a_named_counted_policy() -> None:
             "disagg_prefill_fallbacks_total", reason="prefill_failed") == 1
 
 
+def _nested(depth: int) -> bytes:
+    """A completions body whose ``extra`` field nests arrays so the body is ``depth`` deep."""
+    inner = b"[" * (depth - 1) + b"]" * (depth - 1)
+    return b'{"model": "stub-model", "prompt": "hi", "max_tokens": 2, "extra": ' + inner + b"}"
+
+
+@pytest.mark.parametrize("depth", [255, 600, 1024])
+async def test_a_body_nested_deeper_than_the_sidecar_can_forward_is_a_typed_400(
+    depth: int,
+) -> None:
+    # orjson parses 1,024 levels but writes only 254: such a body used to end in aiohttp's
+    # plain-text 500 after the parse, counted in no error series.
+    async with pd_pair("vllm") as pair:
+        async with aiohttp.ClientSession() as session:
+            async with session.post(pair.sidecar.url + "/v1/completions", data=_nested(depth),
+                                    headers={"x-prefiller-host-port": pair.target,
+                                             "Content-Type": "application/json"}) as response:
+                status, text = response.status, await response.text()
+        error = json.loads(text)["error"]
+        assert status == 400 and error["code"] == "invalid_request", text
+        assert "nest" in error["message"], error
+        assert await pair.sidecar.metric("disagg_errors_total", code="invalid_request") == 1
+        assert _inference_requests(pair.prefill) == 0
+
+
+async def test_a_body_254_levels_deep_still_runs() -> None:
+    async with pd_pair("vllm") as pair:
+        async with aiohttp.ClientSession() as session:
+            async with session.post(pair.sidecar.url + "/v1/completions", data=_nested(254),
+                                    headers={"x-prefiller-host-port": pair.target,
+                                             "Content-Type": "application/json"}) as response:
+                assert response.status == 200, await response.text()
+
+
 REASON = "This model's maximum context length is 4096 tokens. However, you requested 5016"
 
 
