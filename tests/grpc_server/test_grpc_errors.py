@@ -198,6 +198,38 @@ async def test_prefill_engine_failures_map_to_statuses(
         assert pd.prefill.metric("disagg_errors_total", front_door="grpc") == 1
 
 
+async def _raw_call(address: str, method: str, payload: bytes) -> grpc.aio.AioRpcError:
+    """``payload`` sent as the request message's bytes, as a broken client would."""
+    async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+        call = channel.unary_stream(method, request_serializer=None,
+                                    response_deserializer=None)(payload, timeout=10)
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            async for _ in call:
+                pass
+    return caught.value
+
+
+#: Not a protobuf message: a field header with wire type 7 (none such), then a length that
+#: runs past the end.
+MALFORMED = [b"\xff\xff\xff\xff", b"\x0a\xff\x01abc", b"\x12\x05ab"]
+
+
+@pytest.mark.parametrize("transport", ["native", "inline"])
+@pytest.mark.parametrize("method", ["/disagg.PrefillWorker/Prefill",
+                                    "/disagg.DecodeWorker/Decode"])
+async def test_malformed_message_bytes_are_invalid_argument(
+    transport: str, method: str, tmp_path: Any
+) -> None:
+    async with grpc_sidecar(f"http://127.0.0.1:{closed_port()}", kv_transport=transport,
+                            kv_staging_dir=str(tmp_path)) as sidecar:
+        for payload in MALFORMED:
+            error = await _raw_call(sidecar.address, method, payload)
+            assert error.code() is grpc.StatusCode.INVALID_ARGUMENT, (payload, error)
+            assert dict(error.trailing_metadata() or ())[ERROR_CODE_KEY] == "invalid_request"
+        assert sidecar.metric("disagg_errors_total", code="invalid_request") == len(MALFORMED)
+        assert sidecar.metric("disagg_inflight_requests") == 0
+
+
 async def test_an_engines_4xx_reason_is_in_the_status_details() -> None:
     reason = "This model's maximum context length is 4096 tokens"
     prefill_fault = Fault(FaultKind.STATUS, status=400, message=reason, path=COMPLETIONS)
