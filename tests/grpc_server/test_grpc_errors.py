@@ -230,6 +230,33 @@ async def test_malformed_message_bytes_are_invalid_argument(
         assert sidecar.metric("disagg_inflight_requests") == 0
 
 
+def _deep_handoff(depth: int) -> list[disagg_pb2.KVBlock]:
+    """A hand-off document as the prefill side writes it, its fields nested ``depth`` deep
+    (orjson writes 254 levels, so it is spelled out here)."""
+    nested = b"[" * depth + b"]" * depth
+    document = (b'{"version": 1, "kind": "handoff", "engine": "vllm", "kv_connector": "shfs", '
+                b'"fields": {"deep": ' + nested + b'}, "prefill": {"host": "127.0.0.1", '
+                b'"port": 8000}, "request_id": "req-e"}')
+    return [disagg_pb2.KVBlock(request_id="req-e", layer_idx=-1, block_idx=0,
+                               k_data=document)]
+
+
+@pytest.mark.parametrize("depth", [254, 300, 1000, 5000])
+async def test_a_deeply_nested_native_handoff_is_invalid_argument(depth: int) -> None:
+    # 254 levels inside "fields": the decode body would nest 255 deep, one more than orjson
+    # writes (253 still runs); past 1,024 orjson does not even parse it.
+    async with grpc_pd("vllm") as pd:
+        error = await _status(decode_tokens(pd.decode.address,
+                                            _decode_request(_deep_handoff(depth))))
+        assert error.code() is grpc.StatusCode.INVALID_ARGUMENT, error
+        assert "hand-off" in (error.details() or "")
+        assert _inference_requests(pd.decode_stub) == 0
+
+
+def _inference_requests(stub: Any) -> int:
+    return len(stub.recorder.on_path(COMPLETIONS))
+
+
 async def test_an_engines_4xx_reason_is_in_the_status_details() -> None:
     reason = "This model's maximum context length is 4096 tokens"
     prefill_fault = Fault(FaultKind.STATUS, status=400, message=reason, path=COMPLETIONS)
