@@ -9,7 +9,8 @@ Decode side: ``parse_blocks`` reassembles a ``DecodeRequest``'s blocks and check
 a missing, duplicated or malformed metadata block, a data block outside the metadata's
 layers/blocks, a tile of the wrong size, a duplicated or missing block -> INVALID_ARGUMENT
 (``InvalidRequest``); ``check_compatible`` refuses KV of another model, dtype or shape than
-the local engine's -> FAILED_PRECONDITION.
+the local engine's -> FAILED_PRECONDITION. A client controls the metadata: a document nested
+past the parser's recursion limit and counts beyond 64 bits are INVALID_ARGUMENT too.
 
 The ``-2`` block: ``block_idx`` 0, ``k_data`` the UTF-8 JSON of ``InlineMeta`` (keys
 ``version`` 1, ``kind`` "inline_kv", ``dtype``, ``block_size``, ``num_kv_heads``,
@@ -103,6 +104,9 @@ def parse_entries(entries: Sequence[Entry], *, max_blocks: int) -> InlineKV:
         meta = InlineMeta.from_json(bytes(meta_json))
     except LayoutError as exc:
         raise _bad(str(exc)) from None
+    except RecursionError:
+        # The standard library's parser recurses per level: a client's 5,000-deep document.
+        raise _bad("the metadata block nests too deeply to be metadata") from None
     layout = meta.layout
     runs = meta.runs_per_layer
     expected = layout.num_layers * runs
@@ -118,7 +122,9 @@ def parse_entries(entries: Sequence[Entry], *, max_blocks: int) -> InlineKV:
     num_layers = layout.num_layers
     # Every block carries pages_per_block pages but a layer's last, which carries the rest.
     full_run = meta.pages_per_block * tile
-    last_run = len(meta.run_pages(runs - 1)) * tile
+    # Counted, not ``len(meta.run_pages(...))``: a client's counts may exceed what a range's
+    # length can hold (2**64 pages), and every size must then simply fail to match.
+    last_run = (meta.num_blocks - (runs - 1) * meta.pages_per_block) * tile
     for layer_idx, block_idx, k_data, v_data in entries:
         if layer_idx == INLINE_META_LAYER:
             continue
