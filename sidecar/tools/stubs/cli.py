@@ -23,6 +23,8 @@ import sys
 from typing import Any
 
 from sidecar import jsonutil
+from sidecar.dialects.sglang import SGLangOptions
+from sidecar.dialects.vllm_mooncake import MooncakeOptions
 from sidecar.tools.stubs.config import (
     ENGINES,
     MOONCAKE_QUERY_SHAPES,
@@ -35,6 +37,9 @@ from sidecar.tools.stubs.faults import Fault
 from sidecar.tools.stubs.lean.server import run_lean
 from sidecar.tools.stubs.server import run_stub
 
+#: The sidecar's default bootstrap port for SGLang and vLLM Mooncake prefills (the same).
+SIDECAR_BOOTSTRAP_PORT = SGLangOptions().sglang_bootstrap_port
+
 
 def add_stub_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the stub engine's flags to ``parser``."""
@@ -45,8 +50,10 @@ def add_stub_arguments(parser: argparse.ArgumentParser) -> None:
                         help="vLLM only: shfs (NIXL pull), nixl (Neuron), mooncake")
     parser.add_argument("--host", default=d.host)
     parser.add_argument("--port", type=int, default=d.port, help="0: OS-chosen")
-    parser.add_argument("--bootstrap-port", type=int, default=d.bootstrap_port,
-                        help="SGLang / vLLM Mooncake prefill bootstrap server port (0: OS-chosen)")
+    parser.add_argument("--bootstrap-port", type=int, default=None,
+                        help="SGLang / vLLM Mooncake prefill bootstrap server port (0: "
+                        f"OS-chosen; default: {SIDECAR_BOOTSTRAP_PORT}, the sidecar's "
+                        "--sglang-bootstrap-port and --mooncake-bootstrap-port default)")
     parser.add_argument("--model", default=d.model)
     parser.add_argument("--max-model-len", type=int, default=d.max_model_len)
     parser.add_argument("--default-max-tokens", type=int, default=d.default_max_tokens)
@@ -78,6 +85,20 @@ def add_stub_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _bootstrap_port(args: argparse.Namespace) -> int:
+    """The flag's port, else the sidecar's default for a prefill that runs a bootstrap
+    server, so that a stub and a sidecar started with their defaults meet."""
+    if args.bootstrap_port is not None:
+        return int(args.bootstrap_port)
+    if args.role == "decode":
+        return 0
+    if args.engine == "sglang":
+        return SGLangOptions().sglang_bootstrap_port
+    if args.engine == "vllm" and args.kv_connector == "mooncake":
+        return MooncakeOptions().mooncake_bootstrap_port
+    return 0
+
+
 def config_from_args(args: argparse.Namespace) -> StubConfig:
     faults = tuple(Fault.from_json(jsonutil.loads(text)) for text in args.fault)
     return StubConfig(
@@ -86,7 +107,7 @@ def config_from_args(args: argparse.Namespace) -> StubConfig:
         kv_connector=args.kv_connector,
         host=args.host,
         port=args.port,
-        bootstrap_port=args.bootstrap_port,
+        bootstrap_port=_bootstrap_port(args),
         model=args.model,
         max_model_len=args.max_model_len,
         default_max_tokens=args.default_max_tokens,
