@@ -76,6 +76,15 @@ def add_stub_arguments(parser: argparse.ArgumentParser) -> None:
                         help="aiohttp (every engine, faults, recording) or lean (the bench's)")
     parser.add_argument("--faults-endpoint", action="store_true",
                         help="serve /_stub/faults so another process can switch faults")
+    parser.add_argument("--tls-cert-file", default=None, metavar="PEM",
+                        help="serve HTTPS on --port with this certificate chain (with "
+                        "--tls-key-file; the bootstrap port stays plain HTTP; default: plain "
+                        "HTTP)")
+    parser.add_argument("--tls-key-file", default=None, metavar="PEM",
+                        help="the private key of --tls-cert-file")
+    parser.add_argument("--tls-client-ca-file", default=None, metavar="PEM",
+                        help="ask HTTPS clients for a certificate signed by this CA bundle "
+                        "(mutual TLS; default: no client certificate asked for)")
     parser.add_argument(
         "--fault",
         action="append",
@@ -127,6 +136,9 @@ def config_from_args(args: argparse.Namespace) -> StubConfig:
         faults=faults,
         transport=args.transport,
         control_faults=args.faults_endpoint,
+        tls_cert_file=args.tls_cert_file,
+        tls_key_file=args.tls_key_file,
+        tls_client_ca_file=args.tls_client_ca_file,
     )
 
 
