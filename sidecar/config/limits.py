@@ -31,8 +31,9 @@ class LimitsSettings(BaseModel):
 
     on_prefill_failure: PrefillFailurePolicy = Field(
         default=PrefillFailurePolicy.FAIL,
-        description="When the prefill leg fails: fail the request, or run it whole on the "
-        "local engine.",
+        description="When the prefill leg fails: fail (the request fails with the prefill's "
+        "error) or local (it runs whole on the local engine, logged and counted; sequential "
+        "dialects only).",
     )
     trusted_router: bool = Field(
         default=False,
@@ -55,7 +56,7 @@ class LimitsSettings(BaseModel):
     prompt_length_source: PromptLengthSource = Field(
         default=PromptLengthSource.ESTIMATE,
         description="How a text or chat prompt's length is known for "
-        "local_prefill_max_tokens: estimate (UTF-8 bytes / 4, see README) or tokenize (the "
+        "--local-prefill-max-tokens: estimate (UTF-8 bytes / 4, see README) or tokenize (the "
         "local engine's tokenizer endpoint, for engines that have one). Token-id prompts are "
         "counted exactly.",
     )

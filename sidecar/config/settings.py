@@ -94,7 +94,7 @@ class ServingSettings(BaseModel):
         default=DEFAULT_CONNECTOR,
         description=f"The KV connector type of engines that have several "
         f"({', '.join(DIALECTS.connectors())}; case-insensitive). An unknown or missing label "
-        "value falls back to default_kv_connector with a warning; an unknown value given by "
+        "value falls back to --default-kv-connector with a warning; an unknown value given by "
         "flag or env refuses to start.",
     )
     default_kv_connector: str = Field(
@@ -179,7 +179,7 @@ class ServingSettings(BaseModel):
     prefill_urls: tuple[str, ...] = Field(
         default=(),
         description="Static prefill pool, each http(s)://host:port with nothing else; used "
-        "when a request names no prefill host (https: TLS verified against engine_ca_file "
+        "when a request names no prefill host (https: TLS verified against --engine-ca-file "
         "and the entry's host name). Repeat the flag; comma-separated in env.",
     )
     prefill_allowlist: tuple[str, ...] = Field(
@@ -220,7 +220,7 @@ class ServingSettings(BaseModel):
         le=1024 * 1024 * 1024,
         description="Inline mode, prefill: K+V bytes per KV block streamed: each block carries "
         "as many consecutive engine pages of one layer as fit, at least one (below one page: "
-        "one page per block, as earlier versions sent), never more than grpc_max_message_bytes "
+        "one page per block, as earlier versions sent), never more than --grpc-max-message-bytes "
         "less 4 KiB allows. Decode accepts any block size.",
     )
     kv_staging_dir: str = Field(
