@@ -43,6 +43,7 @@ from sidecar.config.checks import (
     check_ports,
     check_prompt_length_source,
     check_tls,
+    check_tracing,
 )
 from sidecar.config.podinfo import PodInfo, PodInfoError, read_podinfo
 from sidecar.config.settings import (
@@ -341,6 +342,7 @@ def load_settings(args: argparse.Namespace, environ: Mapping[str, str]) -> Loade
     check_connector_engine(settings, res)
     check_tls(settings, res)
     check_prompt_length_source(settings, res)
+    check_tracing(settings, res)
     all_sources = {name: res.source_of(name) for name in field_names()}
     return LoadedSettings(settings, MappingProxyType(all_sources), tuple(res.warnings))
 

@@ -9,6 +9,7 @@ that pydantic's errors never escape as such. Not covered: fallbacks (test_config
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -216,3 +217,21 @@ def test_a_prefill_url_with_a_path_says_what_to_write() -> None:
     message = refused(["--prefill-url", "http://10.0.0.7:8000/v1"])
     assert "flag --prefill-url" in message and "'/v1'" in message, message
     assert "http://10.0.0.7:8000" in message.split("write")[-1], message
+
+
+@pytest.mark.parametrize("missing", ["opentelemetry.sdk",
+                                     "opentelemetry.exporter.otlp.proto.grpc",
+                                     "opentelemetry.exporter.otlp.proto.http"])
+def test_an_otlp_endpoint_without_the_tracing_extra_is_refused(
+    missing: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, missing, None)  # as if not installed
+    endpoint = ("grpc://127.0.0.1:4317" if "http" not in missing.rsplit(".", 1)[-1]
+                else "http://127.0.0.1:4318")
+    message = refused(["--otlp-endpoint", endpoint])
+    assert "flag --otlp-endpoint" in message and "disagg-sidecar[tracing]" in message, message
+
+
+def test_tracing_off_needs_no_tracing_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "opentelemetry.sdk", None)
+    assert load([]).settings.otlp_endpoint is None
