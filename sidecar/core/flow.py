@@ -3,28 +3,22 @@
     start(PDRequest) ─▶ PDExchange            the HTTP door, and each fan-out sub-request
         local engine known down ─▶ EngineNotReady at once (asked again first; no prefill)
         short prompt (--local-prefill-max-tokens) ─▶ the local engine alone
-        SEQUENTIAL: prefill ─▶ hand-off ─▶ open decode       (a prefill that did no work:
-        CONCURRENT: prefill ║ open decode (prefill watched)    once more on another target; a
-                                                              failed prefill of a sequential
-                                                              dialect may run locally:
-                                                              --on-prefill-failure)
+        SEQUENTIAL: prefill ─▶ hand-off ─▶ open decode
+        CONCURRENT: prefill ║ open decode (prefill watched)
     prefill_only(...) ─▶ Handoff              gRPC Prefill: the prefill half
         SEQUENTIAL: the prefill, then its hand-off
         CONCURRENT: the hand-off at once; the engine call runs on in the background, watched
     open_decode(...)  ─▶ UpstreamResponse     gRPC Decode: the decode half
 
 The dialect (``sidecar.dialects``) says what the bodies hold and whether the legs are
-sequential or concurrent; ``EngineCalls`` makes the calls; the flow puts them in order, keeps
-the deadlines, starts and ends the dialect's per-request state, and hands the request's
-abort and release to its ``PDExchange``. Cancellation (a client gone) propagates: every
-upstream call is closed on the way out, and the exchange aborts the engines' legs.
+sequential or concurrent; ``EngineCalls`` makes the calls; the flow orders them, keeps the
+deadlines, starts and ends the dialect's per-request state and hands the request's abort and
+release to its ``PDExchange``. A client gone cancels every upstream call on the way out.
 
 Deliberate limits: one retry, only of a prefill whose engine provably did no work (a refused
-connect, a connect not accepted in time, a 503 or 429 answer, or a target whose circuit
-breaker let no leg through) and only on another of the request's targets whose breaker lets
-it; a prefill that may have half-run is never retried (it would double the engine's work;
-routers pick another pair); the local-prefill fallback applies to sequential dialects only
-(a concurrent dialect's decode cannot run without its prefill).
+or unreachable connect, a 503 or 429 answer, a target whose breaker let no leg through), on
+another of the request's targets; the local-prefill fallback applies to sequential dialects
+only (a concurrent dialect's decode cannot run without its prefill).
 """
 
 from __future__ import annotations
@@ -35,10 +29,11 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Any
 
 from sidecar.config.limits import PrefillFailurePolicy
 from sidecar.core.engine_calls import EngineCalls, PrefillLeg
+from sidecar.core.engine_health import EngineHealth
 from sidecar.core.exchange import PDExchange, as_prefill_error, cancel_and_wait
 from sidecar.core.local_prefill import LocalPrefill
 from sidecar.core.scope import RequestScope, Scopes, Timings
@@ -97,21 +92,6 @@ class Handoff:
     timings: Timings = field(default_factory=Timings)
 
 
-class LocalEngineHealth(Protocol):
-    """What the flow knows of the local engine's readiness (``core.engine_health``)."""
-
-    @property
-    def known_down(self) -> bool:
-        """The last check found it not ready."""
-
-    @property
-    def cause(self) -> str | None:
-        """Why, in words."""
-
-    async def recheck(self) -> bool:
-        """Ask again now (shared by concurrent callers); whether it is ready."""
-
-
 @dataclass(frozen=True, slots=True)
 class FlowCounters:
     """What the flow counts: local-prefill fallbacks (front door, reason) and retries."""
@@ -132,7 +112,7 @@ class PDFlow:
         on_prefill_failure: PrefillFailurePolicy = PrefillFailurePolicy.FAIL,
         local_prefill: LocalPrefill | None = None,
         counters: FlowCounters | None = None,
-        local_engine: LocalEngineHealth | None = None,
+        local_engine: EngineHealth | None = None,
     ) -> None:
         self.dialect = dialect
         self.calls = calls
@@ -334,6 +314,9 @@ class PDFlow:
         except BaseException:
             await cancel_and_wait(decode_task)
             await cancel_and_wait(prefill_task)
+            if decode_task.done() and not decode_task.cancelled() and (
+                    decode_task.exception() is None):
+                decode_task.result().close()  # its head came in the turn the prefill failed
             raise
         timings.decode_first_byte = time.perf_counter() - started
         if prefill_task.done():

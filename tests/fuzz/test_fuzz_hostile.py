@@ -28,11 +28,19 @@ from hypothesis import given
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from sidecar.errors import ALL_ERRORS
+from sidecar.errors import SidecarError
 from sidecar.grpc_gen import disagg_pb2
 from sidecar.grpc_server.errors import ERROR_CODE_KEY
 
-CODES = {kind.code for kind in ALL_ERRORS}
+
+def _kinds(kind: type[SidecarError]) -> Iterator[type[SidecarError]]:
+    yield kind
+    for sub in kind.__subclasses__():
+        yield from _kinds(sub)
+
+
+#: Every code of the taxonomy (``sidecar.errors``).
+CODES = {kind.code for kind in _kinds(SidecarError)}
 PD_PATHS = ("/v1/completions", "/v1/chat/completions")
 VALID = {"model": "stub-model", "prompt": "hello", "max_tokens": 2}
 
