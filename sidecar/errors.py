@@ -89,14 +89,28 @@ class PrefillFailed(SidecarError):
     code = "prefill_failed"
     http_status = 502
     default_stage = Stage.PREFILL
+    #: The failure shows the engine unhealthy (5xx, reset, garbage, unreachable); False for
+    #: an answer about the request itself (a 4xx) or a busy engine (429). Targets' circuit
+    #: breakers count only the former.
+    engine_fault: bool = True
 
 
-class PrefillUnreachable(PrefillFailed):
-    """The prefill engine refused the connection: it never saw the request (retryable).
+class PrefillNotRun(PrefillFailed):
+    """The prefill engine provably did no work on the request: the core may move it once to
+    another target. The same code and statuses as ``PrefillFailed``."""
 
-    The same code and statuses as ``PrefillFailed``; the core tells it apart to move the
-    prefill to another target.
-    """
+
+class PrefillUnreachable(PrefillNotRun):
+    """The prefill engine refused the connection, or did not accept it in time: it never saw
+    the request (retryable)."""
+
+
+class PrefillBusy(PrefillNotRun):
+    """The prefill engine answered 503 or 429, before any token (retryable)."""
+
+
+class PrefillBreakerOpen(PrefillNotRun):
+    """The target's circuit breaker is open: nothing was sent to it (retryable)."""
 
 
 class EngineRejected(SidecarError):

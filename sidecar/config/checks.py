@@ -4,6 +4,7 @@
     check_tls              pairs set whole, a client CA only with a server pair, files load
     check_connector_engine a connector given by flag or env serves the engine
     check_prompt_length_source  ``tokenize`` only for an engine with a tokenizer endpoint
+    check_tracing          an OTLP endpoint only with the tracing extra installed
 
 Each raises ``ConfigError``; the loader runs them after ``Settings`` has checked every value
 on its own.
@@ -16,6 +17,7 @@ from urllib.parse import urlsplit
 
 from sidecar.config.settings import PromptLengthSource, Settings
 from sidecar.dialects import DIALECTS, dialect_class
+from sidecar.observability.otlp import TRACING_EXTRA, missing_modules
 from sidecar.protocol.hostfmt import is_loopback_host
 from sidecar.tls import ReloadingServerTLS, TLSFileError, client_ssl_context
 
@@ -108,4 +110,18 @@ def check_prompt_length_source(settings: Settings, sources: Sources) -> None:
             f"prompt_length_source 'tokenize' (from {sources.source_of('prompt_length_source')}) "
             f"needs an engine with a tokenizer endpoint ({', '.join(having)}), not engine "
             f"{settings.engine!r} (from {sources.source_of('engine')}); use 'estimate'"
+        )
+
+
+def check_tracing(settings: Settings, sources: Sources) -> None:
+    """Tracing needs the OpenTelemetry SDK and the endpoint's OTLP exporter (an extra)."""
+    if settings.otlp_endpoint is None:
+        return
+    missing = missing_modules(settings.otlp_endpoint)
+    if missing:
+        raise ConfigError(
+            f"otlp_endpoint {settings.otlp_endpoint!r} (from "
+            f"{sources.source_of('otlp_endpoint')}) needs the OpenTelemetry SDK and OTLP "
+            f"exporters, not installed here ({', '.join(missing)}): pip install "
+            f"'{TRACING_EXTRA}' (the container image has them), or leave tracing off"
         )

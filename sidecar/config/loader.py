@@ -31,6 +31,7 @@ import os
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
+from enum import Enum
 from types import MappingProxyType
 from typing import Any, TextIO
 
@@ -42,6 +43,7 @@ from sidecar.config.checks import (
     check_ports,
     check_prompt_length_source,
     check_tls,
+    check_tracing,
 )
 from sidecar.config.podinfo import PodInfo, PodInfoError, read_podinfo
 from sidecar.config.settings import (
@@ -104,9 +106,12 @@ def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
     for name, info in Settings.model_fields.items():
         flag = flag_for(name)
         default = info.get_default(call_default_factory=True)
-        shown = ",".join(default) if isinstance(default, tuple) else default
-        text = f"{info.description or ''} [env {env_for(name)}; default: {shown}]"
+        text = f"{info.description or ''} [env {env_for(name)}; default: {shown_default(default)}]"
         help_text = text.replace("%", "%%")
+        annotation = info.annotation
+        choices = ([member.value for member in annotation]
+                   if isinstance(annotation, type) and issubclass(annotation, Enum) else None)
+        metavar = "{" + ",".join(choices) + "}" if choices else name.upper()
         if is_bool_field(name):
             group.add_argument(
                 flag,
@@ -121,9 +126,20 @@ def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
                 help=help_text,
             )
         else:
-            group.add_argument(
-                flag, dest=name, default=None, metavar=name.upper(), help=help_text
-            )
+            group.add_argument(flag, dest=name, default=None, metavar=metavar, help=help_text)
+
+
+def shown_default(value: Any) -> str:
+    """A default as a value a reader can use: never ``None`` or nothing."""
+    if value is None:
+        return "unset"
+    if isinstance(value, tuple):
+        return ",".join(value) if value else "none"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, Enum):
+        return str(value.value)
+    return str(value)
 
 
 def _parse_bool(text: str, name: str, source: str) -> bool:
@@ -326,6 +342,7 @@ def load_settings(args: argparse.Namespace, environ: Mapping[str, str]) -> Loade
     check_connector_engine(settings, res)
     check_tls(settings, res)
     check_prompt_length_source(settings, res)
+    check_tracing(settings, res)
     all_sources = {name: res.source_of(name) for name in field_names()}
     return LoadedSettings(settings, MappingProxyType(all_sources), tuple(res.warnings))
 

@@ -94,7 +94,7 @@ class ServingSettings(BaseModel):
         default=DEFAULT_CONNECTOR,
         description=f"The KV connector type of engines that have several "
         f"({', '.join(DIALECTS.connectors())}; case-insensitive). An unknown or missing label "
-        "value falls back to default_kv_connector with a warning; an unknown value given by "
+        "value falls back to --default-kv-connector with a warning; an unknown value given by "
         "flag or env refuses to start.",
     )
     default_kv_connector: str = Field(
@@ -103,8 +103,9 @@ class ServingSettings(BaseModel):
     )
     engine_url: str = Field(
         default="http://127.0.0.1:8000",
-        description="Base URL of the local engine (http or https, no query). From the port "
-        "label it is http://127.0.0.1:PORT.",
+        description="Base URL of the local engine: http(s)://HOST[:PORT], no path (the "
+        "sidecar adds /v1/... and /health) and no query. From the port label it is "
+        "http://127.0.0.1:PORT.",
     )
     role: Role = Field(
         default=Role.BOTH,
@@ -178,7 +179,7 @@ class ServingSettings(BaseModel):
     prefill_urls: tuple[str, ...] = Field(
         default=(),
         description="Static prefill pool, each http(s)://host:port with nothing else; used "
-        "when a request names no prefill host (https: TLS verified against engine_ca_file "
+        "when a request names no prefill host (https: TLS verified against --engine-ca-file "
         "and the entry's host name). Repeat the flag; comma-separated in env.",
     )
     prefill_allowlist: tuple[str, ...] = Field(
@@ -219,7 +220,7 @@ class ServingSettings(BaseModel):
         le=1024 * 1024 * 1024,
         description="Inline mode, prefill: K+V bytes per KV block streamed: each block carries "
         "as many consecutive engine pages of one layer as fit, at least one (below one page: "
-        "one page per block, as earlier versions sent), never more than grpc_max_message_bytes "
+        "one page per block, as earlier versions sent), never more than --grpc-max-message-bytes "
         "less 4 KiB allows. Decode accepts any block size.",
     )
     kv_staging_dir: str = Field(
@@ -276,6 +277,14 @@ class ServingSettings(BaseModel):
         if parts.query or parts.fragment or parts.username or parts.password:
             raise ValueError("engine URL must not carry a query, fragment or credentials")
         _ = parts.port  # raises ValueError for a port that is not a number in range
+        if parts.path not in ("", "/"):
+            # The sidecar appends the engine's own paths (/v1/completions, /health): a base
+            # path would send every call to /v1/v1/... and /ready would stay 503.
+            raise ValueError(
+                f"engine URL must not carry a path ({parts.path!r}): the sidecar adds the "
+                f"engine's paths (/v1/..., /health) itself; write "
+                f"{parts.scheme}://{parts.netloc}"
+            )
         # Paths are joined onto it, so a trailing slash would double.
         return value.rstrip("/")
 
@@ -322,6 +331,12 @@ def check_prefill_url(url: str) -> None:
         port = parts.port
     except ValueError as exc:
         raise ValueError(f"prefill URL {url!r}: {exc}") from None
+    if parts.scheme in ("http", "https") and parts.hostname and parts.path and not (
+            parts.query or parts.fragment or "?" in url or "#" in url):
+        raise ValueError(
+            f"prefill URL {url!r} must not carry a path ({parts.path!r}): the sidecar adds "
+            f"/v1/... itself; write {parts.scheme}://{parts.netloc}"
+        )
     if (
         parts.scheme not in ("http", "https")
         or not parts.hostname

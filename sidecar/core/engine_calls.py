@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterable, Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
@@ -31,10 +32,30 @@ from opentelemetry.util.types import AttributeValue
 
 from sidecar import jsonutil
 from sidecar.core.engine_model import EngineModel
-from sidecar.core.legs import open_decode, post_prefill
+from sidecar.core.legs import (
+    LOCAL_ENGINE,
+    broken_connection,
+    connect_failure,
+    open_decode,
+    post_prefill,
+)
 from sidecar.dialects.base import LookupFailed
-from sidecar.errors import DecodeFailed, EngineNotReady, PrefillUnreachable, Stage
-from sidecar.http1 import EngineClient, UpstreamConnectError, UpstreamError, UpstreamResponse
+from sidecar.errors import (
+    DeadlineExceeded,
+    DecodeFailed,
+    EngineNotReady,
+    PrefillFailed,
+    PrefillUnreachable,
+    SidecarError,
+    Stage,
+)
+from sidecar.http1 import (
+    EngineClient,
+    UpstreamConnectError,
+    UpstreamError,
+    UpstreamResponse,
+    UpstreamTLSError,
+)
 from sidecar.observability.tracing import (
     DECODE_FIRST_BYTE_SPAN,
     NOOP_TRACE,
@@ -45,7 +66,10 @@ from sidecar.observability.tracing import (
     RequestTrace,
 )
 from sidecar.protocol.context import PrefillTarget, Route
-from sidecar.targets.choice import TargetChoice
+from sidecar.protocol.request_id import REQUEST_ID_HEADER
+from sidecar.targets.choice import HEADER_LABEL, TargetChoice
+
+logger = logging.getLogger(__name__)
 
 #: Prefill URLs remembered per (target, route); cleared whole when full (bounded memory).
 _MAX_REMEMBERED_URLS: Final = 4096
@@ -125,44 +149,68 @@ class EngineCalls:
         """POST a prefill leg and return its JSON object answer.
 
         A leg to a remote target counts as in flight there while it runs; a refused connect
-        cools the target down (``TargetChoice``).
+        cools the target down, and the leg's verdict goes to the target's circuit breaker
+        (``TargetChoice``): failures that show the engine unhealthy (5xx, resets, garbage,
+        deadlines, refused or unreachable connects) count against it, a 4xx or 429 answer
+        (the request's own fault, or a busy engine) and a cancelled leg do not. A leg its
+        breaker does not let through raises ``PrefillBreakerOpen`` and is not counted.
         """
-        post = self._post(leg)
         if leg.target is None:
-            return await post
+            return await self._post(leg, "prefill engine")
         target = leg.target
-        outcome: str | None = "failed"
+        label = self.choice.label(target)
+        # The router named it: the client's message may name it too (a pool member, which
+        # the router does not know, is named in the log only).
+        who = f"prefill target {target}" if label == HEADER_LABEL else "prefill engine"
+        outcome: str | None = None
         try:
-            with self.choice.leg(target):
-                answer = await post
-            outcome = "ok"
+            with self.choice.leg(target) as verdict:
+                outcome = "failed"
+                try:
+                    answer = await self._post(leg, who)
+                except PrefillUnreachable as error:
+                    outcome = "connect_refused"
+                    self.choice.refused(target)
+                    verdict.failed(error.message)
+                    self._log_failed_leg(leg, target, error)
+                    raise
+                except SidecarError as error:
+                    if engine_fault(error):
+                        verdict.failed(error.message)
+                    self._log_failed_leg(leg, target, error)
+                    raise
+                except asyncio.CancelledError:
+                    outcome = None  # the request went away: not the target's doing
+                    raise
+                outcome = "ok"
+                verdict.answered()
             self.choice.answered(target)
             return answer
-        except PrefillUnreachable:
-            outcome = "connect_refused"
-            self.choice.refused(target)
-            raise
-        except asyncio.CancelledError:
-            outcome = None  # the request went away: not the target's doing
-            raise
         finally:
             if self._on_prefill_leg is not None and outcome is not None:
-                self._on_prefill_leg(self.choice.label(target), outcome)
+                self._on_prefill_leg(label, outcome)
 
-    def _post(self, leg: PrefillLeg) -> Coroutine[Any, Any, dict[str, Any]]:
+    @staticmethod
+    def _log_failed_leg(leg: PrefillLeg, target: PrefillTarget, error: SidecarError) -> None:
+        logger.warning("request %s: prefill leg to %s failed: %s (%s)",
+                       leg.headers.get(REQUEST_ID_HEADER, "-"), target, error.code,
+                       error.message)
+
+    def _post(self, leg: PrefillLeg, who: str) -> Coroutine[Any, Any, dict[str, Any]]:
         if not leg.trace.active:
             return post_prefill(
                 self.session, leg.url, leg.body, leg.headers, timeout_s=leg.timeout_s,
                 max_bytes=self._max_prefill_bytes, server_hostname=leg.server_hostname,
+                who=who,
             )
-        return self._traced_post(leg)
+        return self._traced_post(leg, who)
 
-    async def _traced_post(self, leg: PrefillLeg) -> dict[str, Any]:
+    async def _traced_post(self, leg: PrefillLeg, who: str) -> dict[str, Any]:
         with leg.trace.span(PREFILL_SPAN, client=True, attributes=_target(leg.url)) as span:
             return await post_prefill(
                 self.session, leg.url, leg.body, span.headers(leg.headers),
                 timeout_s=leg.timeout_s, max_bytes=self._max_prefill_bytes,
-                server_hostname=leg.server_hostname, span=span,
+                server_hostname=leg.server_hostname, span=span, who=who,
             )
 
     async def post_local(
@@ -171,7 +219,7 @@ class EngineCalls:
         """POST a small JSON call to the local engine and return its answer."""
         return await post_prefill(
             self.session, self.engine_url + path, body, headers,
-            timeout_s=self._connect_timeout_s, max_bytes=max_bytes,
+            timeout_s=self._connect_timeout_s, max_bytes=max_bytes, who=LOCAL_ENGINE,
         )
 
     # -- decode -----------------------------------------------------------------------------
@@ -215,10 +263,14 @@ class EngineCalls:
                 method, self.engine_url + path_qs, headers=headers, body=body,
                 content_length=content_length,
             )
-        except UpstreamConnectError:
-            raise EngineNotReady("local engine refused the connection") from None
-        except (UpstreamError, TimeoutError):
-            raise DecodeFailed("local engine broke the connection", stage=Stage.DECODE) from None
+        except UpstreamTLSError as exc:
+            raise DecodeFailed(connect_failure(exc, LOCAL_ENGINE), stage=Stage.DECODE) from None
+        except UpstreamConnectError as exc:
+            raise EngineNotReady(connect_failure(exc, LOCAL_ENGINE)) from None
+        except UpstreamError as exc:
+            raise DecodeFailed(broken_connection(exc, LOCAL_ENGINE), stage=Stage.DECODE) from None
+        except TimeoutError:
+            raise DecodeFailed("local engine did not answer in time", stage=Stage.DECODE) from None
 
     # -- what dialects ask for --------------------------------------------------------------
 
@@ -253,6 +305,13 @@ class EngineCalls:
                     return response.status, await response.read(max_bytes)
         except (UpstreamError, TimeoutError):
             raise LookupFailed(url) from None
+
+
+def engine_fault(error: SidecarError) -> bool:
+    """Whether a failed prefill leg shows its engine unhealthy (its breaker counts it)."""
+    if isinstance(error, DeadlineExceeded):
+        return True
+    return isinstance(error, PrefillFailed) and error.engine_fault
 
 
 def _target(url: str) -> dict[str, AttributeValue]:

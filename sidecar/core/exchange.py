@@ -139,7 +139,7 @@ def as_prefill_error(error: BaseException) -> SidecarError:
     """A prefill leg's failure as the taxonomy names it."""
     if isinstance(error, SidecarError):
         return error
-    return PrefillFailed(f"prefill leg failed: {type(error).__name__}")
+    return PrefillFailed("prefill leg failed unexpectedly")
 
 
 async def cancel_and_wait(task: asyncio.Task[Any]) -> None:

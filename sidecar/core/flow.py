@@ -1,6 +1,7 @@
 """The PD flow: how a request's two legs run, decided once for every front door.
 
     start(PDRequest) ─▶ PDExchange            the HTTP door, and each fan-out sub-request
+        local engine known down ─▶ EngineNotReady at once (asked again first; no prefill)
         short prompt (--local-prefill-max-tokens) ─▶ the local engine alone
         SEQUENTIAL: prefill ─▶ hand-off ─▶ open decode
         CONCURRENT: prefill ║ open decode (prefill watched)
@@ -14,9 +15,10 @@ sequential or concurrent; ``EngineCalls`` makes the calls; the flow orders them,
 deadlines, starts and ends the dialect's per-request state and hands the request's abort and
 release to its ``PDExchange``. A client gone cancels every upstream call on the way out.
 
-Deliberate limits: one retry, only of a prefill whose connect was refused (the engine never
-saw it), on another of the request's targets; the local-prefill fallback applies to
-sequential dialects only (a concurrent dialect's decode cannot run without its prefill).
+Deliberate limits: one retry, only of a prefill whose engine provably did no work (a refused
+or unreachable connect, a 503 or 429 answer, a target whose breaker let no leg through), on
+another of the request's targets; the local-prefill fallback applies to sequential dialects
+only (a concurrent dialect's decode cannot run without its prefill).
 """
 
 from __future__ import annotations
@@ -31,19 +33,22 @@ from typing import Any
 
 from sidecar.config.limits import PrefillFailurePolicy
 from sidecar.core.engine_calls import EngineCalls, PrefillLeg
+from sidecar.core.engine_health import EngineHealth
 from sidecar.core.exchange import PDExchange, as_prefill_error, cancel_and_wait
 from sidecar.core.local_prefill import LocalPrefill
 from sidecar.core.scope import RequestScope, Scopes, Timings
 from sidecar.dialects import Dialect, Legs
 from sidecar.errors import (
     DeadlineExceeded,
+    EngineNotReady,
     InvalidHandoff,
     PrefillFailed,
-    PrefillUnreachable,
+    PrefillNotRun,
     SidecarError,
     Stage,
 )
 from sidecar.http1 import UpstreamResponse
+from sidecar.observability.logs import LogEvery
 from sidecar.observability.tracing import HANDOFF_SPAN, NOOP_TRACE, RequestTrace
 from sidecar.protocol.context import FrontDoor, HandoffContext, PrefillTarget, Route
 
@@ -53,6 +58,8 @@ logger = logging.getLogger(__name__)
 _FALLBACK_ERRORS = (PrefillFailed, InvalidHandoff, DeadlineExceeded)
 #: The reason a gRPC Prefill counts when its prefill already finished the answer.
 ANSWERED_BY_PREFILL = "answered_by_prefill"
+#: Local-prefill fallbacks are logged at most once per this many seconds (each is counted).
+_FALLBACK_LOG_INTERVAL_S = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +112,7 @@ class PDFlow:
         on_prefill_failure: PrefillFailurePolicy = PrefillFailurePolicy.FAIL,
         local_prefill: LocalPrefill | None = None,
         counters: FlowCounters | None = None,
+        local_engine: EngineHealth | None = None,
     ) -> None:
         self.dialect = dialect
         self.calls = calls
@@ -114,6 +122,8 @@ class PDFlow:
         self._local = local_prefill if local_prefill is not None and local_prefill.enabled else None
         self._counters = counters or FlowCounters()
         self._background: set[asyncio.Task[None]] = set()
+        self._fallback_log = LogEvery(_FALLBACK_LOG_INTERVAL_S)
+        self._local_engine = local_engine
 
     # -- per-request state: what the exchange calls back ------------------------------------
 
@@ -175,10 +185,16 @@ class PDFlow:
     async def start(self, request: PDRequest) -> PDExchange:
         """Run the request's legs until the decode response head has arrived.
 
-        A short prompt runs whole on the local engine. A prefill whose connect was refused
-        (the engine never saw it) is run once more on another of the request's candidates,
+        A local engine known to be down (and still down when asked again) fails the request
+        at once: its decode could not run, so nothing is spent on a prefill engine. A short
+        prompt runs whole on the local engine. A prefill whose engine provably did no work
+        (``PrefillNotRun``) is run once more on another of the request's candidates,
         with a new context; a concurrent flow's decode, already sent, is aborted first.
         """
+        health = self._local_engine
+        if health is not None and health.known_down and not await health.recheck():
+            raise EngineNotReady(f"local engine is not ready ({health.cause}); nothing was "
+                                 "sent to a prefill engine")
         local = self._local
         if local is not None and await local.is_short(
                 request.route, request.body, request.request_id):
@@ -187,13 +203,14 @@ class PDFlow:
         alternative = self._alternative(request, target)
         try:
             return await self._start_on(request, may_retry=alternative is not None)
-        except PrefillUnreachable:
+        except PrefillNotRun as error:
             if alternative is None:
                 raise
+            why = error.message
         # Picked again now: the first pick may have cooled down meanwhile, others changed.
         retry_target = self._alternative(request, target) or alternative
-        logger.info("request %s: prefill target %s refused the connection; retrying on %s",
-                    request.request_id, target, retry_target)
+        logger.info("request %s: prefill target %s did no work (%s); retrying on %s",
+                    request.request_id, target, why, retry_target)
         self._counters.retry(request.front_door)
         return await self._start_on(replace(request, target=retry_target), may_retry=False)
 
@@ -249,10 +266,11 @@ class PDFlow:
         except _FALLBACK_ERRORS as error:
             if not self._local_fallback:
                 raise
-            if may_retry and isinstance(error, PrefillUnreachable):
+            if may_retry and isinstance(error, PrefillNotRun):
                 raise  # another target comes first; the local fallback is the last resort
             fallback_reason = error.code
             self._counters.fallback(request.front_door, fallback_reason)
+            self._log_fallback(request, error)
             decode_body = dict(request.body)
         decode_started = time.perf_counter()
         decode = await self.calls.open_decode(
@@ -261,6 +279,15 @@ class PDFlow:
         timings.decode_first_byte = time.perf_counter() - decode_started
         return PDExchange(ctx=ctx, decode=decode, fallback_reason=fallback_reason,
                           timings=timings, owner=self)
+
+    def _log_fallback(self, request: PDRequest, error: SidecarError) -> None:
+        left_out = self._fallback_log.due()
+        if left_out is None:
+            return
+        more = f" ({left_out} more since the last such line)" if left_out else ""
+        logger.warning("request %s: prefill failed: %s (%s); served whole by the local engine "
+                       "(--on-prefill-failure local)%s", request.request_id, error.code,
+                       error.message, more)
 
     async def _start_concurrent(self, request: PDRequest, ctx: HandoffContext) -> PDExchange:
         timings = Timings()

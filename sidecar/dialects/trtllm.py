@@ -34,6 +34,7 @@ from typing import Any
 
 from pydantic import Field
 
+from sidecar import jsonutil
 from sidecar.dialects.base import Dialect, DialectOptions, DialectSetup, check_lane
 from sidecar.errors import InvalidHandoff, SidecarError
 from sidecar.protocol.context import HandoffContext, Route
@@ -178,7 +179,7 @@ class TRTLLMDialect(Dialect):
         if not isinstance(params, Mapping):
             raise InvalidHandoff(
                 f"TRT-LLM context response has disaggregated_params of type "
-                f"{type(params).__name__}, expected an object"
+                f"{jsonutil.type_name(params)}, expected an object"
             )
         generation = dict(params)
         generation[REQUEST_TYPE] = GENERATION_ONLY

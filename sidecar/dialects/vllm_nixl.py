@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from sidecar import jsonutil
 from sidecar.dialects.vllm import KV_TRANSFER_PARAMS, VLLMDialect
 from sidecar.errors import InvalidHandoff
 from sidecar.protocol.context import HandoffContext
@@ -72,7 +73,7 @@ class NixlPullDialect(VLLMDialect):
             raise InvalidHandoff("prefill response has no kv_transfer_params")
         if not isinstance(params, Mapping):
             raise InvalidHandoff(
-                f"prefill response kv_transfer_params is a {type(params).__name__}, "
+                f"prefill response kv_transfer_params is a {jsonutil.type_name(params)}, "
                 "expected an object"
             )
         missing = [key for key in REQUIRED_DECODE_KEYS if key not in params]

@@ -44,7 +44,7 @@ from sidecar.core.scope import OK, Scopes
 from sidecar.errors import DeadlineExceeded, DecodeFailed, InvalidRequest, Stage
 from sidecar.grpc_gen import disagg_pb2
 from sidecar.grpc_server.inline.wire import Entry
-from sidecar.grpc_server.rpc import serving
+from sidecar.grpc_server.rpc import Malformed, serving, tolerant
 from sidecar.grpc_server.token_stream import TokenStreamParser
 from sidecar.http1 import UpstreamError, UpstreamResponse
 from sidecar.observability.tracing import HANDOFF_SPAN, NOOP_SPAN, RELAY_SPAN, RELAYED_TOKENS
@@ -83,7 +83,7 @@ class DecodeStrategy(Protocol):
     #: True when the strategy reads the request's wire bytes itself (no deserializer).
     raw_request: bool
 
-    def read(self, request: disagg_pb2.DecodeRequest | bytes) -> DecodeInput:
+    def read(self, request: disagg_pb2.DecodeRequest | Malformed | bytes) -> DecodeInput:
         """The request as this strategy takes it (inline: walked off its wire bytes)."""
 
     async def decode_body(
@@ -105,8 +105,9 @@ class DecodeService:
         handler: grpc.RpcMethodHandler[Any, disagg_pb2.TokenStream]
         handler = grpc.unary_stream_rpc_method_handler(
             self.Decode,
-            request_deserializer=(None if self.strategy.raw_request
-                                  else disagg_pb2.DecodeRequest.FromString),
+            request_deserializer=(
+                None if self.strategy.raw_request
+                else tolerant(disagg_pb2.DecodeRequest.FromString, "DecodeRequest")),
             response_serializer=disagg_pb2.TokenStream.SerializeToString,
         )
         server.add_generic_rpc_handlers(
@@ -114,7 +115,7 @@ class DecodeService:
         )
 
     async def Decode(
-        self, request: disagg_pb2.DecodeRequest | bytes, context: Context
+        self, request: disagg_pb2.DecodeRequest | Malformed | bytes, context: Context
     ) -> AsyncIterator[disagg_pb2.TokenStream]:
         decode_input = self.strategy.read(request)
         del request  # inline: the wire bytes live on only through the walked blocks

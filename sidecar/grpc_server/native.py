@@ -40,6 +40,7 @@ from sidecar.grpc_gen import disagg_pb2
 from sidecar.grpc_server.checks import check_max_new_tokens, check_temperature, check_token_ids
 from sidecar.grpc_server.decode import DecodeInput
 from sidecar.grpc_server.prefill import PrefillCall, engine_target, resolve_advertise_host
+from sidecar.grpc_server.rpc import Malformed, tolerant
 from sidecar.kv_wire.handoff import DecodedHandoff, decode_handoff, encode_handoff
 from sidecar.observability.metrics import Metrics
 from sidecar.protocol.request_id import REQUEST_ID_HEADER, request_id_or_new
@@ -115,14 +116,18 @@ class NativeDecode:
         self._flow = flow
         self._kv_in = metrics.kv_bytes.labels("in")
 
-    def read(self, request: disagg_pb2.DecodeRequest | bytes) -> DecodeInput:
+    def read(self, request: disagg_pb2.DecodeRequest | Malformed | bytes) -> DecodeInput:
         if isinstance(request, bytes):
-            return DecodeInput(disagg_pb2.DecodeRequest.FromString(request))
+            request = tolerant(disagg_pb2.DecodeRequest.FromString, "DecodeRequest")(request)
+        if isinstance(request, Malformed):
+            return DecodeInput(disagg_pb2.DecodeRequest(), malformed=request.error())
         return DecodeInput(request)
 
     async def decode_body(
         self, decode_input: DecodeInput, exits: contextlib.AsyncExitStack
     ) -> tuple[dict[str, Any], str]:
+        if decode_input.malformed is not None:
+            raise decode_input.malformed  # first: the empty request says nothing true
         request = decode_input.request
         flow = self._flow
         token_ids = check_token_ids(request.token_ids)

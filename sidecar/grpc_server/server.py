@@ -47,11 +47,14 @@ HEALTH_SERVICES: Final = ("", PREFILL_SERVICE, DECODE_SERVICE)
 StopFunction = Callable[[float], Awaitable[None]]
 
 
-def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
-    """Channel options of the server: message size limits (KV blocks are large)."""
+def server_options(max_message_bytes: int, *, share_port: bool = False) -> list[tuple[str, int]]:
+    """Channel options of the server: message size limits (KV blocks are large), and
+    SO_REUSEPORT only where the port is shared with the pool's other workers (grpcio sets it
+    by default, which would let another program's socket share the port silently)."""
     return [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.so_reuseport", 1 if share_port else 0),
     ]
 
 
@@ -134,7 +137,8 @@ async def start_grpc_server(
     if settings.kv_transport == KVTransport.INLINE:
         # Before the server exists: its threads then share the one tuned arena.
         retain_freed_heap(settings.max_staged_bytes + 2 * settings.grpc_max_message_bytes)
-    server = grpc.aio.server(options=server_options(settings.grpc_max_message_bytes))
+    server = grpc.aio.server(options=server_options(settings.grpc_max_message_bytes,
+                                                    share_port=runtime.worker.pooled))
     prefill, decode, sweeper = _services(runtime)
     prefill.add_to_server(server)
     decode.add_to_server(server)  # inline: the request's bytes, walked without protobuf objects

@@ -78,10 +78,25 @@ class Metrics:
             "disagg_prefill_legs",
             "Prefill legs to remote targets by target (its address for static-pool members, "
             "'header' for router-named ones) and outcome (ok, failed, connect_refused).",
-            ["target", "outcome"], registry=r)
+            ["target", "outcome"],
+            registry=r,
+        )
+        self.prefill_breaker_state = Gauge(
+            "disagg_prefill_breaker_state",
+            "Circuit breaker of prefill targets by target (as disagg_prefill_legs_total "
+            "labels it; 'header': the worst among router-named ones): 0 closed, 1 open, "
+            "2 half-open.",
+            ["target"],
+            registry=r,
+            multiprocess_mode="livemax",
+        )
         self.prefill_retries = Counter(
-            "disagg_prefill_retries", "Prefills moved to another target after a refused connect.",
-            ["front_door"], registry=r)
+            "disagg_prefill_retries",
+            "Prefills moved to another target after one that provably did no work (refused "
+            "or unreachable connect, 503/429, open circuit breaker).",
+            ["front_door"],
+            registry=r,
+        )
         self.tokenize_failures = Counter(
             "disagg_tokenize_failures",
             "Prompt-length tokenize calls that failed (the request was disaggregated).",

@@ -7,7 +7,8 @@
 This runs on every PD request, so it reads only the fields the sidecar itself acts on and
 leaves everything else to the engine: no model of the whole body. Refused:
 
-- malformed JSON, or a body that is not an object;
+- malformed JSON, or a body that is not an object, or one nested deeper than the sidecar can
+  write back out (``jsonutil.MAX_DEPTH``: 254 levels);
 - wrong types of ``stream``, ``max_tokens``, ``max_completion_tokens``, ``min_tokens``, ``n``,
   ``prompt`` (completions) and ``messages`` (chat);
 - hand-off fields sent by the client (only a trusted router may set them; engines would
@@ -78,20 +79,7 @@ class ClientRequest:
         return (len(self.batch) if self.batch else 1) * self.n
 
 
-def _type_name(value: object) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, int):
-        return "integer"
-    if isinstance(value, float):
-        return "number"
-    if isinstance(value, str):
-        return "string"
-    if isinstance(value, list):
-        return "array"
-    return "object"
+_type_name = jsonutil.type_name
 
 
 def _is_int(value: object) -> bool:
@@ -194,6 +182,12 @@ class BodyChecks:
             raise InvalidRequest("request body is not valid JSON") from None
         if not isinstance(body, dict):
             raise InvalidRequest(f"request body must be a JSON object, got {_type_name(body)}")
+        if jsonutil.too_deep(body, raw):
+            # It would parse, but not be written again for the engines (orjson's limit).
+            raise InvalidRequest(
+                f"request body nests objects and arrays more than {jsonutil.MAX_DEPTH} levels "
+                "deep"
+            )
         if not trusted_router:
             sent = [key for key in self.handoff_fields if key in body]
             if sent:

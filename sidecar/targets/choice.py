@@ -1,10 +1,17 @@
 """Which of several prefill targets gets a prefill leg, and which are cooling down.
 
-    TargetChoice.pick(candidates, exclude)  ─▶ the fewest prefill legs in flight from this
-                                               sidecar (ties at random; two random choices
-                                               past 4 targets), cooling targets skipped
-    with choice.leg(target): ...            counts a prefill leg in flight on ``target``
-    choice.refused(target) / .answered(target)   its connect was refused: cool it down / ends it
+    TargetChoice.pick(candidates, exclude)  ─▶ the target with the fewest prefill legs in
+                                               flight from this sidecar (ties at random;
+                                               power of two random choices past 4 targets),
+                                               skipping targets whose connect was refused
+                                               within the cool-down and targets whose
+                                               circuit breaker is open
+    with choice.leg(target) as verdict: ... counts a prefill leg in flight on ``target``
+                                            (``PrefillBreakerOpen`` when its breaker does not
+                                            let it through); ``verdict.answered()`` /
+                                            ``verdict.failed(why)`` feed the breaker
+    choice.refused(target)                  its connect was refused: cool it down
+    choice.answered(target)                 it answered a prefill: the cool-down ends
 
 Deliberate limits: this process's own view (each ``--workers`` worker its own); the maps
 forget a target with nothing in flight and no cool-down. Why it picks this way, and its
@@ -18,7 +25,9 @@ import random
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
 
+from sidecar.errors import PrefillBreakerOpen
 from sidecar.protocol.context import PrefillTarget
+from sidecar.targets.breaker import SEVERITY, Admission, BreakerState, CircuitBreakers
 
 #: Past this many candidates two random ones are compared instead of all (power of two
 #: choices: nearly as even, and O(1) per pick however long the router's list).
@@ -27,18 +36,44 @@ _COMPARE_ALL_UP_TO = 4
 HEADER_LABEL = "header"
 
 
-class TargetChoice:
-    """Least-in-flight choice among prefill targets, with a cool-down for refusing ones."""
+class LegVerdict:
+    """What a prefill leg showed of its target, for the target's circuit breaker."""
 
-    def __init__(self, *, cooldown_s: float, pool: Collection[PrefillTarget] = (),
-                 clock: Callable[[], float] = time.monotonic,
-                 rng: random.Random | None = None) -> None:
+    __slots__ = ("ok", "why")
+
+    def __init__(self) -> None:
+        self.ok: bool | None = None
+        self.why = ""
+
+    def answered(self) -> None:
+        self.ok = True
+
+    def failed(self, why: str) -> None:
+        """A failure that shows the engine unhealthy (never the request's own fault)."""
+        self.ok = False
+        self.why = why
+
+
+class TargetChoice:
+    """Least-in-flight choice among prefill targets, with a cool-down for refusing ones and
+    a circuit breaker per target."""
+
+    def __init__(
+        self,
+        *,
+        cooldown_s: float,
+        pool: Collection[PrefillTarget] = (),
+        clock: Callable[[], float] = time.monotonic,
+        rng: random.Random | None = None,
+        breakers: CircuitBreakers | None = None,
+    ) -> None:
         self._cooldown_s = cooldown_s
         self._clock = clock
         self._rng = rng or random.Random()
         self._in_flight: dict[PrefillTarget, int] = {}
         self._cool_until: dict[PrefillTarget, float] = {}
         self._pool_labels = {target: str(target) for target in pool}
+        self.breakers = breakers if breakers is not None and breakers.enabled else None
 
     def in_flight(self, target: PrefillTarget) -> int:
         return self._in_flight.get(target, 0)
@@ -56,6 +91,15 @@ class TargetChoice:
         """The bounded metric label of ``target``: its address in the pool, else ``header``."""
         return self._pool_labels.get(target, HEADER_LABEL)
 
+    def breaker_state(self, label: str) -> BreakerState:
+        """The worst breaker state among the targets labelled ``label`` (open > half-open >
+        closed): one value per bounded label, as ``disagg_prefill_breaker_state`` shows it."""
+        if self.breakers is None:
+            return BreakerState.CLOSED
+        states = [state for target, state in self.breakers.states().items()
+                  if self.label(target) == label]
+        return max(states, key=SEVERITY.__getitem__, default=BreakerState.CLOSED)
+
     def add_pool_member(self, target: PrefillTarget) -> None:
         """Label a resolved static-pool address by itself (pool names resolve at use)."""
         self._pool_labels.setdefault(target, str(target))
@@ -65,6 +109,9 @@ class TargetChoice:
     ) -> PrefillTarget | None:
         """The target for the next prefill leg, or None when ``exclude`` leaves none."""
         open_ = [t for t in candidates if t not in exclude]
+        breakers = self.breakers
+        if breakers is not None:
+            open_ = [t for t in open_ if breakers.allows(t)]
         if not open_:
             return None
         warm = [t for t in open_ if not self.cooling(t)]
@@ -76,18 +123,31 @@ class TargetChoice:
         least = min(self.in_flight(t) for t in pool)
         return self._rng.choice([t for t in pool if self.in_flight(t) == least])
 
+    def breaker_allows(self, target: PrefillTarget) -> bool:
+        return self.breakers is None or self.breakers.allows(target)
+
     @contextlib.contextmanager
-    def leg(self, target: PrefillTarget) -> Iterator[None]:
-        """Count one prefill leg in flight on ``target`` while the block runs."""
+    def leg(self, target: PrefillTarget) -> Iterator[LegVerdict]:
+        """Count one prefill leg in flight on ``target`` while the block runs, and give its
+        verdict to the target's breaker; ``PrefillBreakerOpen`` (before the block) when the
+        breaker lets no leg through now (open, or its one trial leg already running)."""
+        breakers = self.breakers
+        admission = Admission.NORMAL if breakers is None else breakers.admit(target)
+        if admission is None:
+            named = f" {target}" if self.label(target) == HEADER_LABEL else ""
+            raise PrefillBreakerOpen(f"circuit breaker of prefill target{named} is open")
+        verdict = LegVerdict()
         self._in_flight[target] = self._in_flight.get(target, 0) + 1
         try:
-            yield
+            yield verdict
         finally:
             left = self._in_flight[target] - 1
             if left:
                 self._in_flight[target] = left
             else:
                 del self._in_flight[target]
+            if breakers is not None:
+                breakers.settle(target, admission, verdict.ok, verdict.why)
 
     def answered(self, target: PrefillTarget) -> None:
         """``target`` answered a prefill: whatever refusal it had is over."""

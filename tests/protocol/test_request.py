@@ -243,3 +243,14 @@ def test_slow_duplicate_check_runs_only_on_repeated_names(
     assert calls == []
     parse_client_body(_raw({**COMPLETION, "x": {"max_tokens": 1}}), Route.COMPLETIONS)
     assert len(calls) == 1
+
+
+@pytest.mark.parametrize("depth", [1, 2, 254, 255, 1024])
+def test_nesting_depth_is_measured_as_orjson_writes_it(depth: int) -> None:
+    value: object = {}
+    for level in range(depth - 1):
+        value = [value] if level % 2 else {"k": value}
+    raw = jsonutil.dumps(value) if depth <= jsonutil.MAX_DEPTH else None
+    assert jsonutil.too_deep(value, raw) is (depth > jsonutil.MAX_DEPTH)
+    if depth <= jsonutil.MAX_DEPTH:
+        jsonutil.dumps(value)  # what is not too deep is written

@@ -65,6 +65,7 @@ from sidecar.grpc_server.inline.wire import (
     parse_entries,
 )
 from sidecar.grpc_server.prefill import PrefillCall, Send, engine_target
+from sidecar.grpc_server.rpc import Malformed
 from sidecar.observability.metrics import Metrics
 from sidecar.protocol.context import FrontDoor, HandoffContext, Route
 from sidecar.protocol.request_id import REQUEST_ID_HEADER, request_id_or_new
@@ -250,10 +251,12 @@ class InlineDecode:
         self.staging = area
         self._kv_in = metrics.kv_bytes.labels("in")
 
-    def read(self, request: disagg_pb2.DecodeRequest | bytes) -> DecodeInput:
+    def read(self, request: disagg_pb2.DecodeRequest | Malformed | bytes) -> DecodeInput:
         """The request without its blocks, and its blocks; a malformed one becomes an empty
         request and the error, raised in ``decode_body`` so that it is counted and answered
         like every other refusal."""
+        if isinstance(request, Malformed):
+            return DecodeInput(disagg_pb2.DecodeRequest(), malformed=request.error(Stage.HANDOFF))
         if not isinstance(request, bytes):
             return DecodeInput(request)
         try:

@@ -2,7 +2,10 @@
 and both transports (``aiohttp``: every engine, fault switches, recording; ``lean``: the
 benchmark's cheap one, vLLM NIXL and SGLang completions only).
 
-Deliberate limits: checks only what would make the stub meaningless (an unknown engine,
+Deliberate limits: a vLLM NIXL decode stub pulls its KV from the prefill stub's engine port
+over plain HTTP, so a TLS prefill stub serves SGLang, TensorRT-LLM and Mooncake pairs (whose
+peers meet on the plain bootstrap port, or not at all) but not a NIXL pull; checks only what
+would make the stub meaningless (an unknown engine,
 role, connector, query shape or transport, or what the lean transport does not serve);
 everything else is trusted test input.
 """
@@ -77,6 +80,12 @@ class StubConfig:
     transport: str = "aiohttp"
     # Serve /_stub/faults (faults switched over HTTP by another process): off unless asked.
     control_faults: bool = False
+    # HTTPS on the engine port (both PEM files; the bootstrap port stays plain HTTP, as the
+    # engines' bootstrap servers are), asking for a client certificate signed by
+    # ``tls_client_ca_file`` when that is set (mutual TLS, as an engine behind a mesh).
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    tls_client_ca_file: str | None = None
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -98,6 +107,10 @@ class StubConfig:
             raise ValueError(
                 f"unknown transport {self.transport!r}; known: {', '.join(TRANSPORTS)}"
             )
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("tls_cert_file and tls_key_file: set both or neither")
+        if self.tls_client_ca_file is not None and self.tls_cert_file is None:
+            raise ValueError("tls_client_ca_file needs tls_cert_file and tls_key_file")
         if self.transport == "lean":
             self._check_lean()
 
@@ -112,6 +125,8 @@ class StubConfig:
             raise ValueError("the lean vLLM engine speaks NixlConnector (shfs) only")
         if self.faults or self.eos_rate or self.control_faults:
             raise ValueError("the lean transport has no fault switches or EOS")
+        if self.tls_cert_file is not None:
+            raise ValueError("the lean transport serves plain HTTP only")
 
     @property
     def has_bootstrap_server(self) -> bool:
