@@ -12,7 +12,8 @@ engine; a missing or
 unknown connector label falls back to ``default_kv_connector`` with one warning (only for an
 engine that has connectors); the port label gives ``http://127.0.0.1:<port>``; a role other
 than prefill or decode means both; a dialect's own pod sources (``DialectOptions.pod_sources``)
-are read as they declare.
+and the data-parallel size labels are read as they declare; an unset prefill data-parallel
+size follows the local one (its source says so).
 
 A bad value raises ``ConfigError`` naming the field, the value and where it came from, so an
 operator can fix the right layer; ``run_config_command`` prints the resolved settings with
@@ -279,6 +280,13 @@ class _Resolver:
             why = f"{source}={label!r} is not a known connector ({known})"
         self.warnings.append(f"{why}; using default_kv_connector {fallback!r}")
 
+    def follow(self, name: str, leader: str) -> None:
+        """Name ``leader``'s source for ``name`` when nothing set it (``Settings`` fills its
+        value from ``leader``'s)."""
+        via = self.source_of(leader)
+        if name not in self.values and via != SOURCE_DEFAULT:
+            self.sources[name] = f"{leader} ({via})"
+
     def source_of(self, name: str) -> str:
         return self.sources.get(name, SOURCE_DEFAULT)
 
@@ -318,6 +326,7 @@ def load_settings(args: argparse.Namespace, environ: Mapping[str, str]) -> Loade
     res = _Resolver(values, sources)
     pod = _read_pod(res)
     res.apply_pod(pod)
+    res.follow("prefill_data_parallel_size", "data_parallel_size")
     try:
         settings = Settings(**res.values)
     except ValidationError as exc:
