@@ -1,8 +1,11 @@
 """Every call the core makes to an engine, with its URL, deadline, span and accounting.
 
     post_prefill(leg)              ─▶ the prefill's JSON answer (a remote target's leg counts as
-                                      in flight there; a refused connect cools the target down)
-    open_decode(route, body, ...)  ─▶ UpstreamResponse (head arrived, status 200)
+                                      in flight there; a refused connect cools the target down;
+                                      a leg on a data-parallel rank counts there, and a failed
+                                      one cools the rank down)
+    open_decode(route, body, ...)  ─▶ UpstreamResponse (head arrived, status 200; a rank as
+                                      for the prefill, on the local engine)
     post_local(path, body, ...)    ─▶ a small JSON call to the local engine (its tokenizer)
     passthrough(method, path, ...) ─▶ the local engine's raw response (HTTP passthrough)
     model_name(stage)              ─▶ the local engine's served model (gRPC bodies)
@@ -23,9 +26,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterable, Callable, Coroutine, Mapping
+from collections.abc import AsyncIterable, Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 from urllib.parse import urlsplit
 
 from opentelemetry.util.types import AttributeValue
@@ -34,7 +37,15 @@ from sidecar import jsonutil
 from sidecar.core.engine_model import EngineModel
 from sidecar.core.legs import open_decode, post_prefill
 from sidecar.dialects.base import LookupFailed
-from sidecar.errors import DecodeFailed, EngineNotReady, PrefillUnreachable, Stage
+from sidecar.errors import (
+    DeadlineExceeded,
+    DecodeFailed,
+    EngineNotReady,
+    EngineRejected,
+    PrefillFailed,
+    PrefillUnreachable,
+    Stage,
+)
 from sidecar.http1 import EngineClient, UpstreamConnectError, UpstreamError, UpstreamResponse
 from sidecar.observability.tracing import (
     DECODE_FIRST_BYTE_SPAN,
@@ -46,7 +57,7 @@ from sidecar.observability.tracing import (
     RequestTrace,
 )
 from sidecar.protocol.context import PrefillTarget, Route
-from sidecar.targets.choice import TargetChoice
+from sidecar.targets.choice import LOCAL, Engine, TargetChoice
 
 #: Prefill URLs remembered per (target, route); cleared whole when full (bounded memory).
 _MAX_REMEMBERED_URLS: Final = 4096
@@ -57,6 +68,22 @@ _DEFAULT_PORTS: Final = {"http": 80, "https": 443}
 
 #: Counts a finished prefill leg to a remote target: (target label, outcome).
 LegCounter = Callable[[str, str], None]
+#: Counts a finished leg on a data-parallel rank: (leg "prefill" | "decode", rank, outcome).
+RankCounter = Callable[[str, int, str], None]
+
+_T = TypeVar("_T")
+
+
+def rank_outcome(error: BaseException | None) -> str:
+    """How a ranked leg ended, as its metric says: ``ok``; ``failed`` (the rank's doing: it
+    cools down); ``connect_refused`` (the whole engine's); ``rejected`` (the request's)."""
+    if error is None:
+        return "ok"
+    if isinstance(error, (PrefillUnreachable, EngineNotReady)):
+        return "connect_refused"
+    if isinstance(error, EngineRejected):
+        return "rejected"
+    return "failed"
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +100,8 @@ class PrefillLeg:
     #: The prefill target this leg goes to, when it is a remote one (counted per target).
     target: PrefillTarget | None = None
     trace: RequestTrace = NOOP_TRACE
+    #: The data-parallel rank of the leg's engine (``target``, else the local one), if any.
+    rank: int | None = None
 
 
 class EngineCalls:
@@ -87,6 +116,7 @@ class EngineCalls:
         max_prefill_response_bytes: int,
         choice: TargetChoice | None = None,
         on_prefill_leg: LegCounter | None = None,
+        on_rank_leg: RankCounter | None = None,
     ) -> None:
         self.session = session
         self.engine_url = engine_url.rstrip("/")
@@ -94,6 +124,7 @@ class EngineCalls:
         self._max_prefill_bytes = max_prefill_response_bytes
         self.choice = choice if choice is not None else TargetChoice(cooldown_s=0.0)
         self._on_prefill_leg = on_prefill_leg
+        self._on_rank_leg = on_rank_leg
         self._aborts: set[asyncio.Task[None]] = set()
         self._prefill_urls: dict[tuple[PrefillTarget, Route], str] = {}
         self._models = {
@@ -126,9 +157,11 @@ class EngineCalls:
         """POST a prefill leg and return its JSON object answer.
 
         A leg to a remote target counts as in flight there while it runs; a refused connect
-        cools the target down (``TargetChoice``).
+        cools the target down (``TargetChoice``). A leg on a rank counts on that rank.
         """
-        post = self._post(leg)
+        post: Awaitable[dict[str, Any]] = self._post(leg)
+        if leg.rank is not None:
+            post = self._ranked("prefill", leg.target, leg.rank, post)
         if leg.target is None:
             return await post
         target = leg.target
@@ -149,6 +182,35 @@ class EngineCalls:
         finally:
             if self._on_prefill_leg is not None and outcome is not None:
                 self._on_prefill_leg(self.choice.label(target), outcome)
+
+    async def _ranked(self, leg: str, engine: Engine, rank: int, call: Awaitable[_T], *,
+                      counts: bool = True) -> _T:
+        """``call`` on ``rank`` of ``engine`` (counted in flight there unless the caller counts
+        it); a failure that is the rank's (not the whole engine's, nor the request's) cools
+        the rank down; the outcome is counted (a cancelled call is not: the request went away).
+        """
+        choice = self.choice
+        outcome: str | None = None
+        try:
+            if counts:
+                with choice.rank_leg(engine, rank):
+                    result = await call
+            else:
+                result = await call
+            outcome = rank_outcome(None)
+            choice.rank_answered(engine, rank)
+            return result
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            outcome = rank_outcome(exc)
+            if outcome == "failed" and isinstance(
+                    exc, (PrefillFailed, DecodeFailed, DeadlineExceeded)):
+                choice.rank_failed(engine, rank)
+            raise
+        finally:
+            if self._on_rank_leg is not None and outcome is not None:
+                self._on_rank_leg(leg, rank, outcome)
 
     def _post(self, leg: PrefillLeg) -> Coroutine[Any, Any, dict[str, Any]]:
         if not leg.trace.active:
@@ -183,12 +245,20 @@ class EngineCalls:
         body: Mapping[str, Any] | bytes,
         headers: Mapping[str, str],
         trace: RequestTrace = NOOP_TRACE,
-    ) -> Coroutine[Any, Any, UpstreamResponse]:
+        rank: int | None = None,
+    ) -> Awaitable[UpstreamResponse]:
         """POST the decode body to the local engine; the response once its head arrived
-        (traced: in its span, which ends when the head arrives; the relay's follows it)."""
+        (traced: in its span, which ends when the head arrives; the relay's follows it).
+        ``rank``: the local engine's data-parallel rank it runs on (a failed opening cools it
+        down; the flow counts the stream in flight there until the request ends)."""
+        call: Awaitable[UpstreamResponse]
         if not trace.active:
-            return open_decode(self.session, self.engine_url + route.value, body, headers)
-        return self._traced_open_decode(route, body, headers, trace)
+            call = open_decode(self.session, self.engine_url + route.value, body, headers)
+        else:
+            call = self._traced_open_decode(route, body, headers, trace)
+        if rank is None:
+            return call
+        return self._ranked("decode", LOCAL, rank, call, counts=False)
 
     async def _traced_open_decode(
         self,
