@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import AsyncIterable, Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from typing import Any, Final, TypeVar
@@ -336,8 +335,3 @@ def _target(url: str) -> dict[str, AttributeValue]:
         SERVER_PORT: port,
         PREFILL_TARGET: f"[{host}]:{port}" if ":" in host else f"{host}:{port}",
     }
-
-
-def elapsed(started: float) -> float:
-    """Seconds since ``started`` (a ``time.perf_counter()`` reading)."""
-    return time.perf_counter() - started

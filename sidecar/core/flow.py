@@ -2,10 +2,8 @@
 
     start(PDRequest) ─▶ PDExchange            the HTTP door, and each fan-out sub-request
         short prompt (--local-prefill-max-tokens) ─▶ the local engine alone
-        SEQUENTIAL: prefill ─▶ hand-off ─▶ open decode       (a refused connect: once more on
-        CONCURRENT: prefill ║ open decode (prefill watched)    another target; a failed prefill
-                                                              of a sequential dialect may run
-                                                              locally: --on-prefill-failure)
+        SEQUENTIAL: prefill ─▶ hand-off ─▶ open decode
+        CONCURRENT: prefill ║ open decode (prefill watched)
     prefill_only(...) ─▶ Handoff              gRPC Prefill: the prefill half
         SEQUENTIAL: the prefill, then its hand-off
         CONCURRENT: the hand-off at once; the engine call runs on in the background, watched
