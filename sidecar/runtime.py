@@ -123,7 +123,9 @@ def _flows(settings: Settings, metrics: Metrics, calls: EngineCalls,
     def flow(of: Dialect) -> PDFlow:
         return PDFlow(of, calls, prefill_timeout_s=settings.prefill_timeout_s,
                       on_prefill_failure=settings.on_prefill_failure, local_prefill=local,
-                      counters=counters)
+                      counters=counters, local_ranks=settings.data_parallel_size,
+                      prefill_ranks=(settings.prefill_data_parallel_size
+                                     or settings.data_parallel_size))
 
     http_flow = flow(dialect)
     if settings.kv_transport is not KVTransport.INLINE:
@@ -150,6 +152,8 @@ async def open_runtime(
             session, settings.engine_url, connect_timeout_s=settings.connect_timeout_s,
             max_prefill_response_bytes=settings.max_prefill_response_bytes, choice=choice,
             on_prefill_leg=lambda target, outcome: metrics.labelled(legs, target, outcome).inc(),
+            on_rank_leg=lambda leg, rank, outcome: metrics.labelled(
+                metrics.rank_legs, leg, str(rank), outcome).inc(),
         )
         # Each worker of a pool draws ids from its own lane (the dialects' id sources).
         setup = DialectSetup(settings, lane=worker.index, lanes=worker.count, lookup=calls)

@@ -11,6 +11,8 @@ an engine.
 - ``temperature``: finite and ``>= 0``; sent as the shortest decimal that reads back as the
   same float32, so engine logs show ``0.7``, not ``0.699999988079071``.
 - ``request_id``: ``sidecar.protocol.request_id.request_id_or_new`` (the HTTP rule).
+- metadata ``x-data-parallel-rank``: the local engine's rank the router placed the RPC's leg
+  on, parsed as the HTTP header is (``sidecar.targets.ranks``); out of range: refused.
 
 Deliberate limits: no check against the engine's context length (the engine refuses, and its
 4xx maps to INVALID_ARGUMENT).
@@ -20,10 +22,11 @@ from __future__ import annotations
 
 import math
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Final
 
 from sidecar.errors import InvalidRequest
+from sidecar.targets.ranks import RANK_HEADER, parse_rank_header
 
 #: Upper bound of ``max_new_tokens``: far above any engine's context, below int32's end.
 MAX_NEW_TOKENS: Final = 1 << 20
@@ -64,3 +67,11 @@ def check_temperature(value: float) -> float:
         if _float32(candidate) == value:
             return candidate
     return value
+
+
+def check_rank(metadata: Iterable[tuple[str, str | bytes]] | None, size: int) -> int | None:
+    """The local rank the call's ``x-data-parallel-rank`` metadata names (None: none, or the
+    engine has one rank)."""
+    values = [value if isinstance(value, str) else value.decode("latin-1")
+              for key, value in metadata or () if key == RANK_HEADER]
+    return parse_rank_header(values, size)

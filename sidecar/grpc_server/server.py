@@ -123,7 +123,8 @@ def _services(runtime: Runtime) -> tuple[PrefillService, DecodeService, OrphanSw
     scopes = runtime.grpc_scopes
     if settings.kv_transport != KVTransport.INLINE:
         return (
-            PrefillService(scopes, NativePrefill(flow, scopes, settings)),
+            PrefillService(scopes, NativePrefill(flow, scopes, settings),
+                           local_ranks=settings.data_parallel_size),
             DecodeService(flow, scopes, NativeDecode(flow, runtime.metrics)),
             None,
         )
@@ -138,7 +139,7 @@ def _services(runtime: Runtime) -> tuple[PrefillService, DecodeService, OrphanSw
         touches=runtime.worker.pooled,
     )
     return (
-        PrefillService(scopes, inline_prefill),
+        PrefillService(scopes, inline_prefill, local_ranks=settings.data_parallel_size),
         DecodeService(flow, scopes, InlineDecode(flow, settings, area, runtime.metrics)),
         sweeper,
     )

@@ -4,7 +4,8 @@ Every metric carries ``front_door`` (http | grpc). Names and labels are the publ
 documented in README's metrics table; ``tests`` read them through the real exposition.
 
 Deliberate limits: label values come from closed sets (routes, engines, connectors, error
-codes, stages), never from client input, so cardinality stays bounded; that also bounds
+codes, stages, data-parallel ranks below the configured size), never from client input, so
+cardinality stays bounded; that also bounds
 ``Metrics.labelled``'s cache of labelled children (the hot path's way to skip ``labels()``).
 
 Workers (``--workers N``, N > 1): the supervisor sets ``PROMETHEUS_MULTIPROC_DIR`` for every
@@ -107,6 +108,14 @@ class Metrics:
             "Prefill legs to remote targets by target (its address for static-pool members, "
             "'header' for router-named ones) and outcome (ok, failed, connect_refused).",
             ["target", "outcome"],
+            registry=r,
+        )
+        self.rank_legs = Counter(
+            "disagg_rank_legs",
+            "Legs on data-parallel ranks (engines with --data-parallel-size above 1) by leg "
+            "(prefill, decode), rank (0..size-1 of the configured size) and outcome (ok, "
+            "failed, connect_refused, rejected); a failed one cools its rank down.",
+            ["leg", "rank", "outcome"],
             registry=r,
         )
         self.prefill_retries = Counter(

@@ -41,9 +41,14 @@ def parse_rank(text: str, size: int, *, name: str = RANK_HEADER) -> int:
 
 
 def parse_rank_header(values: Sequence[str], size: int) -> int | None:
-    """The rank a request's ``x-data-parallel-rank`` header names, or None without one."""
+    """The rank a request's ``x-data-parallel-rank`` header names, or None without one.
+
+    Engines with one rank (``size`` 1): the header may name only 0, and names nothing (no
+    leg ever carries a rank then).
+    """
     if not values:
         return None
     if len(values) > 1:
         raise InvalidRequest(f"{RANK_HEADER}: given more than once")
-    return parse_rank(values[0], size)
+    rank = parse_rank(values[0], size)
+    return rank if size > 1 else None
