@@ -100,6 +100,15 @@ def _admission(settings: Settings, worker: WorkerIdentity) -> Admission:
     return Admission(settings.max_inflight, slots)
 
 
+def data_parallel_ranks(settings: Settings, ranked: bool) -> tuple[int, int]:
+    """The data-parallel sizes the flow chooses ranks from (local, prefill): the configured
+    ones, or one each for a dialect whose engine places requests on its ranks itself."""
+    if not ranked:
+        return 1, 1
+    local = settings.data_parallel_size
+    return local, settings.prefill_data_parallel_size or local
+
+
 def _flows(settings: Settings, metrics: Metrics, calls: EngineCalls,
            setup: DialectSetup) -> tuple[PDFlow, PDFlow]:
     """The HTTP door's flow and the gRPC door's (the same one but for the inline transport)."""
@@ -123,9 +132,8 @@ def _flows(settings: Settings, metrics: Metrics, calls: EngineCalls,
     def flow(of: Dialect) -> PDFlow:
         return PDFlow(of, calls, prefill_timeout_s=settings.prefill_timeout_s,
                       on_prefill_failure=settings.on_prefill_failure, local_prefill=local,
-                      counters=counters, local_ranks=settings.data_parallel_size,
-                      prefill_ranks=(settings.prefill_data_parallel_size
-                                     or settings.data_parallel_size))
+                      counters=counters, local_ranks=setup.local_ranks,
+                      prefill_ranks=setup.prefill_ranks)
 
     http_flow = flow(dialect)
     if settings.kv_transport is not KVTransport.INLINE:
@@ -156,7 +164,10 @@ async def open_runtime(
                 metrics.rank_legs, leg, str(rank), outcome).inc(),
         )
         # Each worker of a pool draws ids from its own lane (the dialects' id sources).
-        setup = DialectSetup(settings, lane=worker.index, lanes=worker.count, lookup=calls)
+        local_ranks, prefill_ranks = data_parallel_ranks(
+            settings, dialect_class(settings.engine, settings.kv_connector).ranked)
+        setup = DialectSetup(settings, lane=worker.index, lanes=worker.count, lookup=calls,
+                             local_ranks=local_ranks, prefill_ranks=prefill_ranks)
         http_flow, grpc_flow = _flows(settings, metrics, calls, setup)
         dialect = http_flow.dialect
 

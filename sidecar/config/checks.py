@@ -4,6 +4,8 @@
     check_tls              pairs set whole, a client CA only with a server pair, files load
     check_connector_engine a connector given by flag or env serves the engine
     check_prompt_length_source  ``tokenize`` only for an engine with a tokenizer endpoint
+    data_parallel_warning  data-parallel sizes for an engine that places ranks itself (a
+                           warning, not a refusal: the engine still serves)
 
 Each raises ``ConfigError``; the loader runs them after ``Settings`` has checked every value
 on its own.
@@ -109,3 +111,15 @@ def check_prompt_length_source(settings: Settings, sources: Sources) -> None:
             f"needs an engine with a tokenizer endpoint ({', '.join(having)}), not engine "
             f"{settings.engine!r} (from {sources.source_of('engine')}); use 'estimate'"
         )
+
+
+def data_parallel_warning(settings: Settings, sources: Sources) -> str | None:
+    """A warning when data-parallel sizes are set for an engine whose dialect names no rank
+    (its engine places requests on its ranks itself), else None."""
+    sizes = [name for name in ("data_parallel_size", "prefill_data_parallel_size")
+             if (getattr(settings, name) or 1) > 1]
+    if not sizes or dialect_class(settings.engine, settings.kv_connector).ranked:
+        return None
+    given = ", ".join(f"{name} (from {sources.source_of(name)})" for name in sizes)
+    return (f"{given} set for engine {settings.engine!r}, which places requests on its "
+            "data-parallel ranks itself: the sidecar names no rank")

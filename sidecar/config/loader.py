@@ -43,6 +43,7 @@ from sidecar.config.checks import (
     check_ports,
     check_prompt_length_source,
     check_tls,
+    data_parallel_warning,
 )
 from sidecar.config.podinfo import PodInfo, PodInfoError, read_podinfo
 from sidecar.config.settings import (
@@ -335,6 +336,9 @@ def load_settings(args: argparse.Namespace, environ: Mapping[str, str]) -> Loade
     check_connector_engine(settings, res)
     check_tls(settings, res)
     check_prompt_length_source(settings, res)
+    warning = data_parallel_warning(settings, res)
+    if warning is not None:
+        res.warnings.append(warning)
     all_sources = {name: res.source_of(name) for name in field_names()}
     return LoadedSettings(settings, MappingProxyType(all_sources), tuple(res.warnings))
 

@@ -10,10 +10,12 @@ the per-request state its hand-off needs (rooms, ids, transfer ids, looked-up en
     dialect.decode_body(client, fields)─▶ POST decode (local engine)
     dialect.end(ctx)                      the state given back (once the request is over)
 
-Data-parallel engines (``--data-parallel-size``): the flow chooses each leg's rank and the
-dialect puts it where its engine reads it: a header (``prefill_headers``/``decode_headers``),
-a body field (``prefill_fields`` reads ``ctx.prefill_rank``; ``decode_body`` gets the decode
-rank), or the looked-up value of that rank. With one rank both are None and nothing changes.
+Data-parallel engines (``--data-parallel-size``): for a dialect that is ``ranked`` the flow
+chooses each leg's rank and the dialect puts it where its engine reads it: a header
+(``prefill_headers``/``decode_headers``), a body field (``prefill_fields`` reads
+``ctx.prefill_rank``; ``decode_body`` gets the decode rank), or the looked-up value of that
+rank. With one rank both are None and nothing changes; a dialect that is not ``ranked`` gets
+none (its engine places requests on its ranks itself).
 
 ``legs`` says whether the decode waits for the prefill's answer (``SEQUENTIAL``) or both go
 at once (``CONCURRENT``: the hand-off is known before the prefill answers, and the core
@@ -113,6 +115,9 @@ class DialectSetup:
     lane: int = 0
     lanes: int = 1
     lookup: EngineLookup | None = None
+    #: Data-parallel ranks of the local engine and of each prefill target's engine.
+    local_ranks: int = 1
+    prefill_ranks: int = 1
 
 
 #: The headers of a leg that needs none besides the client's.
@@ -146,6 +151,8 @@ class Dialect(ABC):
     pd_routes: ClassVar[frozenset[Route]] = frozenset(Route)
     #: The settings this dialect adds (None: none).
     Options: ClassVar[type[DialectOptions] | None] = None
+    #: True when the dialect puts data-parallel ranks where its engine reads them.
+    ranked: ClassVar[bool] = False
 
     def __init__(self, setup: DialectSetup) -> None:
         self.setup = setup

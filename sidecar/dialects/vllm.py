@@ -35,6 +35,7 @@ class VLLMDialect(Dialect):
     """The vLLM engine; a connector dialect says what its ``kv_transfer_params`` hold."""
 
     engine = "vllm"
+    ranked = True
     handoff_keys = frozenset({KV_TRANSFER_PARAMS})
     #: vLLM's ``/tokenize`` takes a completions ``prompt`` or chat ``messages``, rendered as
     #: these chat request fields say.
