@@ -62,6 +62,9 @@ def add_stub_arguments(parser: argparse.ArgumentParser) -> None:
         "--mooncake-query-shape", choices=MOONCAKE_QUERY_SHAPES, default=d.mooncake_query_shape
     )
     parser.add_argument("--side-channel-host", default=d.side_channel_host)
+    parser.add_argument("--data-parallel-size", type=int, default=d.data_parallel_size,
+                        help="ranks behind the one API server (each honours and records the "
+                        "rank a request names, as the engine does)")
     parser.add_argument("--keepalive", type=float, default=d.keepalive_s)
     parser.add_argument("--record-limit", type=int, default=d.record_limit)
     parser.add_argument("--secret", default=d.secret)
@@ -100,6 +103,7 @@ def config_from_args(args: argparse.Namespace) -> StubConfig:
         waiting_timeout_s=args.waiting_timeout,
         mooncake_query_shape=args.mooncake_query_shape,
         side_channel_host=args.side_channel_host,
+        data_parallel_size=args.data_parallel_size,
         keepalive_s=args.keepalive,
         record_limit=args.record_limit,
         secret=args.secret,
