@@ -38,7 +38,6 @@ overlap still spreads them over every rank.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import random
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
@@ -49,6 +48,9 @@ from sidecar.protocol.context import PrefillTarget
 #: Past this many candidates two random ones are compared instead of all (power of two
 #: choices: nearly as even, and O(1) per pick however long the router's list).
 _COMPARE_ALL_UP_TO = 4
+#: Engines whose rank turn is remembered (cleared whole when full: bounded memory; a router's
+#: header may name many targets).
+_MAX_TURNS = 4096
 #: The label of a target that a router named (not one of the static pool's).
 HEADER_LABEL = "header"
 #: The local engine, as the engine of a rank (a prefill target names a remote one).
@@ -76,7 +78,7 @@ class TargetChoice:
         self._pool_labels = {target: str(target) for target in pool}
         self._rank_in_flight: dict[tuple[Engine, int], int] = {}
         self._rank_cool_until: dict[tuple[Engine, int], float] = {}
-        self._rank_turns = itertools.count()
+        self._rank_turns: dict[Engine, int] = {}
 
     def in_flight(self, target: PrefillTarget) -> int:
         return self._in_flight.get(target, 0)
@@ -161,12 +163,21 @@ class TargetChoice:
         """
         if size <= 1:
             return None
-        start = next(self._rank_turns) % size
+        start = self._turn(engine, size)
         best = self._least_loaded(engine, size, start, skip_cooling=True)
         if best is None:  # every rank is cooling down: one is still picked
             best = self._least_loaded(engine, size, start, skip_cooling=False)
         assert best is not None
         return best
+
+    def _turn(self, engine: Engine, size: int) -> int:
+        """Where ``engine``'s next pick starts looking: one rank on from its last."""
+        turns = self._rank_turns
+        turn = turns.get(engine, 0)
+        if len(turns) >= _MAX_TURNS and engine not in turns:
+            turns.clear()
+        turns[engine] = (turn + 1) % size
+        return turn
 
     def _least_loaded(self, engine: Engine, size: int, start: int, *,
                       skip_cooling: bool) -> int | None:
