@@ -2,7 +2,8 @@
 
 Both default to 1; each comes from its flag, env or pod label, with its source; an unset
 prefill size follows the local one, and its source names that; bad values (not a number,
-0, above the bound, a number in other scripts) are refused naming value and source.
+0, above the bound, a number in other scripts) are refused naming value and source; sizes
+for an engine that places ranks itself (TensorRT-LLM) are a warning.
 """
 
 from __future__ import annotations
@@ -82,3 +83,12 @@ def test_bad_sizes_are_refused_naming_the_source(tmp_path: Path, value: str) -> 
     with pytest.raises(ConfigError) as flag:
         load(["--data-parallel-size", value])
     assert "flag --data-parallel-size" in str(flag.value)
+
+
+def test_sizes_for_an_engine_that_places_ranks_itself_warn() -> None:
+    loaded = load(["--engine", "trtllm", "--data-parallel-size", "2"])
+    assert loaded.settings.data_parallel_size == 2
+    assert any("data_parallel_size (from flag --data-parallel-size)" in warning
+               and "names no rank" in warning for warning in loaded.warnings)
+    assert load(["--engine", "sglang", "--data-parallel-size", "2"]).warnings == ()
+    assert load(["--engine", "trtllm"]).warnings == ()
