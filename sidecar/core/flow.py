@@ -10,27 +10,17 @@
     open_decode(...)  ─▶ UpstreamResponse     gRPC Decode: the decode half
 
 The dialect (``sidecar.dialects``) says what the bodies hold and whether the legs are
-sequential or concurrent; ``EngineCalls`` makes the calls; the flow puts them in order, keeps
-the deadlines, starts and ends the dialect's per-request state, and hands the request's
-abort and release to its ``PDExchange``.
+sequential or concurrent; ``EngineCalls`` makes the calls; the flow orders them, keeps the
+deadlines, starts and ends the dialect's per-request state and hands the request's abort and
+release to its ``PDExchange``. A client gone cancels every upstream call on the way out.
 
-Data-parallel engines (``--data-parallel-size``, ``--prefill-data-parallel-size``): the flow
-chooses each leg's rank (``TargetChoice.pick_rank``: the router's, else the least busy) before
-the dialect state begins, so the dialect can put it in its headers, bodies and lookups:
-
-    start:         prefill rank on the target (the router's ``x-data-parallel-rank``, else
-                   chosen), decode rank on the local engine (held until the request ends)
-    prefill_only:  prefill rank on the local engine (gRPC Prefill)
-    decode_rank:   decode rank on the local engine (gRPC Decode; held on the RPC's exits)
-
-Cancellation (a client gone) propagates: every upstream call is closed on the way out, and
-the exchange aborts the engines' legs.
+Data-parallel engines: before the dialect state begins the flow chooses each leg's rank
+(``sidecar.core.ranks``): the prefill's on the target (gRPC Prefill: on the local engine), the
+decode's on the local engine, busy until the request ends.
 
 Deliberate limits: one retry, only of a prefill whose connect was refused (the engine never
-saw it) and only on another of the request's targets; a prefill that may have half-run is
-never retried (it would double the engine's work; routers pick another pair); the
-local-prefill fallback applies to sequential dialects only (a concurrent dialect's decode
-cannot run without its prefill).
+saw it), on another of the request's targets; the local-prefill fallback applies to
+sequential dialects only (a concurrent dialect's decode cannot run without its prefill).
 """
 
 from __future__ import annotations
@@ -47,6 +37,7 @@ from sidecar.config.limits import PrefillFailurePolicy
 from sidecar.core.engine_calls import EngineCalls, PrefillLeg
 from sidecar.core.exchange import PDExchange, as_prefill_error, cancel_and_wait
 from sidecar.core.local_prefill import LocalPrefill
+from sidecar.core.ranks import LegRanks
 from sidecar.core.scope import RequestScope, Scopes, Timings
 from sidecar.core.upstream import with_headers
 from sidecar.dialects import Dialect, Legs
@@ -61,7 +52,6 @@ from sidecar.errors import (
 from sidecar.http1 import UpstreamResponse
 from sidecar.observability.tracing import HANDOFF_SPAN, NOOP_TRACE, RequestTrace
 from sidecar.protocol.context import FrontDoor, HandoffContext, PrefillTarget, Route
-from sidecar.targets.choice import LOCAL
 
 logger = logging.getLogger(__name__)
 
@@ -130,8 +120,7 @@ class PDFlow:
         prefill target's."""
         self.dialect = dialect
         self.calls = calls
-        self.local_ranks = local_ranks
-        self.prefill_ranks = prefill_ranks
+        self.ranks = LegRanks(calls.choice, local_size=local_ranks, prefill_size=prefill_ranks)
         self.concurrent = dialect.legs is Legs.CONCURRENT
         self._prefill_timeout_s = prefill_timeout_s
         self._local_fallback = on_prefill_failure is PrefillFailurePolicy.LOCAL
@@ -151,12 +140,11 @@ class PDFlow:
         dialect = self.dialect
         ctx = HandoffContext(route, request_id, target, advertise_host or target.host,
                              front_door, prefill_rank=prefill_rank, decode_rank=decode_rank)
-        if decode_rank is not None:
-            self.calls.choice.hold_rank(LOCAL, decode_rank)
+        self.ranks.hold(decode_rank)
         try:
             ctx = dialect.begin(ctx)
         except BaseException:
-            self._release_decode_rank(ctx)
+            self.ranks.release(decode_rank)
             raise
         if dialect.looks_up:
             try:
@@ -171,27 +159,7 @@ class PDFlow:
         try:
             self.dialect.end(ctx)
         finally:
-            self._release_decode_rank(ctx)
-
-    def _release_decode_rank(self, ctx: HandoffContext) -> None:
-        if ctx.decode_rank is not None:
-            self.calls.choice.release_rank(LOCAL, ctx.decode_rank)
-
-    def local_rank(self, named: int | None = None) -> int | None:
-        """The local engine's rank for a leg: ``named`` (the router's), else the least busy;
-        None when the engine has one rank."""
-        if self.local_ranks <= 1:
-            return None
-        return named if named is not None else self.calls.choice.pick_rank(
-            LOCAL, self.local_ranks)
-
-    def prefill_rank(self, target: PrefillTarget, named: int | None = None) -> int | None:
-        """``target``'s rank for a prefill leg: ``named``, else the least busy; None when
-        prefill engines have one rank."""
-        if self.prefill_ranks <= 1:
-            return None
-        return named if named is not None else self.calls.choice.pick_rank(
-            target, self.prefill_ranks)
+            self.ranks.release(ctx.decode_rank)
 
     def abort(self, ctx: HandoffContext) -> None:
         """Tell both engines to drop the request's legs, where the dialect has an abort call."""
@@ -271,9 +239,9 @@ class PDFlow:
     async def _start_on(self, request: PDRequest, *, may_retry: bool) -> PDExchange:
         ctx = await self.begin(request.route, request.request_id, request.target,
                                front_door=request.front_door,
-                               prefill_rank=self.prefill_rank(request.target,
-                                                              request.prefill_rank),
-                               decode_rank=self.local_rank())
+                               prefill_rank=self.ranks.prefill(request.target,
+                                                               request.prefill_rank),
+                               decode_rank=self.ranks.local())
         try:
             if self.concurrent:
                 return await self._start_concurrent(request, ctx)
@@ -353,6 +321,9 @@ class PDFlow:
         except BaseException:
             await cancel_and_wait(decode_task)
             await cancel_and_wait(prefill_task)
+            if decode_task.done() and not decode_task.cancelled() and (
+                    decode_task.exception() is None):
+                decode_task.result().close()  # its head came in the turn the prefill failed
             raise
         timings.decode_first_byte = time.perf_counter() - started
         if prefill_task.done():
@@ -387,7 +358,7 @@ class PDFlow:
         """
         route = Route.COMPLETIONS
         ctx = await self.begin(route, request_id, target, advertise_host, FrontDoor.GRPC,
-                               prefill_rank=self.local_rank(rank))
+                               prefill_rank=self.ranks.local(rank))
         handed_off = False
         try:
             leg = PrefillLeg(
@@ -449,17 +420,6 @@ class PDFlow:
                     fields: Mapping[str, Any], rank: int | None = None) -> dict[str, Any]:
         """The decode body from a client body and a hand-off's fields (on ``rank``)."""
         return self.dialect.decode_body(client_body, fields, rank)
-
-    def decode_rank(self, exits: contextlib.ExitStack | contextlib.AsyncExitStack,
-                    named: int | None = None) -> int | None:
-        """The local rank a gRPC Decode runs on (``named``, else the least busy), busy until
-        ``exits`` closes; None when the engine has one rank."""
-        rank = self.local_rank(named)
-        if rank is not None:
-            choice = self.calls.choice
-            choice.hold_rank(LOCAL, rank)
-            exits.callback(choice.release_rank, LOCAL, rank)
-        return rank
 
     async def open_decode(self, route: Route, body: Mapping[str, Any] | bytes,
                           headers: Mapping[str, str],

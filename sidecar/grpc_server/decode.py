@@ -88,7 +88,8 @@ class DecodeStrategy(Protocol):
         """The request as this strategy takes it (inline: walked off its wire bytes)."""
 
     async def decode_body(
-        self, decode_input: DecodeInput, exits: contextlib.AsyncExitStack, rank: int | None
+        self, decode_input: DecodeInput, exits: contextlib.AsyncExitStack,
+        rank: int | None = None,
     ) -> tuple[dict[str, Any], str]:
         """Checks, then the engine's decode body (on the local data-parallel ``rank``) and the
         request id; resources go on ``exits``."""
@@ -128,8 +129,8 @@ class DecodeService:
             # The local rank this decode runs on (the router's, else the least busy), busy
             # until the RPC ends.
             flow = self._flow
-            rank = flow.decode_rank(exits, check_rank(context.invocation_metadata(),
-                                                      flow.local_ranks))
+            rank = flow.ranks.held(exits, check_rank(context.invocation_metadata(),
+                                                     flow.ranks.local_size))
             if trace.active:
                 with trace.span(HANDOFF_SPAN):
                     body, request_id = await self.strategy.decode_body(decode_input, exits, rank)

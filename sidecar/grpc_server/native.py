@@ -122,7 +122,8 @@ class NativeDecode:
         return DecodeInput(request)
 
     async def decode_body(
-        self, decode_input: DecodeInput, exits: contextlib.AsyncExitStack, rank: int | None
+        self, decode_input: DecodeInput, exits: contextlib.AsyncExitStack,
+        rank: int | None = None,
     ) -> tuple[dict[str, Any], str]:
         request = decode_input.request
         flow = self._flow

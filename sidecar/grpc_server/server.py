@@ -124,7 +124,7 @@ def _services(runtime: Runtime) -> tuple[PrefillService, DecodeService, OrphanSw
     if settings.kv_transport != KVTransport.INLINE:
         return (
             PrefillService(scopes, NativePrefill(flow, scopes, settings),
-                           local_ranks=settings.data_parallel_size),
+                           local_ranks=flow.ranks.local_size),
             DecodeService(flow, scopes, NativeDecode(flow, runtime.metrics)),
             None,
         )
@@ -139,7 +139,7 @@ def _services(runtime: Runtime) -> tuple[PrefillService, DecodeService, OrphanSw
         touches=runtime.worker.pooled,
     )
     return (
-        PrefillService(scopes, inline_prefill, local_ranks=settings.data_parallel_size),
+        PrefillService(scopes, inline_prefill, local_ranks=flow.ranks.local_size),
         DecodeService(flow, scopes, InlineDecode(flow, settings, area, runtime.metrics)),
         sweeper,
     )

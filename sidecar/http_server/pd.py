@@ -108,7 +108,7 @@ async def handle_pd(request: web.Request, route: Route) -> web.StreamResponse:
                                            trusted_router=runtime.settings.trusted_router)
         # The router's rank is the flow's to place (the dialect's field), never forwarded.
         prefill_rank = parse_rank_header(request.headers.getall(RANK_HEADER, []),
-                                         runtime.flow.prefill_ranks)
+                                         runtime.flow.ranks.prefill_size)
         headers = forwardable_headers(request.headers.items(),
                                       drop=("accept-encoding", RANK_HEADER))
         headers[REQUEST_ID_HEADER] = request_id

@@ -99,7 +99,7 @@ class InlinePrefill:
                               * announced.layout.block_bytes)
         ctx = self._dialect.keyed(HandoffContext(
             Route.COMPLETIONS, request_id, self._engine, self._engine.host, FrontDoor.GRPC,
-            prefill_rank=self._flow.local_rank(call.rank),
+            prefill_rank=self._flow.ranks.local(call.rank),
         ), key)
         client_body = {"model": await self._flow.calls.model_name(Stage.PREFILL),
                        "prompt": token_ids}
@@ -270,7 +270,8 @@ class InlineDecode:
         )
 
     async def decode_body(
-        self, decode_input: DecodeInput, exits: contextlib.AsyncExitStack, rank: int | None
+        self, decode_input: DecodeInput, exits: contextlib.AsyncExitStack,
+        rank: int | None = None,
     ) -> tuple[dict[str, Any], str]:
         if decode_input.malformed is not None:
             raise decode_input.malformed  # first: the empty head says nothing true
