@@ -6,7 +6,10 @@ tests/real_vllm/record_fixtures.py --only mooncake):
   ``GET /query`` answer (the shape vLLM 0.32 really serves: keyed by data-parallel rank);
 - with the recording's transfer id and engine id, the sidecar's prefill and decode bodies
   for the recorded client request are exactly the recorded requests that moved the KV;
-- the stub engine's ``/query`` answer has the real answer's structure.
+- the stub engine's ``/query`` answer has the real answer's structure;
+- with a DP 2 prefill (one bootstrap server, one entry per rank) the engine id of each rank is
+  read by rank, and a request prefilled on rank 1 moved its KV with rank 1's engine id and
+  bodies equal to the sidecar's; with one server per rank each answer has one entry, "0".
 
 Does not run an engine; tests/real_vllm/test_mooncake.py re-proves the flow live.
 """
@@ -22,6 +25,7 @@ import aiohttp
 import pytest
 
 from sidecar.engines import resolve_engine
+from sidecar.errors import InvalidHandoff
 from sidecar.kv_agents import resolve_agent
 from sidecar.kv_agents.mooncake import engine_id_from_query
 from sidecar.protocol.context import HandoffContext, PrefillTarget, Route
@@ -29,7 +33,13 @@ from sidecar.tools.stubs import StubConfig, run_stub
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm" / "0.32.0"
 QUERY = FIXTURES / "mooncake_query.json"
-EXCHANGES = sorted(p for p in FIXTURES.glob("mooncake_*.json") if p != QUERY)
+EXCHANGES = sorted(
+    p for p in FIXTURES.glob("mooncake_*.json") if p != QUERY and "_dp2" not in p.stem
+)
+# Recorded with a DP 2 prefill by tests/real_vllm/probe_data_parallel.py.
+QUERY_DP2 = FIXTURES / "mooncake_query_dp2.json"
+EXCHANGE_DP2_RANK1 = FIXTURES / "mooncake_completion_dp2_rank1.json"
+QUERY_DP2_EXTERNAL = FIXTURES / "mooncake_query_dp2_external_lb.json"
 ROUTES = {"/v1/completions": Route.COMPLETIONS, "/v1/chat/completions": Route.CHAT}
 
 
@@ -70,6 +80,48 @@ def test_sidecar_bodies_equal_the_recorded_ones(path: Path) -> None:
     assert recorded["prefill_response"]["kv_transfer_params"] is None
     handoff = handler.bind(agent).handoff(recorded["prefill_response"], ctx)
     assert handler.decode_body(client, handoff) == recorded["decode_request"]
+
+
+def test_each_rank_engine_id_is_read_from_the_recorded_dp2_query_answer() -> None:
+    recorded = _load(QUERY_DP2)
+    answer, base = recorded["query_response"], recorded["prefill_engine_id"]
+    assert sorted(answer) == ["0", "1"]
+    # vLLM suffixes the configured id with the rank (v1/engine/core.py 1417-1425).
+    assert [engine_id_from_query(answer, dp_rank) for dp_rank in (0, 1)] == [
+        f"{base}_dp0", f"{base}_dp1"]
+    with pytest.raises(InvalidHandoff, match="no data-parallel rank 2"):
+        engine_id_from_query(answer, 2)
+
+
+def test_the_rank1_exchange_used_rank1s_engine_id_and_the_sidecars_bodies() -> None:
+    recorded, query = _load(EXCHANGE_DP2_RANK1), _load(QUERY_DP2)
+    assert recorded["prefill_headers"] == {"X-data-parallel-rank": "1"}
+    assert recorded["decode_equals_connectorless_decode"] is True
+    engine_id = engine_id_from_query(query["query_response"], 1)
+    params = recorded["decode_request"]["kv_transfer_params"]
+    assert params["remote_engine_id"] == engine_id
+    assert params["remote_bootstrap_addr"] == query["bootstrap_addr"]
+    handler, agent = resolve_engine("vllm"), resolve_agent("mooncake")
+    bootstrap = urlsplit(query["bootstrap_addr"])
+    assert bootstrap.hostname is not None and bootstrap.port is not None
+    ctx = HandoffContext(
+        route=ROUTES[recorded["endpoint"]], request_id="rec",
+        prefill=PrefillTarget(bootstrap.hostname, 8000), advertise_host=bootstrap.hostname,
+        mooncake_bootstrap_port=bootstrap.port,
+    ).with_ids(mooncake_transfer_id=recorded["transfer_id"], mooncake_engine_id=engine_id)
+    client = recorded["client_request"]
+    assert handler.bind(agent).prefill_body(client, ctx) == recorded["prefill_request"]
+    handoff = handler.bind(agent).handoff(recorded["prefill_response"], ctx)
+    assert handler.decode_body(client, handoff) == recorded["decode_request"]
+
+
+def test_one_bootstrap_server_per_rank_answers_one_entry_keyed_zero() -> None:
+    recorded = _load(QUERY_DP2_EXTERNAL)
+    base = recorded["prefill_engine_id"]
+    for rank, server in sorted(recorded["per_rank_server"].items()):
+        answer = server["query_response"]
+        assert list(answer) == ["0"]  # the local rank of a one-rank server
+        assert engine_id_from_query(answer) == f"{base}_dp{rank.removeprefix('r')}"
 
 
 def _structure(value: Any) -> Any:
