@@ -42,7 +42,6 @@ import contextlib
 import dataclasses
 import json
 import re
-import socket
 import subprocess
 import sys
 import tempfile
@@ -75,6 +74,7 @@ from real_vllm.harness import (
     EngineGroup,
     EngineSpec,
     EngineStartError,
+    free_port_run,
     mooncake_config,
     nixl_config,
 )
@@ -189,29 +189,6 @@ def metric_total(url: str, name: str) -> float:
         if line.startswith(name + "{") or line.startswith(name + " "):
             total += float(line.rsplit(" ", 1)[1])
     return total
-
-
-def free_port_run(count: int) -> int:
-    """A base port such that base..base+count-1 are all free on loopback right now."""
-    for _ in range(200):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            base: int = probe.getsockname()[1]
-        if base + count > 65535:
-            continue
-        socks: list[socket.socket] = []
-        try:
-            for port in range(base, base + count):
-                sock = socket.socket()
-                socks.append(sock)
-                sock.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for sock in socks:
-                sock.close()
-    raise RuntimeError("no run of free ports found")
 
 
 def process_lines(log: str) -> dict[str, Any]:
