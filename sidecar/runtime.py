@@ -115,6 +115,15 @@ def _admission(settings: Settings, worker: WorkerIdentity) -> Admission:
     return Admission(settings.max_inflight, slots)
 
 
+def data_parallel_ranks(settings: Settings, ranked: bool) -> tuple[int, int]:
+    """The data-parallel sizes the flow chooses ranks from (local, prefill): the configured
+    ones, or one each for a dialect whose engine places requests on its ranks itself."""
+    if not ranked:
+        return 1, 1
+    local = settings.data_parallel_size
+    return local, settings.prefill_data_parallel_size or local
+
+
 def _flows(settings: Settings, metrics: Metrics, calls: EngineCalls,
            setup: DialectSetup, health: EngineHealth) -> tuple[PDFlow, PDFlow]:
     """The HTTP door's flow and the gRPC door's (the same one but for the inline transport)."""
@@ -138,7 +147,8 @@ def _flows(settings: Settings, metrics: Metrics, calls: EngineCalls,
     def flow(of: Dialect) -> PDFlow:
         return PDFlow(of, calls, prefill_timeout_s=settings.prefill_timeout_s,
                       on_prefill_failure=settings.on_prefill_failure, local_prefill=local,
-                      counters=counters, local_engine=health)
+                      counters=counters, local_engine=health,
+                      local_ranks=setup.local_ranks, prefill_ranks=setup.prefill_ranks)
 
     http_flow = flow(dialect)
     if settings.kv_transport is not KVTransport.INLINE:
@@ -179,9 +189,14 @@ async def open_runtime(
             session, settings.engine_url, connect_timeout_s=settings.connect_timeout_s,
             max_prefill_response_bytes=settings.max_prefill_response_bytes, choice=choice,
             on_prefill_leg=lambda target, outcome: metrics.labelled(legs, target, outcome).inc(),
+            on_rank_leg=lambda leg, rank, outcome: metrics.labelled(
+                metrics.rank_legs, leg, str(rank), outcome).inc(),
         )
         # Each worker of a pool draws ids from its own lane (the dialects' id sources).
-        setup = DialectSetup(settings, lane=worker.index, lanes=worker.count, lookup=calls)
+        local_ranks, prefill_ranks = data_parallel_ranks(
+            settings, dialect_class(settings.engine, settings.kv_connector).ranked)
+        setup = DialectSetup(settings, lane=worker.index, lanes=worker.count, lookup=calls,
+                             local_ranks=local_ranks, prefill_ranks=prefill_ranks)
         health = EngineHealth(session, settings.engine_url, timeout_s=settings.connect_timeout_s)
         http_flow, grpc_flow = _flows(settings, metrics, calls, setup, health)
         dialect = http_flow.dialect

@@ -41,6 +41,8 @@ def make_ctx(
     advertise_host: str | None = None,
     state: Any = None,
     front_door: FrontDoor = FrontDoor.HTTP,
+    prefill_rank: int | None = None,
+    decode_rank: int | None = None,
 ) -> HandoffContext:
     return HandoffContext(
         route=route,
@@ -49,14 +51,19 @@ def make_ctx(
         advertise_host=advertise_host or host,
         front_door=front_door,
         state=state,
+        prefill_rank=prefill_rank,
+        decode_rank=decode_rank,
     )
 
 
 def make_dialect(cls: type[D], *, lookup: EngineLookup | None = None, lane: int = 0,
-                 lanes: int = 1, **options: Any) -> D:
-    """A dialect built from settings carrying ``options`` (e.g. sglang_bootstrap_port)."""
+                 lanes: int = 1, local_ranks: int = 1, prefill_ranks: int = 1,
+                 **options: Any) -> D:
+    """A dialect built from settings carrying ``options`` (e.g. sglang_bootstrap_port), for
+    engines of ``local_ranks`` and ``prefill_ranks`` data-parallel ranks."""
     settings = Settings.model_validate(options)
-    return cls(DialectSetup(settings, lane=lane, lanes=lanes, lookup=lookup))
+    return cls(DialectSetup(settings, lane=lane, lanes=lanes, lookup=lookup,
+                            local_ranks=local_ranks, prefill_ranks=prefill_ranks))
 
 
 @dataclass

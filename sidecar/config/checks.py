@@ -5,6 +5,8 @@
     check_connector_engine a connector given by flag or env serves the engine
     check_prompt_length_source  ``tokenize`` only for an engine with a tokenizer endpoint
     check_tracing          an OTLP endpoint only with the tracing extra installed
+    data_parallel_warning  data-parallel sizes for an engine that places ranks itself (a
+                           warning, not a refusal: the engine still serves)
 
 Each raises ``ConfigError``; the loader runs them after ``Settings`` has checked every value
 on its own.
@@ -125,3 +127,15 @@ def check_tracing(settings: Settings, sources: Sources) -> None:
             f"exporters, not installed here ({', '.join(missing)}): pip install "
             f"'{TRACING_EXTRA}' (the container image has them), or leave tracing off"
         )
+
+
+def data_parallel_warning(settings: Settings, sources: Sources) -> str | None:
+    """A warning when data-parallel sizes are set for an engine whose dialect names no rank
+    (its engine places requests on its ranks itself), else None."""
+    sizes = [name for name in ("data_parallel_size", "prefill_data_parallel_size")
+             if (getattr(settings, name) or 1) > 1]
+    if not sizes or dialect_class(settings.engine, settings.kv_connector).ranked:
+        return None
+    given = ", ".join(f"{name} (from {sources.source_of(name)})" for name in sizes)
+    return (f"{given} set for engine {settings.engine!r}, which places requests on its "
+            "data-parallel ranks itself: the sidecar names no rank")

@@ -12,7 +12,8 @@ engine; a missing or
 unknown connector label falls back to ``default_kv_connector`` with one warning (only for an
 engine that has connectors); the port label gives ``http://127.0.0.1:<port>``; a role other
 than prefill or decode means both; a dialect's own pod sources (``DialectOptions.pod_sources``)
-are read as they declare.
+and the data-parallel size labels are read as they declare; an unset prefill data-parallel
+size follows the local one (its source says so).
 
 A bad value raises ``ConfigError`` naming the field, the value and where it came from, so an
 operator can fix the right layer; ``run_config_command`` prints the resolved settings with
@@ -44,6 +45,7 @@ from sidecar.config.checks import (
     check_prompt_length_source,
     check_tls,
     check_tracing,
+    data_parallel_warning,
 )
 from sidecar.config.podinfo import PodInfo, PodInfoError, read_podinfo
 from sidecar.config.settings import (
@@ -295,6 +297,13 @@ class _Resolver:
             why = f"{source}={label!r} is not a known connector ({known})"
         self.warnings.append(f"{why}; using default_kv_connector {fallback!r}")
 
+    def follow(self, name: str, leader: str) -> None:
+        """Name ``leader``'s source for ``name`` when nothing set it (``Settings`` fills its
+        value from ``leader``'s)."""
+        via = self.source_of(leader)
+        if name not in self.values and via != SOURCE_DEFAULT:
+            self.sources[name] = f"{leader} ({via})"
+
     def source_of(self, name: str) -> str:
         return self.sources.get(name, SOURCE_DEFAULT)
 
@@ -334,6 +343,7 @@ def load_settings(args: argparse.Namespace, environ: Mapping[str, str]) -> Loade
     res = _Resolver(values, sources)
     pod = _read_pod(res)
     res.apply_pod(pod)
+    res.follow("prefill_data_parallel_size", "data_parallel_size")
     try:
         settings = Settings(**res.values)
     except ValidationError as exc:
@@ -343,6 +353,9 @@ def load_settings(args: argparse.Namespace, environ: Mapping[str, str]) -> Loade
     check_tls(settings, res)
     check_prompt_length_source(settings, res)
     check_tracing(settings, res)
+    warning = data_parallel_warning(settings, res)
+    if warning is not None:
+        res.warnings.append(warning)
     all_sources = {name: res.source_of(name) for name in field_names()}
     return LoadedSettings(settings, MappingProxyType(all_sources), tuple(res.warnings))
 

@@ -10,7 +10,8 @@ configuration reference (``sidecar.config.docs``), so a field without one fails 
 ``POD_SOURCES`` names the fields a pod label or annotation can set, and which field holds the
 key; ``EXTRA_ENV`` names environment variables read besides ``DISAGG_<FIELD>``.
 
-The fields are the sidecar's own (``ServingSettings``, ``LimitsSettings``, ``TLSSettings``)
+The fields are the sidecar's own (``ServingSettings``, ``LimitsSettings``,
+``DataParallelSettings``, ``TLSSettings``)
 plus each dialect's ``Options`` (``sidecar.dialects``: an engine's bootstrap port, id machine,
 ...): ``Settings`` is composed from them once, at import, so a dialect's settings get flags,
 environment variables, pod sources and reference rows like every other, and no engine is
@@ -34,6 +35,7 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from sidecar.config.cores import available_cores
+from sidecar.config.data_parallel import DATA_PARALLEL_POD_SOURCES, DataParallelSettings
 from sidecar.config.limits import LimitsSettings, PrefillFailurePolicy, PromptLengthSource
 from sidecar.config.tls_settings import TLSSettings
 from sidecar.dialects import DEFAULT_CONNECTOR, DEFAULT_ENGINE, DIALECTS
@@ -353,7 +355,7 @@ def check_prefill_url(url: str) -> None:
         raise ValueError(f"prefill URL {url!r} must be http(s)://host:port with nothing else")
 
 
-class _Settings(TLSSettings, LimitsSettings, ServingSettings):
+class _Settings(TLSSettings, DataParallelSettings, LimitsSettings, ServingSettings):
     """Every setting of one sidecar process that is not a dialect's; immutable once built."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -386,6 +388,7 @@ else:
 #: Fields a pod label or annotation can set (below flags and env, above defaults).
 POD_SOURCES: Final[Mapping[str, PodSource]] = MappingProxyType({
     **CORE_POD_SOURCES,
+    **DATA_PARALLEL_POD_SOURCES,
     **{name: source for model in DIALECTS.option_models()
        for name, source in model.pod_sources.items()},
 })

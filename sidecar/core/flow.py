@@ -15,6 +15,10 @@ sequential or concurrent; ``EngineCalls`` makes the calls; the flow orders them,
 deadlines, starts and ends the dialect's per-request state and hands the request's abort and
 release to its ``PDExchange``. A client gone cancels every upstream call on the way out.
 
+Data-parallel engines: before the dialect state begins the flow chooses each leg's rank
+(``sidecar.core.ranks``): the prefill's on the target (gRPC Prefill: on the local engine), the
+decode's on the local engine, busy until the request ends.
+
 Deliberate limits: one retry, only of a prefill whose engine provably did no work (a refused
 or unreachable connect, a 503 or 429 answer, a target whose breaker let no leg through), on
 another of the request's targets; the local-prefill fallback applies to sequential dialects
@@ -27,7 +31,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -36,7 +40,9 @@ from sidecar.core.engine_calls import EngineCalls, PrefillLeg
 from sidecar.core.engine_health import EngineHealth
 from sidecar.core.exchange import PDExchange, as_prefill_error, cancel_and_wait
 from sidecar.core.local_prefill import LocalPrefill
+from sidecar.core.ranks import LegRanks
 from sidecar.core.scope import RequestScope, Scopes, Timings
+from sidecar.core.upstream import with_headers
 from sidecar.dialects import Dialect, Legs
 from sidecar.errors import (
     DeadlineExceeded,
@@ -77,6 +83,8 @@ class PDRequest:
     candidates: tuple[PrefillTarget, ...] = ()
     trace: RequestTrace = NOOP_TRACE
     front_door: FrontDoor = FrontDoor.HTTP
+    #: The prefill leg's data-parallel rank as the router named it (None: the flow chooses).
+    prefill_rank: int | None = None
 
 
 @dataclass(slots=True)
@@ -113,9 +121,14 @@ class PDFlow:
         local_prefill: LocalPrefill | None = None,
         counters: FlowCounters | None = None,
         local_engine: EngineHealth | None = None,
+        local_ranks: int = 1,
+        prefill_ranks: int = 1,
     ) -> None:
+        """``local_ranks``: the local engine's data-parallel size; ``prefill_ranks``: each
+        prefill target's."""
         self.dialect = dialect
         self.calls = calls
+        self.ranks = LegRanks(calls.choice, local_size=local_ranks, prefill_size=prefill_ranks)
         self.concurrent = dialect.legs is Legs.CONCURRENT
         self._prefill_timeout_s = prefill_timeout_s
         self._local_fallback = on_prefill_failure is PrefillFailurePolicy.LOCAL
@@ -129,22 +142,34 @@ class PDFlow:
 
     async def begin(self, route: Route, request_id: str, target: PrefillTarget,
                     advertise_host: str | None = None,
-                    front_door: FrontDoor = FrontDoor.HTTP) -> HandoffContext:
-        """A request's context with its dialect state (ids, looked-up values)."""
+                    front_door: FrontDoor = FrontDoor.HTTP, *,
+                    prefill_rank: int | None = None,
+                    decode_rank: int | None = None) -> HandoffContext:
+        """A request's context with its legs' ranks and its dialect state (ids, looked-up
+        values); the decode rank counts as busy until ``end``."""
         dialect = self.dialect
-        ctx = dialect.begin(HandoffContext(route, request_id, target,
-                                           advertise_host or target.host, front_door))
+        ctx = HandoffContext(route, request_id, target, advertise_host or target.host,
+                             front_door, prefill_rank=prefill_rank, decode_rank=decode_rank)
+        self.ranks.hold(decode_rank)
+        try:
+            ctx = dialect.begin(ctx)
+        except BaseException:
+            self.ranks.release(decode_rank)
+            raise
         if dialect.looks_up:
             try:
                 ctx = await dialect.look_up(ctx)
             except BaseException:
-                dialect.end(ctx)
+                self.end(ctx)
                 raise
         return ctx
 
     def end(self, ctx: HandoffContext) -> None:
-        """Give back the request's dialect state."""
-        self.dialect.end(ctx)
+        """Give back the request's dialect state and its decode rank."""
+        try:
+            self.dialect.end(ctx)
+        finally:
+            self.ranks.release(ctx.decode_rank)
 
     def abort(self, ctx: HandoffContext) -> None:
         """Tell both engines to drop the request's legs, where the dialect has an abort call."""
@@ -230,7 +255,10 @@ class PDFlow:
 
     async def _start_on(self, request: PDRequest, *, may_retry: bool) -> PDExchange:
         ctx = await self.begin(request.route, request.request_id, request.target,
-                               front_door=request.front_door)
+                               front_door=request.front_door,
+                               prefill_rank=self.ranks.prefill(request.target,
+                                                               request.prefill_rank),
+                               decode_rank=self.ranks.local())
         try:
             if self.concurrent:
                 return await self._start_concurrent(request, ctx)
@@ -245,11 +273,20 @@ class PDFlow:
         return PrefillLeg(
             url=self.calls.prefill_url(target, request.route),
             body=self.dialect.prefill_body(request.body, ctx),
-            headers=request.headers,
+            headers=with_headers(request.headers, self.dialect.prefill_headers(ctx)),
             timeout_s=self._prefill_timeout_s,
             server_hostname=target.tls_name,
             target=target,
             trace=request.trace,
+            rank=ctx.prefill_rank,
+        )
+
+    def _open_decode(self, request: PDRequest, ctx: HandoffContext,
+                     body: Mapping[str, Any]) -> Awaitable[UpstreamResponse]:
+        rank = ctx.decode_rank
+        return self.calls.open_decode(
+            request.route, body, with_headers(request.headers, self.dialect.decode_headers(rank)),
+            request.trace, rank,
         )
 
     async def _start_sequential(
@@ -262,7 +299,8 @@ class PDFlow:
             if handoff.answer is not None:
                 return PDExchange(ctx=ctx, decode=None, answer=handoff.answer, timings=timings,
                                   owner=self)
-            decode_body = self.dialect.decode_body(request.body, handoff.fields)
+            decode_body = self.dialect.decode_body(request.body, handoff.fields,
+                                                   ctx.decode_rank)
         except _FALLBACK_ERRORS as error:
             if not self._local_fallback:
                 raise
@@ -273,9 +311,7 @@ class PDFlow:
             self._log_fallback(request, error)
             decode_body = dict(request.body)
         decode_started = time.perf_counter()
-        decode = await self.calls.open_decode(
-            request.route, decode_body, request.headers, request.trace
-        )
+        decode = await self._open_decode(request, ctx, decode_body)
         timings.decode_first_byte = time.perf_counter() - decode_started
         return PDExchange(ctx=ctx, decode=decode, fallback_reason=fallback_reason,
                           timings=timings, owner=self)
@@ -293,13 +329,11 @@ class PDFlow:
         timings = Timings()
         leg = self._leg(request, ctx)
         decode_body = self.dialect.decode_body(
-            request.body, self._handoff(None, ctx, request.trace)
+            request.body, self._handoff(None, ctx, request.trace), ctx.decode_rank
         )
         started = time.perf_counter()
         prefill_task = asyncio.ensure_future(self.calls.post_prefill(leg))
-        decode_task = asyncio.ensure_future(
-            self.calls.open_decode(request.route, decode_body, request.headers, request.trace)
-        )
+        decode_task = asyncio.ensure_future(self._open_decode(request, ctx, decode_body))
         try:
             while not decode_task.done():
                 waiting: set[asyncio.Future[Any]] = {decode_task}
@@ -339,9 +373,10 @@ class PDFlow:
         time_remaining: float | None,
         scope: RequestScope,
         scopes: Scopes,
+        rank: int | None = None,
     ) -> Handoff:
         """The prefill half on the local engine, as gRPC Prefill runs it; ``target`` is this
-        pod's engine as the hand-off names it.
+        pod's engine as the hand-off names it; ``rank``: the local rank the router named.
 
         Concurrent dialects: the hand-off is known at once and returned; the engine call
         (which blocks until a decode connects) runs on in the background, holding the
@@ -349,15 +384,17 @@ class PDFlow:
         bounded by the prefill timeout, counted through ``scopes`` and logged when it fails.
         """
         route = Route.COMPLETIONS
-        ctx = await self.begin(route, request_id, target, advertise_host, FrontDoor.GRPC)
+        ctx = await self.begin(route, request_id, target, advertise_host, FrontDoor.GRPC,
+                               prefill_rank=self.ranks.local(rank))
         handed_off = False
         try:
             leg = PrefillLeg(
                 url=self.calls.local_url(route),
                 body=self.dialect.prefill_body(client_body, ctx),
-                headers=headers,
+                headers=with_headers(headers, self.dialect.prefill_headers(ctx)),
                 timeout_s=self.prefill_timeout(time_remaining),
                 trace=scope.trace,
+                rank=ctx.prefill_rank,
             )
             if self.concurrent:
                 fields = self._handoff(None, ctx, scope.trace)
@@ -407,15 +444,17 @@ class PDFlow:
             release_admission()
 
     def decode_body(self, client_body: Mapping[str, Any],
-                    fields: Mapping[str, Any]) -> dict[str, Any]:
-        """The decode body from a client body and a hand-off's fields."""
-        return self.dialect.decode_body(client_body, fields)
+                    fields: Mapping[str, Any], rank: int | None = None) -> dict[str, Any]:
+        """The decode body from a client body and a hand-off's fields (on ``rank``)."""
+        return self.dialect.decode_body(client_body, fields, rank)
 
     async def open_decode(self, route: Route, body: Mapping[str, Any] | bytes,
                           headers: Mapping[str, str],
-                          trace: RequestTrace = NOOP_TRACE) -> UpstreamResponse:
-        """The decode half on the local engine, as gRPC Decode runs it."""
-        return await self.calls.open_decode(route, body, headers, trace)
+                          trace: RequestTrace = NOOP_TRACE,
+                          rank: int | None = None) -> UpstreamResponse:
+        """The decode half on the local engine, as gRPC Decode runs it (on ``rank``)."""
+        return await self.calls.open_decode(
+            route, body, with_headers(headers, self.dialect.decode_headers(rank)), trace, rank)
 
     async def close(self) -> None:
         """Cancel the background prefills still running (server stop)."""

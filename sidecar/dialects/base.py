@@ -10,6 +10,13 @@ the per-request state its hand-off needs (rooms, ids, transfer ids, looked-up en
     dialect.decode_body(client, fields)─▶ POST decode (local engine)
     dialect.end(ctx)                      the state given back (once the request is over)
 
+Data-parallel engines (``--data-parallel-size``): for a dialect that is ``ranked`` the flow
+chooses each leg's rank and the dialect puts it where its engine reads it: a header
+(``prefill_headers``/``decode_headers``), a body field (``prefill_fields`` reads
+``ctx.prefill_rank``; ``decode_body`` gets the decode rank), or the looked-up value of that
+rank. With one rank both are None and nothing changes; a dialect that is not ``ranked`` gets
+none (its engine places requests on its ranks itself).
+
 ``legs`` says whether the decode waits for the prefill's answer (``SEQUENTIAL``) or both go
 at once (``CONCURRENT``: the hand-off is known before the prefill answers, and the core
 watches the prefill). Everything else a dialect declares is data: the body keys it owns
@@ -108,7 +115,13 @@ class DialectSetup:
     lane: int = 0
     lanes: int = 1
     lookup: EngineLookup | None = None
+    #: Data-parallel ranks of the local engine and of each prefill target's engine.
+    local_ranks: int = 1
+    prefill_ranks: int = 1
 
+
+#: The headers of a leg that needs none besides the client's.
+NO_HEADERS: Mapping[str, str] = MappingProxyType({})
 
 #: vLLM's (and SGLang's) documented switch for token ids on a streamed completion.
 RETURN_TOKEN_IDS: Mapping[str, Any] = MappingProxyType({"return_token_ids": True})
@@ -138,6 +151,8 @@ class Dialect(ABC):
     pd_routes: ClassVar[frozenset[Route]] = frozenset(Route)
     #: The settings this dialect adds (None: none).
     Options: ClassVar[type[DialectOptions] | None] = None
+    #: True when the dialect puts data-parallel ranks where its engine reads them.
+    ranked: ClassVar[bool] = False
 
     def __init__(self, setup: DialectSetup) -> None:
         self.setup = setup
@@ -185,9 +200,11 @@ class Dialect(ABC):
         """
 
     def decode_body(
-        self, client_body: Mapping[str, Any], handoff: Mapping[str, Any]
+        self, client_body: Mapping[str, Any], handoff: Mapping[str, Any],
+        rank: int | None = None,
     ) -> dict[str, Any]:
-        """The decode body: the *original* client body with the hand-off fields set."""
+        """The decode body: the *original* client body with the hand-off fields set
+        (``rank``: the decode leg's data-parallel rank, None for one rank)."""
         return merge_top_level(client_body, handoff)
 
     def answered_by_prefill(self, prefill_response: Mapping[str, Any]) -> bool:
@@ -197,6 +214,20 @@ class Dialect(ABC):
     def prefill_answer(self, prefill_response: Mapping[str, Any]) -> dict[str, Any]:
         """A prefill response that is the whole answer, as the client sees it."""
         return dict(prefill_response)
+
+    # -- data-parallel ranks ----------------------------------------------------------------
+
+    def prefill_headers(self, ctx: HandoffContext) -> Mapping[str, str]:
+        """Headers the prefill leg gets besides the client's (its rank: ``ctx.prefill_rank``)."""
+        return NO_HEADERS
+
+    def decode_headers(self, rank: int | None) -> Mapping[str, str]:
+        """Headers the decode leg on data-parallel ``rank`` gets (None: the engine has one).
+
+        The decode leg's own rank only: over gRPC the decode sidecar has no ``ctx`` (what it
+        needs of the prefill's rank travels in the hand-off fields).
+        """
+        return NO_HEADERS
 
     # -- engine calls the core makes for the dialect ----------------------------------------
 

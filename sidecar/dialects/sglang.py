@@ -13,9 +13,22 @@ Both legs also carry ``rid`` (SGLang's request id field), so the sidecar can nam
 in ``POST /abort_request`` when the client goes away or the prefill fails. The fields are set
 after the client's keys, so client-supplied bootstrap values are always overwritten.
 
+Data-parallel engines (prefill rank r of P ranks, decode rank d; SGLang 0.5.23
+``PDRoutingFields``, and SGLang's model gateway does the same):
+
+    room      := a free room with room % P == r (SGLang's default prefill placement,
+                 ``follow_bootstrap_room``, puts the request on that rank, and its decode
+                 finds the KV there even without the hint)
+    prefill  += {routed_dp_rank: r}
+    decode   += {disagg_prefill_dp_rank: r (in the hand-off), routed_dp_rank: d}
+
+Each only where the engine has several ranks: with one rank nothing is added and rooms are
+drawn as without data parallelism.
+
 Rooms (``RoomAllocator``): random, non-negative, unique among the rooms in flight (a reused
-room can inherit a stale failure); in a pool of workers ``room % lanes == lane``, so no two
-workers of one pod can hand out the same room, in either range.
+room can inherit a stale failure); in a pool of workers each worker draws from its own lane
+(``room % lanes == lane``; with P ranks ``(room // P) % lanes == lane``), so no two workers
+of one pod can hand out the same room, in either range.
 
 Deliberate limits: one room per request (fan-out gives each sub-request its own).
 """
@@ -39,6 +52,7 @@ from sidecar.dialects.base import (
     TokenizeEndpoint,
     check_lane,
 )
+from sidecar.dialects.common import merge_top_level
 from sidecar.errors import ResourceExhausted, SidecarError
 from sidecar.protocol.context import FrontDoor, HandoffContext
 
@@ -48,6 +62,13 @@ BOOTSTRAP_ROOM: Final = "bootstrap_room"
 #: SGLang's request id field on its OpenAI routes; ``POST /abort_request {"rid"}`` names it.
 RID: Final = "rid"
 ABORT_PATH: Final = "/abort_request"
+#: The data-parallel rank a request runs on (SGLang's ``routed_dp_rank``, which replaced
+#: ``data_parallel_rank``), and the prefill's rank a decode finds the KV on.
+ROUTED_DP_RANK: Final = "routed_dp_rank"
+DISAGG_PREFILL_DP_RANK: Final = "disagg_prefill_dp_rank"
+#: Draws of a taken room before a room class counts as full (only a nearly full class of
+#: rooms, shared with the other range's rooms, comes near it).
+_MAX_DRAWS: Final = 1000
 
 INT64_ROOMS: Final = (1 << 63) - 1
 INT32_ROOMS: Final = (1 << 31) - 1
@@ -74,7 +95,8 @@ class SGLangOptions(DialectOptions):
 class RoomAllocator:
     """Random bootstrap rooms in ``[0, max_room]``, unique among those in flight.
 
-    ``lane`` of ``lanes``: only rooms with ``room % lanes == lane`` (one worker's share).
+    ``lane`` of ``lanes``: one worker's share. A room for data-parallel ``rank`` of ``ranks``
+    is ``rank + ranks * m`` with ``m % lanes == lane``; with one rank ``room % lanes == lane``.
     """
 
     def __init__(self, max_room: int = INT64_ROOMS, *, lane: int = 0, lanes: int = 1) -> None:
@@ -84,19 +106,20 @@ class RoomAllocator:
         self._max_room = max_room
         self._lane = lane
         self._lanes = lanes
-        #: Rooms of this lane: lane + lanes * k for k < _capacity.
-        self._capacity = (max_room - lane) // lanes + 1
-        self._in_flight: set[int] = set()
+        #: Rooms in flight, each with its class: (max_room, ranks, rank) it was drawn for.
+        self._in_flight: dict[int, tuple[int, int, int]] = {}
+        self._taken: dict[tuple[int, int, int], int] = {}
         self._lock = threading.Lock()
 
     def narrowed(self, max_room: int) -> RoomAllocator:
         """An allocator over ``[0, max_room]`` sharing this one's rooms in flight.
 
-        Sharing the in-flight set keeps int32 rooms unique against the int64 ones on the
+        Sharing the in-flight rooms keeps int32 rooms unique against the int64 ones on the
         same prefill engine.
         """
         view = RoomAllocator(min(max_room, self._max_room), lane=self._lane, lanes=self._lanes)
         view._in_flight = self._in_flight
+        view._taken = self._taken
         view._lock = self._lock
         return view
 
@@ -104,19 +127,40 @@ class RoomAllocator:
     def max_room(self) -> int:
         return self._max_room
 
-    def allocate(self) -> int:
+    def _capacity(self, ranks: int, rank: int) -> int:
+        """How many rooms this lane has for ``rank`` of ``ranks``: ``rank + ranks * m`` with
+        ``m = lane + lanes * k`` below the top."""
+        top = (self._max_room - rank) // ranks
+        return 0 if top < self._lane else (top - self._lane) // self._lanes + 1
+
+    def allocate(self, rank: int | None = None, ranks: int = 1) -> int:
+        """A free room; for data-parallel ``rank`` of ``ranks``, one with ``room % ranks ==
+        rank`` (None: any room, as with one rank)."""
+        residue = 0 if rank is None else rank
+        if not 0 <= residue < ranks:
+            raise ValueError(f"rank {rank} is outside 0..{ranks - 1}")
+        kind = (self._max_room, ranks, residue)
+        capacity = self._capacity(ranks, residue)
         with self._lock:
-            if len(self._in_flight) >= self._capacity:
+            if self._taken.get(kind, 0) >= capacity:
                 raise ResourceExhausted("every SGLang bootstrap room is in flight")
-            while True:
-                room = self._lane + self._lanes * secrets.randbelow(self._capacity)
+            for _ in range(_MAX_DRAWS):
+                room = residue + ranks * (self._lane + self._lanes * secrets.randbelow(capacity))
                 if room not in self._in_flight:
-                    self._in_flight.add(room)
+                    self._in_flight[room] = kind
+                    self._taken[kind] = self._taken.get(kind, 0) + 1
                     return room
+        raise ResourceExhausted("SGLang bootstrap rooms of this rank are nearly all in flight")
 
     def release(self, room: int) -> None:
         with self._lock:
-            self._in_flight.discard(room)
+            kind = self._in_flight.pop(room, None)
+            if kind is not None:
+                left = self._taken[kind] - 1
+                if left:
+                    self._taken[kind] = left
+                else:
+                    del self._taken[kind]
 
     def in_flight(self) -> int:
         return len(self._in_flight)
@@ -128,7 +172,9 @@ class SGLangDialect(Dialect):
     engine = "sglang"
     checked_against = "SGLang main (2026 snapshot): bootstrap_host/port/room on the OpenAI routes"
     legs = Legs.CONCURRENT
-    handoff_keys = frozenset({BOOTSTRAP_HOST, BOOTSTRAP_PORT, BOOTSTRAP_ROOM})
+    ranked = True
+    handoff_keys = frozenset({BOOTSTRAP_HOST, BOOTSTRAP_PORT, BOOTSTRAP_ROOM, ROUTED_DP_RANK,
+                              DISAGG_PREFILL_DP_RANK})
     #: SGLang's ``/v1/tokenize`` takes a completions ``prompt`` only.
     tokenize = TokenizeEndpoint("/v1/tokenize", chat=False)
     Options = SGLangOptions
@@ -141,21 +187,41 @@ class SGLangDialect(Dialect):
         self.grpc_rooms = self.rooms.narrowed(INT32_ROOMS)
 
     def begin(self, ctx: HandoffContext) -> HandoffContext:
-        rooms = self.grpc_rooms if ctx.front_door is FrontDoor.GRPC else self.rooms
-        return ctx.with_state(rooms.allocate())
+        grpc = ctx.front_door is FrontDoor.GRPC
+        rooms = self.grpc_rooms if grpc else self.rooms
+        if ctx.prefill_rank is None:
+            return ctx.with_state(rooms.allocate())
+        # The prefill engine is this pod's over gRPC, the target's over HTTP.
+        ranks = self.setup.local_ranks if grpc else self.setup.prefill_ranks
+        return ctx.with_state(rooms.allocate(ctx.prefill_rank, ranks))
 
     def end(self, ctx: HandoffContext) -> None:
         if isinstance(ctx.state, int):
             self.rooms.release(ctx.state)
 
     def prefill_fields(self, ctx: HandoffContext) -> dict[str, Any]:
-        return self._bootstrap_fields(ctx)
+        fields = self._bootstrap_fields(ctx)
+        if ctx.prefill_rank is not None:
+            fields[ROUTED_DP_RANK] = ctx.prefill_rank
+        return fields
 
     def handoff(
         self, prefill_response: Mapping[str, Any] | None, ctx: HandoffContext
     ) -> dict[str, Any]:
         # The decode leg is built before the prefill answers: same three values, same room.
-        return self._bootstrap_fields(ctx)
+        fields = self._bootstrap_fields(ctx)
+        if ctx.prefill_rank is not None:
+            fields[DISAGG_PREFILL_DP_RANK] = ctx.prefill_rank
+        return fields
+
+    def decode_body(
+        self, client_body: Mapping[str, Any], handoff: Mapping[str, Any],
+        rank: int | None = None,
+    ) -> dict[str, Any]:
+        body = merge_top_level(client_body, handoff)
+        if rank is not None:
+            body[ROUTED_DP_RANK] = rank
+        return body
 
     def _bootstrap_fields(self, ctx: HandoffContext) -> dict[str, Any]:
         room = ctx.state

@@ -17,6 +17,11 @@ Ids stay Python ints end to end, so values above 2**53 survive exactly.
 When the context response already finished (``answered_by_prefill``), the core returns it as
 the answer, without its ``disaggregated_params`` (``prefill_answer``).
 
+Data parallelism (attention DP): TensorRT-LLM's OpenAI requests have no rank field; each
+server's attention-DP balancer places a request, and the context server names its rank in
+the answer (``disaggregated_params.ctx_dp_rank``), which the copy above carries to the
+generation server. So the dialect is not ``ranked``: the sidecar names no rank.
+
 The ``disagg_request_id`` (``SnowflakeIds``, docs/handoffs.md#trtllm-snowflake):
 ``[timestamp 41b][machine 10b][counter 12b]``, folded into ``[2**42, 2**63-1)`` so TRT-LLM
 treats it as a global (cross-worker) id. In a pool of workers the 12-bit counter runs

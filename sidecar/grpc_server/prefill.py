@@ -27,6 +27,7 @@ import grpc
 from sidecar.config.settings import Settings
 from sidecar.core.scope import OK, RequestScope, Scopes
 from sidecar.grpc_gen import disagg_pb2
+from sidecar.grpc_server.checks import check_rank
 from sidecar.grpc_server.rpc import Malformed, serving, tolerant
 from sidecar.protocol.context import PrefillTarget
 from sidecar.protocol.hostfmt import is_loopback_host
@@ -59,6 +60,8 @@ class PrefillCall:
     #: Seconds left of the caller's deadline (None: no deadline).
     time_remaining: float | None
     send: Send
+    #: The local engine's data-parallel rank the router named (metadata), if any.
+    rank: int | None = None
 
 
 class PrefillStrategy(Protocol):
@@ -91,9 +94,12 @@ def engine_target(settings: Settings, host: str) -> PrefillTarget:
 class PrefillService:
     """Runs the local engine's prefill leg and streams what the strategy produces."""
 
-    def __init__(self, scopes: Scopes, strategy: PrefillStrategy) -> None:
+    def __init__(self, scopes: Scopes, strategy: PrefillStrategy, *,
+                 local_ranks: int = 1) -> None:
+        """``local_ranks``: the local engine's data-parallel size (metadata ranks below it)."""
         self._scopes = scopes
         self.strategy = strategy
+        self._local_ranks = local_ranks
         self._kv_out = scopes.metrics.kv_bytes.labels("out")
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
@@ -126,7 +132,9 @@ class PrefillService:
             scope.admit()
             if malformed is not None:
                 raise malformed.error()
-            await self.strategy.run(PrefillCall(request, scope, context.time_remaining(), send))
+            rank = check_rank(context.invocation_metadata(), self._local_ranks)
+            await self.strategy.run(PrefillCall(request, scope, context.time_remaining(), send,
+                                                rank))
             # Counted before the last write: a router may hang up as soon as it has ``done``.
             scope.outcome = OK
             await context.write(disagg_pb2.KVBlockStream(done=True))

@@ -114,8 +114,12 @@ def _services(runtime: Runtime) -> tuple[PrefillService, DecodeService, OrphanSw
     flow = runtime.grpc_flow
     scopes = runtime.grpc_scopes
     if settings.kv_transport != KVTransport.INLINE:
-        return (PrefillService(scopes, NativePrefill(flow, scopes, settings)),
-                DecodeService(flow, scopes, NativeDecode(flow, runtime.metrics)), None)
+        return (
+            PrefillService(scopes, NativePrefill(flow, scopes, settings),
+                           local_ranks=flow.ranks.local_size),
+            DecodeService(flow, scopes, NativeDecode(flow, runtime.metrics)),
+            None,
+        )
     root = Path(settings.kv_staging_dir)
     area = StagingArea(root, settings.max_staged_bytes)
     inline_prefill = InlinePrefill(flow, settings)
@@ -123,10 +127,13 @@ def _services(runtime: Runtime) -> tuple[PrefillService, DecodeService, OrphanSw
         root, lambda: inline_prefill.active_keys | area.owned_keys(),
         older_than_s=settings.prefill_timeout_s + _ORPHAN_MARGIN_S,
         sweeps=runtime.worker.runs_pod_chores,  # one sweep per pod (worker 0)
-        touches=runtime.worker.pooled)
-    return (PrefillService(scopes, inline_prefill),
-            DecodeService(flow, scopes, InlineDecode(flow, settings, area, runtime.metrics)),
-            sweeper)
+        touches=runtime.worker.pooled,
+    )
+    return (
+        PrefillService(scopes, inline_prefill, local_ranks=flow.ranks.local_size),
+        DecodeService(flow, scopes, InlineDecode(flow, settings, area, runtime.metrics)),
+        sweeper,
+    )
 
 
 async def start_grpc_server(

@@ -9,6 +9,9 @@
                                       └─ n > 1 or a batch ─▶ http_server.fanout (one PD pair
                                                              per prompt and choice, merged)
 
+A router's ``x-data-parallel-rank`` (``sidecar.targets.ranks``) names the prefill leg's rank:
+checked with the other routing headers, handed to the flow, never forwarded.
+
 The relay writes the decode engine's bytes as they arrive (no re-encoding). A failure after
 the first byte ends the stream with one error event and an unterminated body: no second
 status, no fabricated ``[DONE]``. The client's headers are the trace carrier: the request span
@@ -52,6 +55,7 @@ from sidecar.protocol.context import Route
 from sidecar.protocol.request_id import REQUEST_ID_HEADER, request_id_or_new
 from sidecar.protocol.sse import answer_as_sse
 from sidecar.runtime import Runtime
+from sidecar.targets.ranks import RANK_HEADER, parse_rank_header
 from sidecar.targets.selector import PREFILL_TARGET_HEADER
 
 logger = logging.getLogger(__name__)
@@ -102,7 +106,11 @@ async def handle_pd(request: web.Request, route: Route) -> web.StreamResponse:
                                runtime.settings.client_body_timeout_s)
         client = runtime.body_checks.parse(raw, route,
                                            trusted_router=runtime.settings.trusted_router)
-        headers = forwardable_headers(request.headers.items(), drop=("accept-encoding",))
+        # The router's rank is the flow's to place (the dialect's field), never forwarded.
+        prefill_rank = parse_rank_header(request.headers.getall(RANK_HEADER, []),
+                                         runtime.flow.ranks.prefill_size)
+        headers = forwardable_headers(request.headers.items(),
+                                      drop=("accept-encoding", RANK_HEADER))
         headers[REQUEST_ID_HEADER] = request_id
         pd_request = PDRequest(
             route=route,
@@ -113,6 +121,7 @@ async def handle_pd(request: web.Request, route: Route) -> web.StreamResponse:
             headers=headers,
             candidates=candidates,
             trace=scope.trace,
+            prefill_rank=prefill_rank,
         )
         if client.sub_requests > 1:
             return await relay_fanout(request, runtime, scope, client, pd_request)

@@ -5,8 +5,9 @@ or grpc); tests read them through the real exposition. With ``--workers N`` ever
 ``/metrics`` reads the whole pool's values (``pool_dir``; how each family combines: README,
 "Workers"; docs/design-notes.md#pool-metrics).
 
-Deliberate limits: label values come from closed sets, never from client input, so
-cardinality stays bounded (and so does ``Metrics.labelled``'s cache of children).
+Deliberate limits: label values come from closed sets (data-parallel ranks: below the
+configured size), never from client input, so cardinality stays bounded (and so does
+``Metrics.labelled``'s cache of children).
 """
 
 from __future__ import annotations
@@ -89,6 +90,14 @@ class Metrics:
             ["target"],
             registry=r,
             multiprocess_mode="livemax",
+        )
+        self.rank_legs = Counter(
+            "disagg_rank_legs",
+            "Legs on data-parallel ranks (engines with --data-parallel-size above 1) by leg "
+            "(prefill, decode), rank (0..size-1 of the configured size) and outcome (ok, "
+            "failed, connect_refused, rejected); a failed one cools its rank down.",
+            ["leg", "rank", "outcome"],
+            registry=r,
         )
         self.prefill_retries = Counter(
             "disagg_prefill_retries",

@@ -1,5 +1,5 @@
-"""What a hand-off is built from: the route, the prefill target, the front door, and the
-dialect's own per-request state.
+"""What a hand-off is built from: the route, the prefill target, the front door, the legs'
+data-parallel ranks, and the dialect's own per-request state.
 
 The PD flow (``sidecar.core.flow``) makes one ``HandoffContext`` per request; its dialect fills
 ``state`` (``Dialect.begin``) and reads it back; nothing else looks inside.
@@ -66,6 +66,10 @@ class HandoffContext:
     engine's side channel. Over HTTP it is the prefill target's host; over gRPC the prefill
     sidecar fills in its own pod address. ``state`` belongs to the dialect that set it
     (``Dialect.begin``); nothing else reads it.
+
+    ``prefill_rank`` and ``decode_rank`` are the data-parallel ranks the legs run on, chosen
+    by the flow (``sidecar.targets.choice``); None where the engine has one rank (or, over
+    gRPC, where the other sidecar chooses: a Prefill knows no decode rank).
     """
 
     route: Route
@@ -74,6 +78,8 @@ class HandoffContext:
     advertise_host: str
     front_door: FrontDoor = FrontDoor.HTTP
     state: Any = None
+    prefill_rank: int | None = None
+    decode_rank: int | None = None
 
     def with_state(self, state: object) -> HandoffContext:
         """A copy holding the dialect's ``state``."""

@@ -180,6 +180,24 @@ def free_port() -> int:
         return port
 
 
+def free_port_run(count: int) -> int:
+    """A base port such that ``base .. base + count - 1`` are free on loopback right now (a
+    data-parallel NIXL engine listens on its side-channel port + rank)."""
+    for _ in range(200):
+        base = free_port()
+        if base + count > 65535:
+            continue
+        with contextlib.ExitStack() as held:
+            try:
+                for port in range(base, base + count):
+                    sock = held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+                    sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return base
+    raise RuntimeError(f"no run of {count} free loopback ports found")
+
+
 def nixl_config(role: str) -> dict[str, Any]:
     return {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu"}
 

@@ -99,16 +99,18 @@ class InlinePrefill:
             self._check_bound(announced.layout.num_layers * announced.num_blocks
                               * announced.layout.block_bytes)
         ctx = self._dialect.keyed(HandoffContext(
-            Route.COMPLETIONS, request_id, self._engine, self._engine.host, FrontDoor.GRPC
+            Route.COMPLETIONS, request_id, self._engine, self._engine.host, FrontDoor.GRPC,
+            prefill_rank=self._flow.ranks.local(call.rank),
         ), key)
         client_body = {"model": await self._flow.calls.model_name(Stage.PREFILL),
                        "prompt": token_ids}
         leg = PrefillLeg(
             url=self._url,
             body=self._dialect.prefill_body(client_body, ctx),
-            headers={REQUEST_ID_HEADER: request_id},
+            headers={REQUEST_ID_HEADER: request_id, **self._dialect.prefill_headers(ctx)},
             timeout_s=self._flow.prefill_timeout(call.time_remaining),
             trace=scope.trace,
+            rank=ctx.prefill_rank,
         )
         self.active_keys.add(key)
         try:
@@ -271,7 +273,8 @@ class InlineDecode:
         )
 
     async def decode_body(
-        self, decode_input: DecodeInput, exits: contextlib.AsyncExitStack
+        self, decode_input: DecodeInput, exits: contextlib.AsyncExitStack,
+        rank: int | None = None,
     ) -> tuple[dict[str, Any], str]:
         if decode_input.malformed is not None:
             raise decode_input.malformed  # first: the empty head says nothing true
@@ -308,7 +311,7 @@ class InlineDecode:
             "stream": True,
             **self._dialect.token_id_fields,
         }
-        body = self._dialect.decode_body(body, self._dialect.handoff(None, ctx))
+        body = self._dialect.decode_body(body, self._dialect.handoff(None, ctx), rank)
         return body, request_id
 
 

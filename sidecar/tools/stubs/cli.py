@@ -88,6 +88,9 @@ def add_stub_arguments(parser: argparse.ArgumentParser) -> None:
         help="vLLM Mooncake: the bootstrap /query answer's shape (default: %(default)s)")
     add("--side-channel-host", default=d.side_channel_host,
         help="vLLM NIXL: the host a prefill names in its hand-off (default: %(default)s)")
+    add("--data-parallel-size", type=int, default=d.data_parallel_size,
+        help="ranks behind the one API server (each honours and records the rank a request "
+        "names, as the engine does) (default: %(default)s)")
     add("--keepalive", type=float, default=d.keepalive_s,
         help="seconds an idle client connection stays open (default: %(default)s)")
     add("--record-limit", type=int, default=d.record_limit,
@@ -152,6 +155,7 @@ def config_from_args(args: argparse.Namespace) -> StubConfig:
         waiting_timeout_s=args.waiting_timeout,
         mooncake_query_shape=args.mooncake_query_shape,
         side_channel_host=args.side_channel_host,
+        data_parallel_size=args.data_parallel_size,
         keepalive_s=args.keepalive,
         record_limit=args.record_limit,
         secret=args.secret,

@@ -69,6 +69,10 @@ class StubConfig:
     # default "localhost"). Set e.g. "127.0.0.2" (nothing listens) to model the cross-pod
     # case, where only a sidecar that rewrites remote_host gets a working pull.
     side_channel_host: str = "localhost"
+    # Data-parallel ranks behind the one API server (``ranks``): each request runs on the rank
+    # it names (vLLM's header, SGLang's routed_dp_rank) or the next in turn, and the rank's
+    # KV identity is what its hand-off names.
+    data_parallel_size: int = 1
     # vLLM's uvicorn keeps idle connections 5 s; a pool that keeps them longer gets resets.
     keepalive_s: float = 5.0
     # How many requests the recorder keeps (oldest dropped); 0 disables recording bodies.
@@ -103,6 +107,8 @@ class StubConfig:
             )
         if self.block_size < 1:
             raise ValueError("block_size must be >= 1")
+        if self.data_parallel_size < 1:
+            raise ValueError("data_parallel_size must be >= 1")
         if self.transport not in TRANSPORTS:
             raise ValueError(
                 f"unknown transport {self.transport!r}; known: {', '.join(TRANSPORTS)}"
@@ -127,6 +133,8 @@ class StubConfig:
             raise ValueError("the lean transport has no fault switches or EOS")
         if self.tls_cert_file is not None:
             raise ValueError("the lean transport serves plain HTTP only")
+        if self.data_parallel_size != 1:
+            raise ValueError("the lean transport has one data-parallel rank")
 
     @property
     def has_bootstrap_server(self) -> bool:

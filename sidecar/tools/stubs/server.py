@@ -47,6 +47,7 @@ from sidecar.tools.stubs import handoff, shapes
 from sidecar.tools.stubs.config import StubConfig, flavour_class
 from sidecar.tools.stubs.faults import Fault, FaultBook, FaultKind
 from sidecar.tools.stubs.openai import BadRequest
+from sidecar.tools.stubs.ranks import Ranks
 from sidecar.tools.stubs.recorder import RecordedRequest, Recorder
 from sidecar.tools.stubs.replies import Reply, json_response, send
 
@@ -98,6 +99,8 @@ class Stub:
         # Requests on the bootstrap server (SGLang rendezvous, Mooncake /query and pushes).
         self.bootstrap_recorder = Recorder(limit=config.record_limit)
         self.faults = FaultBook(config.faults)
+        #: The data-parallel ranks behind this API server (where each request ran).
+        self.ranks = Ranks(config.data_parallel_size)
         # vLLM: str(uuid4()) per engine; also names SGLang/TRT-LLM stubs in their metrics.
         self.engine_id = str(uuid.uuid4())
         self.port = 0

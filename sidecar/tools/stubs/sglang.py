@@ -22,9 +22,16 @@ ends a waiting request with finish_reason ``abort``.
 ``data: [DONE]``. Errors: ``/generate`` ``{"error": {"message"}}``, OpenAI routes
 ``{"object": "error", "message", "type", "param", "code"}``.
 
-Deliberate limits: one prompt per request, no data parallelism (one bootstrap server, room
-not mapped to a DP rank), the rid comes from the body's ``rid``, else ``X-Request-Id``,
-else a fresh uuid.
+Data parallelism (``data_parallel_size`` P, SGLang 0.5.23's rules): a request runs on the
+rank its ``routed_dp_rank`` names (out of range: 400), else a prefill on ``room % P``
+(``follow_bootstrap_room``) and a decode on the next in turn. A prefill placed off
+``room % P`` without ``disagg_prefill_dp_rank`` fails as SGLang's conflict check does. Rooms
+live per prefill rank; a decode meets its prefill on the rank its ``disagg_prefill_dp_rank``
+names, else the one the prefill's bootstrap server derives (0 with one rank, else
+``room % P``): a decode looking on another rank waits until it times out.
+
+Deliberate limits: one prompt per request, one bootstrap server for every rank, the rid
+comes from the body's ``rid``, else ``X-Request-Id``, else a fresh uuid.
 """
 
 from __future__ import annotations
@@ -53,6 +60,8 @@ GENERATE: Final = "/generate"
 COMPLETIONS: Final = "/v1/completions"
 CHAT: Final = "/v1/chat/completions"
 ROOM_PATH: Final = "/_stub/sglang/rooms/{room}"
+ROUTED_DP_RANK: Final = "routed_dp_rank"
+DISAGG_PREFILL_DP_RANK: Final = "disagg_prefill_dp_rank"
 
 T = TypeVar("T")
 
@@ -91,7 +100,8 @@ class SglangEngine:
     def __init__(self, stub: Stub) -> None:
         self.stub = stub
         self.config = stub.config
-        self.rooms: dict[int, _Room] = {}
+        #: Rooms by (prefill rank, room).
+        self.rooms: dict[tuple[int, int], _Room] = {}
         self.aborts: dict[str, asyncio.Event] = {}
         self.running = 0
         self.prompt_tokens = 0
@@ -130,15 +140,15 @@ class SglangEngine:
         for event in self.aborts.values():
             event.set()
 
-    def _room(self, room_id: int) -> _Room:
-        room = self.rooms.get(room_id)
+    def _room(self, key: tuple[int, int]) -> _Room:
+        room = self.rooms.get(key)
         if room is None:
-            room = self.rooms[room_id] = _Room()
+            room = self.rooms[key] = _Room()
         return room
 
-    def _forget(self, room_id: int, room: _Room) -> None:
-        if self.rooms.get(room_id) is room:
-            del self.rooms[room_id]
+    def _forget(self, key: tuple[int, int], room: _Room) -> None:
+        if self.rooms.get(key) is room:
+            del self.rooms[key]
 
     async def _health_generate(self, request: web.Request) -> web.StreamResponse:
         return web.Response(status=200)
@@ -192,23 +202,45 @@ class SglangEngine:
         try:
             room_id = int(request.match_info["room"])
             timeout_s = float(request.query.get("timeout", self.config.waiting_timeout_s))
+            hint = request.query.get("prefill_rank")
+            rank = int(hint) if hint is not None else self._derived_rank(room_id)
         except ValueError:
-            return json_response({"error": "bad room or timeout"}, 400)
-        room = self._room(room_id)
+            return json_response({"error": "bad room, rank or timeout"}, 400)
+        key = (rank, room_id)
+        room = self._room(key)
         room.decode_arrived.set()
         try:
             async with asyncio.timeout(timeout_s):
                 payload = await asyncio.shield(room.handed_over)
         except TimeoutError:
-            self._forget(room_id, room)
+            self._forget(key, room)
             return json_response({"error": "prefill did not hand over in time"}, 408)
         except asyncio.CancelledError:
             # The decode went away: the room is free again, the prefill keeps waiting.
             if not room.handed_over.done():
                 room.decode_arrived.clear()
             raise
-        self._forget(room_id, room)
+        self._forget(key, room)
         return json_response(payload)
+
+    def _derived_rank(self, room_id: int) -> int:
+        """The prefill rank a decode without a hint finds (SGLang's ``follow_bootstrap_room``)."""
+        size = self.stub.ranks.size
+        return 0 if size == 1 else room_id % size
+
+    def _prefill_rank(self, body: dict[str, Any], room_id: int) -> int:
+        """Where a prefill runs: its ``routed_dp_rank``, else ``room % P``; off that without a
+        ``disagg_prefill_dp_rank`` is SGLang's follow_bootstrap_room conflict."""
+        ranks = self.stub.ranks
+        named = ranks.sglang_named(body.get(ROUTED_DP_RANK))
+        implied = self._derived_rank(room_id)
+        rank = implied if named is None else named
+        if ranks.size > 1 and rank != implied and body.get(DISAGG_PREFILL_DP_RANK) is None:
+            raise _Failed(
+                f"follow_bootstrap_room conflict: dispatched to dp_rank {rank} but "
+                f"bootstrap_room {room_id} implies dp_rank {implied}."
+            )
+        return rank
 
     # -- request handling --------------------------------------------------------------
 
@@ -227,19 +259,26 @@ class SglangEngine:
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
         abort = self.aborts[rid]
+        ranks = self.stub.ranks
         if self.config.role == "prefill":
             if room_id is None:
+                ranks.place(ranks.sglang_named(body.get(ROUTED_DP_RANK)), request.path)
                 return PrefillKind.LOCAL, False
+            rank = ranks.place(self._prefill_rank(body, room_id), request.path)
             fault = request_fault(request)
             if fault is not None and fault.kind is FaultKind.NO_HANDOFF:
                 return PrefillKind.REMOTE, True  # answers, never meets its decode
-            await self._prefill_rendezvous(room_id, rid, prompt, abort)
+            await self._prefill_rendezvous((rank, room_id), rid, prompt, abort)
             return PrefillKind.REMOTE, True
+        ranks.place(ranks.sglang_named(body.get(ROUTED_DP_RANK)), request.path)
         target = handoff.sglang_decode_target(body, room_id)
         if isinstance(target, handoff.Verdict):
             self.stub.recorder.judge(request.path, rid, target)
             return target.kind, False
-        payload = await self._decode_rendezvous(target, rid, abort)
+        hint = body.get(DISAGG_PREFILL_DP_RANK)
+        if hint is not None and (isinstance(hint, bool) or not isinstance(hint, int)):
+            raise BadRequest("disagg_prefill_dp_rank must be an integer")
+        payload = await self._decode_rendezvous(target, rid, abort, hint)
         try:
             handed = int(str(payload.get("prompt_digest")), 16)
         except ValueError:
@@ -249,17 +288,17 @@ class SglangEngine:
         return verdict.kind, False
 
     async def _prefill_rendezvous(
-        self, room_id: int, rid: str, prompt: _Prompt, abort: asyncio.Event
+        self, key: tuple[int, int], rid: str, prompt: _Prompt, abort: asyncio.Event
     ) -> None:
-        room = self._room(room_id)
+        room = self._room(key)
         timeout_s = self.config.bootstrap_timeout_s
         try:
             await self._wait(room.decode_arrived.wait(), abort, timeout_s)
         except TimeoutError:
-            self._forget(room_id, room)
-            raise _Failed(handoff.sglang_prefill_timeout(rid, room_id, timeout_s)) from None
+            self._forget(key, room)
+            raise _Failed(handoff.sglang_prefill_timeout(rid, key[1], timeout_s)) from None
         except (_Aborted, asyncio.CancelledError):
-            self._forget(room_id, room)
+            self._forget(key, room)
             raise
         if not room.handed_over.done():
             room.handed_over.set_result(
@@ -267,13 +306,16 @@ class SglangEngine:
             )
 
     async def _decode_rendezvous(
-        self, target: handoff.Rendezvous, rid: str, abort: asyncio.Event
+        self, target: handoff.Rendezvous, rid: str, abort: asyncio.Event,
+        prefill_rank: int | None = None,
     ) -> dict[str, Any]:
         timeout_s = self.config.waiting_timeout_s
         room_id = target.room
+        # Without the hint the prefill's bootstrap server derives the rank (it knows its size).
+        hint = "" if prefill_rank is None else f"&prefill_rank={prefill_rank}"
         url = (
             f"http://{handoff.url_host(target.host)}:{target.port}"
-            f"/_stub/sglang/rooms/{room_id}?timeout={timeout_s}"
+            f"/_stub/sglang/rooms/{room_id}?timeout={timeout_s}{hint}"
         )
         try:
             status, payload = await self._wait(

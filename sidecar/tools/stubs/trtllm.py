@@ -17,6 +17,11 @@ Request bodies are validated by pydantic models with ``extra="forbid"``, as TRT-
                     remote output starting with first_gen_tokens; otherwise local output and
                     a recorded verdict.
 
+Attention data parallelism (``data_parallel_size``): the OpenAI surface names no rank; each
+server places a request on its next rank in turn, and the context server names its rank in
+``ctx_dp_rank`` (covered by the opaque state: a generation request whose ``ctx_dp_rank`` was
+changed is a mismatch).
+
 Deliberate limits: only the request fields clients send in practice are modelled (any other
 is refused like an unknown one); the opaque state is not TRT-LLM's real encoding, only its
 role (opaque, base64, tied to the context request).
@@ -182,8 +187,11 @@ class TrtllmEngine:
 
     # -- opaque state ------------------------------------------------------------------
 
-    def opaque_state(self, ctx_request_id: int, digest: int, first_token: int) -> str:
+    def opaque_state(self, ctx_request_id: int, digest: int, first_token: int,
+                     ctx_dp_rank: int = 0) -> str:
         msg = f"{ctx_request_id}:{digest:016x}:{first_token}".encode()
+        if ctx_dp_rank:
+            msg += f":{ctx_dp_rank}".encode()
         mac = hmac.new(self._key, msg, hashlib.sha256).digest()
         return base64.b64encode(b"stub-ctx-state\x00" + mac).decode()
 
@@ -198,7 +206,8 @@ class TrtllmEngine:
             base64.b64decode(params.encoded_opaque_state, validate=True)
         except (binascii.Error, ValueError):
             return PrefillKind.LOCAL, "malformed_handoff"
-        expected = self.opaque_state(params.ctx_request_id, gen.digest, params.first_gen_tokens[0])
+        expected = self.opaque_state(params.ctx_request_id, gen.digest, params.first_gen_tokens[0],
+                                     params.ctx_dp_rank or 0)
         if not hmac.compare_digest(expected, params.encoded_opaque_state):
             return PrefillKind.LOCAL, "opaque_state_mismatch"
         return PrefillKind.REMOTE, "ok"
@@ -231,6 +240,7 @@ class TrtllmEngine:
         if request_type is not None and request_type not in REQUEST_TYPES:
             raise BadRequest(f"Unknown request_type: {request_type}")
         fault = request_fault(request)
+        rank = self.stub.ranks.place(None, request.path)  # its attention-DP balancer's pick
         response_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         rendering = openai.new_rendering(response_id, gen.model)
         if kind == "completion" and getattr(req, "detokenize", True) is False:
@@ -247,9 +257,9 @@ class TrtllmEngine:
                 **DisaggregatedParams(request_type=CONTEXT_ONLY).model_dump(),
                 "first_gen_tokens": tokens[:1],
                 "ctx_request_id": ctx_id,
-                "encoded_opaque_state": self.opaque_state(ctx_id, gen.digest, tokens[0]),
+                "encoded_opaque_state": self.opaque_state(ctx_id, gen.digest, tokens[0], rank),
                 "disagg_request_id": params.disagg_request_id,
-                "ctx_dp_rank": 0,
+                "ctx_dp_rank": rank,
             }
             if fault is not None and fault.kind is FaultKind.NO_HANDOFF:
                 out_params = None

@@ -14,6 +14,11 @@ Roles: a prefill stub never acts on ``do_remote_prefill``, a decode stub never h
 ``do_remote_decode``; ``both`` does either, as ``kv_both``. A decode stub records a verdict
 for every generation request (``no_handoff`` when none came).
 
+Data parallelism (``data_parallel_size``, ``ranks``): each request runs on the rank its
+``X-data-parallel-rank`` header names (vLLM's rules: a malformed value is ignored, out of
+range is a 400), else the next in turn; a prefill's hand-off names its rank's engine id
+(``<id>_dp<rank>``), and ``/metrics`` counts requests per rank (``engine="<rank>"``).
+
 Deliberate limits: see ``openai`` (one prompt, n=1) and ``vllm_connectors``.
 """
 
@@ -28,6 +33,7 @@ from sidecar.tools.stubs import openai, shapes, textgen
 from sidecar.tools.stubs.faults import FaultKind
 from sidecar.tools.stubs.handoff import Verdict
 from sidecar.tools.stubs.openai import BadRequest, GenRequest
+from sidecar.tools.stubs.ranks import VLLM_RANK_HEADER
 from sidecar.tools.stubs.replies import JsonReply, Reply, StreamReply
 from sidecar.tools.stubs.server import request_fault, request_json
 from sidecar.tools.stubs.textgen import PrefillKind
@@ -84,13 +90,17 @@ class VllmEngine:
 
     def metrics(self) -> list[str]:
         label = f'model_name="{self.config.model}"'
-        return shapes.metric_lines([
+        lines = shapes.metric_lines([
             ("gauge", "vllm:num_requests_running", label, self.running),
             ("gauge", "vllm:num_requests_waiting", label, 0),
             ("counter", "vllm:prompt_tokens_total", label, self.prompt_tokens),
             ("counter", "vllm:generation_tokens_total", label, self.generation_tokens),
             ("gauge", "stub_kv_blocks_held", "", self.connector.held()),
         ])
+        if self.stub.ranks.size > 1:
+            lines += self.stub.ranks.metric_lines("vllm:request_success_total",
+                                                  self.config.model)
+        return lines
 
     def close(self) -> None:
         self.connector.close()
@@ -112,6 +122,9 @@ class VllmEngine:
         params = gen.body.get("kv_transfer_params")
         if params is not None and not isinstance(params, dict):
             raise BadRequest("kv_transfer_params must be an object or null")
+        ranks = self.stub.ranks
+        rank = ranks.place(ranks.vllm_named(request.headers.get(VLLM_RANK_HEADER)),
+                           request.path)
         base = base_request_id(request)
         response_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{base}"
         internal_id = f"{response_id}-0-{self.stub.next_id():08x}"
@@ -126,7 +139,7 @@ class VllmEngine:
         fault = request_fault(request)
         kv_params = None
         if self.config.role != "decode":
-            kv_params = self.connector.after_prefill(gen, internal_id, finish, fault)
+            kv_params = self.connector.after_prefill(gen, internal_id, finish, fault, rank)
         self.prompt_tokens += len(gen.prompt_ids)
         self.generation_tokens += len(tokens)
         rendering = openai.new_rendering(response_id, gen.model)
