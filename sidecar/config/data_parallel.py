@@ -52,7 +52,7 @@ class DataParallelSettings(BaseModel):
         ge=1,
         le=MAX_DATA_PARALLEL_SIZE,
         description="Data-parallel ranks of each prefill engine this sidecar sends prefill "
-        "legs to; unset: data_parallel_size.",
+        "legs to; unset: --data-parallel-size.",
     )
     data_parallel_size_label: str = Field(
         default="model.aibrix.ai/data-parallel-size",
