@@ -88,6 +88,8 @@ class Handoff:
     fields: dict[str, Any]
     answer: dict[str, Any] | None = None
     timings: Timings = field(default_factory=Timings)
+    #: The prefill engine's answer (its usage is what the client is told: the usage rule).
+    response: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,7 +175,7 @@ class PDFlow:
         handoff_started = time.perf_counter()
         fields = self._handoff(response, ctx, leg.trace)
         timings.handoff = time.perf_counter() - handoff_started
-        return Handoff(fields, timings=timings)
+        return Handoff(fields, timings=timings, response=response)
 
     # -- both legs: the HTTP door and fan-out sub-requests ----------------------------------
 
@@ -187,7 +189,7 @@ class PDFlow:
         local = self._local
         if local is not None and await local.is_short(
                 request.route, request.body, request.request_id):
-            return await self._start_local(request)
+            return await self.start_local(request)
         target = request.target
         alternative = self._alternative(request, target)
         try:
@@ -207,8 +209,9 @@ class PDFlow:
             return None
         return self.calls.choice.pick(request.candidates, exclude=(target,))
 
-    async def _start_local(self, request: PDRequest) -> PDExchange:
-        """The client's own body on the local engine: no prefill leg, no hand-off fields."""
+    async def start_local(self, request: PDRequest) -> PDExchange:
+        """The client's own body on the local engine: no prefill leg, no hand-off fields
+        (a short prompt, or a request whose API says it must run whole)."""
         ctx = HandoffContext(request.route, request.request_id, request.target,
                              request.target.host, request.front_door)
         decode = await self.calls.open_decode(
@@ -245,11 +248,13 @@ class PDFlow:
     ) -> PDExchange:
         timings = Timings()
         fallback_reason: str | None = None
+        prefill_response: dict[str, Any] | None = None
         try:
             handoff = await self._prefill(self._leg(request, ctx), ctx, timings)
             if handoff.answer is not None:
                 return PDExchange(ctx=ctx, decode=None, answer=handoff.answer, timings=timings,
                                   owner=self)
+            prefill_response = handoff.response
             decode_body = self.dialect.decode_body(request.body, handoff.fields)
         except _FALLBACK_ERRORS as error:
             if not self._local_fallback:
@@ -265,7 +270,7 @@ class PDFlow:
         )
         timings.decode_first_byte = time.perf_counter() - decode_started
         return PDExchange(ctx=ctx, decode=decode, fallback_reason=fallback_reason,
-                          timings=timings, owner=self)
+                          timings=timings, owner=self, prefill_response=prefill_response)
 
     async def _start_concurrent(self, request: PDRequest, ctx: HandoffContext) -> PDExchange:
         timings = Timings()

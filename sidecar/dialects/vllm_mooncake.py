@@ -21,6 +21,9 @@ both answer shapes vLLM has shipped:
     {"<dp_rank>": {"engine_id": E, "worker_addr": {...}, ...}, ...}     (dict[int, EngineEntry])
     {"<E>": {"<dp_rank>": {"<tp_rank>": {"<pp_rank>": addr}}}, ...}    (dict[EngineId, ...])
 
+Routes: as NIXL's (``vllm_nixl``): every route takes ``kv_transfer_params`` at the top level
+(recorded on Responses, Messages and generate, vLLM 0.32).
+
 Deliberate limits: the prefill response carries no params and is not read; no invalidation
 of a cached engine id on a failed decode (a decode fails for many reasons; the id is stale
 only after a restart, which the expiry covers).
@@ -46,7 +49,7 @@ from sidecar.dialects.base import (
 )
 from sidecar.dialects.vllm import KV_TRANSFER_PARAMS, VLLMDialect
 from sidecar.errors import InvalidHandoff, SidecarError, Stage
-from sidecar.protocol.context import HandoffContext
+from sidecar.protocol.context import HandoffContext, Route
 from sidecar.protocol.hostfmt import http_url
 
 ENGINE_ID: Final = "engine_id"
@@ -174,6 +177,7 @@ class MooncakeDialect(VLLMDialect):
 
     connector = "mooncake"
     legs = Legs.CONCURRENT
+    pd_routes = frozenset(Route)
     looks_up = True
     checked_against = (
         "vLLM main (2026 snapshot) MooncakeConnector (transfer_id, remote_bootstrap_addr, "
