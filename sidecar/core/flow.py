@@ -189,7 +189,7 @@ class PDFlow:
         local = self._local
         if local is not None and await local.is_short(
                 request.route, request.body, request.request_id):
-            return await self.start_local(request)
+            return await self._start_local(request)
         target = request.target
         alternative = self._alternative(request, target)
         try:
@@ -209,9 +209,8 @@ class PDFlow:
             return None
         return self.calls.choice.pick(request.candidates, exclude=(target,))
 
-    async def start_local(self, request: PDRequest) -> PDExchange:
-        """The client's own body on the local engine: no prefill leg, no hand-off fields
-        (a short prompt, or a request whose API says it must run whole)."""
+    async def _start_local(self, request: PDRequest) -> PDExchange:
+        """The client's own body on the local engine: no prefill leg, no hand-off fields."""
         ctx = HandoffContext(request.route, request.request_id, request.target,
                              request.target.host, request.front_door)
         decode = await self.calls.open_decode(

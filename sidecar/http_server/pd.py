@@ -9,8 +9,8 @@
         read body (capped) ─▶ body checks ─▶ flow.start ─▶ relay ─▶ client
                                       │   │         (or the local engine,    JSON or SSE bytes
                                       │   │          for a short prompt)
-                                      │   └─ state on one engine (Responses) ─▶ flow.start_local
-                                      │                                         (local_state)
+                                      │   └─ state on one engine (Responses) ─▶ passthrough of
+                                      │                                  the body (local_state)
                                       └─ n > 1 or a batch ─▶ http_server.fanout (one PD pair
                                                              per prompt and choice, merged)
 
@@ -158,16 +158,15 @@ async def handle_pd(request: web.Request, route: Route) -> web.StreamResponse:
             return await relay_fanout(request, runtime, scope, client, pd_request)
         state = api.runs_whole(client.body)
         if state is not None:
+            # The engine that holds the state answers, as it would without a prefill target.
+            scope.outcome = LOCAL_STATE
             logger.debug("request %s: %s names state on one engine: whole on the local "
                          "engine", request_id, state)
-            exchange = await runtime.flow.start_local(pd_request)
-            outcome = LOCAL_STATE
-        else:
-            exchange = await runtime.flow.start(pd_request)
-            outcome = (LOCAL_SHORT if exchange.local
-                       else FALLBACK if exchange.fallback_reason else OK)
+            return await proxy_to_engine(request, runtime.calls, request_id, raw)
+        exchange = await runtime.flow.start(pd_request)
         # The relay may still turn it into broken_stream or error (an engine's error event).
-        scope.outcome = outcome
+        scope.outcome = (LOCAL_SHORT if exchange.local
+                         else FALLBACK if exchange.fallback_reason else OK)
         try:
             scope.observe_timings(exchange.timings)
             if scope.trace.active:

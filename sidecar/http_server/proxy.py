@@ -8,6 +8,7 @@ The engine call itself is the core's (``EngineCalls.passthrough``).
 from __future__ import annotations
 
 import logging
+from collections.abc import AsyncIterable, AsyncIterator
 
 from aiohttp import web
 
@@ -21,18 +22,27 @@ from sidecar.protocol.request_id import REQUEST_ID_HEADER
 logger = logging.getLogger(__name__)
 
 
+async def _once(raw: bytes) -> AsyncIterator[bytes]:
+    yield raw
+
+
 async def proxy_to_engine(
-    request: web.Request, calls: EngineCalls, request_id: str
+    request: web.Request, calls: EngineCalls, request_id: str, raw: bytes | None = None
 ) -> web.StreamResponse:
-    """Forward ``request`` to the local engine and stream its answer back."""
+    """Forward ``request`` to the local engine and stream its answer back; ``raw``: its body,
+    when the front door has read it already."""
     headers = forwardable_headers(request.headers.items())
     headers[REQUEST_ID_HEADER] = request_id
-    body = request.content.iter_any() if request.body_exists else None
+    length = request.content_length
+    body: AsyncIterable[bytes] | None
+    if raw is not None:
+        body, length = _once(raw), len(raw)
+    else:
+        body = request.content.iter_any() if request.body_exists else None
     response: web.StreamResponse | None = None
     try:
         upstream = await calls.passthrough(
-            request.method, request.rel_url.raw_path_qs, list(headers.items()), body,
-            request.content_length,
+            request.method, request.rel_url.raw_path_qs, list(headers.items()), body, length,
         )
         async with upstream:
             response = web.StreamResponse(

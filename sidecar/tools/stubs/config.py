@@ -77,6 +77,10 @@ class StubConfig:
     transport: str = "aiohttp"
     # Serve /_stub/faults (faults switched over HTTP by another process): off unless asked.
     control_faults: bool = False
+    # vLLM --enable-prompt-tokens-details: usage reports the prefix cache's figures.
+    prompt_tokens_details: bool = False
+    # vLLM --enable-scale-out: /inference/v1/generate is served (else 403, as vLLM 0.32).
+    scale_out: bool = True
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:

@@ -165,8 +165,10 @@ class NixlHolder:
         self.blocks = BlockAllocator(config.block_size)
         self.pulled = 0
 
-    def issue(self, request_id: str, digest: int, num_tokens: int, port: int) -> dict[str, Any]:
-        """Hold this prompt's blocks; the ``kv_transfer_params`` the prefill answers."""
+    def issue(self, request_id: str, digest: int, num_tokens: int, port: int,
+              cached_tokens: int = 0) -> dict[str, Any]:
+        """Hold this prompt's blocks; the ``kv_transfer_params`` the prefill answers
+        (``cached_tokens``: the prefill's own prefix-cache hits, which vLLM 0.32 hands on)."""
         self._expire()
         block_ids = [self.blocks.allocate(num_tokens)]
         expires = time.monotonic() + self.config.kv_lease_s
@@ -186,7 +188,7 @@ class NixlHolder:
             # vLLM 0.32.0 answers null here in pull mode (tests/fixtures/vllm/0.32.0).
             "remote_blocks_expiry_time": None,
             "transfer_mode": "pull",
-            "remote_prefill_cached_tokens": 0,
+            "remote_prefill_cached_tokens": cached_tokens,
         }
 
     def take(self, request_id: str) -> dict[str, Any] | None:

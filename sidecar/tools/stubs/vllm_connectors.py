@@ -122,7 +122,8 @@ class NixlConnector:
         # vLLM returns params only when the prefill ended by the length cap.
         if finish != "length" or (fault is not None and fault.kind is FaultKind.NO_HANDOFF):
             return None
-        return self.holder.issue(request_id, gen.digest, len(gen.prompt_ids), self.stub.port)
+        return self.holder.issue(request_id, gen.digest, len(gen.prompt_ids), self.stub.port,
+                                 int(gen.extra.get("cached_tokens", 0)))
 
     async def check_handoff(self, gen: GenRequest) -> Verdict | None:
         cfg = self.stub.config
