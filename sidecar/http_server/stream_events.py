@@ -95,6 +95,7 @@ class WholeEvents:
         "_errors",
         "_partial",
         "_usage",
+        "_usage_events",
         "_usage_marker",
         "_waiting",
         "engine_error",
@@ -110,6 +111,7 @@ class WholeEvents:
         self._error_ends = markers.error_ends_stream
         self._usage = usage
         self._usage_marker = markers.usage if usage is not None else None
+        self._usage_events = api.usage_events
         self._partial = b""
         self._waiting: list[bytes] | None = None
         self.engine_error = False
@@ -139,7 +141,7 @@ class WholeEvents:
             self._note(event)
         self.last_event = events[-1]
         marker = self._usage_marker
-        if marker is None or marker not in data:
+        if marker is None or marker not in data or not any(map(self._told, events)):
             return data
         assert self._usage is not None
         if self._usage.pending:
@@ -173,10 +175,15 @@ class WholeEvents:
         if errors is not None and head.startswith(errors):
             self.engine_error = True
 
-    def _rewritten(self, events: list[bytes], usage: Mapping[str, Any] | None) -> bytes:
+    def _told(self, event: bytes) -> bool:
+        """True when ``event`` carries usage the API's rule tells."""
         marker = self._usage_marker
-        assert marker is not None
-        return b"".join(self._rewrite(event, usage) if marker in event else event
+        heads = self._usage_events
+        return marker is not None and marker in event and (
+            heads is None or event.startswith(heads))
+
+    def _rewritten(self, events: list[bytes], usage: Mapping[str, Any] | None) -> bytes:
+        return b"".join(self._rewrite(event, usage) if self._told(event) else event
                         for event in events)
 
     def _rewrite(self, event: bytes, usage: Mapping[str, Any] | None) -> bytes:

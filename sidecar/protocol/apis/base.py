@@ -50,6 +50,8 @@ class Api:
     markers: ClassVar[StreamMarkers] = OPENAI_STREAM
     #: Top-level keys the sidecar reads or rewrites: they must not occur twice.
     control_keys: ClassVar[frozenset[str]] = frozenset({STREAM})
+    #: How the stream events whose usage is told start (None: any event carrying usage).
+    usage_events: ClassVar[tuple[bytes, ...] | None] = None
 
     # -- the client's body ------------------------------------------------------------------
 

@@ -69,6 +69,7 @@ class MessagesApi(Api):
     route = Route.MESSAGES
     markers = MESSAGES_STREAM
     control_keys = frozenset({MAX_TOKENS, STREAM})
+    usage_events = (EVENT + MESSAGE_DELTA,)
 
     def check(self, body: dict[str, Any]) -> None:
         check_bool(body, STREAM)

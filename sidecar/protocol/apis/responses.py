@@ -59,6 +59,8 @@ _SEQUENCE_NUMBER = re.compile(rb'"sequence_number":\s*(\d+)')
 class ResponsesApi(Api):
     route = Route.RESPONSES
     markers = RESPONSES_STREAM
+    usage_events = (EVENT + b"response.completed", EVENT + b"response.incomplete",
+                    EVENT + b"response.failed")
     control_keys = frozenset({MAX_OUTPUT_TOKENS, STREAM, STORE, BACKGROUND,
                               PREVIOUS_RESPONSE_ID, CONVERSATION})
 
