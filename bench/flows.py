@@ -1,13 +1,16 @@
 """One PD request as the load generator sends it: direct to the engines, or through the sidecar.
 
     Sidecar         POST sidecar (x-prefiller-host-port)                  ─▶ answer
+    Router          POST a PD router (smg, vllm-router), which runs both legs ─▶ answer
     DirectSeq       POST prefill ─▶ POST decode with its hand-off       ─▶ answer (vLLM NIXL)
     DirectSGLang    POST prefill ║ POST decode, same bootstrap fields  ─▶ answer (SGLang)
     DirectMooncake  POST prefill ║ POST decode, one transfer_id        ─▶ answer (vLLM Mooncake)
 
 The direct flows do what a router without a sidecar would do (what vLLM's reference proxy
 and SGLang's mini load balancer do), so "through the sidecar minus direct" is the sidecar's
-cost. Each call returns its latency, its time to the first body byte and, for streams, the
+cost. ``Counted`` wraps any of them and counts its calls, so a run can check that each
+request ran one prefill and one decode leg (the stubs count the legs they served).
+Each call returns its latency, its time to the first body byte and, for streams, the
 number of SSE events relayed. Calls go through a ``bench.http_clients.Http`` (the lean
 client by default, aiohttp for comparison).
 
@@ -76,6 +79,38 @@ class Sidecar:
             answer.status == 200, answer.latency_s, answer.first_byte_s, answer.events,
             answer.gaps,
         )
+
+
+class Router:
+    """One request to a PD router that knows its prefill and decode engines (the anchors,
+    ``bench.anchors``): the client's body as it is, no routing header."""
+
+    def __init__(self, name: str, router_url: str, max_tokens: int, stream: bool) -> None:
+        self.name = name
+        self.origin = Origin.of_url(router_url)
+        self.stream = stream
+        self.body = orjson.dumps(client_body(max_tokens, stream))
+        self.headers = {"content-type": CONTENT_TYPE}
+
+    async def call(self, http: Http) -> CallResult:
+        answer = await http.post(self.origin, PATH, self.headers, self.body, self.stream)
+        return CallResult(
+            answer.status == 200, answer.latency_s, answer.first_byte_s, answer.events,
+            answer.gaps,
+        )
+
+
+class Counted:
+    """A flow that counts the calls it started (each should be one PD request)."""
+
+    def __init__(self, flow: Flow) -> None:
+        self.flow = flow
+        self.name = flow.name
+        self.calls = 0
+
+    async def call(self, http: Http) -> CallResult:
+        self.calls += 1
+        return await self.flow.call(http)
 
 
 class DirectSeq:

@@ -16,11 +16,18 @@ tokens open, in a closed loop, for each of these ways to the decode engine, in t
                 the floor of one read and one write per token in Python on this machine
     sidecar     through the sidecar (this tree; ``sidecar-wN`` with ``--workers N``)
     before      through a sidecar run from ``--baseline-tree`` (before/after, same run)
+    smg         through SGLang's model gateway (Rust), SGLang flow, where installed
+    vllm-router through vLLM's router (Rust), vLLM NIXL flow, where installed
+                (``bench.anchors``; named in ``--modes``, the default)
 
 Per way: tokens/s (counted as they arrive, inside the window), CPU per token of the process
 that relays (sidecar, its workers included, or the bare relay), inter-token latency p50/p99
 (gaps between one stream's token arrivals; events of one read share a stamp) and what it
-adds to direct's, time to first token p50/p99, and the cores each process used.
+adds to direct's, time to first token p50/p99, and the cores each process used; every
+way's streams are checked to have run one prefill and one decode leg with a good hand-off
+(``bench.legs``), and a relay's CPU is counted thread by thread with its children
+(``bench.thread_meter``). A closing table puts the anchors beside direct, the bare relay
+and the sidecar, with the ratios sidecar / router (medians over the rounds).
 ``--rounds`` repeats the ways interleaved, so the table shows how noisy the machine was.
 ``--short-tokens N`` runs every relaying way again with N-token streams, right after its
 long-stream window, and splits its CPU into a cost per request and a marginal cost per token
@@ -41,9 +48,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench import flows, load, procs
+from bench import anchors, flows, legs, load, procs
 from bench.http_clients import Http, open_clients
 from bench.lean_client import EventTally
+from bench.thread_meter import ThreadMeter
 
 #: Which process relays a way's tokens (whose CPU per token the table shows).
 DIRECT, BARE, BEFORE = "direct", "bare", "before"
@@ -82,8 +90,12 @@ class PacedStack:
     prefill: procs.Proc
     decode: procs.Proc
     relays: dict[str, procs.Proc] = field(default_factory=dict)  # way -> relaying process
+    anchors: list[str] = field(default_factory=list)  # the relays that are anchor routers
+    skipped: dict[str, str] = field(default_factory=dict)  # anchor -> why it did not run
 
     def make(self, way: str, tokens: int) -> flows.Flow:
+        if way in self.anchors:
+            return flows.Router(way, self.relays[way].url, tokens, True)
         if way in (DIRECT, BARE):
             decode_url = self.relays[BARE].url if way == BARE else self.decode.url
             if self.engine == "vllm":
@@ -102,12 +114,13 @@ class PacedStack:
         return pids
 
 
-def ways_of(plan: PacedPlan, baseline: bool) -> list[str]:
+def ways_of(plan: PacedPlan, baseline: bool, anchor_ways: list[str] | None = None) -> list[str]:
     ways = [DIRECT]
     if plan.with_bare:
         ways.append(BARE)
     if baseline:
         ways.append(BEFORE)
+    ways += anchor_ways or []
     ways += [sidecar_way(n) for n in plan.workers]
     return ways
 
@@ -120,6 +133,7 @@ def sidecar_way(workers: int) -> str:
 def paced_stack(
     flow: str, plan: PacedPlan, log_dir: Path, *, max_connections: int,
     baseline_tree: Path | None, pin_sidecar: str, pin_bench: str,
+    anchor_names: tuple[str, ...] = (), anchor_workers: int | None = None,
 ) -> Iterator[PacedStack]:
     engine = "vllm" if flow == "seq" else "sglang"
     bench_prefix = ["taskset", "-c", pin_bench] if pin_bench else []
@@ -154,6 +168,16 @@ def paced_stack(
                                        prefix=sidecar_prefix, code_root=tree)
             started.append(proc)
             st.relays[way] = proc
+        for name in anchor_names:
+            why = anchors.unavailable(name, engine, "shfs")
+            if why is not None:
+                st.skipped[name] = why
+                continue
+            proc = anchors.start(name, prefill, decode, log_dir=log_dir, workers=anchor_workers,
+                                 prefix=sidecar_prefix, label=f"{flow}-{name}")
+            started.append(proc)
+            st.relays[name] = proc
+            st.anchors.append(name)
         yield st
     finally:
         for proc in reversed(started):
@@ -255,22 +279,39 @@ async def paced_loop(
 async def measure(st: PacedStack, plan: PacedPlan, ways: list[str],
                   log: Callable[[str], None]) -> dict[str, Any]:
     """Every way at every stream count, ``plan.rounds`` times interleaved."""
-    meter = load.CpuMeter(st.pids, trees=frozenset(w for w in ways if w.startswith("sidecar")))
+    trees = frozenset(w for w in ways if w.startswith("sidecar") or w in st.anchors)
+    meter = ThreadMeter(st.pids, trees=trees)
     rounds: list[dict[str, Any]] = []
+
+    async def counted_loop(way: str, tokens: int, streams: int,
+                           relay_pid: int | None) -> tuple[PacedPhase, dict[str, Any]]:
+        flow = flows.Counted(st.make(way, tokens))
+        before = await legs.read(st.prefill.url, st.decode.url)
+        phase = await paced_loop(flow, streams, plan, meter, relay_pid,
+                                 None if tokens == plan.tokens else tokens)
+        check = legs.verdict(before, await legs.read(st.prefill.url, st.decode.url),
+                             flow.calls)
+        if not check["ok"]:
+            log(f"  {st.flow} paced {way}: legs {legs.brief(check)}")
+        return phase, check
+
     for round_index in range(plan.rounds):
         this: dict[str, Any] = {}
         for streams in plan.streams:
             row: dict[str, Any] = {}
             for way in ways:
                 relay_pid = st.pids.get(way) if way != DIRECT else None
-                phase = await paced_loop(st.make(way, plan.tokens), streams, plan, meter,
-                                         relay_pid)
+                phase, check = await counted_loop(way, plan.tokens, streams, relay_pid)
                 summary = phase.summary(None if way == DIRECT else way)
+                summary["legs"] = check
+                if meter.exited:
+                    summary["threads_exited"] = dict(meter.exited)
                 row[way] = summary
                 if plan.short_tokens and relay_pid:
-                    short = await paced_loop(st.make(way, plan.short_tokens), streams, plan,
-                                             meter, relay_pid, plan.short_tokens)
+                    short, check = await counted_loop(way, plan.short_tokens, streams,
+                                                      relay_pid)
                     summary["short"] = short.summary(way)
+                    summary["short"]["legs"] = check
                     summary.update(split_cost(summary, summary["short"], plan.tokens,
                                               plan.short_tokens))
                 log(f"  {st.flow} paced r{round_index + 1} s{streams} {way}: "
@@ -281,7 +322,18 @@ async def measure(st: PacedStack, plan: PacedPlan, ways: list[str],
                     f"{summary['ttft_p50_ms']} ms, errors {summary['errors']}")
             this[str(streams)] = row
         rounds.append(this)
-    return {"engine": st.engine, "rounds": rounds}
+    return {"engine": st.engine, "ways": ways, "anchors": list(st.anchors), "rounds": rounds}
+
+
+def legs_failed(flow: dict[str, Any]) -> int:
+    """How many of a paced flow's windows failed the leg check."""
+    failed = 0
+    for rnd in flow["rounds"]:
+        for row in rnd.values():
+            for side in row.values():
+                for summary in (side, side.get("short", {})):
+                    failed += "legs" in summary and not summary["legs"]["ok"]
+    return failed
 
 
 def split_cost(long: dict[str, Any], short: dict[str, Any], n_long: int,
@@ -297,8 +349,76 @@ def split_cost(long: dict[str, Any], short: dict[str, Any], n_long: int,
             "per_request_us": round(per_stream_short - marginal * n_short, 1)}
 
 
+def _median(values: list[float]) -> float | None:
+    ordered = sorted(values)
+    if not ordered:
+        return None
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
+def _fmt(value: float | None, digits: int) -> str:
+    return "-" if value is None else f"{value:,.{digits}f}"
+
+
+def anchors_markdown(result: dict[str, Any]) -> list[str]:
+    """The anchors beside direct, the bare relay and the sidecar, per flow and stream count:
+    relay CPU per token, tokens/s against direct's, TTFT p50 (medians over the rounds), and
+    sidecar / router."""
+    lines: list[str] = []
+    for flow_name, flow in result["flows"].items():
+        names = flow.get("anchors", [])
+        if not names:
+            continue
+        cols = [w for w in (DIRECT, BARE, *names, "sidecar") if w in flow.get("ways", [])]
+        head = ["figure", *[f"`{w}`" if w in names else w for w in cols],
+                *[f"sidecar / {n}" for n in names]]
+        for streams in flow["rounds"][0]:
+            rows = [row[streams] for row in flow["rounds"]]
+
+            def med(way: str, key: str, rows: list[dict[str, Any]] = rows) -> float | None:
+                values = [float(r[way][key]) for r in rows if key in r.get(way, {})]
+                return _median(values)
+
+            def vs_direct(way: str, rows: list[dict[str, Any]] = rows) -> float | None:
+                return _median([r[way]["tokens_per_s"] / r[DIRECT]["tokens_per_s"]
+                                for r in rows if r.get(DIRECT, {}).get("tokens_per_s")])
+
+            lines += [
+                f"**{flow_name}, {streams} streams: the compiled routers side by side** "
+                f"(medians of {len(rows)} round(s); relay CPU counts the whole process: "
+                "every thread, every child):",
+                "",
+                "| " + " | ".join(head) + " |",
+                "|" + "---|" * len(head),
+            ]
+            figures = (
+                ("relay CPU us per token", lambda w: med(w, "relay_cpu_us_per_token"), 2),
+                ("tokens/s", lambda w: med(w, "tokens_per_s"), 0),
+                ("tokens/s vs direct", vs_direct, 3),
+                ("TTFT p50 ms", lambda w: med(w, "ttft_p50_ms"), 1),
+            )
+            for label, get, digits in figures:
+                values = {w: get(w) for w in cols}
+                cells = [label, *[_fmt(values[w], digits) for w in cols]]
+                for name in names:
+                    side, anchor = values.get("sidecar"), values.get(name)
+                    cells.append(_fmt(side / anchor if side is not None and anchor else None,
+                                      2))
+                lines.append("| " + " | ".join(cells) + " |")
+            lines.append("")
+    info = result.get("anchors", {})
+    lines += [f"`{name}` {a.get('version', '?')} (threads {a.get('threads_at_start', '?')}): "
+              f"`{a.get('command', '')}`  " for name, a in info.items()]
+    for name, why in result.get("anchors_skipped", {}).items():
+        reasons = sorted({w for w in why.values() if "not installed" in w})
+        if reasons and name not in info:
+            lines.append(f"`{name}`: skipped, {reasons[0]}  ")
+    return [*lines, ""] if lines else []
+
+
 def markdown(result: dict[str, Any]) -> str:
-    """The paced table: one row per flow, round, stream count and way."""
+    """The paced table: one row per flow, round, stream count and way; then the anchors'."""
     plan = result["paced_plan"]
     m = result["machine"]
     lines = [
@@ -335,7 +455,9 @@ def markdown(result: dict[str, Any]) -> str:
                     if "marginal_us_per_token" in s:
                         split = f"{s['marginal_us_per_token']:.1f}, {s['per_request_us']:.0f}"
                     calls = "-"
-                    if "relay_reads_per_token" in s:
+                    if way in flow.get("anchors", []):
+                        calls = "n/c"  # see the note under the table
+                    elif "relay_reads_per_token" in s:
                         calls = (f"{s['relay_reads_per_token']:.2f} / "
                                  f"{s['relay_writes_per_token']:.2f}")
                     lines.append(
@@ -347,4 +469,17 @@ def markdown(result: dict[str, Any]) -> str:
                         f"| {s['ttft_p50_ms']:.1f} / {s['ttft_p99_ms']:.1f} | {used} "
                         f"| {s['errors']} |"
                     )
+    lines.append("")
+    if any(flow.get("anchors") for flow in result["flows"].values()):
+        lines += ["n/c: not comparable. The routers read sockets with recv(2), which "
+                  "`/proc/<pid>/io` does not count, and their writes include the runtime's "
+                  "wake-ups between threads (eventfd); the JSON keeps the raw counts.", ""]
+    checks = []
+    for flow_name, flow in result["flows"].items():
+        failed = legs_failed(flow)
+        checks.append(f"{flow_name}: {'ok' if not failed else f'**{failed} MISMATCHED**'}")
+    lines.append("One prefill and one decode leg per stream, decode used the prefill's KV "
+                 "(stub counters, every way and window): " + "; ".join(checks))
+    lines.append("")
+    lines += anchors_markdown(result)
     return "\n".join(lines) + "\n"

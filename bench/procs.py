@@ -4,8 +4,12 @@
                           (lean, the default); reads its "listening" line
     start_sidecar(...) ─▶ python -m bench.sidecar_proc ... (reads its --ports-file)
     start_relay(...)   ─▶ python -m bench.bare_relay ... (the paced mode's floor)
+    start_server(...)  ─▶ any other server (the anchors, ``bench.anchors``): free ports,
+                          ready once a probe answers
     cpu_seconds(pid)   ─▶ user + system CPU of that process, from /proc
     tree_cpu_seconds(pid) ─▶ the same for it and its descendants (``--workers N`` sidecars)
+    thread_cpu_ns(pid, tree) ─▶ CPU per thread (of its descendants too): a window's CPU is
+                          then counted thread by thread (``bench.thread_meter``)
 
 Separate processes so that ``/proc/<pid>`` gives the sidecar's CPU alone. Every process is
 bound to 127.0.0.1 on OS-chosen ports, started with a deadline and stopped (SIGTERM, then
@@ -25,15 +29,18 @@ import json
 import os
 import select
 import signal
+import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
+_SCHEDSTAT = Path("/proc/self/schedstat").exists()
 _START_TIMEOUT_S = 30.0
 
 
@@ -167,6 +174,48 @@ def start_sidecar(
     raise RuntimeError(f"sidecar failed to start; see {log_dir / (name + '.log')}")
 
 
+def free_port() -> int:
+    """A port the OS has just handed out on 127.0.0.1, for a server that cannot be told
+    ``--port 0`` (both anchors refuse it). Another process could take it before the server
+    binds: ``start_server`` then retries with a fresh one."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+    return port
+
+
+def start_server(
+    name: str, command: Callable[[int, int], list[str]], ready: Callable[[int], bool], *,
+    log_dir: Path, env: dict[str, str] | None = None, timeout_s: float = 60.0,
+    attempts: int = 3,
+) -> Proc:
+    """Start ``command(port, second_port)`` (two free ports: a server and its metrics
+    listener), logging to ``log_dir/name.log``; it is up once ``ready(port)`` says so.
+
+    A process that exits before it is ready (its port was taken meanwhile) is started
+    again on fresh ports, ``attempts`` times in all; one that never gets ready is stopped.
+    """
+    log_path = log_dir / f"{name}.log"
+    for _ in range(attempts):
+        port, second = free_port(), free_port()
+        log = log_path.open("ab")
+        popen = subprocess.Popen(
+            command(port, second), stdin=subprocess.DEVNULL, stdout=log,
+            stderr=subprocess.STDOUT, env=env if env is not None else child_env(), cwd=REPO_ROOT,
+        )
+        log.close()
+        proc = Proc(name, popen, port, {"metrics_port": second})
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and popen.poll() is None:
+            if ready(port):
+                return proc
+            time.sleep(0.1)
+        stop(proc)
+        if time.monotonic() >= deadline:
+            break
+    raise RuntimeError(f"{name} failed to get ready; see {log_path}")
+
+
 def sidecar_flags(engine: str, connector: str, prefill: Proc, decode: Proc,
                   max_connections: int) -> list[str]:
     """``serve`` flags for a sidecar in front of ``decode`` that may use ``prefill``."""
@@ -235,6 +284,34 @@ def tree_cpu_seconds(pid: int) -> float:
             total += cpu_seconds(current)
         todo += _children(current)
     return total
+
+
+def thread_cpu_ns(pid: int, tree: bool = False) -> dict[tuple[int, int], int]:
+    """CPU nanoseconds of every living thread of ``pid`` (and, with ``tree``, of its living
+    descendants), by (process, thread) id: ``schedstat`` where the kernel keeps it, else the
+    thread's ``stat`` ticks. Two readings subtracted thread by thread give a window's CPU
+    that a thread started inside the window adds to whole and one that ended cannot take
+    back below zero (a runtime's blocking pool, e.g. tokio's, starts and ends threads)."""
+    found: dict[tuple[int, int], int] = {}
+    todo = [pid]
+    while todo:
+        current = todo.pop()
+        with contextlib.suppress(OSError):
+            for task in Path(f"/proc/{current}/task").iterdir():
+                with contextlib.suppress(OSError, ValueError, IndexError):
+                    found[(current, int(task.name))] = _thread_ns(task)
+        if tree:
+            todo += _children(current)
+    return found
+
+
+def _thread_ns(task: Path) -> int:
+    ns = int((task / "schedstat").read_text().split()[0]) if _SCHEDSTAT else 0
+    if ns:
+        return ns
+    stat = (task / "stat").read_text()
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return (int(fields[11]) + int(fields[12])) * 1_000_000_000 // _CLK_TCK
 
 
 def cpu_seconds(pid: int) -> float:

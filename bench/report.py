@@ -1,7 +1,13 @@
 """The benchmark's table (markdown) and its verdict on the performance targets.
 
-    result dict (bench.run) ─markdown()─▶ tables: latency one at a time, load, token streams
+    result dict (bench.run) ─markdown()─▶ tables: the anchors side by side, latency one at a
+                                          time, load, token streams
                             ─targets()──▶ [{target, limit, measured, met}]
+
+The anchors' table puts each compiled router (``bench.anchors``) next to direct and the
+sidecar on the flow it drives (smg: SGLang, ``conc``; vllm-router: vLLM NIXL, ``seq``), with
+the ratio sidecar / router: below 1 the sidecar spends less (CPU, added latency), above 1 it
+serves more (requests/s).
 
 Deliberate limits: reads only the summaries ``bench.load.Phase.summary`` writes.
 """
@@ -9,6 +15,8 @@ Deliberate limits: reads only the summaries ``bench.load.Phase.summary`` writes.
 from __future__ import annotations
 
 from typing import Any
+
+from bench.anchors import ANCHORS
 
 #: The issue's targets, evaluated on the vLLM NIXL flow (``seq``).
 TARGETS: tuple[tuple[str, str, str, str, float, str], ...] = (
@@ -87,6 +95,97 @@ def marginal_us_per_token(flow: dict[str, Any], plan: dict[str, Any]) -> float |
     return spent / extra
 
 
+def _ratio(sidecar: float | None, anchor: float | None) -> float | None:
+    if sidecar is None or anchor is None or anchor == 0:
+        return None
+    return sidecar / anchor
+
+
+def _get(phases: dict[str, Any], phase: str, mode: str, key: str) -> float | None:
+    value = phases.get(phase, {}).get(mode, {}).get(key)
+    return float(value) if isinstance(value, int | float) else None
+
+
+def anchor_rows(flow: dict[str, Any], anchor: str,
+                plan: dict[str, Any]) -> list[tuple[str, float | None, float | None,
+                                                    float | None, int]]:
+    """(figure, direct, anchor, sidecar, digits) for one flow and one anchor."""
+    phases = flow["phases"]
+    low, high = min(plan["concurrencies"]), max(plan["concurrencies"])
+    rows: list[tuple[str, float | None, float | None, float | None, int]] = []
+    for label, phase, key in (
+        (f"CPU us per PD request, JSON, c={low}", f"json/c{low}", "relay_cpu_us_per_req"),
+        ("CPU us per PD request, JSON, one at a time", "json/serial", "relay_cpu_us_per_req"),
+    ):
+        rows.append((label, None, _get(phases, phase, anchor, key),
+                     _get(phases, phase, "sidecar", key), 0))
+    direct = _get(phases, "json/serial", "direct", "p50_ms")
+
+    def added(mode: str) -> float | None:
+        value = _get(phases, "json/serial", mode, "p50_ms")
+        return None if value is None or direct is None else value - direct
+
+    rows.append(("added p50 latency one at a time, JSON, ms (direct: its p50)", direct,
+                 added(anchor), added("sidecar"), 3))
+    rows.append((f"req/s, JSON, c={high}", _get(phases, f"json/c{high}", "direct", "rps"),
+                 _get(phases, f"json/c{high}", anchor, "rps"),
+                 _get(phases, f"json/c{high}", "sidecar", "rps"), 0))
+    rows.append((f"burst CPU us per token ({plan['stream_tokens']}-token streams, "
+                 f"c={plan['stream_concurrency']})", None,
+                 _get(phases, "tokens", anchor, "relay_cpu_us_per_token"),
+                 _get(phases, "tokens", "sidecar", "relay_cpu_us_per_token"), 2))
+    return rows
+
+
+def anchors_markdown(result: dict[str, Any]) -> list[str]:
+    """The side-by-side table: per flow that ran an anchor, direct | anchor | sidecar |
+    sidecar / anchor; then which anchors were skipped and the leg checks of every mode."""
+    pairs = [(name, flow_name, flow) for flow_name, flow in result["flows"].items()
+             for name in flow.get("modes", []) if name in ANCHORS]
+    skipped = result.get("anchors_skipped", {})
+    lines: list[str] = []
+    if pairs:
+        head = ["figure"]
+        for name, flow_name, _ in pairs:
+            head += [f"direct ({flow_name})", f"`{name}`", f"sidecar ({flow_name})",
+                     f"sidecar / {name}"]
+        lines += [
+            "**The compiled routers side by side** (same run, same stubs; each router on the "
+            "flow it drives; CPU of its whole process: every thread, every child):",
+            "",
+            "| " + " | ".join(head) + " |",
+            "|" + "---|" * len(head),
+        ]
+        tables = [anchor_rows(flow, name, result["plan"]) for name, _, flow in pairs]
+        for index, (label, *_rest) in enumerate(tables[0]):
+            cells = [label]
+            for rows in tables:
+                _, direct, anchor, sidecar, digits = rows[index]
+                cells += [_fmt(direct, digits), _fmt(anchor, digits), _fmt(sidecar, digits),
+                          _fmt(_ratio(sidecar, anchor))]
+            lines.append("| " + " | ".join(cells) + " |")
+        info = result.get("anchors", {})
+        lines.append("")
+        lines += [f"`{name}` {info.get(name, {}).get('version', '?')} "
+                  f"({info.get(name, {}).get('style', '')}; threads "
+                  f"{info.get(name, {}).get('threads_at_start', '?')}): "
+                  f"`{info.get(name, {}).get('command', '')}`  " for name, _, _ in pairs]
+    for name, flows in skipped.items():
+        reasons = {why for why in flows.values() if "not installed" in why}
+        if name not in {p[0] for p in pairs} and reasons:
+            lines.append(f"`{name}`: skipped, {sorted(reasons)[0]}  ")
+    checks = []
+    for flow_name, flow in result["flows"].items():
+        oks = flow.get("legs_ok", {})
+        if oks:
+            checks.append(f"{flow_name}: " + ", ".join(
+                f"{mode} {'ok' if ok else '**MISMATCH**'}" for mode, ok in oks.items()))
+    if checks:
+        lines.append("One prefill and one decode leg per request, decode used the prefill's KV "
+                     "(stub counters): " + "; ".join(checks))
+    return [*lines, ""] if lines else []
+
+
 def markdown(result: dict[str, Any]) -> str:
     m = result["machine"]
     lines = [
@@ -96,6 +195,7 @@ def markdown(result: dict[str, Any]) -> str:
         f"{result['started']}  ",
         "Stubs, sidecar and load generator are separate processes sharing those cores.",
         "",
+        *anchors_markdown(result),
         "**One request at a time** (ms; TTFB = time to the first body byte):",
         "",
         "| flow | format | direct p50 | sidecar p50 | added p50 | direct p99 | sidecar p99 "

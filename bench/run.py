@@ -14,6 +14,14 @@ reference proxy or SGLang's mini load balancer would) and through the sidecar:
     c32, c128   closed loop at that concurrency: requests/s, p50/p99 latency
     tokens      256-token streams at concurrency 32: tokens/s
 
+The anchors, the compiled PD routers (``bench.anchors``: ``smg``, SGLang's model gateway, on
+the SGLang flow; ``vllm-router`` on the vLLM NIXL flow), run as two more modes next to direct
+and the sidecar in the same run, where they are installed (``pip install -r
+bench/requirements-anchors.txt``; otherwise the run says so and skips them). Every mode's
+PD requests are checked to have run one prefill and one decode leg with a good hand-off
+(``bench.legs``), and each relaying process's CPU is counted thread by thread, with its
+children (``bench.thread_meter``).
+
 That is the burst mode (``--mode burst``, the default: the stubs answer at once, so a relay
 reads many tokens at a time). ``--mode paced`` spaces each stream's tokens like an engine
 and measures many concurrent streams instead (``bench.paced``).
@@ -50,10 +58,11 @@ from typing import Any
 
 import aiohttp
 
-from bench import flows, http_clients, load, paced, procs, report
+from bench import anchors, flows, http_clients, legs, load, paced, procs, report
+from bench.thread_meter import ThreadMeter
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-MODES = ("direct", "sidecar")
+MODES = ("direct", "sidecar", *anchors.ANCHORS)
 
 
 @dataclass(frozen=True)
@@ -84,6 +93,9 @@ class Stack:
     decode: procs.Proc
     sidecar: procs.Proc
     engine_id: str = ""
+    stubs: str = "lean"
+    anchors: dict[str, procs.Proc] = dataclasses.field(default_factory=dict)
+    skipped: dict[str, str] = dataclasses.field(default_factory=dict)  # anchor -> why
 
     @property
     def pids(self) -> dict[str, int]:
@@ -91,11 +103,14 @@ class Stack:
             "sidecar": procs.server_pid(self.sidecar),
             "prefill_stub": self.prefill.pid,
             "decode_stub": self.decode.pid,
+            **{name: proc.pid for name, proc in self.anchors.items()},
         }
 
     def make(self, mode: str, max_tokens: int, stream: bool) -> flows.Flow:
         if mode == "sidecar":
             return flows.Sidecar(self.sidecar.url, self.prefill.port, max_tokens, stream)
+        if mode in self.anchors:
+            return flows.Router(mode, self.anchors[mode].url, max_tokens, stream)
         if self.flow == "seq":
             return flows.DirectSeq(self.prefill.url, self.decode.url, max_tokens, stream)
         bootstrap = int(self.prefill.info["bootstrap_port"])
@@ -125,7 +140,10 @@ def _flow_parts(flow: str, conc_engine: str) -> tuple[str, str]:
 @contextlib.contextmanager
 def stack(flow: str, conc_engine: str, log_dir: Path, max_connections: int,
           sidecar_prefix: list[str], code_root: Path = procs.REPO_ROOT,
-          stubs: str = "lean") -> Iterator[Stack]:
+          stubs: str = "lean", modes: tuple[str, ...] = (),
+          anchor_workers: int | None = None) -> Iterator[Stack]:
+    """One flow's stubs and sidecar, and the anchors named in ``modes`` that can run on it
+    (the others land in ``Stack.skipped`` with the reason)."""
     engine, connector = _flow_parts(flow, conc_engine)
     if stubs == "lean" and connector not in ("shfs",):
         raise SystemExit(f"the lean engine serves vLLM NIXL and SGLang, not {engine}/{connector}:"
@@ -142,7 +160,17 @@ def stack(flow: str, conc_engine: str, log_dir: Path, max_connections: int,
         sidecar = procs.start_sidecar(f"{flow}-sidecar", flags, log_dir=log_dir,
                                       prefix=sidecar_prefix, code_root=code_root)
         started.append(sidecar)
-        yield Stack(flow, engine, connector, prefill, decode, sidecar)
+        st = Stack(flow, engine, connector, prefill, decode, sidecar, stubs=stubs)
+        for name in (m for m in modes if m in anchors.ANCHORS):
+            why = anchors.unavailable(name, engine, connector)
+            if why is not None:
+                st.skipped[name] = why
+                continue
+            proc = anchors.start(name, prefill, decode, log_dir=log_dir,
+                                 workers=anchor_workers, label=f"{flow}-{name}")
+            started.append(proc)
+            st.anchors[name] = proc
+        yield st
     finally:
         for proc in reversed(started):
             procs.stop(proc)
@@ -165,13 +193,47 @@ async def _handoff_counts(decode_url: str) -> dict[str, int]:
     async with aiohttp.ClientSession(trust_env=False) as session:
         async with session.get(decode_url + "/metrics") as response:
             text = await response.text()
-    counts: dict[str, int] = {}
-    for line in text.splitlines():
-        if line.startswith("stub_handoff_total{"):
-            labels, value = line.rsplit(" ", 1)
-            outcome = labels.split('outcome="', 1)[1].split('"', 1)[0]
-            counts[outcome] = counts.get(outcome, 0) + int(float(value))
-    return counts
+    return legs.parse_metrics(text)[1]
+
+
+def relay_of(mode: str) -> str | None:
+    """The process that relays a mode's requests (whose CPU the tables show)."""
+    return None if mode == "direct" else mode
+
+
+def relay_cost(phase: load.Phase, relay: str | None) -> dict[str, Any]:
+    """The relaying process's CPU per request and per relayed token in ``phase``
+    (``sidecar_cpu_us_per_req`` stays the sidecar's, whichever mode ran)."""
+    if relay is None or relay not in phase.cpu_s:
+        return {}
+    cpu = phase.cpu_s[relay]
+    out: dict[str, Any] = {
+        "relay": relay, "relay_cpu_us_per_req": round(cpu / (phase.requests or 1) * 1e6, 1),
+    }
+    tokens = phase.events - phase.requests
+    if tokens > 0:
+        out["relay_cpu_us_per_token"] = round(cpu / tokens * 1e6, 3)
+    return out
+
+
+class _Legs:
+    """Leg checks of one flow's phases: the stubs' counters around each window."""
+
+    def __init__(self, st: Stack, log: Any) -> None:
+        self.st = st
+        self.log = log
+        self.checks: list[dict[str, Any]] = []
+
+    async def read(self) -> legs.StubCounts:
+        return await legs.read(self.st.prefill.url, self.st.decode.url, self.st.stubs)
+
+    async def record(self, phase: str, modes: list[str], before: legs.StubCounts,
+                     calls: int) -> None:
+        check = legs.verdict(before, await self.read(), calls)
+        check.update(phase=phase, modes=modes)
+        self.checks.append(check)
+        if not check["ok"]:
+            self.log(f"  {self.st.flow} {phase} {'+'.join(modes)}: legs {legs.brief(check)}")
 
 
 async def measure_flow(
@@ -185,47 +247,64 @@ async def measure_flow(
 
     if st.engine == "vllm" and st.connector == "mooncake":
         st.engine_id = await _engine_id(int(st.prefill.info["bootstrap_port"]))
-    meter = load.CpuMeter(st.pids)
+    modes = tuple(m for m in modes if m not in anchors.ANCHORS or m in st.anchors)
+    meter = ThreadMeter(st.pids, trees=frozenset(st.anchors))
     out: dict[str, Any] = {
-        "engine": st.engine, "connector": st.connector, "phases": {},
+        "engine": st.engine, "connector": st.connector, "modes": list(modes), "phases": {},
     }
     phases: dict[str, Any] = out["phases"]
+    checks = _Legs(st, log)
+
+    def summarize(phase: load.Phase, mode: str, sidecar_name: str = "sidecar") -> dict[str, Any]:
+        summary = phase.summary(sidecar_name)
+        summary.update(relay_cost(phase, relay_of(mode)))
+        if meter.exited:
+            summary["threads_exited"] = dict(meter.exited)
+        return summary
+
+    async def loop(name: str, mode: str, concurrency: int, tokens: int, stream: bool) -> None:
+        flow = flows.Counted(st.make(mode, tokens, stream))
+        before = await checks.read()
+        phase = await load.closed_loop(flow, concurrency, plan.loop_s, meter,
+                                       warmup_s=plan.warmup_s,
+                                       min_requests=plan.min_requests, client=client)
+        await checks.record(name, [mode], before, flow.calls)
+        phases.setdefault(name, {})[mode] = summary = summarize(phase, mode)
+        log(f"  {st.flow} {name} {mode}: {_brief(summary)}")
+
     for fmt, stream in (("json", False), ("stream", True)):
         if wanted(f"{fmt}/serial"):
+            counted = {mode: flows.Counted(st.make(mode, plan.short_tokens, stream))
+                       for mode in modes}
+            before = await checks.read()
             paired = await load.paired_serial(
-                {mode: st.make(mode, plan.short_tokens, stream) for mode in modes},
-                plan.serial_n, meter, warmup=plan.serial_warmup, client=client,
+                counted, plan.serial_n, meter, warmup=plan.serial_warmup, client=client,
             )
+            await checks.record(f"{fmt}/serial", list(modes), before,
+                                sum(flow.calls for flow in counted.values()))
             for mode, phase in paired.items():
-                summary = phase.summary("sidecar" if mode == "sidecar" else "-")
+                summary = summarize(phase, mode, "sidecar" if mode == "sidecar" else "-")
                 phases.setdefault(f"{fmt}/serial", {})[mode] = summary
                 log(f"  {st.flow} {fmt} serial {mode}: {_brief(summary)}")
         for concurrency in plan.concurrencies:
-            for mode in modes:
-                if not wanted(f"{fmt}/c{concurrency}"):
-                    break
-                flow = st.make(mode, plan.short_tokens, stream)
-                phase = await load.closed_loop(flow, concurrency, plan.loop_s, meter,
-                                               warmup_s=plan.warmup_s,
-                                               min_requests=plan.min_requests, client=client)
-                phases.setdefault(f"{fmt}/c{concurrency}", {})[mode] = phase.summary()
-                log(f"  {st.flow} {fmt} c{concurrency} {mode}: {_brief(phase.summary())}")
-    for mode in modes:
-        if not wanted("tokens"):
-            break
-        flow = st.make(mode, plan.stream_tokens, True)
-        phase = await load.closed_loop(flow, plan.stream_concurrency, plan.loop_s, meter,
-                                       warmup_s=plan.warmup_s, min_requests=plan.min_requests,
-                                       client=client)
-        phases.setdefault("tokens", {})[mode] = phase.summary()
-        log(f"  {st.flow} tokens c{plan.stream_concurrency} {mode}: {_brief(phase.summary())}")
+            if wanted(f"{fmt}/c{concurrency}"):
+                for mode in modes:
+                    await loop(f"{fmt}/c{concurrency}", mode, concurrency, plan.short_tokens,
+                               stream)
+    if wanted("tokens"):
+        for mode in modes:
+            await loop("tokens", mode, plan.stream_concurrency, plan.stream_tokens, True)
     out["handoffs"] = await _handoff_counts(st.decode.url)
+    out["legs"] = checks.checks
+    out["legs_ok"] = {mode: all(c["ok"] for c in checks.checks if mode in c["modes"])
+                      for mode in modes}
     return out
 
 
 def _brief(summary: dict[str, Any]) -> str:
+    cpu = summary.get("relay_cpu_us_per_req", summary.get("sidecar_cpu_us_per_req", "-"))
     return (f"{summary['rps']} req/s p50 {summary['p50_ms']} ms p99 {summary['p99_ms']} ms "
-            f"errors {summary['errors']} cpu/req {summary.get('sidecar_cpu_us_per_req', '-')} us")
+            f"errors {summary['errors']} cpu/req {cpu} us")
 
 
 def machine() -> dict[str, Any]:
@@ -268,8 +347,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--sidecar-prefix", default="",
                         help="command that wraps the sidecar, e.g. 'py-spy record -o x.svg --'")
     parser.add_argument("--phases", help="only these phases, e.g. json/c32,tokens (profiling)")
-    parser.add_argument("--modes", default="direct,sidecar",
-                        help="direct, sidecar or both (profiling: sidecar)")
+    parser.add_argument("--modes", default=",".join(MODES),
+                        help="comma-separated: direct, sidecar, and the anchors smg and "
+                             "vllm-router where installed (profiling: sidecar); the paced "
+                             "mode always runs direct and the sidecar, the anchors if named")
+    parser.add_argument("--anchor-workers", type=int,
+                        help="the anchors' tokio worker threads (TOKIO_WORKER_THREADS; "
+                             "default: their own choice, one per core)")
     parser.add_argument("--sidecar-tree", type=Path,
                         help="run the sidecar package from this tree (e.g. `git archive` of an "
                              "older commit) for a before/after comparison")
@@ -339,13 +423,20 @@ async def run_paced(args: argparse.Namespace, result: dict[str, Any], log_dir: P
         os.sched_setaffinity(0, {int(c) for c in args.pin_bench.split(",")})
     result.update(paced_plan=plan.__dict__, pin_sidecar=args.pin_sidecar,
                   pin_bench=args.pin_bench, baseline_tree=str(args.baseline_tree or ""))
+    anchor_names = tuple(m for m in modes_of(args) if m in anchors.ANCHORS)
+    result["anchors"] = {}
     for flow in [f.strip() for f in args.flows.split(",") if f.strip()]:
         with paced.paced_stack(flow, plan, log_dir, max_connections=args.max_connections,
                                baseline_tree=args.baseline_tree, pin_sidecar=args.pin_sidecar,
-                               pin_bench=args.pin_bench) as st:
+                               pin_bench=args.pin_bench, anchor_names=anchor_names,
+                               anchor_workers=args.anchor_workers) as st:
             log(f"{flow} (paced): {st.engine}  prefill {st.prefill.url}  decode {st.decode.url}")
-            ways = paced.ways_of(plan, args.baseline_tree is not None)
+            note_anchors(result, flow, {n: st.relays[n] for n in st.anchors}, st.skipped, log)
+            ways = paced.ways_of(plan, args.baseline_tree is not None, st.anchors)
             result["flows"][flow] = await paced.measure(st, plan, ways, log)
+            for name in st.anchors:
+                result["anchors"][name]["threads_at_end"] = anchors.thread_count(
+                    st.relays[name].pid)
     return result
 
 
@@ -371,16 +462,45 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         result["mode"] = "paced"
         return await run_paced(args, result, log_dir, log)
     prefix = args.sidecar_prefix.split() if args.sidecar_prefix else []
+    modes = modes_of(args)
+    result["anchors"] = {}
     for flow in [f.strip() for f in args.flows.split(",") if f.strip()]:
         with stack(flow, args.conc_engine, log_dir, args.max_connections, prefix,
-                   args.sidecar_tree or procs.REPO_ROOT, args.stubs) as st:
+                   args.sidecar_tree or procs.REPO_ROOT, args.stubs, modes,
+                   args.anchor_workers) as st:
             log(f"{flow}: {st.engine}/{st.connector}  prefill {st.prefill.url}  "
-                f"decode {st.decode.url}  sidecar {st.sidecar.url}")
+                f"decode {st.decode.url}  sidecar {st.sidecar.url}"
+                + "".join(f"  {name} {proc.url}" for name, proc in st.anchors.items()))
+            note_anchors(result, flow, st.anchors, st.skipped, log)
             only = set(args.phases.split(",")) if args.phases else None
-            modes = tuple(m for m in MODES if m in args.modes.split(","))
             result["flows"][flow] = await measure_flow(st, plan, log, only, modes, args.client)
+            for name, proc in st.anchors.items():
+                result["anchors"][name]["threads_at_end"] = anchors.thread_count(proc.pid)
     result["targets"] = report.targets(result)
     return result
+
+
+def modes_of(args: argparse.Namespace) -> tuple[str, ...]:
+    asked = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = set(asked) - set(MODES)
+    if unknown:
+        raise SystemExit(f"unknown --modes {', '.join(sorted(unknown))}; known: "
+                         f"{', '.join(MODES)}")
+    return tuple(m for m in MODES if m in asked)
+
+
+def note_anchors(result: dict[str, Any], flow: str, started: dict[str, procs.Proc],
+                 skipped: dict[str, str], log: Callable[[str], None]) -> None:
+    """What the JSON keeps of each anchor (version, command line, threads) and why one
+    did not run on this flow; a missing install is said on the log too."""
+    for name, proc in started.items():
+        result["anchors"][name] = {"flow": flow, "style": anchors.ANCHORS[name].style,
+                                   **proc.info}
+        log(f"  {name} {proc.info['version']}: {proc.info['command']}")
+    for name, why in skipped.items():
+        result.setdefault("anchors_skipped", {}).setdefault(name, {})[flow] = why
+        if "not installed" in why:
+            log(f"  {name}: unavailable, skipped: {why}")
 
 
 def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
@@ -420,7 +540,15 @@ def main(argv: list[str] | None = None) -> int:
             for phase in flow["phases"].values()
             for side in phase.values()
         )
-    return 1 if errors else 0
+    # A request that did not run one prefill and one decode leg with a good hand-off.
+    if args.mode == "paced":
+        bad_legs = sum(paced.legs_failed(flow) for flow in result["flows"].values())
+    else:
+        bad_legs = sum(not check["ok"] for flow in result["flows"].values()
+                       for check in flow.get("legs", []))
+    if bad_legs:
+        print(f"{bad_legs} leg checks failed: see 'legs' in {out}", file=sys.stderr)
+    return 1 if errors or bad_legs else 0
 
 
 if __name__ == "__main__":

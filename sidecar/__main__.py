@@ -70,6 +70,10 @@ def _route(args: argparse.Namespace) -> int:
     return run_async(run_route_command(args))
 
 
+#: A subcommand: the parsed command line in, the exit status out.
+Command = Callable[[argparse.Namespace], int]
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="disagg-sidecar",
@@ -87,28 +91,23 @@ def build_parser() -> argparse.ArgumentParser:
     add_settings_arguments(config)
     config.set_defaults(run=run_config_command)
 
-    demo = commands.add_parser(
-        "demo", help="run stub engines and the sidecar on loopback, send one PD request, exit"
-    )
+    # The tools wing, loaded only here. grpcio is a hard dependency: a broken install fails
+    # here (the route tool imports it), loudly, not without a word.
     from sidecar.tools.demo import add_demo_arguments
-
-    add_demo_arguments(demo)
-    demo.set_defaults(run=_demo)
-
-    stub = commands.add_parser("stub-engine", help="run a stub engine (for tests and demos)")
+    from sidecar.tools.route import add_route_arguments
     from sidecar.tools.stubs.cli import add_stub_arguments
 
-    add_stub_arguments(stub)
-    stub.set_defaults(run=_stub)
-
-    # grpcio is a hard dependency: a broken install fails here, loudly, not without a word.
-    from sidecar.tools.route import add_route_arguments
-
-    route = commands.add_parser(
-        "route", help="gRPC router client: Prefill on one sidecar, Decode on another"
+    tools: tuple[tuple[str, str, Callable[[argparse.ArgumentParser], None], Command], ...] = (
+        ("demo", "run stub engines and the sidecar on loopback, send one PD request, exit",
+         add_demo_arguments, _demo),
+        ("stub-engine", "run a stub engine (for tests and demos)", add_stub_arguments, _stub),
+        ("route", "gRPC router client: Prefill on one sidecar, Decode on another",
+         add_route_arguments, _route),
     )
-    add_route_arguments(route)
-    route.set_defaults(run=_route)
+    for name, help_text, add_arguments, run in tools:
+        tool = commands.add_parser(name, help=help_text)
+        add_arguments(tool)
+        tool.set_defaults(run=run)
     return parser
 
 

@@ -185,23 +185,3 @@ class ClientCancelled(SidecarError):
     code = "client_cancelled"
     http_status = 499
     default_stage = Stage.SIDECAR
-
-
-ALL_ERRORS: tuple[type[SidecarError], ...] = (
-    InvalidRequest,
-    TargetNotAllowed,
-    RouteNotServed,
-    BodyTooLarge,
-    RequestTimeout,
-    PrefillFailed,
-    EngineRejected,
-    InvalidHandoff,
-    DecodeFailed,
-    Overloaded,
-    Draining,
-    EngineNotReady,
-    DeadlineExceeded,
-    ResourceExhausted,
-    FailedPrecondition,
-    ClientCancelled,
-)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import AsyncIterable, Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
@@ -266,8 +265,3 @@ def _target(url: str) -> dict[str, AttributeValue]:
         SERVER_PORT: port,
         PREFILL_TARGET: f"[{host}]:{port}" if ":" in host else f"{host}:{port}",
     }
-
-
-def elapsed(started: float) -> float:
-    """Seconds since ``started`` (a ``time.perf_counter()`` reading)."""
-    return time.perf_counter() - started

@@ -2,26 +2,21 @@
 
     start(PDRequest) ─▶ PDExchange            the HTTP door, and each fan-out sub-request
         short prompt (--local-prefill-max-tokens) ─▶ the local engine alone
-        SEQUENTIAL: prefill ─▶ hand-off ─▶ open decode       (a refused connect: once more on
-        CONCURRENT: prefill ║ open decode (prefill watched)    another target; a failed prefill
-                                                              of a sequential dialect may run
-                                                              locally: --on-prefill-failure)
+        SEQUENTIAL: prefill ─▶ hand-off ─▶ open decode
+        CONCURRENT: prefill ║ open decode (prefill watched)
     prefill_only(...) ─▶ Handoff              gRPC Prefill: the prefill half
         SEQUENTIAL: the prefill, then its hand-off
         CONCURRENT: the hand-off at once; the engine call runs on in the background, watched
     open_decode(...)  ─▶ UpstreamResponse     gRPC Decode: the decode half
 
 The dialect (``sidecar.dialects``) says what the bodies hold and whether the legs are
-sequential or concurrent; ``EngineCalls`` makes the calls; the flow puts them in order, keeps
-the deadlines, starts and ends the dialect's per-request state, and hands the request's
-abort and release to its ``PDExchange``. Cancellation (a client gone) propagates: every
-upstream call is closed on the way out, and the exchange aborts the engines' legs.
+sequential or concurrent; ``EngineCalls`` makes the calls; the flow orders them, keeps the
+deadlines, starts and ends the dialect's per-request state and hands the request's abort and
+release to its ``PDExchange``. A client gone cancels every upstream call on the way out.
 
 Deliberate limits: one retry, only of a prefill whose connect was refused (the engine never
-saw it) and only on another of the request's targets; a prefill that may have half-run is
-never retried (it would double the engine's work; routers pick another pair); the
-local-prefill fallback applies to sequential dialects only (a concurrent dialect's decode
-cannot run without its prefill).
+saw it), on another of the request's targets; the local-prefill fallback applies to
+sequential dialects only (a concurrent dialect's decode cannot run without its prefill).
 """
 
 from __future__ import annotations
@@ -296,6 +291,9 @@ class PDFlow:
         except BaseException:
             await cancel_and_wait(decode_task)
             await cancel_and_wait(prefill_task)
+            if decode_task.done() and not decode_task.cancelled() and (
+                    decode_task.exception() is None):
+                decode_task.result().close()  # its head came in the turn the prefill failed
             raise
         timings.decode_first_byte = time.perf_counter() - started
         if prefill_task.done():

@@ -39,7 +39,7 @@ from sidecar.errors import FailedPrecondition, Stage
 from sidecar.grpc_gen import disagg_pb2
 from sidecar.grpc_server.checks import check_max_new_tokens, check_temperature, check_token_ids
 from sidecar.grpc_server.decode import DecodeInput
-from sidecar.grpc_server.prefill import Send, engine_target, resolve_advertise_host
+from sidecar.grpc_server.prefill import PrefillCall, engine_target, resolve_advertise_host
 from sidecar.kv_wire.handoff import DecodedHandoff, decode_handoff, encode_handoff
 from sidecar.observability.metrics import Metrics
 from sidecar.protocol.request_id import REQUEST_ID_HEADER, request_id_or_new
@@ -62,15 +62,9 @@ class NativePrefill:
                 settings.engine_url,
             )
 
-    async def run(
-        self,
-        request: disagg_pb2.PreFillRequest,
-        scope: RequestScope,
-        time_remaining: float | None,
-        send: Send,
-    ) -> None:
-        for block in await self._handoff_blocks(request, scope, time_remaining):
-            await send(disagg_pb2.KVBlockStream(block=block),
+    async def run(self, call: PrefillCall) -> None:
+        for block in await self._handoff_blocks(call.request, call.scope, call.time_remaining):
+            await call.send(disagg_pb2.KVBlockStream(block=block),
                        len(block.k_data) + len(block.v_data))
 
     async def _handoff_blocks(

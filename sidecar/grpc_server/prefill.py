@@ -1,6 +1,6 @@
 """``disagg.PrefillWorker/Prefill``: one service, given a hand-off strategy.
 
-    PreFillRequest ─serving(scope)─▶ admit ─▶ strategy.run(request, scope, deadline, send)
+    PreFillRequest ─serving(scope)─▶ admit ─▶ strategy.run(PrefillCall(request, scope, ...))
         native (``sidecar.grpc_server.native``): the engine hand-off as control blocks
         inline (``sidecar.grpc_server.inline.grpc``): the engine's KV cache itself, layer by layer
       ─▶ KVBlockStream{block} ... ─▶ KVBlockStream{done: true}
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Final, Protocol
 from urllib.parse import urlsplit
 
@@ -49,16 +50,21 @@ def serialize_stream_message(message: StreamMessage) -> bytes:
     return message if isinstance(message, bytes) else message.SerializeToString()
 
 
+@dataclass(frozen=True, slots=True)
+class PrefillCall:
+    """One Prefill RPC as a strategy gets it."""
+
+    request: disagg_pb2.PreFillRequest
+    scope: RequestScope
+    #: Seconds left of the caller's deadline (None: no deadline).
+    time_remaining: float | None
+    send: Send
+
+
 class PrefillStrategy(Protocol):
     """How a Prefill's stream carries the hand-off (native fields or inline KV)."""
 
-    async def run(
-        self,
-        request: disagg_pb2.PreFillRequest,
-        scope: RequestScope,
-        time_remaining: float | None,
-        send: Send,
-    ) -> None:
+    async def run(self, call: PrefillCall) -> None:
         """Check the request, run the engine's prefill and send every block (not ``done``)."""
 
 
@@ -113,7 +119,7 @@ class PrefillService:
 
         async with serving(scope, context):
             scope.admit()
-            await self.strategy.run(request, scope, context.time_remaining(), send)
+            await self.strategy.run(PrefillCall(request, scope, context.time_remaining(), send))
             # Counted before the last write: a router may hang up as soon as it has ``done``.
             scope.outcome = OK
             await context.write(disagg_pb2.KVBlockStream(done=True))

@@ -106,16 +106,7 @@ class SSERelay:
             return False
         assert socket is not None
         room = socket.write(transport, chunk)
-        # _account, inlined: this runs once per token at an engine's pace.
-        self.total += len(chunk)
-        tail = self.tail
-        marker = self._error_event
-        if marker is not None and not self.engine_error and (chunk.find(marker) >= 0 or (
-                tail and not chunk.startswith(DATA) and carries_error_event(tail, chunk,
-                                                                            marker))):
-            self.engine_error = True
-        self.tail = chunk[-TAIL_BYTES:] if len(chunk) >= TAIL_BYTES else (tail + chunk)[
-            -TAIL_BYTES:]
+        self._account(chunk)
         # Bytes the socket did not take stay in the transport; past its high-water mark
         # (where aiohttp's protocol pauses writing) reading stops until they drain.
         return room

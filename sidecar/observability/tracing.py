@@ -32,7 +32,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterable, Iterator, Mapping
 from contextvars import Token
-from typing import TYPE_CHECKING, Final, Protocol
+from typing import TYPE_CHECKING, Final
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace as otel_trace
@@ -77,11 +77,16 @@ _PROPAGATOR: Final = TraceContextTextMapPropagator()
 Carrier = Mapping[str, str] | Iterable[tuple[str, str | bytes]]
 
 
-class LegSpan(Protocol):
-    """One span of a request (a leg, the hand-off, the relay); ends once."""
+class LegSpan:
+    """One span of a request (a leg, the hand-off, the relay); ends once.
 
+    This class itself is the span of a request that is not traced (``NOOP_SPAN``): nothing to
+    do, nothing to add; a traced request's spans override each method.
+    """
+
+    __slots__ = ()
     #: False when nothing is recorded: callers skip computing attributes.
-    recording: bool
+    recording = False
 
     def set(self, key: str, value: AttributeValue) -> None:
         """Set an attribute (never prompt or completion text)."""
@@ -91,20 +96,28 @@ class LegSpan(Protocol):
 
     def headers(self, base: Mapping[str, str]) -> Mapping[str, str]:
         """``base`` with this span as the ``traceparent`` (and ``tracestate``) of a request."""
+        return base
 
     def end(self) -> None:
         """End the span (later calls do nothing)."""
 
-    def __enter__(self) -> LegSpan: ...
+    def __enter__(self) -> LegSpan:
+        return self
 
-    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None: ...
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        return None
 
 
-class RequestTrace(Protocol):
-    """The spans of one client request, rooted at its request span."""
+class RequestTrace:
+    """The spans of one client request, rooted at its request span.
 
+    This class itself is the trace of a request that is not traced (``NOOP_TRACE``): every
+    call returns at once; a traced request's trace overrides each method.
+    """
+
+    __slots__ = ()
     #: False for ``NOOP_TRACE``: a caller may skip its bookkeeping calls altogether.
-    active: bool
+    active = False
 
     def span(
         self,
@@ -114,6 +127,7 @@ class RequestTrace(Protocol):
         attributes: Mapping[str, AttributeValue] | None = None,
     ) -> LegSpan:
         """A child span of the request span, started now."""
+        return NOOP_SPAN
 
     def set(self, key: str, value: AttributeValue) -> None:
         """Set an attribute of the request span."""
@@ -127,6 +141,7 @@ class RequestTrace(Protocol):
 
     def current(self) -> contextlib.AbstractContextManager[None]:
         """``attach`` ... ``detach`` as a context manager."""
+        return _NULL_CONTEXT
 
     def end(
         self, outcome: str, error: BaseException | None = None, request_id: str | None = None
@@ -135,64 +150,8 @@ class RequestTrace(Protocol):
         later calls do nothing."""
 
 
-class _NoopSpan:
-    """The span of a request that is not traced: nothing to do, nothing to add."""
-
-    __slots__ = ()
-    recording = False
-
-    def set(self, key: str, value: AttributeValue) -> None:
-        return None
-
-    def fail(self, error: BaseException) -> None:
-        return None
-
-    def headers(self, base: Mapping[str, str]) -> Mapping[str, str]:
-        return base
-
-    def end(self) -> None:
-        return None
-
-    def __enter__(self) -> LegSpan:
-        return self
-
-    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
-        return None
-
-
-class _NoopTrace:
-    __slots__ = ()
-    active = False
-
-    def span(
-        self,
-        name: str,
-        *,
-        client: bool = False,
-        attributes: Mapping[str, AttributeValue] | None = None,
-    ) -> LegSpan:
-        return NOOP_SPAN
-
-    def set(self, key: str, value: AttributeValue) -> None:
-        return None
-
-    def attach(self) -> None:
-        return None
-
-    def detach(self) -> None:
-        return None
-
-    def current(self) -> contextlib.AbstractContextManager[None]:
-        return _NULL_CONTEXT
-
-    def end(
-        self, outcome: str, error: BaseException | None = None, request_id: str | None = None
-    ) -> None:
-        return None
-
-
-NOOP_SPAN: Final[LegSpan] = _NoopSpan()
-NOOP_TRACE: Final[RequestTrace] = _NoopTrace()
+NOOP_SPAN: Final = LegSpan()
+NOOP_TRACE: Final = RequestTrace()
 _NULL_CONTEXT: Final = contextlib.nullcontext()
 
 
@@ -208,7 +167,7 @@ def _mark_failed(span: otel_trace.Span, error: BaseException) -> None:
     span.set_status(Status(StatusCode.ERROR, kind))
 
 
-class _Span:
+class _Span(LegSpan):
     __slots__ = ("_ended", "_span", "recording")
 
     def __init__(self, span: otel_trace.Span) -> None:
@@ -242,7 +201,7 @@ class _Span:
         self.end()
 
 
-class _Trace:
+class _Trace(RequestTrace):
     __slots__ = ("_context", "_ended", "_span", "_token", "_tracer", "_unsampled")
     active = True
 

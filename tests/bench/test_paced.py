@@ -110,7 +110,8 @@ def test_quick_paced_run_measures_every_way(tmp_path: Path, flows: str) -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     done = subprocess.run(
         [sys.executable, "-m", "bench.run", "--mode", "paced", "--quick", "--flows", flows,
-         "--workers", "1,2", "--baseline-tree", str(REPO), "--out", str(out)],
+         "--workers", "1,2", "--baseline-tree", str(REPO), "--modes", "direct,sidecar",
+         "--out", str(out)],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=180, check=False,
     )
     assert done.returncode == 0, done.stderr[-4000:]

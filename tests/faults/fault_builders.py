@@ -11,15 +11,13 @@ back to zero, and, with the faults cleared, the same sidecar serves a streamed a
 request. The rig owns its stubs and sidecar, on OS-chosen loopback ports; a stub can be
 stopped and started again on the same port (an engine restart).
 
-Deliberate limits: an engine flavour whose stub module is not installed is skipped, not
-failed (``engine_param``); waits are bounded so a broken scenario fails instead of hanging.
+Deliberate limits: waits are bounded so a broken scenario fails instead of hanging.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.util
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
@@ -51,16 +49,11 @@ CONCURRENT: frozenset[tuple[str, str]] = frozenset({("vllm", "mooncake"), ("sgla
 SEQUENTIAL: tuple[tuple[str, str], ...] = tuple(p for p in PAIRS if p not in CONCURRENT)
 
 
-def stub_available(engine: str) -> bool:
-    return importlib.util.find_spec(f"sidecar.tools.stubs.{engine}") is not None
-
-
 def engine_param(engine: str, connector: str, *rest: Any) -> Any:
-    """A pytest param for one pair, skipped while its stub engine is not installed."""
+    """A pytest param for one pair (every pair's stub engine ships with the sidecar)."""
     return pytest.param(
         engine, connector, *rest,
         id="-".join([engine, connector, *(str(x) for x in rest if isinstance(x, str))]),
-        marks=pytest.mark.skipif(not stub_available(engine), reason=f"no {engine} stub yet"),
     )
 
 

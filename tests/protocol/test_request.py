@@ -47,10 +47,15 @@ def test_accepts_chat_and_defaults_stream_false() -> None:
 
 
 @pytest.mark.parametrize(
-    "prompt", ["text", [1, 2, 3], ["one prompt"], [[1, 2, 3]], ""]
+    ("prompt", "batch"),
+    [("text", None), ([1, 2, 3], None), (["one prompt"], None), ([[1, 2, 3]], None), ("", None),
+     (["a", "b"], ["a", "b"]), ([[1], [2, 3]], [[1], [2, 3]])],
 )
-def test_accepted_prompt_forms(prompt: object) -> None:
-    parse_client_body(_raw({**COMPLETION, "prompt": prompt}), Route.COMPLETIONS)
+def test_accepted_prompt_forms(prompt: object, batch: object) -> None:
+    request = parse_client_body(_raw({**COMPLETION, "prompt": prompt}), Route.COMPLETIONS)
+    assert request.body["prompt"] == prompt  # the client's prompt, as sent
+    assert request.batch == batch  # a batch only when several prompts are given
+    assert request.route is Route.COMPLETIONS and request.n == 1
 
 
 def test_unknown_fields_pass_through() -> None:

@@ -1,57 +1,26 @@
 """The inline KV transport over gRPC (``--kv-transport inline``): the KV cache in the stream.
 
-Prefill (``InlinePrefill``):
+    Prefill (``InlinePrefill``): metadata announced from <kv_staging_dir>/engine.json
+      ─▶ the engine's prefill (the inline dialect's body: save under key K) in a task
+      ─▶ KVBlock{layer -2: metadata} at once, then each layer's runs of pages as the
+         connector finishes it (file K/layer-l.kv + a notice, ``layer_watch``), the rest
+         once the engine answered and K/meta.json equals the announced metadata; K removed
+    Decode (``InlineDecode``): the request's wire bytes walked (``protowire``: tiles are
+      memoryviews into the request) ─▶ checked (``wire``) against <kv_staging_dir>/
+      engine.json ─▶ staged (``staging``, within max_staged_bytes) ─▶ the inline dialect's
+      decode body (load K): the engine's SidecarKVConnector loads the staged blocks
 
-    PreFillRequest ─checks─▶ metadata announced from <kv_staging_dir>/engine.json
-      ─▶ bind <kv_staging_dir>/.K.notify, then in a task: core.post_plain(POST /v1/completions
-         {"prompt": ids, "max_tokens": 1, "kv_transfer_params": <inline agent: save K>})
-      ─▶ KVBlock{layer -2: metadata}                      at once, before the engine computes
-      ─▶ KVBlock{layer l, block 0..r-1} per layer l       as the connector finishes layer l
-                                                          (file K/layer-l.kv + a notice)
-         block j a run of ``pages_per_block`` engine pages: as many as fit kv_block_bytes
-         (the metadata names the run size; meta.json and the files stay page-based)
-      ─▶ engine answered: K/meta.json must equal the announced metadata, then the layers not
-         yet sent, from their files
-      ─▶ K/ and .K.notify removed, the engine call ended (always: success, failure, cancel)
+The order, timing and every error of both directions are the contract's:
+protos/README.md ("layer_idx -2"). A notice only wakes the stream, which sends the next
+layer in order if its file is complete; lost notices merely delay layers to the engine's
+answer. The decode walks the wire bytes because a parsed 32 MiB ``DecodeRequest`` holds the
+KV in upb's arena and every read of a ``bytes`` field copies it again; walking keeps one copy.
 
-Decode (``InlineDecode``):
-
-    DecodeRequest wire bytes (registered without a protobuf deserializer)
-      ─split_decode_request─▶ head (parsed by upb: ids, tokens, limits) + blocks whose tiles
-         are memoryviews into the request (INVALID_ARGUMENT: malformed wire)
-      ─parse_entries (INVALID_ARGUMENT: missing/duplicated/malformed blocks; runs of any
-         declared size, page-sized ones of older prefill sidecars included)─▶
-      check_compatible with <kv_staging_dir>/engine.json (FAILED_PRECONDITION: other model,
-      dtype or shapes) ─StagingArea.stage (RESOURCE_EXHAUSTED over max_staged_bytes)─▶ key
-      ─▶ body {"prompt", "max_tokens", "stream": true, "kv_transfer_params": <load K>}
-      (the engine's SidecarKVConnector loads the staged blocks into the blocks vLLM allocated)
-
-How a layer is known to be complete: ``sidecar.grpc_server.inline.layer_watch`` (a Unix datagram per
-layer from the connector). A notice only wakes the stream, which then sends the next layer in
-order if its file is there (files appear under their final name only complete); lost or
-absent notices merely delay layers to the engine's answer, after which every layer not yet
-sent is read from its file. Without a usable ``engine.json`` the metadata cannot be announced:
-the stream then starts once the engine has answered, from ``meta.json``, as a whole.
-
-Why the decode wire walk: a parsed 32 MiB DecodeRequest holds the KV in upb's arena and every
-read of a ``bytes`` field copies it out again; walking the bytes grpc hands over keeps one
-copy of the KV in this process (the request) and writes the staging files straight from it.
-A ``DecodeRequest`` message is served too, by the same checks on its parsed blocks.
-
-Errors: KV over ``max_staged_bytes`` -> RESOURCE_EXHAUSTED (prefill: before the engine is
-called when ``engine.json`` is there); no ``meta.json``, a missing or wrongly sized layer
-file, a ``meta.json`` that disagrees with the announced metadata -> FAILED_PRECONDITION; an
-error after blocks were sent ends the stream with that status and no ``done``: a router never
-mistakes a partial stream for KV.
-
-Deliberate limits: one layer's blocks are held in memory at a time on the prefill side; an
-engine whose saving step is already running when the RPC is cancelled may write its files
-after they were removed (vLLM cannot abort a forward pass in progress): ``active_keys`` names
-the requests in flight, and ``sidecar.grpc_server.inline.orphans`` removes such late directories
-once
-they are old. The decode side cannot check that ``token_ids`` are the prompt the KV was
-computed from (the metadata carries no token hash); it only refuses KV of more tokens than
-the prompt has.
+Deliberate limits: one layer's blocks are in memory at a time on the prefill side; an engine
+whose saving step already runs when the RPC is cancelled may write its files after they were
+removed (a forward pass cannot be aborted): ``active_keys`` names the requests in flight and
+``orphans`` removes such late directories once old. The decode cannot check that
+``token_ids`` are the prompt the KV was computed from; it refuses KV of more tokens.
 """
 
 from __future__ import annotations
@@ -95,7 +64,7 @@ from sidecar.grpc_server.inline.wire import (
     parse_blocks,
     parse_entries,
 )
-from sidecar.grpc_server.prefill import Send, engine_target
+from sidecar.grpc_server.prefill import PrefillCall, Send, engine_target
 from sidecar.observability.metrics import Metrics
 from sidecar.protocol.context import FrontDoor, HandoffContext, Route
 from sidecar.protocol.request_id import REQUEST_ID_HEADER, request_id_or_new
@@ -116,13 +85,8 @@ class InlinePrefill:
         #: Staging keys of the Prefills in flight (the orphan sweep leaves them alone).
         self.active_keys: set[str] = set()
 
-    async def run(
-        self,
-        request: disagg_pb2.PreFillRequest,
-        scope: RequestScope,
-        time_remaining: float | None,
-        send: Send,
-    ) -> None:
+    async def run(self, call: PrefillCall) -> None:
+        request, scope, send = call.request, call.scope, call.send
         settings = self._settings
         token_ids = check_token_ids(request.token_ids)
         check_temperature(request.temperature)
@@ -142,7 +106,7 @@ class InlinePrefill:
             url=self._url,
             body=self._dialect.prefill_body(client_body, ctx),
             headers={REQUEST_ID_HEADER: request_id},
-            timeout_s=self._flow.prefill_timeout(time_remaining),
+            timeout_s=self._flow.prefill_timeout(call.time_remaining),
             trace=scope.trace,
         )
         self.active_keys.add(key)

@@ -1,0 +1,1 @@
+"""A dialect from outside the sidecar: the engine "acme", registered by an entry point only."""
