@@ -67,6 +67,14 @@ class TargetNotAllowed(SidecarError):
     default_stage = Stage.REQUEST
 
 
+class RouteNotServed(SidecarError):
+    """A prefill target was named on a route the local engine does not serve (HTTP 404)."""
+
+    code = "route_not_served"
+    http_status = 404
+    default_stage = Stage.REQUEST
+
+
 class BodyTooLarge(SidecarError):
     """The request body exceeds the configured cap (HTTP 413)."""
 

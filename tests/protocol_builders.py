@@ -27,6 +27,8 @@ D = TypeVar("D", bound=Dialect)
 #: The client-body checks of a sidecar with every registered dialect (as the runtime builds).
 BODY_CHECKS = BodyChecks(handoff_keys())
 HANDOFF_FIELDS = BODY_CHECKS.handoff_fields
+#: The two OpenAI routes, in a fixed order (tests parametrized over them).
+OPENAI_ROUTE_LIST = [Route.COMPLETIONS, Route.CHAT]
 parse_client_body = BODY_CHECKS.parse
 
 #: 2026-01-01T00:00:00Z: the instant of the vectors in docs/handoffs.md#trtllm-snowflake.

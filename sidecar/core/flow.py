@@ -98,6 +98,8 @@ class Handoff:
     fields: dict[str, Any]
     answer: dict[str, Any] | None = None
     timings: Timings = field(default_factory=Timings)
+    #: The prefill engine's answer (its usage is what the client is told: the usage rule).
+    response: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,7 +205,7 @@ class PDFlow:
         handoff_started = time.perf_counter()
         fields = self._handoff(response, ctx, leg.trace)
         timings.handoff = time.perf_counter() - handoff_started
-        return Handoff(fields, timings=timings)
+        return Handoff(fields, timings=timings, response=response)
 
     # -- both legs: the HTTP door and fan-out sub-requests ----------------------------------
 
@@ -294,11 +296,13 @@ class PDFlow:
     ) -> PDExchange:
         timings = Timings()
         fallback_reason: str | None = None
+        prefill_response: dict[str, Any] | None = None
         try:
             handoff = await self._prefill(self._leg(request, ctx), ctx, timings)
             if handoff.answer is not None:
                 return PDExchange(ctx=ctx, decode=None, answer=handoff.answer, timings=timings,
                                   owner=self)
+            prefill_response = handoff.response
             decode_body = self.dialect.decode_body(request.body, handoff.fields,
                                                    ctx.decode_rank)
         except _FALLBACK_ERRORS as error:
@@ -314,7 +318,7 @@ class PDFlow:
         decode = await self._open_decode(request, ctx, decode_body)
         timings.decode_first_byte = time.perf_counter() - decode_started
         return PDExchange(ctx=ctx, decode=decode, fallback_reason=fallback_reason,
-                          timings=timings, owner=self)
+                          timings=timings, owner=self, prefill_response=prefill_response)
 
     def _log_fallback(self, request: PDRequest, error: SidecarError) -> None:
         left_out = self._fallback_log.due()

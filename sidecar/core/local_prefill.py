@@ -7,13 +7,13 @@
 
 Prompt length:
 
-- token-id prompts: exact (the array's length);
+- token-id prompts: exact (the array's length; the generate route's ``token_ids``);
 - text and chat, ``--prompt-length-source estimate``: ``sidecar.protocol.prompt_length``
   (UTF-8 bytes / 4; README states its measured error);
 - ``tokenize``: the local engine's tokenizer endpoint, as its dialect declares it
   (``Dialect.tokenize``: a path, and whether it takes chat ``messages``; chat prompts of an
-  engine whose endpoint does not are estimated). A tokenize call that fails in any way
-  disaggregates the request (never an error), counted in
+  engine whose endpoint does not are estimated, and so are Responses and Messages prompts).
+  A tokenize call that fails in any way disaggregates the request (never an error), counted in
   ``disagg_tokenize_failures_total{reason}``: ``timeout``, ``rejected`` (4xx), ``failed``
   (unreachable, 5xx, not JSON), ``malformed_answer`` (no usable ``count``).
 
@@ -41,6 +41,7 @@ logger = logging.getLogger(__name__)
 
 _MAX_TOKENIZE_ANSWER: Final = 16 * 1024 * 1024
 _JSON_HEADERS: Final = {"Content-Type": "application/json"}
+_TOKENIZED: Final = frozenset({Route.COMPLETIONS, Route.CHAT})
 
 
 class PostLocal(Protocol):
@@ -88,7 +89,10 @@ class LocalPrefill:
         if exact is not None:
             return exact
         endpoint = self._endpoint
-        if not self._tokenize or endpoint is None or (route is Route.CHAT and not endpoint.chat):
+        # Tokenizer endpoints take a completions prompt or chat messages: the other APIs'
+        # prompts are estimated.
+        if (not self._tokenize or endpoint is None or route not in _TOKENIZED
+                or (route is Route.CHAT and not endpoint.chat)):
             return estimate_tokens(route, body)
         try:
             return await self._tokenized(endpoint, route, body)

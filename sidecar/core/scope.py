@@ -13,7 +13,7 @@
                                core opens leg spans under it and injects it into engine calls
 
 Every metric carries the front door (``http`` | ``grpc``); the ``route`` label is a closed set
-(the two OpenAI paths, the two gRPC methods). A request refused at admission is counted with
+(the PD routes' paths, the two gRPC methods). A request refused at admission is counted with
 outcome ``refused``; a stream that broke after its first byte with ``broken_stream``; a
 client that went away with ``cancelled`` (and ``client_cancelled`` in the errors). A
 background engine call that outlives the request (a gRPC Prefill whose SGLang/Mooncake prefill
@@ -56,6 +56,12 @@ FALLBACK: Final = "fallback"
 PASSTHROUGH: Final = "passthrough"
 #: A short prompt run whole on the local engine (``--local-prefill-max-tokens``).
 LOCAL_SHORT: Final = "local_short"
+#: A prefill target on a route the engine does not run as a pair: run whole on it.
+LOCAL_ROUTE: Final = "local_route"
+#: A request naming state that lives on one engine (Responses): run whole on the local one.
+LOCAL_STATE: Final = "local_state"
+#: A prefill target on a route the engine does not serve at all: refused (404).
+UNSERVED_ROUTE: Final = "unserved_route"
 
 
 @dataclass(slots=True)

@@ -42,9 +42,21 @@ from typing import Any, ClassVar, Literal, NamedTuple, Protocol, Self
 
 from pydantic import BaseModel, ConfigDict
 
-from sidecar.dialects.common import merge_top_level, prefill_base
-from sidecar.protocol.context import HandoffContext, Route
-from sidecar.protocol.sse import OPENAI_STREAM, StreamMarkers
+from sidecar.dialects.common import merge_top_level
+from sidecar.protocol.apis import api_of
+from sidecar.protocol.context import OPENAI_ROUTES, HandoffContext, Route
+from sidecar.protocol.sse import StreamMarkers
+
+
+class RouteSupport(StrEnum):
+    """What a dialect's engine does with a route a prefill target was named for."""
+
+    #: Runs as a prefill/decode pair with the engine's hand-off fields.
+    PD = "pd"
+    #: The engine serves the route, but not as a pair: the request runs whole on it.
+    LOCAL = "local"
+    #: The engine does not serve the route at all: refused (404).
+    UNSERVED = "unserved"
 
 
 class Legs(StrEnum):
@@ -147,8 +159,11 @@ class Dialect(ABC):
     drops_max_completion_tokens: ClassVar[bool] = False
     #: The engine's tokenizer endpoint, if it has one.
     tokenize: ClassVar[TokenizeEndpoint | None] = None
-    #: The routes this engine serves as prefill/decode pairs with its hand-off fields.
-    pd_routes: ClassVar[frozenset[Route]] = frozenset(Route)
+    #: The routes this engine serves as prefill/decode pairs with its hand-off fields
+    #: (README's routes table); the others run whole on the local engine, or are refused.
+    pd_routes: ClassVar[frozenset[Route]] = OPENAI_ROUTES
+    #: The routes this engine does not serve at all (refused with 404, not passed through).
+    unserved_routes: ClassVar[frozenset[Route]] = frozenset()
     #: The settings this dialect adds (None: none).
     Options: ClassVar[type[DialectOptions] | None] = None
     #: True when the dialect puts data-parallel ranks where its engine reads them.
@@ -156,6 +171,13 @@ class Dialect(ABC):
 
     def __init__(self, setup: DialectSetup) -> None:
         self.setup = setup
+
+    @classmethod
+    def route_support(cls, route: Route) -> RouteSupport:
+        """How a request on ``route`` with a prefill target runs on this engine."""
+        if route in cls.pd_routes:
+            return RouteSupport.PD
+        return RouteSupport.UNSERVED if route in cls.unserved_routes else RouteSupport.LOCAL
 
     @property
     def connector_label(self) -> str:
@@ -178,8 +200,9 @@ class Dialect(ABC):
     # -- bodies -----------------------------------------------------------------------------
 
     def prefill_body(self, client_body: Mapping[str, Any], ctx: HandoffContext) -> dict[str, Any]:
-        """The body POSTed to the prefill engine: the common rules plus this dialect's fields."""
-        body = prefill_base(
+        """The body POSTed to the prefill engine: the route's API's prefill rules plus this
+        dialect's fields."""
+        body = api_of(ctx.route).prefill_base(
             client_body, drop_max_completion_tokens=self.drops_max_completion_tokens
         )
         body.update(self.prefill_fields(ctx))
@@ -236,8 +259,9 @@ class Dialect(ABC):
         return None
 
     def stream_markers(self, route: Route) -> StreamMarkers:
-        """How this engine's stream on ``route`` ends, and how an error event in it starts."""
-        return OPENAI_STREAM
+        """How this engine's stream on ``route`` ends, and how an error event in it starts
+        (the API's markers, unless the engine's differ)."""
+        return api_of(route).markers
 
 
 def check_lane(lane: int, lanes: int, most: int) -> None:

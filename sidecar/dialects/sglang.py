@@ -13,6 +13,16 @@ Both legs also carry ``rid`` (SGLang's request id field), so the sidecar can nam
 in ``POST /abort_request`` when the client goes away or the prefill fails. The fields are set
 after the client's keys, so client-supplied bootstrap values are always overwritten.
 
+Routes (SGLang 0.5.23, ``srt/entrypoints``): completions and chat; the Responses API
+(``ResponsesRequest(PDRoutingFields)``, forwarded to the engine's generate call) and the
+Anthropic Messages API (``AnthropicMessagesRequest(PDRoutingFields)``, converted to a chat
+request with the same fields) take the three bootstrap fields at the top level too, so they
+run as pairs. The engine's request id is a per-route field: ``rid`` on the OpenAI routes,
+``request_id`` on Responses (it is also the response's id, so it keeps the ``resp_`` prefix),
+none on Messages (the conversion drops it: no abort by id there). ``/inference/v1/generate``
+is not served (SGLang's ``/generate`` is another API): refused. A Responses request naming
+stored state runs whole (SGLang forbids its response store in PD mode, and answers so).
+
 Data-parallel engines (prefill rank r of P ranks, decode rank d; SGLang 0.5.23
 ``PDRoutingFields``, and SGLang's model gateway does the same):
 
@@ -54,13 +64,18 @@ from sidecar.dialects.base import (
 )
 from sidecar.dialects.common import merge_top_level
 from sidecar.errors import ResourceExhausted, SidecarError
-from sidecar.protocol.context import FrontDoor, HandoffContext
+from sidecar.protocol.context import OPENAI_ROUTES, FrontDoor, HandoffContext, Route
 
 BOOTSTRAP_HOST: Final = "bootstrap_host"
 BOOTSTRAP_PORT: Final = "bootstrap_port"
 BOOTSTRAP_ROOM: Final = "bootstrap_room"
 #: SGLang's request id field on its OpenAI routes; ``POST /abort_request {"rid"}`` names it.
 RID: Final = "rid"
+#: The field holding the engine's request id where a route does not take ``rid`` (None: none).
+RID_FIELDS: Final[dict[Route, str | None]] = {Route.RESPONSES: "request_id",
+                                              Route.MESSAGES: None}
+#: A Responses request id is also the response's id, which the API prefixes so.
+RESPONSE_ID_PREFIX: Final = "resp_"
 ABORT_PATH: Final = "/abort_request"
 #: The data-parallel rank a request runs on (SGLang's ``routed_dp_rank``, which replaced
 #: ``data_parallel_rank``), and the prefill's rank a decode finds the KV on.
@@ -175,6 +190,8 @@ class SGLangDialect(Dialect):
     ranked = True
     handoff_keys = frozenset({BOOTSTRAP_HOST, BOOTSTRAP_PORT, BOOTSTRAP_ROOM, ROUTED_DP_RANK,
                               DISAGG_PREFILL_DP_RANK})
+    pd_routes = OPENAI_ROUTES | {Route.RESPONSES, Route.MESSAGES}
+    unserved_routes = frozenset({Route.GENERATE})
     #: SGLang's ``/v1/tokenize`` takes a completions ``prompt`` only.
     tokenize = TokenizeEndpoint("/v1/tokenize", chat=False)
     Options = SGLangOptions
@@ -227,17 +244,26 @@ class SGLangDialect(Dialect):
         room = ctx.state
         if not isinstance(room, int):
             raise SidecarError("SGLang request has no bootstrap room (begin not called)")
-        return {
+        fields: dict[str, Any] = {
             BOOTSTRAP_HOST: ctx.advertise_host,
             BOOTSTRAP_PORT: self.bootstrap_port,
             BOOTSTRAP_ROOM: room,
-            RID: request_rid(ctx.request_id, room),
         }
+        rid_field = RID_FIELDS.get(ctx.route, RID)
+        if rid_field is not None:
+            fields[rid_field] = route_rid(ctx, room)
+        return fields
 
     def abort_call(self, ctx: HandoffContext) -> tuple[str, dict[str, Any]] | None:
-        if not isinstance(ctx.state, int):
+        if not isinstance(ctx.state, int) or RID_FIELDS.get(ctx.route, RID) is None:
             return None
-        return ABORT_PATH, {RID: request_rid(ctx.request_id, ctx.state)}
+        return ABORT_PATH, {RID: route_rid(ctx, ctx.state)}
+
+
+def route_rid(ctx: HandoffContext, room: int) -> str:
+    """The engine's id of a request's legs on ``ctx.route``."""
+    rid = request_rid(ctx.request_id, room)
+    return RESPONSE_ID_PREFIX + rid if ctx.route is Route.RESPONSES else rid
 
 
 def request_rid(request_id: str, room: int) -> str:

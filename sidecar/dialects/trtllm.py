@@ -14,6 +14,12 @@ object from the context response is copied with only ``request_type`` changed (i
 e.g. ``ctx_request_id``, ``encoded_opaque_state``, ``first_gen_tokens``, stay as they are).
 Ids stay Python ints end to end, so values above 2**53 survive exactly.
 
+Routes (TensorRT-LLM's worker server, ``serve/openai_server.py``): completions and chat are
+pairs. The worker's Responses request has no ``disaggregated_params`` (its models forbid
+unknown fields) and its Anthropic adapter builds the chat request from Anthropic fields only
+(the hand-off would be dropped unannounced): both run whole on the local engine.
+``/inference/v1/generate`` is not served: refused.
+
 When the context response already finished (``answered_by_prefill``), the core returns it as
 the answer, without its ``disaggregated_params`` (``prefill_answer``).
 
@@ -148,6 +154,7 @@ class TRTLLMDialect(Dialect):
     )
 
     handoff_keys = frozenset({DISAGGREGATED_PARAMS})
+    unserved_routes = frozenset({Route.GENERATE})
     #: TRT-LLM's ``CompletionRequest.detokenize``: false streams token ids and empty text (its
     #: request models forbid unknown keys, so it gets only this one).
     token_id_fields = MappingProxyType({"detokenize": False})

@@ -22,6 +22,9 @@ both answer shapes vLLM has shipped:
     {"<dp_rank>": {"engine_id": E, "worker_addr": {...}, ...}, ...}     (dict[int, EngineEntry])
     {"<E>": {"<dp_rank>": {"<tp_rank>": {"<pp_rank>": addr}}}, ...}    (dict[EngineId, ...])
 
+Routes: as NIXL's (``vllm_nixl``): every route takes ``kv_transfer_params`` at the top level
+(recorded on Responses, Messages and generate, vLLM 0.32).
+
 Data-parallel prefill engines (one API server, one bootstrap server for every rank; vLLM
 0.32.0's recorded answer ``{"0": {"engine_id": "<id>_dp0", ...}, "1": {"engine_id":
 "<id>_dp1", ...}}``): the prefill leg goes to rank r by the vLLM header, and the decode names
@@ -54,7 +57,7 @@ from sidecar.dialects.base import (
 )
 from sidecar.dialects.vllm import KV_TRANSFER_PARAMS, VLLMDialect
 from sidecar.errors import InvalidHandoff, SidecarError, Stage
-from sidecar.protocol.context import HandoffContext
+from sidecar.protocol.context import HandoffContext, Route
 from sidecar.protocol.hostfmt import http_url
 
 ENGINE_ID: Final = "engine_id"
@@ -184,6 +187,7 @@ class MooncakeDialect(VLLMDialect):
 
     connector = "mooncake"
     legs = Legs.CONCURRENT
+    pd_routes = frozenset(Route)
     looks_up = True
     checked_against = (
         "vLLM main (2026 snapshot) MooncakeConnector (transfer_id, remote_bootstrap_addr, "

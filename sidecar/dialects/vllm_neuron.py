@@ -5,6 +5,9 @@ docs/handoffs.md#neuron-nixl: the prefill body gets nothing; the decode body get
 ``kv_transfer_params`` and no ``remote_host`` rewrite: Neuron's connector finds what it needs
 inside that object.
 
+Routes: completions and chat only (the connector reads a completions answer); every other
+route runs whole on the local engine.
+
 Deliberate limits: the response is passed as received (not copied, never modified); its
 content is not validated here because the Neuron connector owns its meaning.
 """

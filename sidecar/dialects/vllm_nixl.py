@@ -13,6 +13,11 @@ is wrong across pods; the prefill pod's address replaces it. Every other key (``
 ``dcp_size``, ``remote_num_tokens``, nested ``remote_block_ids``, keys of future versions)
 passes through untouched and in its order.
 
+Routes (vLLM 0.32, ``tests/fixtures/vllm/0.32.0/routes``): completions, chat, Responses,
+Messages and ``/inference/v1/generate`` (with ``--enable-scale-out``) all take
+``kv_transfer_params`` at the top level of the request and answer it at the top level of
+the prefill's JSON, so every route is a pair with the same hand-off.
+
 Deliberate limits: a response without usable params is an ``InvalidHandoff``, never a decode
 without them (vLLM would silently recompute the whole prompt). Builds from before
 ``remote_request_id`` existed are therefore refused.
@@ -26,7 +31,7 @@ from typing import Any
 from sidecar import jsonutil
 from sidecar.dialects.vllm import KV_TRANSFER_PARAMS, VLLMDialect
 from sidecar.errors import InvalidHandoff
-from sidecar.protocol.context import HandoffContext
+from sidecar.protocol.context import HandoffContext, Route
 
 REMOTE_HOST = "remote_host"
 
@@ -45,6 +50,7 @@ class NixlPullDialect(VLLMDialect):
     """Sequential NIXL hand-off: a skeleton on prefill, the engine's params on decode."""
 
     connector = "shfs"
+    pd_routes = frozenset(Route)
     checked_against = (
         "vLLM main (2026 snapshot) NixlConnector.request_finished "
         "(remote_request_id, tp_size, remote_num_tokens, ...)"

@@ -1,7 +1,9 @@
 """The aiohttp application factory of the HTTP front door.
 
     build_http_app(runtime) ─▶ web.Application
-        POST /v1/completions, /v1/chat/completions  -> PD flow (pd.py)
+        POST /v1/completions, /v1/chat/completions,
+             /v1/responses, /v1/messages,
+             /inference/v1/generate                 -> PD flow (pd.py; every ``Route``)
         GET /health, /ready, /metrics               -> operations (ops.py); /metrics only
                                                        without --metrics-port (there, it is
                                                        the engine's, passed through)

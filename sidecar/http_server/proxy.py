@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterable, AsyncIterator
 
 from aiohttp import StreamReader, web
 
@@ -51,23 +51,32 @@ async def _limited_body(
         yield chunk
 
 
+async def _once(raw: bytes) -> AsyncIterator[bytes]:
+    yield raw
+
+
 async def proxy_to_engine(
-    request: web.Request, calls: EngineCalls, request_id: str
+    request: web.Request, calls: EngineCalls, request_id: str, raw: bytes | None = None
 ) -> web.StreamResponse:
-    """Forward ``request`` to the local engine and stream its answer back."""
+    """Forward ``request`` to the local engine and stream its answer back; ``raw``: its body,
+    when the front door has read it already."""
     headers = forwardable_headers(request.headers.items())
     headers[REQUEST_ID_HEADER] = request_id
     settings = request.app[RUNTIME].settings
     max_bytes = settings.max_body_bytes
+    length = request.content_length
     response: web.StreamResponse | None = None
     try:
         if request.content_length is not None and request.content_length > max_bytes:
             raise BodyTooLarge(f"request body exceeds {max_bytes} bytes")
-        body = (_limited_body(request.content, max_bytes, settings.client_body_timeout_s)
-                if request.body_exists else None)
+        body: AsyncIterable[bytes] | None
+        if raw is not None:  # read (and held to the limits) by the front door already
+            body, length = _once(raw), len(raw)
+        else:
+            body = (_limited_body(request.content, max_bytes, settings.client_body_timeout_s)
+                    if request.body_exists else None)
         upstream = await calls.passthrough(
-            request.method, request.rel_url.raw_path_qs, list(headers.items()), body,
-            request.content_length,
+            request.method, request.rel_url.raw_path_qs, list(headers.items()), body, length,
         )
         async with upstream:
             response = web.StreamResponse(

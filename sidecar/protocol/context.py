@@ -15,10 +15,21 @@ from sidecar.protocol.hostfmt import url_host
 
 
 class Route(StrEnum):
-    """The OpenAI routes that run as prefill/decode pairs."""
+    """The HTTP routes that may run as prefill/decode pairs (each API's rules:
+    ``sidecar.protocol.apis``; which ones an engine runs so: ``Dialect.pd_routes``)."""
 
     COMPLETIONS = "/v1/completions"
     CHAT = "/v1/chat/completions"
+    #: The OpenAI Responses API.
+    RESPONSES = "/v1/responses"
+    #: The Anthropic Messages API.
+    MESSAGES = "/v1/messages"
+    #: Token ids in, token ids out (an engine serves it only when started to).
+    GENERATE = "/inference/v1/generate"
+
+
+#: The two OpenAI routes every engine serves (and the only ones that fan out).
+OPENAI_ROUTES: frozenset[Route] = frozenset({Route.COMPLETIONS, Route.CHAT})
 
 
 class PrefillTarget(NamedTuple):

@@ -90,6 +90,10 @@ class StubConfig:
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
     tls_client_ca_file: str | None = None
+    # vLLM --enable-prompt-tokens-details: usage reports the prefix cache's figures.
+    prompt_tokens_details: bool = False
+    # vLLM --enable-scale-out: /inference/v1/generate is served (else 403, as vLLM 0.32).
+    scale_out: bool = True
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:

@@ -168,9 +168,10 @@ class NixlHolder:
         self.pulled = 0
 
     def issue(self, request_id: str, digest: int, num_tokens: int, port: int,
-              engine_id: str | None = None) -> dict[str, Any]:
+              engine_id: str | None = None, cached_tokens: int = 0) -> dict[str, Any]:
         """Hold this prompt's blocks; the ``kv_transfer_params`` the prefill answers
-        (``engine_id``: the holding data-parallel rank's, None: the engine's own)."""
+        (``engine_id``: the holding data-parallel rank's, None: the engine's own;
+        ``cached_tokens``: the prefill's own prefix-cache hits, which vLLM 0.32 hands on)."""
         self._expire()
         block_ids = [self.blocks.allocate(num_tokens)]
         expires = time.monotonic() + self.config.kv_lease_s
@@ -190,7 +191,7 @@ class NixlHolder:
             # vLLM 0.32.0 answers null here in pull mode (tests/fixtures/vllm/0.32.0).
             "remote_blocks_expiry_time": None,
             "transfer_mode": "pull",
-            "remote_prefill_cached_tokens": 0,
+            "remote_prefill_cached_tokens": cached_tokens,
         }
 
     def take(self, request_id: str) -> dict[str, Any] | None:

@@ -16,6 +16,13 @@ rendezvous (a fault switch, ``no_handoff``) leaves its decode waiting until the 
 as the real engines do. ``POST /abort_request {"rid", "abort_all"}`` (200, empty body)
 ends a waiting request with finish_reason ``abort``.
 
+The Responses and Messages routes (``/v1/responses``, ``/v1/messages``) rendezvous the same
+way (SGLang 0.5.23 reads the bootstrap fields at their top level); a Responses request's
+engine id is its ``request_id`` (its ``rid`` elsewhere), and one naming stored state answers
+400 (SGLang refuses its response store in PD mode). ``/inference/v1/generate`` is not
+served (404). Their events are SGLang's: ``type`` first; a failed Responses stream ends with
+``response.failed``, a failed Messages stream with ``error`` then ``message_stop``.
+
 ``/generate`` shapes: ``{"text", "output_ids", "meta_info": {"id", "finish_reason":
 {"type": "length", "length": n}, "prompt_tokens", "completion_tokens", "cached_tokens",
 "e2e_latency"}}``; streamed as ``data:`` events with cumulative text and ids, then
@@ -37,6 +44,7 @@ comes from the body's ``rid``, else ``X-Request-Id``, else a fresh uuid.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
@@ -46,7 +54,8 @@ from typing import TYPE_CHECKING, Any, Final, TypeVar
 import aiohttp
 from aiohttp import web
 
-from sidecar.tools.stubs import handoff, openai, shapes, textgen
+from sidecar.tools.stubs import apis, handoff, openai, shapes, textgen
+from sidecar.tools.stubs.apis import ApiAnswer, CacheFigures
 from sidecar.tools.stubs.faults import FaultKind
 from sidecar.tools.stubs.openai import BadRequest
 from sidecar.tools.stubs.replies import SSE_DONE, JsonReply, Reply, StreamReply, json_response, sse
@@ -94,8 +103,14 @@ class _Prompt:
     stream: bool
 
 
+_STORE_DISABLED: Final = ("Response store is disabled. Stateful Responses require "
+                          "--enable-response-store on a standalone server; response storage "
+                          "is unavailable in PD mode.")
+
+
 class SglangEngine:
-    inference_paths: frozenset[str] = frozenset({GENERATE, COMPLETIONS, CHAT})
+    inference_paths: frozenset[str] = frozenset({GENERATE, COMPLETIONS, CHAT, apis.RESPONSES,
+                                                 apis.MESSAGES})
 
     def __init__(self, stub: Stub) -> None:
         self.stub = stub
@@ -112,6 +127,9 @@ class SglangEngine:
     def add_routes(self, app: web.Application) -> None:
         app.router.add_post(GENERATE, self.stub.route(self._generate))
         self.stub.add_openai_routes(app, self._openai, self._models)
+        for kind in ("responses", "messages"):
+            app.router.add_post(apis.API_PATHS[kind],
+                                self.stub.route(functools.partial(self._openai, kind=kind)))
         app.router.add_post("/abort_request", self._abort_request)
         app.router.add_get("/health_generate", self._health_generate)
         app.router.add_post("/v1/tokenize", self.stub.route(self._tokenize))
@@ -245,7 +263,7 @@ class SglangEngine:
     # -- request handling --------------------------------------------------------------
 
     def _rid(self, request: web.Request, body: dict[str, Any]) -> str:
-        rid = body.get("rid")
+        rid = body.get("request_id" if request.path == apis.RESPONSES else "rid")
         if isinstance(rid, str) and rid:
             return rid
         return request.headers.get("X-Request-Id") or uuid.uuid4().hex
@@ -465,6 +483,8 @@ class SglangEngine:
 
     async def _openai(self, request: web.Request, *, kind: str) -> Reply:
         body = request_json(request)
+        if kind in apis.API_PATHS:
+            return await self._api(request, body, kind)
         gen = openai.parse(body, kind, self.config)
         rid = self._rid(request, gen.body)
         prompt = _Prompt(gen.prompt_ids, gen.digest, gen.max_tokens, gen.ignore_eos, gen.stream)
@@ -486,6 +506,33 @@ class SglangEngine:
             )
         await openai.wait_tokens(self.config, len(tokens))
         return JsonReply(openai.render_body(gen, rendering, tokens, finish))
+
+    async def _api(self, request: web.Request, body: Any, kind: str) -> Reply:
+        gen = apis.parse_api(body, kind, self.config)
+        if kind == "responses" and (gen.body.get("previous_response_id") is not None
+                                    or gen.body.get("background") is True):
+            raise BadRequest(_STORE_DISABLED)
+        rid = self._rid(request, gen.body)
+        prompt = _Prompt(gen.prompt_ids, gen.digest, gen.max_tokens, gen.ignore_eos, gen.stream)
+        result = await self._run(request, gen.body, rid, prompt)
+        if isinstance(result, JsonReply):
+            return result
+        tokens, finish = result
+        usage = apis.api_usage(kind, len(gen.prompt_ids), len(tokens), CacheFigures(), False)
+        answer = ApiAnswer(gen, rid, tokens, finish, usage, "sglang")
+        if gen.stream:
+            self.running += 1
+            return StreamReply(self._counted(apis.EVENTS[kind](answer, self.config)),
+                               failure=apis.stream_failure(kind, "sglang"))
+        await openai.wait_tokens(self.config, len(tokens))
+        return JsonReply(apis.BODIES[kind](answer))
+
+    async def _counted(self, events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        try:
+            async for event in events:
+                yield event
+        finally:
+            self._done()
 
     def _done(self) -> None:
         self.running -= 1

@@ -22,6 +22,11 @@ server places a request on its next rank in turn, and the context server names i
 ``ctx_dp_rank`` (covered by the opaque state: a generation request whose ``ctx_dp_rank`` was
 changed is a mismatch).
 
+``/v1/responses`` and ``/v1/messages`` are served whole, never as pairs (as TensorRT-LLM's
+worker server: its Responses model forbids unknown fields, so ``disaggregated_params`` is a
+400; its Anthropic adapter builds the chat request from Anthropic fields only, so the same
+field is accepted and dropped); ``/inference/v1/generate`` is not served (404).
+
 Deliberate limits: only the request fields clients send in practice are modelled (any other
 is refused like an unknown one); the opaque state is not TRT-LLM's real encoding, only its
 role (opaque, base64, tied to the context request).
@@ -39,7 +44,8 @@ from typing import TYPE_CHECKING, Any, Final
 from aiohttp import web
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError
 
-from sidecar.tools.stubs import openai, shapes, textgen
+from sidecar.tools.stubs import apis, openai, shapes, textgen
+from sidecar.tools.stubs.apis import ApiAnswer, CacheFigures
 from sidecar.tools.stubs.faults import FaultKind
 from sidecar.tools.stubs.openai import BadRequest, GenRequest
 from sidecar.tools.stubs.replies import JsonReply, Reply, StreamReply
@@ -144,12 +150,26 @@ class ChatCompletionRequest(_Sampling):
     prompt_token_ids: list[int] | None = None
 
 
+class ResponsesRequest(_Strict):
+    model: str
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    stream: bool | None = False
+    store: bool | None = True
+    temperature: float | None = None
+    top_p: float | None = None
+    user: str | None = None
+    metadata: dict[str, Any] | None = None
+
+
 def _error_type(status: int) -> str:
     return "BadRequestError" if status < 500 else "InternalServerError"
 
 
 class TrtllmEngine:
-    inference_paths: frozenset[str] = frozenset({COMPLETIONS, CHAT})
+    inference_paths: frozenset[str] = frozenset({COMPLETIONS, CHAT, apis.RESPONSES,
+                                                 apis.MESSAGES})
 
     def __init__(self, stub: Stub) -> None:
         self.stub = stub
@@ -160,6 +180,8 @@ class TrtllmEngine:
 
     def add_routes(self, app: web.Application) -> None:
         self.stub.add_openai_routes(app, self._generate, self._models)
+        app.router.add_post(apis.RESPONSES, self.stub.route(self._responses))
+        app.router.add_post(apis.MESSAGES, self.stub.route(self._messages))
 
     def add_bootstrap_routes(self, app: web.Application) -> None:
         return None
@@ -281,6 +303,42 @@ class TrtllmEngine:
         rendering.choice_extra = {"disaggregated_params": None}
         rendering.top_extra = {"prompt_token_ids": None}
         return await self._finish(gen, rendering, tokens, finish)
+
+    async def _responses(self, request: web.Request) -> Reply:
+        body = request_json(request)
+        try:
+            ResponsesRequest.model_validate(body)
+        except ValidationError as exc:
+            raise BadRequest(str(exc)) from None
+        return await self._whole(request, body, "responses")
+
+    async def _messages(self, request: web.Request) -> Reply:
+        body = request_json(request)
+        if isinstance(body, dict):
+            # The Anthropic adapter reads Anthropic fields only: anything else is dropped.
+            body = {k: v for k, v in body.items() if k != "disaggregated_params"}
+        return await self._whole(request, body, "messages")
+
+    async def _whole(self, request: web.Request, body: Any, kind: str) -> Reply:
+        """A Responses or Messages request, run whole (a local verdict is recorded)."""
+        gen = apis.parse_api(body, kind, self.config)
+        response_id = f"resp_{uuid.uuid4().hex}" if kind == "responses" else (
+            f"msg_{uuid.uuid4().hex}")
+        if self.config.role == "decode":
+            self.stub.recorder.decide(request.path, response_id, PrefillKind.LOCAL.value,
+                                      "no_handoff")
+        tokens, finish = textgen.generate(gen.digest, gen.max_tokens, PrefillKind.LOCAL,
+                                          eos_rate=self.config.eos_rate,
+                                          ignore_eos=gen.ignore_eos)
+        self.prompt_tokens += len(gen.prompt_ids)
+        self.generation_tokens += len(tokens)
+        usage = apis.api_usage(kind, len(gen.prompt_ids), len(tokens), CacheFigures(), False)
+        answer = ApiAnswer(gen, response_id, tokens, finish, usage, "trtllm")
+        if gen.stream:
+            return StreamReply(apis.EVENTS[kind](answer, self.config),
+                               failure=apis.stream_failure(kind, "trtllm"))
+        await openai.wait_tokens(self.config, len(tokens))
+        return JsonReply(apis.BODIES[kind](answer))
 
     async def _finish(
         self, gen: GenRequest, rendering: openai.Rendering, tokens: list[int], finish: str

@@ -130,7 +130,8 @@ class NixlConnector:
         if finish != "length" or (fault is not None and fault.kind is FaultKind.NO_HANDOFF):
             return None
         return self.holder.issue(request_id, gen.digest, len(gen.prompt_ids), self.stub.port,
-                                 self.stub.ranks.engine_id(self.stub.engine_id, rank))
+                                 self.stub.ranks.engine_id(self.stub.engine_id, rank),
+                                 int(gen.extra.get("cached_tokens", 0)))
 
     async def check_handoff(self, gen: GenRequest) -> Verdict | None:
         cfg = self.stub.config
