@@ -18,8 +18,9 @@ ARG PYTHON_IMAGE=python:3.11-slim
 
 FROM ${PYTHON_IMAGE} AS build
 # Optional extras of the package to install: "k8s" brings the Kubernetes client that the
-# prefill allowlist's Kubernetes mode (a pod label selector) needs. Empty: none.
-ARG SIDECAR_EXTRAS=k8s
+# prefill allowlist's Kubernetes mode (a pod label selector) needs; "tracing" the
+# OpenTelemetry SDK and OTLP exporters (--otlp-endpoint). Empty: none.
+ARG SIDECAR_EXTRAS=k8s,tracing
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONDONTWRITEBYTECODE=1

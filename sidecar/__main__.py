@@ -42,13 +42,19 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     configure_logging(loaded.settings.log_level, loaded.settings.log_format)
     log_effective_settings(loaded, logger)
-    if loaded.settings.workers > 1:
-        from sidecar.workers.supervisor import supervise
+    from sidecar.workers.ports import PortInUse
 
-        return run_async(supervise(loaded.settings))
-    from sidecar.serve import serve_until_signalled
+    try:
+        if loaded.settings.workers > 1:
+            from sidecar.workers.supervisor import supervise
 
-    return run_async(serve_until_signalled(loaded.settings))
+            return run_async(supervise(loaded.settings))
+        from sidecar.serve import serve_until_signalled
+
+        return run_async(serve_until_signalled(loaded.settings))
+    except PortInUse as exc:
+        print(f"disagg-sidecar: cannot listen: {exc}", file=sys.stderr)
+        return 2
 
 
 def _demo(args: argparse.Namespace) -> int:

@@ -64,6 +64,14 @@ class TargetNotAllowed(SidecarError):
     default_stage = Stage.REQUEST
 
 
+class RouteNotServed(SidecarError):
+    """A prefill target was named on a route the local engine does not serve (HTTP 404)."""
+
+    code = "route_not_served"
+    http_status = 404
+    default_stage = Stage.REQUEST
+
+
 class BodyTooLarge(SidecarError):
     """The request body exceeds the configured cap (HTTP 413)."""
 
@@ -86,11 +94,28 @@ class PrefillFailed(SidecarError):
     code = "prefill_failed"
     http_status = 502
     default_stage = Stage.PREFILL
+    #: The failure shows the engine unhealthy (5xx, reset, garbage, unreachable); False for
+    #: an answer about the request itself (a 4xx) or a busy engine (429). Targets' circuit
+    #: breakers count only the former.
+    engine_fault: bool = True
 
 
-class PrefillUnreachable(PrefillFailed):
-    """The prefill engine refused the connection: it never saw the request (retryable). The
-    same code and statuses as ``PrefillFailed``; the core moves the prefill to another target."""
+class PrefillNotRun(PrefillFailed):
+    """The prefill engine provably did no work on the request: the core may move it once to
+    another target. The same code and statuses as ``PrefillFailed``."""
+
+
+class PrefillUnreachable(PrefillNotRun):
+    """The prefill engine refused the connection, or did not accept it in time: it never saw
+    the request (retryable)."""
+
+
+class PrefillBusy(PrefillNotRun):
+    """The prefill engine answered 503 or 429, before any token (retryable)."""
+
+
+class PrefillBreakerOpen(PrefillNotRun):
+    """The target's circuit breaker is open: nothing was sent to it (retryable)."""
 
 
 class EngineRejected(SidecarError):

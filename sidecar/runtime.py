@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -34,10 +35,11 @@ from sidecar.http1 import EngineClient
 from sidecar.observability.metrics import Metrics, pool_metrics_dir
 from sidecar.observability.otlp import start_tracing
 from sidecar.observability.tracing import NoTracing, Tracing
-from sidecar.protocol.context import FrontDoor
+from sidecar.protocol.context import FrontDoor, PrefillTarget
 from sidecar.protocol.request import BodyChecks
 from sidecar.targets.allowlist import Allowlist
-from sidecar.targets.choice import TargetChoice
+from sidecar.targets.breaker import CircuitBreakers
+from sidecar.targets.choice import HEADER_LABEL, TargetChoice
 from sidecar.targets.selector import AllowlistLike, TargetSelector, parse_prefill_url
 from sidecar.workers.identity import INFLIGHT_FILE, SOLO, WorkerIdentity
 from sidecar.workers.shared_inflight import InflightSlots
@@ -80,6 +82,19 @@ class Runtime:
             await self.grpc_flow.close()
 
 
+def _literal_members(pool: list[PrefillTarget]) -> list[PrefillTarget]:
+    """The pool entries written as IP literals, as the selector resolves them: labelled by
+    their address from the start (a name is labelled by the address it resolves to, once)."""
+    members = []
+    for target in pool:
+        try:
+            address = ipaddress.ip_address(target.host)
+        except ValueError:
+            continue
+        members.append(PrefillTarget(str(address), target.port, target.scheme))
+    return members
+
+
 def _admission(settings: Settings, worker: WorkerIdentity) -> Admission:
     """The in-flight bound: this process's, or (in a pool) the whole pool's."""
     if not worker.pooled or worker.run_dir is None:
@@ -88,8 +103,17 @@ def _admission(settings: Settings, worker: WorkerIdentity) -> Admission:
     return Admission(settings.max_inflight, slots)
 
 
+def data_parallel_ranks(settings: Settings, ranked: bool) -> tuple[int, int]:
+    """The data-parallel sizes the flow chooses ranks from (local, prefill): the configured
+    ones, or one each for a dialect whose engine places requests on its ranks itself."""
+    if not ranked:
+        return 1, 1
+    local = settings.data_parallel_size
+    return local, settings.prefill_data_parallel_size or local
+
+
 def _flows(settings: Settings, metrics: Metrics, calls: EngineCalls,
-           setup: DialectSetup) -> tuple[PDFlow, PDFlow]:
+           setup: DialectSetup, health: EngineHealth) -> tuple[PDFlow, PDFlow]:
     """The HTTP door's flow and the gRPC door's (the same one but for the inline transport)."""
     dialect = dialect_class(settings.engine, settings.kv_connector)(setup)
     fallbacks = metrics.prefill_fallbacks
@@ -111,7 +135,8 @@ def _flows(settings: Settings, metrics: Metrics, calls: EngineCalls,
     def flow(of: Dialect) -> PDFlow:
         return PDFlow(of, calls, prefill_timeout_s=settings.prefill_timeout_s,
                       on_prefill_failure=settings.on_prefill_failure, local_prefill=local,
-                      counters=counters)
+                      counters=counters, local_engine=health,
+                      local_ranks=setup.local_ranks, prefill_ranks=setup.prefill_ranks)
 
     http_flow = flow(dialect)
     if settings.kv_transport is not KVTransport.INLINE:
@@ -132,15 +157,36 @@ async def open_runtime(
         admission = _admission(settings, worker)
         pool = [parse_prefill_url(url) for url in settings.prefill_urls]
         # One view of the prefill targets for the whole process: both front doors' legs count.
-        choice = TargetChoice(cooldown_s=settings.prefill_cooldown_s)
+        breaker_states = metrics.prefill_breaker_state
+
+        def breaker_changed(target: PrefillTarget, *_: object) -> None:
+            label = choice.label(target)
+            metrics.labelled(breaker_states, label).set(choice.breaker_state(label))
+
+        breakers = CircuitBreakers(
+            failures=settings.prefill_breaker_failures, open_s=settings.prefill_breaker_open_s,
+            successes=settings.prefill_breaker_successes, on_change=breaker_changed,
+        )
+        choice = TargetChoice(cooldown_s=settings.prefill_cooldown_s,
+                              pool=_literal_members(pool), breakers=breakers)
+        if choice.breakers is not None:
+            for label in {HEADER_LABEL, *(choice.label(t) for t in pool)}:
+                metrics.labelled(breaker_states, label).set(0)
         legs = metrics.prefill_legs
         calls = EngineCalls(
             session, settings.engine_url, connect_timeout_s=settings.connect_timeout_s,
             max_prefill_response_bytes=settings.max_prefill_response_bytes, choice=choice,
             on_prefill_leg=lambda target, outcome: metrics.labelled(legs, target, outcome).inc(),
+            on_rank_leg=lambda leg, rank, outcome: metrics.labelled(
+                metrics.rank_legs, leg, str(rank), outcome).inc(),
         )
-        setup = DialectSetup(settings, lane=worker.index, lanes=worker.count, lookup=calls)
-        http_flow, grpc_flow = _flows(settings, metrics, calls, setup)
+        # Each worker of a pool draws ids from its own lane (the dialects' id sources).
+        local_ranks, prefill_ranks = data_parallel_ranks(
+            settings, dialect_class(settings.engine, settings.kv_connector).ranked)
+        setup = DialectSetup(settings, lane=worker.index, lanes=worker.count, lookup=calls,
+                             local_ranks=local_ranks, prefill_ranks=prefill_ranks)
+        health = EngineHealth(session, settings.engine_url, timeout_s=settings.connect_timeout_s)
+        http_flow, grpc_flow = _flows(settings, metrics, calls, setup, health)
         dialect = http_flow.dialect
 
         def scopes(front_door: FrontDoor) -> Scopes:
@@ -171,7 +217,7 @@ async def open_runtime(
             grpc_scopes=scopes(FrontDoor.GRPC),
             selector=selector,
             admission=admission,
-            health=EngineHealth(session, settings.engine_url, timeout_s=settings.connect_timeout_s),
+            health=health,
             worker=worker,
             tracing=tracing,
             body_checks=BodyChecks(handoff_keys()),

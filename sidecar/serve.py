@@ -3,18 +3,24 @@
     open_runtime ─▶ HTTP (aiohttp AppRunner) + gRPC (grpc.aio) + engine health watcher
     SIGTERM ─▶ not ready, refuse new requests ─▶ wait for in-flight (grace) ─▶ stop ─▶ exit 0
 
-TLS (tls_cert_file and tls_key_file): HTTPS and gRPC TLS from one ``ReloadingServerTLS``,
-whose reload task runs while serving. ``--port 0`` / ``--grpc-port 0``: the OS chooses; the
-bound ports are logged and written to ``--ports-file`` as JSON once both servers listen.
-With ``--workers N`` this runs in each worker process (``sidecar.workers``): the HTTP sites
-bind with SO_REUSEPORT (grpcio sets it on Linux by default), so every worker listens on the
-same ports and the kernel spreads connections.
+With tls_cert_file and tls_key_file the HTTP port serves HTTPS and the gRPC port TLS, from one
+``sidecar.tls.ReloadingServerTLS`` whose reload task runs while serving.
+
+``--port 0`` / ``--grpc-port 0`` let the OS choose; the bound ports are logged and, with
+``--ports-file``, written as JSON once both servers listen (tests and scripts read it).
+
+With ``--workers N`` (N > 1) this runs in each worker process (``sidecar.workers``), given the
+worker's identity: the HTTP sites bind with SO_REUSEPORT so every worker listens on the same
+ports (and the gRPC server, which sets it then) and the kernel spreads connections. Only
+those workers share a port: a lone process binds without SO_REUSEPORT, and any port another
+program holds stops start-up with one line (``PortInUse``; the supervisor checks for a pool).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import gc
 import logging
 import signal
@@ -26,6 +32,7 @@ from typing import Any
 from aiohttp import web
 
 from sidecar import jsonutil
+from sidecar.config.loader import flag_for
 from sidecar.config.settings import Settings
 from sidecar.grpc_server.server import start_grpc_server
 from sidecar.http_server.aiohttp_private import HeadTimeoutAppRunner
@@ -35,6 +42,7 @@ from sidecar.http_server.ops import metrics as metrics_endpoint
 from sidecar.runtime import open_runtime
 from sidecar.tls import ReloadingServerTLS
 from sidecar.workers.identity import SOLO, WorkerIdentity
+from sidecar.workers.ports import PortInUse, check_free
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +59,22 @@ def _write_ports_file(path: str, ports: dict[str, int]) -> None:
     partial = target.with_name(target.name + ".partial")
     partial.write_bytes(jsonutil.dumps(ports))
     partial.replace(target)
+
+
+def listened_ports(settings: Settings) -> list[tuple[str, int]]:
+    """The flag and the port of every listener ``settings`` asks for."""
+    names = ["port"]
+    if settings.grpc_enabled:
+        names.append("grpc_port")
+    if settings.metrics_port is not None:
+        names.append("metrics_port")
+    return [(flag_for(name), getattr(settings, name)) for name in names]
+
+
+def check_ports_free(settings: Settings) -> None:
+    """``PortInUse`` naming the first port another program holds."""
+    for flag, port in listened_ports(settings):
+        check_free(settings.host, port, flag)
 
 
 def server_tls(settings: Settings) -> ReloadingServerTLS | None:
@@ -81,7 +105,13 @@ async def _start_site(
     await runner.setup()
     site = web.TCPSite(runner, host, port, reuse_address=True, reuse_port=reuse_port or None,
                        ssl_context=ssl_context)
-    await site.start()
+    try:
+        await site.start()
+    except OSError as exc:
+        await runner.cleanup()
+        if exc.errno == errno.EADDRINUSE:  # taken since the check: the same one line
+            raise PortInUse(f"{host}:{port} is in use by another program") from None
+        raise
     return runner
 
 
@@ -97,6 +127,8 @@ async def run_server(
     certificate (default ``server_tls(settings)``, reloaded by a task while serving);
     ``worker``: this process's place in a pool."""
     tls = tls if tls is not None else server_tls(settings)
+    if not worker.pooled:  # a pool's supervisor checked, and holds them for its workers
+        check_ports_free(settings)
     async with open_runtime(settings, worker=worker) as runtime:
         http_runner = await _start_site(
             build_http_app(runtime), settings.host, settings.port,

@@ -139,6 +139,8 @@ class DecodeCall:
     route: Route
     body: Any  # a JSON body (gRPC Decode may send bytes)
     headers: Mapping[str, str]
+    #: The local engine's data-parallel rank it ran on (None: one rank).
+    rank: int | None = None
 
 
 #: A scripted outcome: an answer, an error to raise, or a future the test resolves.
@@ -221,8 +223,9 @@ class FakeCalls:
 
     async def open_decode(self, route: Route, body: Mapping[str, Any] | bytes,
                           headers: Mapping[str, str],
-                          trace: RequestTrace = NOOP_TRACE) -> UpstreamResponse:
-        self.decodes.append(DecodeCall(route, body, headers))
+                          trace: RequestTrace = NOOP_TRACE,
+                          rank: int | None = None) -> UpstreamResponse:
+        self.decodes.append(DecodeCall(route, body, headers, rank))
         self._called.set()
         response = await self._resolve("decode", self._decode, self.cancelled)
         return cast(UpstreamResponse, response)

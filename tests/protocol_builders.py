@@ -27,6 +27,8 @@ D = TypeVar("D", bound=Dialect)
 #: The client-body checks of a sidecar with every registered dialect (as the runtime builds).
 BODY_CHECKS = BodyChecks(handoff_keys())
 HANDOFF_FIELDS = BODY_CHECKS.handoff_fields
+#: The two OpenAI routes, in a fixed order (tests parametrized over them).
+OPENAI_ROUTE_LIST = [Route.COMPLETIONS, Route.CHAT]
 parse_client_body = BODY_CHECKS.parse
 
 #: 2026-01-01T00:00:00Z: the instant of the vectors in docs/handoffs.md#trtllm-snowflake.
@@ -41,6 +43,8 @@ def make_ctx(
     advertise_host: str | None = None,
     state: Any = None,
     front_door: FrontDoor = FrontDoor.HTTP,
+    prefill_rank: int | None = None,
+    decode_rank: int | None = None,
 ) -> HandoffContext:
     return HandoffContext(
         route=route,
@@ -49,14 +53,19 @@ def make_ctx(
         advertise_host=advertise_host or host,
         front_door=front_door,
         state=state,
+        prefill_rank=prefill_rank,
+        decode_rank=decode_rank,
     )
 
 
 def make_dialect(cls: type[D], *, lookup: EngineLookup | None = None, lane: int = 0,
-                 lanes: int = 1, **options: Any) -> D:
-    """A dialect built from settings carrying ``options`` (e.g. sglang_bootstrap_port)."""
+                 lanes: int = 1, local_ranks: int = 1, prefill_ranks: int = 1,
+                 **options: Any) -> D:
+    """A dialect built from settings carrying ``options`` (e.g. sglang_bootstrap_port), for
+    engines of ``local_ranks`` and ``prefill_ranks`` data-parallel ranks."""
     settings = Settings.model_validate(options)
-    return cls(DialectSetup(settings, lane=lane, lanes=lanes, lookup=lookup))
+    return cls(DialectSetup(settings, lane=lane, lanes=lanes, lookup=lookup,
+                            local_ranks=local_ranks, prefill_ranks=prefill_ranks))
 
 
 @dataclass

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import subprocess
 import sys
 import urllib.request
@@ -75,3 +76,37 @@ def test_demo_exits_zero() -> None:
     result = subprocess.run([*SIDECAR, "demo"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "PD flow OK" in result.stdout
+
+
+def _listener(*, reuse_port: bool) -> socket.socket:
+    """Another program's listening socket on an OS-chosen loopback port (grpcio and other
+    servers set SO_REUSEPORT, which lets a second SO_REUSEPORT socket join it silently)."""
+    sock = socket.socket()
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    return sock
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+@pytest.mark.parametrize("flag", ["--port", "--grpc-port", "--metrics-port"])
+@pytest.mark.parametrize("reuse_port", [False, True], ids=["plain", "reuseport"])
+def test_a_port_held_by_another_program_fails_start_up_in_one_line(
+    flag: str, reuse_port: bool, workers: str
+) -> None:
+    taken = _listener(reuse_port=reuse_port)
+    port = taken.getsockname()[1]
+    try:
+        ports = {"--port": "0", "--grpc-port": "0", "--metrics-port": "0", flag: str(port)}
+        result = subprocess.run(
+            [*SIDECAR, "serve", "--host", "127.0.0.1", "--engine-url", "http://127.0.0.1:9",
+             "--workers", workers, *(item for pair in ports.items() for item in pair)],
+            capture_output=True, text=True, timeout=60,
+        )
+    finally:
+        taken.close()
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr, result.stderr[-2000:]
+    said = [line for line in result.stderr.splitlines() if "in use" in line]
+    assert len(said) == 1 and f"127.0.0.1:{port}" in said[0] and flag in said[0], said

@@ -4,6 +4,9 @@
     check_tls              pairs set whole, a client CA only with a server pair, files load
     check_connector_engine a connector given by flag or env serves the engine
     check_prompt_length_source  ``tokenize`` only for an engine with a tokenizer endpoint
+    check_tracing          an OTLP endpoint only with the tracing extra installed
+    data_parallel_warning  data-parallel sizes for an engine that places ranks itself (a
+                           warning, not a refusal: the engine still serves)
 
 Each raises ``ConfigError``; the loader runs them after ``Settings`` checked each value alone.
 """
@@ -15,6 +18,7 @@ from urllib.parse import urlsplit
 
 from sidecar.config.settings import PromptLengthSource, Settings
 from sidecar.dialects import DIALECTS, dialect_class
+from sidecar.observability.otlp import TRACING_EXTRA, missing_modules
 from sidecar.protocol.hostfmt import is_loopback_host
 from sidecar.tls import ReloadingServerTLS, TLSFileError, client_ssl_context
 
@@ -108,3 +112,29 @@ def check_prompt_length_source(settings: Settings, sources: Sources) -> None:
             f"needs an engine with a tokenizer endpoint ({', '.join(having)}), not engine "
             f"{settings.engine!r} (from {sources.source_of('engine')}); use 'estimate'"
         )
+
+
+def check_tracing(settings: Settings, sources: Sources) -> None:
+    """Tracing needs the OpenTelemetry SDK and the endpoint's OTLP exporter (an extra)."""
+    if settings.otlp_endpoint is None:
+        return
+    missing = missing_modules(settings.otlp_endpoint)
+    if missing:
+        raise ConfigError(
+            f"otlp_endpoint {settings.otlp_endpoint!r} (from "
+            f"{sources.source_of('otlp_endpoint')}) needs the OpenTelemetry SDK and OTLP "
+            f"exporters, not installed here ({', '.join(missing)}): pip install "
+            f"'{TRACING_EXTRA}' (the container image has them), or leave tracing off"
+        )
+
+
+def data_parallel_warning(settings: Settings, sources: Sources) -> str | None:
+    """A warning when data-parallel sizes are set for an engine whose dialect names no rank
+    (its engine places requests on its ranks itself), else None."""
+    sizes = [name for name in ("data_parallel_size", "prefill_data_parallel_size")
+             if (getattr(settings, name) or 1) > 1]
+    if not sizes or dialect_class(settings.engine, settings.kv_connector).ranked:
+        return None
+    given = ", ".join(f"{name} (from {sources.source_of(name)})" for name in sizes)
+    return (f"{given} set for engine {settings.engine!r}, which places requests on its "
+            "data-parallel ranks itself: the sidecar names no rank")

@@ -31,8 +31,9 @@ class LimitsSettings(BaseModel):
 
     on_prefill_failure: PrefillFailurePolicy = Field(
         default=PrefillFailurePolicy.FAIL,
-        description="When the prefill leg fails: fail the request, or run it whole on the "
-        "local engine.",
+        description="When the prefill leg fails: fail (the request fails with the prefill's "
+        "error) or local (it runs whole on the local engine, logged and counted; sequential "
+        "dialects only).",
     )
     trusted_router: bool = Field(
         default=False,
@@ -55,7 +56,7 @@ class LimitsSettings(BaseModel):
     prompt_length_source: PromptLengthSource = Field(
         default=PromptLengthSource.ESTIMATE,
         description="How a text or chat prompt's length is known for "
-        "local_prefill_max_tokens: estimate (UTF-8 bytes / 4, see README) or tokenize (the "
+        "--local-prefill-max-tokens: estimate (UTF-8 bytes / 4, see README) or tokenize (the "
         "local engine's tokenizer endpoint, for engines that have one). Token-id prompts are "
         "counted exactly.",
     )
@@ -64,6 +65,25 @@ class LimitsSettings(BaseModel):
         ge=0,
         description="Seconds a prefill target whose connect was refused is skipped while "
         "other listed targets remain (0: never skipped).",
+    )
+    prefill_breaker_failures: int = Field(
+        default=5,
+        ge=0,
+        description="Failed prefill legs in a row (5xx, resets, garbage, deadlines, refused "
+        "or unreachable connects; never a 4xx or 429) that open a prefill target's circuit "
+        "breaker: it gets no legs until the cool-down is over (0: no breakers).",
+    )
+    prefill_breaker_open_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="Seconds an open circuit breaker keeps its prefill target out before one "
+        "trial leg; each failed trial doubles it, up to 8 times this value.",
+    )
+    prefill_breaker_successes: int = Field(
+        default=2,
+        ge=1,
+        description="Trial legs (one at a time) that must answer to close a half-open circuit "
+        "breaker.",
     )
     max_body_bytes: int = Field(
         default=32 * 1024 * 1024, ge=1024, description="Largest client request body."

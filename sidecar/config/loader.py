@@ -5,11 +5,19 @@
 
 Every field gets one flag (``--`` + the field name with dashes; ``--grpc/--no-grpc`` is the
 exception, and list flags are singular and repeatable: ``--prefill-url``) and one variable
-``DISAGG_<FIELD>`` (value syntax: README's configuration reference). Labels follow
-docs/handoffs.md#pod-labels (a missing or unknown connector label: ``default_kv_connector``,
-one warning); a dialect's are read as ``DialectOptions.pod_sources`` declares. A bad value
-raises ``ConfigError`` naming the field, the value and its source; ``run_config_command``
-prints the resolved settings with their sources as JSON (``disagg-sidecar config``).
+``DISAGG_<FIELD>``. Lists are comma-separated; booleans read true/false/1/0/yes/no; an empty
+variable counts as unset.
+The label rules are those of docs/handoffs.md#pod-labels: a missing engine label means the default
+engine; a missing or
+unknown connector label falls back to ``default_kv_connector`` with one warning (only for an
+engine that has connectors); the port label gives ``http://127.0.0.1:<port>``; a role other
+than prefill or decode means both; a dialect's own pod sources (``DialectOptions.pod_sources``)
+and the data-parallel size labels are read as they declare; an unset prefill data-parallel
+size follows the local one (its source says so).
+
+A bad value raises ``ConfigError`` naming the field, the value and where it came from, so an
+operator can fix the right layer; ``run_config_command`` prints the resolved settings with
+their sources as JSON (``disagg-sidecar config``).
 
 Deliberate limits: the loader only reads (it never logs; ``log_effective_settings`` does,
 once, when the caller is ready), and reads the pod's metadata once, at start.
@@ -24,6 +32,7 @@ import os
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
+from enum import Enum
 from types import MappingProxyType
 from typing import Any, TextIO
 
@@ -35,6 +44,8 @@ from sidecar.config.checks import (
     check_ports,
     check_prompt_length_source,
     check_tls,
+    check_tracing,
+    data_parallel_warning,
 )
 from sidecar.config.podinfo import PodInfo, PodInfoError, read_podinfo
 from sidecar.config.settings import (
@@ -97,9 +108,12 @@ def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
     for name, info in Settings.model_fields.items():
         flag = flag_for(name)
         default = info.get_default(call_default_factory=True)
-        shown = ",".join(default) if isinstance(default, tuple) else default
-        text = f"{info.description or ''} [env {env_for(name)}; default: {shown}]"
+        text = f"{info.description or ''} [env {env_for(name)}; default: {shown_default(default)}]"
         help_text = text.replace("%", "%%")
+        annotation = info.annotation
+        choices = ([member.value for member in annotation]
+                   if isinstance(annotation, type) and issubclass(annotation, Enum) else None)
+        metavar = "{" + ",".join(choices) + "}" if choices else name.upper()
         if is_bool_field(name):
             group.add_argument(
                 flag,
@@ -114,9 +128,20 @@ def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
                 help=help_text,
             )
         else:
-            group.add_argument(
-                flag, dest=name, default=None, metavar=name.upper(), help=help_text
-            )
+            group.add_argument(flag, dest=name, default=None, metavar=metavar, help=help_text)
+
+
+def shown_default(value: Any) -> str:
+    """A default as a value a reader can use: never ``None`` or nothing."""
+    if value is None:
+        return "unset"
+    if isinstance(value, tuple):
+        return ",".join(value) if value else "none"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, Enum):
+        return str(value.value)
+    return str(value)
 
 
 def _parse_bool(text: str, name: str, source: str) -> bool:
@@ -271,6 +296,13 @@ class _Resolver:
             why = f"{source}={label!r} is not a known connector ({known})"
         self.warnings.append(f"{why}; using default_kv_connector {fallback!r}")
 
+    def follow(self, name: str, leader: str) -> None:
+        """Name ``leader``'s source for ``name`` when nothing set it (``Settings`` fills its
+        value from ``leader``'s)."""
+        via = self.source_of(leader)
+        if name not in self.values and via != SOURCE_DEFAULT:
+            self.sources[name] = f"{leader} ({via})"
+
     def source_of(self, name: str) -> str:
         return self.sources.get(name, SOURCE_DEFAULT)
 
@@ -310,6 +342,7 @@ def load_settings(args: argparse.Namespace, environ: Mapping[str, str]) -> Loade
     res = _Resolver(values, sources)
     pod = _read_pod(res)
     res.apply_pod(pod)
+    res.follow("prefill_data_parallel_size", "data_parallel_size")
     try:
         settings = Settings(**res.values)
     except ValidationError as exc:
@@ -318,6 +351,10 @@ def load_settings(args: argparse.Namespace, environ: Mapping[str, str]) -> Loade
     check_connector_engine(settings, res)
     check_tls(settings, res)
     check_prompt_length_source(settings, res)
+    check_tracing(settings, res)
+    warning = data_parallel_warning(settings, res)
+    if warning is not None:
+        res.warnings.append(warning)
     all_sources = {name: res.source_of(name) for name in field_names()}
     return LoadedSettings(settings, MappingProxyType(all_sources), tuple(res.warnings))
 

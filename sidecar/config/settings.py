@@ -1,18 +1,27 @@
-"""The sidecar's configuration: one frozen object, built once at start by ``sidecar.config.loader``
-(flags > environment ``DISAGG_*`` > the pod's labels and annotations > defaults).
+"""The sidecar's configuration: one frozen object, built once at start.
 
-This module defines the fields and checks each value on its own (types, ranges, names, URL
-shapes, allowlist entries). A field's ``description`` is its flag's help and a row of the
-generated reference (``sidecar.config.docs``; a test fails without one). ``POD_SOURCES``: the
-fields a pod label or annotation can set, and which field holds the key; ``EXTRA_ENV``:
-variables read besides ``DISAGG_<FIELD>``. ``Settings`` is composed once, at import, from the
-sidecar's own fields (``ServingSettings``, ``LimitsSettings``, ``TLSSettings``) and each
-dialect's ``Options``: a dialect's settings get flags, variables, pod sources and reference
-rows like every other, and no engine is named here (for the type checker ``Settings`` is the
-sidecar's part; a dialect reads its own fields through ``Options.of(settings)``).
+Precedence, highest first: command-line flags > environment ``DISAGG_*`` > the pod's labels
+and annotations (downward-API files under ``--podinfo-dir``) > defaults. The loader that
+applies it lives in ``sidecar.config.loader``; this module defines the fields and checks each
+value on its own (types, ranges, names, URL shapes, allowlist entries).
 
-Deliberate limits: checks that relate two fields or import plug-ins run in the loader
-(``sidecar.config.checks``), where each value's source is known and named in the message.
+Every field has a ``description``: it is the flag's help text and a row of the generated
+configuration reference (``sidecar.config.docs``), so a field without one fails a test.
+``POD_SOURCES`` names the fields a pod label or annotation can set, and which field holds the
+key; ``EXTRA_ENV`` names environment variables read besides ``DISAGG_<FIELD>``.
+
+The fields are the sidecar's own (``ServingSettings``, ``LimitsSettings``,
+``DataParallelSettings``, ``TLSSettings``)
+plus each dialect's ``Options`` (``sidecar.dialects``: an engine's bootstrap port, id machine,
+...): ``Settings`` is composed from them once, at import, so a dialect's settings get flags,
+environment variables, pod sources and reference rows like every other, and no engine is
+named here.
+For the type checker ``Settings`` is the sidecar's own part; a dialect reads its fields
+through its ``Options.of(settings)``.
+
+Deliberate limits: checks that relate two fields or import plug-ins (same port twice, a
+connector for an engine it does not serve) live in the loader, where the source of each value
+is known and can be named in the message.
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from sidecar.config.cores import available_cores
+from sidecar.config.data_parallel import DATA_PARALLEL_POD_SOURCES, DataParallelSettings
 from sidecar.config.limits import LimitsSettings, PrefillFailurePolicy, PromptLengthSource
 from sidecar.config.tls_settings import TLSSettings
 from sidecar.dialects import DEFAULT_CONNECTOR, DEFAULT_ENGINE, DIALECTS
@@ -86,7 +96,7 @@ class ServingSettings(BaseModel):
         default=DEFAULT_CONNECTOR,
         description=f"The KV connector type of engines that have several "
         f"({', '.join(DIALECTS.connectors())}; case-insensitive). An unknown or missing label "
-        "value falls back to default_kv_connector with a warning; an unknown value given by "
+        "value falls back to --default-kv-connector with a warning; an unknown value given by "
         "flag or env refuses to start.",
     )
     default_kv_connector: str = Field(
@@ -95,8 +105,9 @@ class ServingSettings(BaseModel):
     )
     engine_url: str = Field(
         default="http://127.0.0.1:8000",
-        description="Base URL of the local engine (http or https, no query). From the port "
-        "label it is http://127.0.0.1:PORT.",
+        description="Base URL of the local engine: http(s)://HOST[:PORT], no path (the "
+        "sidecar adds /v1/... and /health) and no query. From the port label it is "
+        "http://127.0.0.1:PORT.",
     )
     role: Role = Field(
         default=Role.BOTH,
@@ -170,7 +181,7 @@ class ServingSettings(BaseModel):
     prefill_urls: tuple[str, ...] = Field(
         default=(),
         description="Static prefill pool, each http(s)://host:port with nothing else; used "
-        "when a request names no prefill host (https: TLS verified against engine_ca_file "
+        "when a request names no prefill host (https: TLS verified against --engine-ca-file "
         "and the entry's host name). Repeat the flag; comma-separated in env.",
     )
     prefill_allowlist: tuple[str, ...] = Field(
@@ -211,7 +222,7 @@ class ServingSettings(BaseModel):
         le=1024 * 1024 * 1024,
         description="Inline mode, prefill: K+V bytes per KV block streamed: each block carries "
         "as many consecutive engine pages of one layer as fit, at least one (below one page: "
-        "one page per block, as earlier versions sent), never more than grpc_max_message_bytes "
+        "one page per block, as earlier versions sent), never more than --grpc-max-message-bytes "
         "less 4 KiB allows. Decode accepts any block size.",
     )
     kv_staging_dir: str = Field(
@@ -268,6 +279,14 @@ class ServingSettings(BaseModel):
         if parts.query or parts.fragment or parts.username or parts.password:
             raise ValueError("engine URL must not carry a query, fragment or credentials")
         _ = parts.port  # raises ValueError for a port that is not a number in range
+        if parts.path not in ("", "/"):
+            # The sidecar appends the engine's own paths (/v1/completions, /health): a base
+            # path would send every call to /v1/v1/... and /ready would stay 503.
+            raise ValueError(
+                f"engine URL must not carry a path ({parts.path!r}): the sidecar adds the "
+                f"engine's paths (/v1/..., /health) itself; write "
+                f"{parts.scheme}://{parts.netloc}"
+            )
         # Paths are joined onto it, so a trailing slash would double.
         return value.rstrip("/")
 
@@ -314,6 +333,12 @@ def check_prefill_url(url: str) -> None:
         port = parts.port
     except ValueError as exc:
         raise ValueError(f"prefill URL {url!r}: {exc}") from None
+    if parts.scheme in ("http", "https") and parts.hostname and parts.path and not (
+            parts.query or parts.fragment or "?" in url or "#" in url):
+        raise ValueError(
+            f"prefill URL {url!r} must not carry a path ({parts.path!r}): the sidecar adds "
+            f"/v1/... itself; write {parts.scheme}://{parts.netloc}"
+        )
     if (
         parts.scheme not in ("http", "https")
         or not parts.hostname
@@ -330,7 +355,7 @@ def check_prefill_url(url: str) -> None:
         raise ValueError(f"prefill URL {url!r} must be http(s)://host:port with nothing else")
 
 
-class _Settings(TLSSettings, LimitsSettings, ServingSettings):
+class _Settings(TLSSettings, DataParallelSettings, LimitsSettings, ServingSettings):
     """Every setting of one sidecar process that is not a dialect's; immutable once built."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -363,6 +388,7 @@ else:
 #: Fields a pod label or annotation can set (below flags and env, above defaults).
 POD_SOURCES: Final[Mapping[str, PodSource]] = MappingProxyType({
     **CORE_POD_SOURCES,
+    **DATA_PARALLEL_POD_SOURCES,
     **{name: source for model in DIALECTS.option_models()
        for name, source in model.pod_sources.items()},
 })

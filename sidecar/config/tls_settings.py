@@ -15,12 +15,12 @@ class TLSSettings(BaseModel):
 
     tls_cert_file: str | None = Field(
         default=None,
-        description="PEM certificate chain: with tls_key_file, serve HTTPS on the HTTP port "
+        description="PEM certificate chain: with --tls-key-file, serve HTTPS on the HTTP port "
         "and TLS on the gRPC port (the metrics port stays plaintext). Reloaded when it changes.",
     )
     tls_key_file: str | None = Field(
         default=None,
-        description="PEM private key of tls_cert_file; set both or neither.",
+        description="PEM private key of --tls-cert-file; set both or neither.",
     )
     tls_reload_interval_s: float = Field(
         default=10.0,
@@ -29,7 +29,7 @@ class TLSSettings(BaseModel):
     )
     tls_client_ca_file: str | None = Field(
         default=None,
-        description="Mutual TLS: PEM CA bundle; with tls_cert_file, the HTTP and gRPC ports "
+        description="Mutual TLS: PEM CA bundle; with --tls-cert-file, the HTTP and gRPC ports "
         "require a client certificate it signed (the metrics port does not). Reloaded when "
         "it changes.",
     )
@@ -41,10 +41,10 @@ class TLSSettings(BaseModel):
     engine_client_cert_file: str | None = Field(
         default=None,
         description="Mutual TLS to engines: PEM client certificate chain presented to https "
-        "engines and prefill targets; with engine_client_key_file, both or neither. Read at "
+        "engines and prefill targets; with --engine-client-key-file, both or neither. Read at "
         "start.",
     )
     engine_client_key_file: str | None = Field(
         default=None,
-        description="PEM private key of engine_client_cert_file.",
+        description="PEM private key of --engine-client-cert-file.",
     )

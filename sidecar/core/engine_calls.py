@@ -1,7 +1,11 @@
 """Every call the core makes to an engine, with its URL, deadline, span and accounting.
 
-    post_prefill(leg)              ─▶ the prefill's JSON answer (counted in ``choice``)
-    open_decode(route, body, ...)  ─▶ UpstreamResponse (head arrived, status 200)
+    post_prefill(leg)              ─▶ the prefill's JSON answer (a remote target's leg counts as
+                                      in flight there; a refused connect cools the target down;
+                                      a leg on a data-parallel rank counts there, and a failed
+                                      one cools the rank down)
+    open_decode(route, body, ...)  ─▶ UpstreamResponse (head arrived, status 200; a rank as
+                                      for the prefill, on the local engine)
     post_local(path, body, ...)    ─▶ a small JSON call to the local engine (its tokenizer)
     passthrough(method, path, ...) ─▶ the local engine's raw response (HTTP passthrough)
     model_name(stage)              ─▶ the local engine's served model (gRPC bodies)
@@ -17,19 +21,41 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterable, Callable, Coroutine, Mapping
+import logging
+from collections.abc import AsyncIterable, Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 from urllib.parse import urlsplit
 
 from opentelemetry.util.types import AttributeValue
 
 from sidecar import jsonutil
 from sidecar.core.engine_model import EngineModel
-from sidecar.core.legs import open_decode, post_prefill
+from sidecar.core.legs import (
+    LOCAL_ENGINE,
+    broken_connection,
+    connect_failure,
+    open_decode,
+    post_prefill,
+)
 from sidecar.dialects.base import LookupFailed
-from sidecar.errors import DecodeFailed, EngineNotReady, PrefillUnreachable, Stage
-from sidecar.http1 import EngineClient, UpstreamConnectError, UpstreamError, UpstreamResponse
+from sidecar.errors import (
+    DeadlineExceeded,
+    DecodeFailed,
+    EngineNotReady,
+    EngineRejected,
+    PrefillFailed,
+    PrefillUnreachable,
+    SidecarError,
+    Stage,
+)
+from sidecar.http1 import (
+    EngineClient,
+    UpstreamConnectError,
+    UpstreamError,
+    UpstreamResponse,
+    UpstreamTLSError,
+)
 from sidecar.observability.tracing import (
     DECODE_FIRST_BYTE_SPAN,
     NOOP_TRACE,
@@ -40,7 +66,10 @@ from sidecar.observability.tracing import (
     RequestTrace,
 )
 from sidecar.protocol.context import PrefillTarget, Route
-from sidecar.targets.choice import TargetChoice
+from sidecar.protocol.request_id import REQUEST_ID_HEADER
+from sidecar.targets.choice import HEADER_LABEL, LOCAL, Engine, TargetChoice
+
+logger = logging.getLogger(__name__)
 
 #: Prefill URLs remembered per (target, route); cleared whole when full (bounded memory).
 _MAX_REMEMBERED_URLS: Final = 4096
@@ -51,6 +80,22 @@ _DEFAULT_PORTS: Final = {"http": 80, "https": 443}
 
 #: Counts a finished prefill leg to a remote target: (target label, outcome).
 LegCounter = Callable[[str, str], None]
+#: Counts a finished leg on a data-parallel rank: (leg "prefill" | "decode", rank, outcome).
+RankCounter = Callable[[str, int, str], None]
+
+_T = TypeVar("_T")
+
+
+def rank_outcome(error: BaseException | None) -> str:
+    """How a ranked leg ended, as its metric says: ``ok``; ``failed`` (the rank's doing: it
+    cools down); ``connect_refused`` (the whole engine's); ``rejected`` (the request's)."""
+    if error is None:
+        return "ok"
+    if isinstance(error, (PrefillUnreachable, EngineNotReady)):
+        return "connect_refused"
+    if isinstance(error, EngineRejected):
+        return "rejected"
+    return "failed"
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +112,8 @@ class PrefillLeg:
     #: The prefill target this leg goes to, when it is a remote one (counted per target).
     target: PrefillTarget | None = None
     trace: RequestTrace = NOOP_TRACE
+    #: The data-parallel rank of the leg's engine (``target``, else the local one), if any.
+    rank: int | None = None
 
 
 class EngineCalls:
@@ -81,6 +128,7 @@ class EngineCalls:
         max_prefill_response_bytes: int,
         choice: TargetChoice | None = None,
         on_prefill_leg: LegCounter | None = None,
+        on_rank_leg: RankCounter | None = None,
     ) -> None:
         self.session = session
         self.engine_url = engine_url.rstrip("/")
@@ -88,6 +136,7 @@ class EngineCalls:
         self._max_prefill_bytes = max_prefill_response_bytes
         self.choice = choice if choice is not None else TargetChoice(cooldown_s=0.0)
         self._on_prefill_leg = on_prefill_leg
+        self._on_rank_leg = on_rank_leg
         self._aborts: set[asyncio.Task[None]] = set()
         self._prefill_urls: dict[tuple[PrefillTarget, Route], str] = {}
         self._models = {
@@ -117,44 +166,107 @@ class EngineCalls:
     # -- prefill ----------------------------------------------------------------------------
 
     async def post_prefill(self, leg: PrefillLeg) -> dict[str, Any]:
-        """POST a prefill leg and return its JSON object answer (a remote target's leg is
-        accounted in ``choice``)."""
-        post = self._post(leg)
+        """POST a prefill leg and return its JSON object answer.
+
+        A leg to a remote target counts as in flight there while it runs; a refused connect
+        cools the target down, and the leg's verdict goes to the target's circuit breaker
+        (``TargetChoice``): failures that show the engine unhealthy (5xx, resets, garbage,
+        deadlines, refused or unreachable connects) count against it, a 4xx or 429 answer
+        (the request's own fault, or a busy engine) and a cancelled leg do not. A leg its
+        breaker does not let through raises ``PrefillBreakerOpen`` and is not counted. A leg
+        on a data-parallel rank counts on that rank.
+        """
         if leg.target is None:
-            return await post
+            return await self._on_rank(leg, self._post(leg, "prefill engine"))
         target = leg.target
-        outcome: str | None = "failed"
+        label = self.choice.label(target)
+        # The router named it: the client's message may name it too (a pool member, which
+        # the router does not know, is named in the log only).
+        who = f"prefill target {target}" if label == HEADER_LABEL else "prefill engine"
+        outcome: str | None = None
         try:
-            with self.choice.leg(target):
-                answer = await post
-            outcome = "ok"
+            with self.choice.leg(target) as verdict:
+                outcome = "failed"
+                try:
+                    answer = await self._on_rank(leg, self._post(leg, who))
+                except PrefillUnreachable as error:
+                    outcome = "connect_refused"
+                    self.choice.refused(target)
+                    verdict.failed(error.message)
+                    self._log_failed_leg(leg, target, error)
+                    raise
+                except SidecarError as error:
+                    if engine_fault(error):
+                        verdict.failed(error.message)
+                    self._log_failed_leg(leg, target, error)
+                    raise
+                except asyncio.CancelledError:
+                    outcome = None  # the request went away: not the target's doing
+                    raise
+                outcome = "ok"
+                verdict.answered()
             self.choice.answered(target)
             return answer
-        except PrefillUnreachable:
-            outcome = "connect_refused"
-            self.choice.refused(target)
-            raise
-        except asyncio.CancelledError:
-            outcome = None  # the request went away: not the target's doing
-            raise
         finally:
             if self._on_prefill_leg is not None and outcome is not None:
-                self._on_prefill_leg(self.choice.label(target), outcome)
+                self._on_prefill_leg(label, outcome)
 
-    def _post(self, leg: PrefillLeg) -> Coroutine[Any, Any, dict[str, Any]]:
+    @staticmethod
+    def _log_failed_leg(leg: PrefillLeg, target: PrefillTarget, error: SidecarError) -> None:
+        logger.warning("request %s: prefill leg to %s failed: %s (%s)",
+                       leg.headers.get(REQUEST_ID_HEADER, "-"), target, error.code,
+                       error.message)
+
+    def _on_rank(self, leg: PrefillLeg, post: Awaitable[_T]) -> Awaitable[_T]:
+        """``post`` counted on the leg's data-parallel rank, when it has one."""
+        if leg.rank is None:
+            return post
+        return self._ranked("prefill", leg.target, leg.rank, post)
+
+    async def _ranked(self, leg: str, engine: Engine, rank: int, call: Awaitable[_T], *,
+                      counts: bool = True) -> _T:
+        """``call`` on ``rank`` of ``engine`` (counted in flight there unless the caller counts
+        it); a failure that is the rank's (not the whole engine's, nor the request's) cools
+        the rank down; the outcome is counted (a cancelled call is not: the request went away).
+        """
+        choice = self.choice
+        outcome: str | None = None
+        try:
+            if counts:
+                with choice.rank_leg(engine, rank):
+                    result = await call
+            else:
+                result = await call
+            outcome = rank_outcome(None)
+            choice.rank_answered(engine, rank)
+            return result
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            outcome = rank_outcome(exc)
+            if outcome == "failed" and isinstance(
+                    exc, (PrefillFailed, DecodeFailed, DeadlineExceeded)):
+                choice.rank_failed(engine, rank)
+            raise
+        finally:
+            if self._on_rank_leg is not None and outcome is not None:
+                self._on_rank_leg(leg, rank, outcome)
+
+    def _post(self, leg: PrefillLeg, who: str) -> Coroutine[Any, Any, dict[str, Any]]:
         if not leg.trace.active:
             return post_prefill(
                 self.session, leg.url, leg.body, leg.headers, timeout_s=leg.timeout_s,
                 max_bytes=self._max_prefill_bytes, server_hostname=leg.server_hostname,
+                who=who,
             )
-        return self._traced_post(leg)
+        return self._traced_post(leg, who)
 
-    async def _traced_post(self, leg: PrefillLeg) -> dict[str, Any]:
+    async def _traced_post(self, leg: PrefillLeg, who: str) -> dict[str, Any]:
         with leg.trace.span(PREFILL_SPAN, client=True, attributes=_target(leg.url)) as span:
             return await post_prefill(
                 self.session, leg.url, leg.body, span.headers(leg.headers),
                 timeout_s=leg.timeout_s, max_bytes=self._max_prefill_bytes,
-                server_hostname=leg.server_hostname, span=span,
+                server_hostname=leg.server_hostname, span=span, who=who,
             )
 
     async def post_local(
@@ -163,7 +275,7 @@ class EngineCalls:
         """POST a small JSON call to the local engine and return its answer."""
         return await post_prefill(
             self.session, self.engine_url + path, body, headers,
-            timeout_s=self._connect_timeout_s, max_bytes=max_bytes,
+            timeout_s=self._connect_timeout_s, max_bytes=max_bytes, who=LOCAL_ENGINE,
         )
 
     # -- decode -----------------------------------------------------------------------------
@@ -174,12 +286,20 @@ class EngineCalls:
         body: Mapping[str, Any] | bytes,
         headers: Mapping[str, str],
         trace: RequestTrace = NOOP_TRACE,
-    ) -> Coroutine[Any, Any, UpstreamResponse]:
+        rank: int | None = None,
+    ) -> Awaitable[UpstreamResponse]:
         """POST the decode body to the local engine; the response once its head arrived
-        (traced: in its span, which ends when the head arrives; the relay's follows it)."""
+        (traced: in its span, which ends when the head arrives; the relay's follows it).
+        ``rank``: the local engine's data-parallel rank it runs on (a failed opening cools it
+        down; the flow counts the stream in flight there until the request ends)."""
+        call: Awaitable[UpstreamResponse]
         if not trace.active:
-            return open_decode(self.session, self.engine_url + route.value, body, headers)
-        return self._traced_open_decode(route, body, headers, trace)
+            call = open_decode(self.session, self.engine_url + route.value, body, headers)
+        else:
+            call = self._traced_open_decode(route, body, headers, trace)
+        if rank is None:
+            return call
+        return self._ranked("decode", LOCAL, rank, call, counts=False)
 
     async def _traced_open_decode(
         self,
@@ -207,10 +327,14 @@ class EngineCalls:
                 method, self.engine_url + path_qs, headers=headers, body=body,
                 content_length=content_length,
             )
-        except UpstreamConnectError:
-            raise EngineNotReady("local engine refused the connection") from None
-        except (UpstreamError, TimeoutError):
-            raise DecodeFailed("local engine broke the connection", stage=Stage.DECODE) from None
+        except UpstreamTLSError as exc:
+            raise DecodeFailed(connect_failure(exc, LOCAL_ENGINE), stage=Stage.DECODE) from None
+        except UpstreamConnectError as exc:
+            raise EngineNotReady(connect_failure(exc, LOCAL_ENGINE)) from None
+        except UpstreamError as exc:
+            raise DecodeFailed(broken_connection(exc, LOCAL_ENGINE), stage=Stage.DECODE) from None
+        except TimeoutError:
+            raise DecodeFailed("local engine did not answer in time", stage=Stage.DECODE) from None
 
     # -- what dialects ask for --------------------------------------------------------------
 
@@ -242,6 +366,13 @@ class EngineCalls:
                     return response.status, await response.read(max_bytes)
         except (UpstreamError, TimeoutError):
             raise LookupFailed(url) from None
+
+
+def engine_fault(error: SidecarError) -> bool:
+    """Whether a failed prefill leg shows its engine unhealthy (its breaker counts it)."""
+    if isinstance(error, DeadlineExceeded):
+        return True
+    return isinstance(error, PrefillFailed) and error.engine_fault
 
 
 def _target(url: str) -> dict[str, AttributeValue]:

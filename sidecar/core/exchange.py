@@ -2,6 +2,8 @@
 
     flow.start(request) ─▶ PDExchange
         .decode      the decode engine's response (None when the prefill answered, ``answer``)
+        .prefill_reply()   the prefill engine's JSON answer (its usage: the usage rule),
+                     at hand for sequential legs, awaited for concurrent ones
         .chunks()    its body as the engine writes it; a break raises a ``SidecarError``
         .pipe(sink, catch_up)   the same bytes handed to ``sink`` from the read callback
                      (the streamed relay's way: no task wake-up per read), same errors
@@ -52,7 +54,43 @@ class PDExchange:
     local: bool = False
     #: Ends the legs and the dialect state on ``aclose`` (None: nothing to end).
     owner: LegOwner | None = None
+    #: The prefill engine's JSON answer, when the legs ran one after the other.
+    prefill_response: dict[str, Any] | None = None
     _closed: bool = False
+
+    @property
+    def disaggregated(self) -> bool:
+        """True when a remote prefill leg computed the prompt (not local, not a fallback)."""
+        return not self.local and self.fallback_reason is None and self.decode is not None
+
+    def prefill_reply_now(self) -> dict[str, Any] | None:
+        """The prefill's answer if it is known already (None: not yet, or none)."""
+        if self.prefill_response is not None:
+            return self.prefill_response
+        task = self.prefill_task
+        if task is not None and task.done() and not task.cancelled() and (
+                task.exception() is None):
+            return task.result()
+        return None
+
+    def prefill_reply_pending(self) -> bool:
+        """True while a concurrent prefill has not answered yet."""
+        task = self.prefill_task
+        return self.prefill_response is None and task is not None and not task.done()
+
+    async def prefill_reply(self) -> dict[str, Any] | None:
+        """The prefill's JSON answer, waiting for a concurrent prefill (bounded by its own
+        deadline); None when there is none (a failed or cancelled prefill)."""
+        if self.prefill_response is not None or self.prefill_task is None:
+            return self.prefill_response
+        try:
+            return await asyncio.shield(self.prefill_task)
+        except asyncio.CancelledError:
+            if self.prefill_task.cancelled():
+                return None
+            raise
+        except Exception:
+            return None
 
     def watch_prefill(self) -> None:
         """Abort the decode stream at once if the concurrent prefill fails."""
@@ -138,7 +176,7 @@ def as_prefill_error(error: BaseException) -> SidecarError:
     """A prefill leg's failure as the taxonomy names it."""
     if isinstance(error, SidecarError):
         return error
-    return PrefillFailed(f"prefill leg failed: {type(error).__name__}")
+    return PrefillFailed("prefill leg failed unexpectedly")
 
 
 async def cancel_and_wait(task: asyncio.Task[Any]) -> None:

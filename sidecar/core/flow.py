@@ -1,6 +1,7 @@
 """The PD flow: how a request's two legs run, decided once for every front door.
 
     start(PDRequest) ─▶ PDExchange            the HTTP door, and each fan-out sub-request
+        local engine known down ─▶ EngineNotReady at once (asked again first; no prefill)
         short prompt (--local-prefill-max-tokens) ─▶ the local engine alone
         SEQUENTIAL: prefill ─▶ hand-off ─▶ open decode
         CONCURRENT: prefill ║ open decode (prefill watched)
@@ -13,9 +14,14 @@ The dialect says what the bodies hold and how the legs run; ``EngineCalls`` make
 the flow orders them, keeps the deadlines, begins and ends the dialect's per-request state and
 hands abort and release to the ``PDExchange``. A client gone cancels every upstream call.
 
-Deliberate limits: one retry, only of a prefill whose connect was refused (the engine never
-saw it), on another target; the local-prefill fallback is for sequential dialects only (a
-concurrent decode cannot run without its prefill).
+Data-parallel engines: before the dialect state begins the flow chooses each leg's rank
+(``sidecar.core.ranks``): the prefill's on the target (gRPC Prefill: on the local engine), the
+decode's on the local engine, busy until the request ends.
+
+Deliberate limits: one retry, only of a prefill whose engine provably did no work (a refused
+or unreachable connect, a 503 or 429 answer, a target whose breaker let no leg through), on
+another of the request's targets; the local-prefill fallback applies to sequential dialects
+only (a concurrent dialect's decode cannot run without its prefill).
 """
 
 from __future__ import annotations
@@ -24,25 +30,30 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from sidecar.config.limits import PrefillFailurePolicy
 from sidecar.core.engine_calls import EngineCalls, PrefillLeg
+from sidecar.core.engine_health import EngineHealth
 from sidecar.core.exchange import PDExchange, as_prefill_error, cancel_and_wait
 from sidecar.core.local_prefill import LocalPrefill
+from sidecar.core.ranks import LegRanks
 from sidecar.core.scope import RequestScope, Scopes, Timings
+from sidecar.core.upstream import with_headers
 from sidecar.dialects import Dialect, Legs
 from sidecar.errors import (
     DeadlineExceeded,
+    EngineNotReady,
     InvalidHandoff,
     PrefillFailed,
-    PrefillUnreachable,
+    PrefillNotRun,
     SidecarError,
     Stage,
 )
 from sidecar.http1 import UpstreamResponse
+from sidecar.observability.logs import LogEvery
 from sidecar.observability.tracing import HANDOFF_SPAN, NOOP_TRACE, RequestTrace
 from sidecar.protocol.context import FrontDoor, HandoffContext, PrefillTarget, Route
 
@@ -52,6 +63,8 @@ logger = logging.getLogger(__name__)
 _FALLBACK_ERRORS = (PrefillFailed, InvalidHandoff, DeadlineExceeded)
 #: The reason a gRPC Prefill counts when its prefill already finished the answer.
 ANSWERED_BY_PREFILL = "answered_by_prefill"
+#: Local-prefill fallbacks are logged at most once per this many seconds (each is counted).
+_FALLBACK_LOG_INTERVAL_S = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +81,8 @@ class PDRequest:
     candidates: tuple[PrefillTarget, ...] = ()
     trace: RequestTrace = NOOP_TRACE
     front_door: FrontDoor = FrontDoor.HTTP
+    #: The prefill leg's data-parallel rank as the router named it (None: the flow chooses).
+    prefill_rank: int | None = None
 
 
 @dataclass(slots=True)
@@ -78,6 +93,8 @@ class Handoff:
     fields: dict[str, Any]
     answer: dict[str, Any] | None = None
     timings: Timings = field(default_factory=Timings)
+    #: The prefill engine's answer (its usage is what the client is told: the usage rule).
+    response: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,36 +117,56 @@ class PDFlow:
         on_prefill_failure: PrefillFailurePolicy = PrefillFailurePolicy.FAIL,
         local_prefill: LocalPrefill | None = None,
         counters: FlowCounters | None = None,
+        local_engine: EngineHealth | None = None,
+        local_ranks: int = 1,
+        prefill_ranks: int = 1,
     ) -> None:
+        """``local_ranks``: the local engine's data-parallel size; ``prefill_ranks``: each
+        prefill target's."""
         self.dialect = dialect
         self.calls = calls
+        self.ranks = LegRanks(calls.choice, local_size=local_ranks, prefill_size=prefill_ranks)
         self.concurrent = dialect.legs is Legs.CONCURRENT
         self._prefill_timeout_s = prefill_timeout_s
         self._local_fallback = on_prefill_failure is PrefillFailurePolicy.LOCAL
         self._local = local_prefill if local_prefill is not None and local_prefill.enabled else None
         self._counters = counters or FlowCounters()
         self._background: set[asyncio.Task[None]] = set()
+        self._fallback_log = LogEvery(_FALLBACK_LOG_INTERVAL_S)
+        self._local_engine = local_engine
 
     # -- per-request state: what the exchange calls back ------------------------------------
 
     async def begin(self, route: Route, request_id: str, target: PrefillTarget,
                     advertise_host: str | None = None,
-                    front_door: FrontDoor = FrontDoor.HTTP) -> HandoffContext:
-        """A request's context with its dialect state (ids, looked-up values)."""
+                    front_door: FrontDoor = FrontDoor.HTTP, *,
+                    prefill_rank: int | None = None,
+                    decode_rank: int | None = None) -> HandoffContext:
+        """A request's context with its legs' ranks and its dialect state (ids, looked-up
+        values); the decode rank counts as busy until ``end``."""
         dialect = self.dialect
-        ctx = dialect.begin(HandoffContext(route, request_id, target,
-                                           advertise_host or target.host, front_door))
+        ctx = HandoffContext(route, request_id, target, advertise_host or target.host,
+                             front_door, prefill_rank=prefill_rank, decode_rank=decode_rank)
+        self.ranks.hold(decode_rank)
+        try:
+            ctx = dialect.begin(ctx)
+        except BaseException:
+            self.ranks.release(decode_rank)
+            raise
         if dialect.looks_up:
             try:
                 ctx = await dialect.look_up(ctx)
             except BaseException:
-                dialect.end(ctx)
+                self.end(ctx)
                 raise
         return ctx
 
     def end(self, ctx: HandoffContext) -> None:
-        """Give back the request's dialect state."""
-        self.dialect.end(ctx)
+        """Give back the request's dialect state and its decode rank."""
+        try:
+            self.dialect.end(ctx)
+        finally:
+            self.ranks.release(ctx.decode_rank)
 
     def abort(self, ctx: HandoffContext) -> None:
         """Tell both engines to drop the request's legs, where the dialect has an abort call."""
@@ -163,13 +200,23 @@ class PDFlow:
         handoff_started = time.perf_counter()
         fields = self._handoff(response, ctx, leg.trace)
         timings.handoff = time.perf_counter() - handoff_started
-        return Handoff(fields, timings=timings)
+        return Handoff(fields, timings=timings, response=response)
 
     # -- both legs: the HTTP door and fan-out sub-requests ----------------------------------
 
     async def start(self, request: PDRequest) -> PDExchange:
-        """Run the request's legs until the decode response head has arrived (a refused
-        prefill's retry gets a new context; a concurrent decode already sent is aborted)."""
+        """Run the request's legs until the decode response head has arrived.
+
+        A local engine known to be down (and still down when asked again) fails the request
+        at once: its decode could not run, so nothing is spent on a prefill engine. A short
+        prompt runs whole on the local engine. A prefill whose engine provably did no work
+        (``PrefillNotRun``) is run once more on another of the request's candidates,
+        with a new context; a concurrent flow's decode, already sent, is aborted first.
+        """
+        health = self._local_engine
+        if health is not None and health.known_down and not await health.recheck():
+            raise EngineNotReady(f"local engine is not ready ({health.cause}); nothing was "
+                                 "sent to a prefill engine")
         local = self._local
         if local is not None and await local.is_short(
                 request.route, request.body, request.request_id):
@@ -178,13 +225,14 @@ class PDFlow:
         alternative = self._alternative(request, target)
         try:
             return await self._start_on(request, may_retry=alternative is not None)
-        except PrefillUnreachable:
+        except PrefillNotRun as error:
             if alternative is None:
                 raise
+            why = error.message
         # Picked again now: the first pick may have cooled down meanwhile, others changed.
         retry_target = self._alternative(request, target) or alternative
-        logger.info("request %s: prefill target %s refused the connection; retrying on %s",
-                    request.request_id, target, retry_target)
+        logger.info("request %s: prefill target %s did no work (%s); retrying on %s",
+                    request.request_id, target, why, retry_target)
         self._counters.retry(request.front_door)
         return await self._start_on(replace(request, target=retry_target), may_retry=False)
 
@@ -204,7 +252,10 @@ class PDFlow:
 
     async def _start_on(self, request: PDRequest, *, may_retry: bool) -> PDExchange:
         ctx = await self.begin(request.route, request.request_id, request.target,
-                               front_door=request.front_door)
+                               front_door=request.front_door,
+                               prefill_rank=self.ranks.prefill(request.target,
+                                                               request.prefill_rank),
+                               decode_rank=self.ranks.local())
         try:
             if self.concurrent:
                 return await self._start_concurrent(request, ctx)
@@ -219,11 +270,20 @@ class PDFlow:
         return PrefillLeg(
             url=self.calls.prefill_url(target, request.route),
             body=self.dialect.prefill_body(request.body, ctx),
-            headers=request.headers,
+            headers=with_headers(request.headers, self.dialect.prefill_headers(ctx)),
             timeout_s=self._prefill_timeout_s,
             server_hostname=target.tls_name,
             target=target,
             trace=request.trace,
+            rank=ctx.prefill_rank,
+        )
+
+    def _open_decode(self, request: PDRequest, ctx: HandoffContext,
+                     body: Mapping[str, Any]) -> Awaitable[UpstreamResponse]:
+        rank = ctx.decode_rank
+        return self.calls.open_decode(
+            request.route, body, with_headers(request.headers, self.dialect.decode_headers(rank)),
+            request.trace, rank,
         )
 
     async def _start_sequential(
@@ -231,39 +291,48 @@ class PDFlow:
     ) -> PDExchange:
         timings = Timings()
         fallback_reason: str | None = None
+        prefill_response: dict[str, Any] | None = None
         try:
             handoff = await self._prefill(self._leg(request, ctx), ctx, timings)
             if handoff.answer is not None:
                 return PDExchange(ctx=ctx, decode=None, answer=handoff.answer, timings=timings,
                                   owner=self)
-            decode_body = self.dialect.decode_body(request.body, handoff.fields)
+            prefill_response = handoff.response
+            decode_body = self.dialect.decode_body(request.body, handoff.fields,
+                                                   ctx.decode_rank)
         except _FALLBACK_ERRORS as error:
             if not self._local_fallback:
                 raise
-            if may_retry and isinstance(error, PrefillUnreachable):
+            if may_retry and isinstance(error, PrefillNotRun):
                 raise  # another target comes first; the local fallback is the last resort
             fallback_reason = error.code
             self._counters.fallback(request.front_door, fallback_reason)
+            self._log_fallback(request, error)
             decode_body = dict(request.body)
         decode_started = time.perf_counter()
-        decode = await self.calls.open_decode(
-            request.route, decode_body, request.headers, request.trace
-        )
+        decode = await self._open_decode(request, ctx, decode_body)
         timings.decode_first_byte = time.perf_counter() - decode_started
         return PDExchange(ctx=ctx, decode=decode, fallback_reason=fallback_reason,
-                          timings=timings, owner=self)
+                          timings=timings, owner=self, prefill_response=prefill_response)
+
+    def _log_fallback(self, request: PDRequest, error: SidecarError) -> None:
+        left_out = self._fallback_log.due()
+        if left_out is None:
+            return
+        more = f" ({left_out} more since the last such line)" if left_out else ""
+        logger.warning("request %s: prefill failed: %s (%s); served whole by the local engine "
+                       "(--on-prefill-failure local)%s", request.request_id, error.code,
+                       error.message, more)
 
     async def _start_concurrent(self, request: PDRequest, ctx: HandoffContext) -> PDExchange:
         timings = Timings()
         leg = self._leg(request, ctx)
         decode_body = self.dialect.decode_body(
-            request.body, self._handoff(None, ctx, request.trace)
+            request.body, self._handoff(None, ctx, request.trace), ctx.decode_rank
         )
         started = time.perf_counter()
         prefill_task = asyncio.ensure_future(self.calls.post_prefill(leg))
-        decode_task = asyncio.ensure_future(
-            self.calls.open_decode(request.route, decode_body, request.headers, request.trace)
-        )
+        decode_task = asyncio.ensure_future(self._open_decode(request, ctx, decode_body))
         try:
             while not decode_task.done():
                 waiting: set[asyncio.Future[Any]] = {decode_task}
@@ -303,22 +372,28 @@ class PDFlow:
         time_remaining: float | None,
         scope: RequestScope,
         scopes: Scopes,
+        rank: int | None = None,
     ) -> Handoff:
         """The prefill half on the local engine, as gRPC Prefill runs it; ``target`` is this
-        pod's engine as the hand-off names it. A concurrent dialect's engine call (blocking
-        until a decode connects) runs on in the background, holding the admission slot
-        (``scope.detach``) and the dialect state, bounded by the prefill timeout, its failure
-        counted through ``scopes`` and logged."""
+        pod's engine as the hand-off names it; ``rank``: the local rank the router named.
+
+        Concurrent dialects: the hand-off is known at once and returned; the engine call
+        (which blocks until a decode connects) runs on in the background, holding the
+        request's admission slot (``scope.detach``) and its dialect state until it ends,
+        bounded by the prefill timeout, counted through ``scopes`` and logged when it fails.
+        """
         route = Route.COMPLETIONS
-        ctx = await self.begin(route, request_id, target, advertise_host, FrontDoor.GRPC)
+        ctx = await self.begin(route, request_id, target, advertise_host, FrontDoor.GRPC,
+                               prefill_rank=self.ranks.local(rank))
         handed_off = False
         try:
             leg = PrefillLeg(
                 url=self.calls.local_url(route),
                 body=self.dialect.prefill_body(client_body, ctx),
-                headers=headers,
+                headers=with_headers(headers, self.dialect.prefill_headers(ctx)),
                 timeout_s=self.prefill_timeout(time_remaining),
                 trace=scope.trace,
+                rank=ctx.prefill_rank,
             )
             if self.concurrent:
                 fields = self._handoff(None, ctx, scope.trace)
@@ -368,15 +443,17 @@ class PDFlow:
             release_admission()
 
     def decode_body(self, client_body: Mapping[str, Any],
-                    fields: Mapping[str, Any]) -> dict[str, Any]:
-        """The decode body from a client body and a hand-off's fields."""
-        return self.dialect.decode_body(client_body, fields)
+                    fields: Mapping[str, Any], rank: int | None = None) -> dict[str, Any]:
+        """The decode body from a client body and a hand-off's fields (on ``rank``)."""
+        return self.dialect.decode_body(client_body, fields, rank)
 
     async def open_decode(self, route: Route, body: Mapping[str, Any] | bytes,
                           headers: Mapping[str, str],
-                          trace: RequestTrace = NOOP_TRACE) -> UpstreamResponse:
-        """The decode half on the local engine, as gRPC Decode runs it."""
-        return await self.calls.open_decode(route, body, headers, trace)
+                          trace: RequestTrace = NOOP_TRACE,
+                          rank: int | None = None) -> UpstreamResponse:
+        """The decode half on the local engine, as gRPC Decode runs it (on ``rank``)."""
+        return await self.calls.open_decode(
+            route, body, with_headers(headers, self.dialect.decode_headers(rank)), trace, rank)
 
     async def close(self) -> None:
         """Cancel the background prefills still running (server stop)."""

@@ -3,15 +3,23 @@
     post_prefill()  ─▶ dict (the prefill engine's JSON answer, size-capped, deadline-bound)
     open_decode()   ─▶ UpstreamResponse (head arrived, body not read; caller releases)
 
-Errors map to the taxonomy: a refused connect -> PrefillUnreachable (a retryable
-PrefillFailed) / EngineNotReady, 400/413/422 -> EngineRejected, other statuses, breaks or
-garbage -> PrefillFailed / DecodeFailed, deadlines -> DeadlineExceeded. Engine error bodies
-are read (to free the connection), never relayed: they may quote the prompt. The engine's
-HTTP status goes on the leg span.
+Errors map to the taxonomy: unreachable -> PrefillUnreachable (refused, or not accepted
+within the connect timeout: the engine never saw the request) / EngineNotReady, a failed TLS
+handshake -> PrefillFailed/DecodeFailed (its own message: the verification error), 4xx ->
+EngineRejected, 5xx or garbage -> PrefillFailed/DecodeFailed, deadlines -> DeadlineExceeded.
+Messages say what happened in words and name the engine as the caller says (``who``: a
+router-named prefill target by its address); never an exception class.
+An engine's 4xx answer is about the client's own request (a prompt over the context length,
+a bad parameter): its reason is relayed (the engine's error message, cut to 4 KiB, control
+characters removed, after the leg that answered). 5xx bodies are read (to free the
+connection) but never relayed. Each call names the engine's HTTP status on its leg span
+(``sidecar.observability.tracing``; a no-op
+when tracing is off).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,15 +29,35 @@ from sidecar.errors import (
     DecodeFailed,
     EngineNotReady,
     EngineRejected,
+    PrefillBusy,
     PrefillFailed,
     PrefillUnreachable,
     SidecarError,
     Stage,
 )
-from sidecar.http1 import EngineClient, UpstreamConnectError, UpstreamError, UpstreamResponse
+from sidecar.http1 import (
+    EngineClient,
+    UpstreamBroken,
+    UpstreamConnectError,
+    UpstreamError,
+    UpstreamProtocolError,
+    UpstreamResponse,
+    UpstreamTLSError,
+)
 from sidecar.observability.tracing import HTTP_STATUS, NOOP_SPAN, LegSpan
 
+logger = logging.getLogger(__name__)
+
 _MAX_ERROR_BODY = 64 * 1024
+#: The most of an engine's 4xx reason a client sees (UTF-8 bytes).
+MAX_REASON_BYTES = 4096
+#: C0 and C1 controls and DEL: a relayed reason must not move a terminal's cursor or split a
+#: log line. Tabs and line breaks become spaces; the rest is dropped.
+_CONTROLS: dict[int, str | None] = {code: None for code in (*range(0x20), *range(0x7F, 0xA0))}
+_CONTROLS.update({ord("\t"): " ", ord("\n"): " ", ord("\r"): " "})
+#: How the messages name the local engine (the decode leg's, and any other local call).
+LOCAL_ENGINE = "local engine"
+DECODE_ENGINE = "decode engine"
 
 
 async def read_capped(response: UpstreamResponse, max_bytes: int) -> bytes:
@@ -52,14 +80,85 @@ def _json_headers(headers: Mapping[str, str]) -> list[tuple[str, str]]:
 
 #: Engine statuses that mean "this request is invalid": the client must change it.
 _CLIENT_FAULT_STATUSES = frozenset({400, 413, 422})
+#: Prefill statuses of an engine that took the request in no further (overloaded, not
+#: ready): the prefill did no work.
+_NOT_STARTED_STATUSES = frozenset({429, 503})
 
 
-def _status_error(status: int, stage: Stage) -> SidecarError:
-    name = stage.value
+def _status_error(status: int, stage: Stage, who: str, body: bytes = b"") -> SidecarError:
+    client_side = 400 <= status < 500
+    reason = engine_reason(body) if client_side else None
+    said = f": {reason}" if reason else ""
     if status in _CLIENT_FAULT_STATUSES:
-        return EngineRejected(f"{name} engine rejected the request (HTTP {status})", stage=stage)
-    failed: type[SidecarError] = PrefillFailed if stage is Stage.PREFILL else DecodeFailed
-    return failed(f"{name} engine answered HTTP {status}", stage=stage)
+        return EngineRejected(f"{who} rejected the request (HTTP {status}){said}", stage=stage)
+    message = f"{who} answered HTTP {status}{said}"
+    if stage is not Stage.PREFILL:
+        return DecodeFailed(message, stage=stage)
+    # A prefill answered 503/429 has not started (no token before the status line): it may
+    # move to another target. 429 and other 4xx say nothing against the engine's health.
+    failed = (PrefillBusy(message) if status in _NOT_STARTED_STATUSES
+              else PrefillFailed(message))
+    failed.engine_fault = not client_side
+    return failed
+
+
+def engine_reason(body: bytes) -> str | None:
+    """The engine's own explanation in a 4xx body, cleaned for a client (None: none).
+
+    The OpenAI shape ``{"error": {"message"}}`` (vLLM, SGLang), ``{"message"}`` (their
+    ``"object": "error"`` answers, TensorRT-LLM), FastAPI's ``{"detail"}`` (a string, or its
+    validation errors' ``msg``), else the body as text.
+    """
+    text: str | None
+    try:
+        document = jsonutil.loads(body)
+    except jsonutil.JSONDecodeError:
+        text = body.decode("utf-8", "replace")
+    else:
+        text = _json_reason(document)
+    if not text:
+        return None
+    cleaned = " ".join(text.translate(_CONTROLS).split())
+    cut = cleaned.encode()[:MAX_REASON_BYTES].decode("utf-8", "ignore")
+    return cut or None
+
+
+def _json_reason(document: Any) -> str | None:
+    if isinstance(document, str):
+        return document
+    if not isinstance(document, dict):
+        return None
+    error = document.get("error")
+    if isinstance(error, dict) and isinstance(error.get("message"), str):
+        return str(error["message"])
+    for key in ("message", "error", "detail"):
+        value = document.get(key)
+        if isinstance(value, str):
+            return value
+    detail = document.get("detail")
+    if isinstance(detail, list):
+        messages = [str(item["msg"]) for item in detail
+                    if isinstance(item, dict) and isinstance(item.get("msg"), str)]
+        return "; ".join(messages) or None
+    return None
+
+
+def broken_connection(exc: UpstreamError, who: str) -> str:
+    """What an upstream failure after the connect did, in words."""
+    if isinstance(exc, UpstreamBroken):
+        return f"{who} closed the connection before its answer was complete"
+    if isinstance(exc, UpstreamProtocolError):
+        return f"{who} answered something that is not HTTP/1.1 ({exc.reason})"
+    return f"{who}: {exc.reason}"
+
+
+def connect_failure(exc: UpstreamConnectError, who: str) -> str:
+    """A connect that failed, in words (a TLS handshake names its verification error)."""
+    if isinstance(exc, UpstreamTLSError):
+        return f"TLS handshake with {who} failed: {exc.reason}"
+    if exc.refused:
+        return f"{who} refused the connection"
+    return f"{who} unreachable: {exc.reason}"
 
 
 async def post_prefill(
@@ -72,9 +171,11 @@ async def post_prefill(
     max_bytes: int,
     server_hostname: str | None = None,
     span: LegSpan = NOOP_SPAN,
+    who: str = "prefill engine",
 ) -> dict[str, Any]:
     """POST the prefill body and return its JSON object answer (``server_hostname``: the
-    name an https target's certificate must carry when ``url`` names its address)."""
+    name an https target's certificate must carry when ``url`` names its address; ``who``:
+    the engine as the messages name it)."""
     payload = jsonutil.dumps(body)
     try:
         response = await session.request(
@@ -85,8 +186,8 @@ async def post_prefill(
             span.set(HTTP_STATUS, response.status)
         try:
             if response.status != 200:
-                await _drain_error_body(response)
-                raise _status_error(response.status, Stage.PREFILL)
+                error_body = await _drain_error_body(response)
+                raise _status_error(response.status, Stage.PREFILL, who, error_body)
             raw = await read_capped(response, max_bytes)
         finally:
             response.release()
@@ -94,19 +195,20 @@ async def post_prefill(
         raise DeadlineExceeded(
             f"prefill leg exceeded its {timeout_s:g} s deadline", stage=Stage.PREFILL
         ) from None
+    except UpstreamTLSError as exc:
+        _log_tls_failure(url, exc)
+        raise PrefillFailed(connect_failure(exc, who)) from None
     except UpstreamConnectError as exc:
         # No connection, so not one byte of the request reached the engine: safe to retry.
-        raise PrefillUnreachable(f"prefill engine unreachable or broke the connection: "
-                                 f"{type(exc).__name__}") from None
+        raise PrefillUnreachable(connect_failure(exc, who)) from None
     except UpstreamError as exc:
-        raise PrefillFailed(f"prefill engine unreachable or broke the connection: "
-                            f"{type(exc).__name__}") from None
+        raise PrefillFailed(broken_connection(exc, who)) from None
     try:
         answer = jsonutil.loads(raw)
     except jsonutil.JSONDecodeError:
-        raise PrefillFailed("prefill engine answered malformed JSON") from None
+        raise PrefillFailed(f"{who} answered malformed JSON") from None
     if not isinstance(answer, dict):
-        raise PrefillFailed("prefill engine answered JSON that is not an object")
+        raise PrefillFailed(f"{who} answered JSON that is not an object")
     return answer
 
 
@@ -123,28 +225,36 @@ async def open_decode(
         response = await session.request(
             "POST", url, headers=_json_headers(headers), body=payload
         )
-    except UpstreamConnectError:
-        raise EngineNotReady("local engine refused the connection", stage=Stage.DECODE) from None
+    except UpstreamTLSError as exc:
+        _log_tls_failure(url, exc)
+        raise DecodeFailed(connect_failure(exc, LOCAL_ENGINE), stage=Stage.DECODE) from None
+    except UpstreamConnectError as exc:
+        raise EngineNotReady(connect_failure(exc, LOCAL_ENGINE), stage=Stage.DECODE) from None
     except TimeoutError:
         raise DeadlineExceeded("decode engine did not answer in time", stage=Stage.DECODE) from None
     except UpstreamError as exc:
-        raise DecodeFailed(
-            f"decode engine broke the connection: {type(exc).__name__}", stage=Stage.DECODE
-        ) from None
+        raise DecodeFailed(broken_connection(exc, DECODE_ENGINE), stage=Stage.DECODE) from None
     if span.recording:
         span.set(HTTP_STATUS, response.status)
     if response.status != 200:
         try:
-            await _drain_error_body(response)
+            body = await _drain_error_body(response)
         finally:
             response.release()
-        raise _status_error(response.status, Stage.DECODE)
+        raise _status_error(response.status, Stage.DECODE, DECODE_ENGINE, body)
     return response
 
 
-async def _drain_error_body(response: UpstreamResponse) -> None:
-    """Read (and drop) a bounded error body so the connection can be reused."""
+def _log_tls_failure(url: str, exc: UpstreamTLSError) -> None:
+    """A handshake that failed is a configuration to fix: say where, and why (never at the
+    level of a refused connection, which an engine restart explains)."""
+    logger.warning("TLS handshake with %s failed: %s", url, exc.reason)
+
+
+async def _drain_error_body(response: UpstreamResponse) -> bytes:
+    """Read a bounded error body, so the connection can be reused; what was read."""
     try:
-        await response.read(_MAX_ERROR_BODY)
+        return await response.read(_MAX_ERROR_BODY)
     except (UpstreamError, TimeoutError):
         response.close()
+        return b""

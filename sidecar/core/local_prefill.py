@@ -5,14 +5,23 @@
                                                        engine (no prefill leg, no hand-off)
         otherwise (or the length is unknown)        ─▶ False: a PD pair
 
-Prompt length (README, "Request shapes"): exact for token ids; ``estimate``:
-``sidecar.protocol.prompt_length``; ``tokenize``: ``Dialect.tokenize``'s endpoint (chat
-prompts only where it takes ``messages``, else estimated). A failed tokenize call
-disaggregates the request, counted in ``disagg_tokenize_failures_total{reason}``: ``timeout``,
-``rejected`` (4xx), ``failed`` (unreachable, 5xx, not JSON), ``malformed_answer`` (no ``count``).
+Prompt length:
 
-Deliberate limits: a tokenize call is a round trip to the local engine before the request
-(within ``--connect-timeout-s``); the estimate counts no multimodal chat parts.
+- token-id prompts: exact (the array's length; the generate route's ``token_ids``);
+- text and chat, ``--prompt-length-source estimate``: ``sidecar.protocol.prompt_length``
+  (UTF-8 bytes / 4; README states its measured error);
+- ``tokenize``: the local engine's tokenizer endpoint, as its dialect declares it
+  (``Dialect.tokenize``: a path, and whether it takes chat ``messages``; chat prompts of an
+  engine whose endpoint does not are estimated, and so are Responses and Messages prompts).
+  A tokenize call that fails in any way disaggregates the request (never an error), counted in
+  ``disagg_tokenize_failures_total{reason}``: ``timeout``, ``rejected`` (4xx), ``failed``
+  (unreachable, 5xx, not JSON), ``malformed_answer`` (no usable ``count``).
+
+The decision is logged at debug level and the request counted with outcome ``local_short``.
+
+Deliberate limits: a tokenize call costs a round trip to the local engine before the request
+starts (bounded by ``--connect-timeout-s``); multimodal chat parts are not counted by the
+estimate.
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ logger = logging.getLogger(__name__)
 
 _MAX_TOKENIZE_ANSWER: Final = 16 * 1024 * 1024
 _JSON_HEADERS: Final = {"Content-Type": "application/json"}
+_TOKENIZED: Final = frozenset({Route.COMPLETIONS, Route.CHAT})
 
 
 class PostLocal(Protocol):
@@ -79,7 +89,10 @@ class LocalPrefill:
         if exact is not None:
             return exact
         endpoint = self._endpoint
-        if not self._tokenize or endpoint is None or (route is Route.CHAT and not endpoint.chat):
+        # Tokenizer endpoints take a completions prompt or chat messages: the other APIs'
+        # prompts are estimated.
+        if (not self._tokenize or endpoint is None or route not in _TOKENIZED
+                or (route is Route.CHAT and not endpoint.chat)):
             return estimate_tokens(route, body)
         try:
             return await self._tokenized(endpoint, route, body)

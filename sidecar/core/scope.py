@@ -5,15 +5,24 @@
     scope.admit()              Overloaded / Draining raise here (503 / RESOURCE_EXHAUSTED...)
     scope.observe_timings(t)   stage latencies the core measured (prefill, handoff, decode...)
     scope.outcome = "ok"       or scope.failed(error) / scope.cancelled() / scope.broken(error)
-    scope.detach()             a background engine call (a gRPC Prefill's concurrent prefill)
-                               shares the admission slot, so draining waits for it too
-    scope.close()              counted once (requests{outcome}, stage "total", in-flight);
-                               admission left once every holder ended; the request span ended
-    scope.trace                the request's spans (a no-op when off), current in the opening
-                               task (log lines carry its ids); the core's leg spans go under it
+    scope.close()              counted once: requests{outcome}, stage "total", in-flight gauge,
+                               admission left (once a detached background task ended too);
+                               the request span ended with the outcome
+    scope.trace                the request's spans (``sidecar.observability.tracing``; a no-op
+                               when off): the
+                               core opens leg spans under it and injects it into engine calls
 
-Every metric carries the front door; ``route`` is a closed set (two OpenAI paths, two gRPC
-methods); outcomes: README, "Metrics". Deliberate limit: the scope never logs (the door does).
+Every metric carries the front door (``http`` | ``grpc``); the ``route`` label is a closed set
+(the PD routes' paths, the two gRPC methods). A request refused at admission is counted with
+outcome ``refused``; a stream that broke after its first byte with ``broken_stream``; a
+client that went away with ``cancelled`` (and ``client_cancelled`` in the errors). A
+background engine call that outlives the request (a gRPC Prefill whose SGLang/Mooncake prefill
+runs on) shares the admission slot (``detach``), so draining waits for it too.
+
+While a scope is open its request span is the current span of the task that opened it, so
+JSON log lines written for the request carry its ``trace_id`` and ``span_id``.
+
+Deliberate limits: the scope does not log; the front door says what went wrong in its words.
 """
 
 from __future__ import annotations
@@ -47,6 +56,12 @@ FALLBACK: Final = "fallback"
 PASSTHROUGH: Final = "passthrough"
 #: A short prompt run whole on the local engine (``--local-prefill-max-tokens``).
 LOCAL_SHORT: Final = "local_short"
+#: A prefill target on a route the engine does not run as a pair: run whole on it.
+LOCAL_ROUTE: Final = "local_route"
+#: A request naming state that lives on one engine (Responses): run whole on the local one.
+LOCAL_STATE: Final = "local_state"
+#: A prefill target on a route the engine does not serve at all: refused (404).
+UNSERVED_ROUTE: Final = "unserved_route"
 
 
 @dataclass(slots=True)

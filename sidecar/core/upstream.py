@@ -53,6 +53,17 @@ def forwardable_headers(headers: Iterable[tuple[str, str]] | Mapping[str, str], 
     return out
 
 
+def with_headers(headers: Mapping[str, str], extra: Mapping[str, str]) -> Mapping[str, str]:
+    """``headers`` with ``extra`` set over them (case-insensitive); ``headers`` itself when
+    ``extra`` is empty (a leg without them takes the very headers it took before)."""
+    if not extra:
+        return headers
+    out: CIMultiDict[str] = CIMultiDict(headers)
+    for name, value in extra.items():
+        out[name] = value
+    return out
+
+
 def response_headers(headers: Iterable[tuple[str, str]]) -> CIMultiDict[str]:
     """Upstream response headers that may be relayed to the client."""
     out: CIMultiDict[str] = CIMultiDict()

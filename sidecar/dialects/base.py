@@ -6,10 +6,22 @@
     dialect.decode_body(client, fields)─▶ POST decode (local engine)
     dialect.end(ctx)                      the state given back (once the request is over)
 
-``legs``: the decode waits for the prefill's answer (``SEQUENTIAL``), or both go at once
-(``CONCURRENT``: the hand-off is known first; the core watches the prefill). The rest is data
-(``handoff_keys``, ``token_id_fields``, abort call, tokenizer, ``Options``): the core never
-names an engine, it asks the dialect.
+Data-parallel engines (``--data-parallel-size``): for a dialect that is ``ranked`` the flow
+chooses each leg's rank and the dialect puts it where its engine reads it: a header
+(``prefill_headers``/``decode_headers``), a body field (``prefill_fields`` reads
+``ctx.prefill_rank``; ``decode_body`` gets the decode rank), or the looked-up value of that
+rank. With one rank both are None and nothing changes; a dialect that is not ``ranked`` gets
+none (its engine places requests on its ranks itself).
+
+``legs`` says whether the decode waits for the prefill's answer (``SEQUENTIAL``) or both go
+at once (``CONCURRENT``: the hand-off is known before the prefill answers, and the core
+watches the prefill). Everything else a dialect declares is data: the body keys it owns
+(``handoff_keys``: clients may not send them), the request keys that make a streamed
+completion carry token ids (``token_id_fields``), its abort call, its tokenizer endpoint,
+the settings it adds (``Options``). The core never names an engine: it asks the dialect.
+
+Dialects do no I/O of their own. The one lookup a hand-off may need (an engine id that only
+the prefill's side channel tells) goes through the ``EngineLookup`` the core hands in.
 
 Deliberate limits: dialects do no I/O of their own (a side-channel lookup goes through the
 ``EngineLookup`` the core hands in); one instance serves every request of a process (its id
@@ -27,9 +39,21 @@ from typing import Any, ClassVar, Literal, NamedTuple, Protocol, Self
 
 from pydantic import BaseModel, ConfigDict
 
-from sidecar.dialects.common import merge_top_level, prefill_base
-from sidecar.protocol.context import HandoffContext, Route
-from sidecar.protocol.sse import OPENAI_STREAM, StreamMarkers
+from sidecar.dialects.common import merge_top_level
+from sidecar.protocol.apis import api_of
+from sidecar.protocol.context import OPENAI_ROUTES, HandoffContext, Route
+from sidecar.protocol.sse import StreamMarkers
+
+
+class RouteSupport(StrEnum):
+    """What a dialect's engine does with a route a prefill target was named for."""
+
+    #: Runs as a prefill/decode pair with the engine's hand-off fields.
+    PD = "pd"
+    #: The engine serves the route, but not as a pair: the request runs whole on it.
+    LOCAL = "local"
+    #: The engine does not serve the route at all: refused (404).
+    UNSERVED = "unserved"
 
 
 class Legs(StrEnum):
@@ -98,7 +122,13 @@ class DialectSetup:
     lane: int = 0
     lanes: int = 1
     lookup: EngineLookup | None = None
+    #: Data-parallel ranks of the local engine and of each prefill target's engine.
+    local_ranks: int = 1
+    prefill_ranks: int = 1
 
+
+#: The headers of a leg that needs none besides the client's.
+NO_HEADERS: Mapping[str, str] = MappingProxyType({})
 
 #: vLLM's (and SGLang's) documented switch for token ids on a streamed completion.
 RETURN_TOKEN_IDS: Mapping[str, Any] = MappingProxyType({"return_token_ids": True})
@@ -124,13 +154,25 @@ class Dialect(ABC):
     drops_max_completion_tokens: ClassVar[bool] = False
     #: The engine's tokenizer endpoint, if it has one.
     tokenize: ClassVar[TokenizeEndpoint | None] = None
-    #: The routes this engine serves as prefill/decode pairs with its hand-off fields.
-    pd_routes: ClassVar[frozenset[Route]] = frozenset(Route)
+    #: The routes this engine serves as prefill/decode pairs with its hand-off fields
+    #: (README's routes table); the others run whole on the local engine, or are refused.
+    pd_routes: ClassVar[frozenset[Route]] = OPENAI_ROUTES
+    #: The routes this engine does not serve at all (refused with 404, not passed through).
+    unserved_routes: ClassVar[frozenset[Route]] = frozenset()
     #: The settings this dialect adds (None: none).
     Options: ClassVar[type[DialectOptions] | None] = None
+    #: True when the dialect puts data-parallel ranks where its engine reads them.
+    ranked: ClassVar[bool] = False
 
     def __init__(self, setup: DialectSetup) -> None:
         self.setup = setup
+
+    @classmethod
+    def route_support(cls, route: Route) -> RouteSupport:
+        """How a request on ``route`` with a prefill target runs on this engine."""
+        if route in cls.pd_routes:
+            return RouteSupport.PD
+        return RouteSupport.UNSERVED if route in cls.unserved_routes else RouteSupport.LOCAL
 
     @property
     def connector_label(self) -> str:
@@ -153,8 +195,9 @@ class Dialect(ABC):
     # -- bodies -----------------------------------------------------------------------------
 
     def prefill_body(self, client_body: Mapping[str, Any], ctx: HandoffContext) -> dict[str, Any]:
-        """The body POSTed to the prefill engine: the common rules plus this dialect's fields."""
-        body = prefill_base(
+        """The body POSTed to the prefill engine: the route's API's prefill rules plus this
+        dialect's fields."""
+        body = api_of(ctx.route).prefill_base(
             client_body, drop_max_completion_tokens=self.drops_max_completion_tokens
         )
         body.update(self.prefill_fields(ctx))
@@ -172,9 +215,11 @@ class Dialect(ABC):
         (``prefill_response`` is None for concurrent dialects: built before it answers)."""
 
     def decode_body(
-        self, client_body: Mapping[str, Any], handoff: Mapping[str, Any]
+        self, client_body: Mapping[str, Any], handoff: Mapping[str, Any],
+        rank: int | None = None,
     ) -> dict[str, Any]:
-        """The decode body: the *original* client body with the hand-off fields set."""
+        """The decode body: the *original* client body with the hand-off fields set
+        (``rank``: the decode leg's data-parallel rank, None for one rank)."""
         return merge_top_level(client_body, handoff)
 
     def answered_by_prefill(self, prefill_response: Mapping[str, Any]) -> bool:
@@ -185,6 +230,20 @@ class Dialect(ABC):
         """A prefill response that is the whole answer, as the client sees it."""
         return dict(prefill_response)
 
+    # -- data-parallel ranks ----------------------------------------------------------------
+
+    def prefill_headers(self, ctx: HandoffContext) -> Mapping[str, str]:
+        """Headers the prefill leg gets besides the client's (its rank: ``ctx.prefill_rank``)."""
+        return NO_HEADERS
+
+    def decode_headers(self, rank: int | None) -> Mapping[str, str]:
+        """Headers the decode leg on data-parallel ``rank`` gets (None: the engine has one).
+
+        The decode leg's own rank only: over gRPC the decode sidecar has no ``ctx`` (what it
+        needs of the prefill's rank travels in the hand-off fields).
+        """
+        return NO_HEADERS
+
     # -- engine calls the core makes for the dialect ----------------------------------------
 
     def abort_call(self, ctx: HandoffContext) -> tuple[str, dict[str, Any]] | None:
@@ -192,8 +251,9 @@ class Dialect(ABC):
         return None
 
     def stream_markers(self, route: Route) -> StreamMarkers:
-        """How this engine's stream on ``route`` ends, and how an error event in it starts."""
-        return OPENAI_STREAM
+        """How this engine's stream on ``route`` ends, and how an error event in it starts
+        (the API's markers, unless the engine's differ)."""
+        return api_of(route).markers
 
 
 def check_lane(lane: int, lanes: int, most: int) -> None:

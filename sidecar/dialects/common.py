@@ -1,7 +1,10 @@
 """The rules common to every prefill leg (docs/handoffs.md#common-rules), in one place.
 
-    client body ──prefill_base()──▶ prefill body (+ engine/agent fields)
+    client body ──api_of(route).prefill_base()──▶ prefill body (+ the dialect's fields)
     client body ──merge_top_level(handoff)──▶ decode body
+
+Each API's own prefill rules (its limit field, stream, what the prefill must not keep) are
+its module's (``sidecar.protocol.apis``); ``prefill_base`` names the OpenAI routes' here.
 
 Only top-level keys are touched, and inputs are never mutated: ``messages``, ``tools`` and
 every nested value stay the very objects the client sent (stable tokenization, prefix-cache
@@ -13,36 +16,22 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-MAX_TOKENS = "max_tokens"
-MAX_COMPLETION_TOKENS = "max_completion_tokens"
-MIN_TOKENS = "min_tokens"
-MIN_COMPLETION_TOKENS = "min_completion_tokens"
-STREAM = "stream"
-STREAM_OPTIONS = "stream_options"
+from sidecar.protocol.apis.base import PREFILL_MAX_TOKENS, STREAM, STREAM_OPTIONS
+from sidecar.protocol.apis.completions import (
+    MAX_COMPLETION_TOKENS,
+    MAX_TOKENS,
+    MIN_COMPLETION_TOKENS,
+    MIN_TOKENS,
+    openai_prefill_base,
+)
 
-#: The prefill leg computes the prompt's KV and one token, nothing more.
-PREFILL_MAX_TOKENS = 1
+__all__ = [
+    "MAX_COMPLETION_TOKENS", "MAX_TOKENS", "MIN_COMPLETION_TOKENS", "MIN_TOKENS",
+    "PREFILL_MAX_TOKENS", "STREAM", "STREAM_OPTIONS", "merge_top_level", "prefill_base",
+]
 
-
-def prefill_base(
-    client_body: Mapping[str, Any], *, drop_max_completion_tokens: bool = False
-) -> dict[str, Any]:
-    """The client body as a prefill leg: one token, not streamed, no lower token bounds;
-    ``max_completion_tokens`` capped only when the client sent it (vLLM's reference proxy; vLLM
-    prefers it over ``max_tokens`` on chat), or deleted for engines that reject it (TRT-LLM)."""
-    body = dict(client_body)
-    body[MAX_TOKENS] = PREFILL_MAX_TOKENS
-    if drop_max_completion_tokens:
-        body.pop(MAX_COMPLETION_TOKENS, None)
-    elif MAX_COMPLETION_TOKENS in body:
-        body[MAX_COMPLETION_TOKENS] = PREFILL_MAX_TOKENS
-    # vLLM rejects min_tokens > max_tokens; a one-token prefill cannot honour them.
-    body.pop(MIN_TOKENS, None)
-    body.pop(MIN_COMPLETION_TOKENS, None)
-    # vLLM returns kv_transfer_params only on non-streamed responses.
-    body[STREAM] = False
-    body.pop(STREAM_OPTIONS, None)
-    return body
+#: The OpenAI routes' prefill rules (every API's are in ``sidecar.protocol.apis``).
+prefill_base = openai_prefill_base
 
 
 def merge_top_level(body: Mapping[str, Any], fields: Mapping[str, Any]) -> dict[str, Any]:

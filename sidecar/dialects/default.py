@@ -1,9 +1,15 @@
 """The default dialect: a plain prefill-then-decode flow with no hand-off fields.
 
-An engine the registry does not know resolves here (docs/handoffs.md#default-engine): the
-common prefill rules (one token, not streamed) and a decode leg built from the original
-client body. Deliberate limits: no KV hand-off; the decode engine recomputes the prompt unless
-it shares a cache with the prefill engine by some means outside the request bodies.
+Used for engines the registry does not know (docs/handoffs.md#default-engine: an unknown engine
+resolves
+here), so a new engine still gets the common prefill rules (one token, not streamed) and a
+decode leg built from the original client body.
+
+Routes: completions and chat; every other route runs whole on the local engine (an unknown
+engine's other APIs are not known to take a prefill leg).
+
+Deliberate limits: no KV hand-off at all; the decode engine recomputes the prompt unless it
+shares a cache with the prefill engine by some means outside the request bodies.
 """
 
 from __future__ import annotations

@@ -4,11 +4,37 @@
     prefill fields == decode fields == {bootstrap_host, bootstrap_port, bootstrap_room, rid}
     end:   the room is free again
 
-SGLang pairs the legs through the prefill engine's bootstrap server and its prefill blocks
-until the decode connects, hence concurrent legs (docs/handoffs.md#sglang). ``rid`` names the
-request in ``POST /abort_request``; the fields are set after the client's keys, so they win.
-Rooms (``RoomAllocator``, docs/handoffs.md#sglang-rooms): random, non-negative, unique among
-the rooms in flight; in a pool of workers ``room % lanes == lane``, in either range.
+Both legs also carry ``rid`` (SGLang's request id field), so the sidecar can name the request
+in ``POST /abort_request`` when the client goes away or the prefill fails. The fields are set
+after the client's keys, so client-supplied bootstrap values are always overwritten.
+
+Routes (SGLang 0.5.23, ``srt/entrypoints``): completions and chat; the Responses API
+(``ResponsesRequest(PDRoutingFields)``, forwarded to the engine's generate call) and the
+Anthropic Messages API (``AnthropicMessagesRequest(PDRoutingFields)``, converted to a chat
+request with the same fields) take the three bootstrap fields at the top level too, so they
+run as pairs. The engine's request id is a per-route field: ``rid`` on the OpenAI routes,
+``request_id`` on Responses (it is also the response's id, so it keeps the ``resp_`` prefix),
+none on Messages (the conversion drops it: no abort by id there). ``/inference/v1/generate``
+is not served (SGLang's ``/generate`` is another API): refused. A Responses request naming
+stored state runs whole (SGLang forbids its response store in PD mode, and answers so).
+
+Data-parallel engines (prefill rank r of P ranks, decode rank d; SGLang 0.5.23
+``PDRoutingFields``, and SGLang's model gateway does the same):
+
+    room      := a free room with room % P == r (SGLang's default prefill placement,
+                 ``follow_bootstrap_room``, puts the request on that rank, and its decode
+                 finds the KV there even without the hint)
+    prefill  += {routed_dp_rank: r}
+    decode   += {disagg_prefill_dp_rank: r (in the hand-off), routed_dp_rank: d}
+
+Each only where the engine has several ranks: with one rank nothing is added and rooms are
+drawn as without data parallelism.
+
+Rooms (``RoomAllocator``): random, non-negative, unique among the rooms in flight (a reused
+room can inherit a stale failure); in a pool of workers each worker draws from its own lane
+(``room % lanes == lane``; with P ranks ``(room // P) % lanes == lane``), so no two workers
+of one pod can hand out the same room, in either range.
+
 Deliberate limits: one room per request (fan-out gives each sub-request its own).
 """
 
@@ -31,15 +57,28 @@ from sidecar.dialects.base import (
     TokenizeEndpoint,
     check_lane,
 )
+from sidecar.dialects.common import merge_top_level
 from sidecar.errors import ResourceExhausted, SidecarError
-from sidecar.protocol.context import FrontDoor, HandoffContext
+from sidecar.protocol.context import OPENAI_ROUTES, FrontDoor, HandoffContext, Route
 
 BOOTSTRAP_HOST: Final = "bootstrap_host"
 BOOTSTRAP_PORT: Final = "bootstrap_port"
 BOOTSTRAP_ROOM: Final = "bootstrap_room"
 #: SGLang's request id field on its OpenAI routes; ``POST /abort_request {"rid"}`` names it.
 RID: Final = "rid"
+#: The field holding the engine's request id where a route does not take ``rid`` (None: none).
+RID_FIELDS: Final[dict[Route, str | None]] = {Route.RESPONSES: "request_id",
+                                              Route.MESSAGES: None}
+#: A Responses request id is also the response's id, which the API prefixes so.
+RESPONSE_ID_PREFIX: Final = "resp_"
 ABORT_PATH: Final = "/abort_request"
+#: The data-parallel rank a request runs on (SGLang's ``routed_dp_rank``, which replaced
+#: ``data_parallel_rank``), and the prefill's rank a decode finds the KV on.
+ROUTED_DP_RANK: Final = "routed_dp_rank"
+DISAGG_PREFILL_DP_RANK: Final = "disagg_prefill_dp_rank"
+#: Draws of a taken room before a room class counts as full (only a nearly full class of
+#: rooms, shared with the other range's rooms, comes near it).
+_MAX_DRAWS: Final = 1000
 
 INT64_ROOMS: Final = (1 << 63) - 1
 INT32_ROOMS: Final = (1 << 31) - 1
@@ -64,8 +103,11 @@ class SGLangOptions(DialectOptions):
 
 
 class RoomAllocator:
-    """Random bootstrap rooms in ``[0, max_room]``, unique among those in flight; only rooms
-    with ``room % lanes == lane`` (one worker's share)."""
+    """Random bootstrap rooms in ``[0, max_room]``, unique among those in flight.
+
+    ``lane`` of ``lanes``: one worker's share. A room for data-parallel ``rank`` of ``ranks``
+    is ``rank + ranks * m`` with ``m % lanes == lane``; with one rank ``room % lanes == lane``.
+    """
 
     def __init__(self, max_room: int = INT64_ROOMS, *, lane: int = 0, lanes: int = 1) -> None:
         if max_room < 1:
@@ -74,16 +116,20 @@ class RoomAllocator:
         self._max_room = max_room
         self._lane = lane
         self._lanes = lanes
-        #: Rooms of this lane: lane + lanes * k for k < _capacity.
-        self._capacity = (max_room - lane) // lanes + 1
-        self._in_flight: set[int] = set()
+        #: Rooms in flight, each with its class: (max_room, ranks, rank) it was drawn for.
+        self._in_flight: dict[int, tuple[int, int, int]] = {}
+        self._taken: dict[tuple[int, int, int], int] = {}
         self._lock = threading.Lock()
 
     def narrowed(self, max_room: int) -> RoomAllocator:
-        """An allocator over ``[0, max_room]`` sharing this one's rooms in flight (int32
-        rooms stay unique against the int64 ones on the same prefill engine)."""
+        """An allocator over ``[0, max_room]`` sharing this one's rooms in flight.
+
+        Sharing the in-flight rooms keeps int32 rooms unique against the int64 ones on the
+        same prefill engine.
+        """
         view = RoomAllocator(min(max_room, self._max_room), lane=self._lane, lanes=self._lanes)
         view._in_flight = self._in_flight
+        view._taken = self._taken
         view._lock = self._lock
         return view
 
@@ -91,19 +137,40 @@ class RoomAllocator:
     def max_room(self) -> int:
         return self._max_room
 
-    def allocate(self) -> int:
+    def _capacity(self, ranks: int, rank: int) -> int:
+        """How many rooms this lane has for ``rank`` of ``ranks``: ``rank + ranks * m`` with
+        ``m = lane + lanes * k`` below the top."""
+        top = (self._max_room - rank) // ranks
+        return 0 if top < self._lane else (top - self._lane) // self._lanes + 1
+
+    def allocate(self, rank: int | None = None, ranks: int = 1) -> int:
+        """A free room; for data-parallel ``rank`` of ``ranks``, one with ``room % ranks ==
+        rank`` (None: any room, as with one rank)."""
+        residue = 0 if rank is None else rank
+        if not 0 <= residue < ranks:
+            raise ValueError(f"rank {rank} is outside 0..{ranks - 1}")
+        kind = (self._max_room, ranks, residue)
+        capacity = self._capacity(ranks, residue)
         with self._lock:
-            if len(self._in_flight) >= self._capacity:
+            if self._taken.get(kind, 0) >= capacity:
                 raise ResourceExhausted("every SGLang bootstrap room is in flight")
-            while True:
-                room = self._lane + self._lanes * secrets.randbelow(self._capacity)
+            for _ in range(_MAX_DRAWS):
+                room = residue + ranks * (self._lane + self._lanes * secrets.randbelow(capacity))
                 if room not in self._in_flight:
-                    self._in_flight.add(room)
+                    self._in_flight[room] = kind
+                    self._taken[kind] = self._taken.get(kind, 0) + 1
                     return room
+        raise ResourceExhausted("SGLang bootstrap rooms of this rank are nearly all in flight")
 
     def release(self, room: int) -> None:
         with self._lock:
-            self._in_flight.discard(room)
+            kind = self._in_flight.pop(room, None)
+            if kind is not None:
+                left = self._taken[kind] - 1
+                if left:
+                    self._taken[kind] = left
+                else:
+                    del self._taken[kind]
 
     def in_flight(self) -> int:
         return len(self._in_flight)
@@ -115,7 +182,11 @@ class SGLangDialect(Dialect):
     engine = "sglang"
     checked_against = "SGLang main (2026 snapshot): bootstrap_host/port/room on the OpenAI routes"
     legs = Legs.CONCURRENT
-    handoff_keys = frozenset({BOOTSTRAP_HOST, BOOTSTRAP_PORT, BOOTSTRAP_ROOM})
+    ranked = True
+    handoff_keys = frozenset({BOOTSTRAP_HOST, BOOTSTRAP_PORT, BOOTSTRAP_ROOM, ROUTED_DP_RANK,
+                              DISAGG_PREFILL_DP_RANK})
+    pd_routes = OPENAI_ROUTES | {Route.RESPONSES, Route.MESSAGES}
+    unserved_routes = frozenset({Route.GENERATE})
     #: SGLang's ``/v1/tokenize`` takes a completions ``prompt`` only.
     tokenize = TokenizeEndpoint("/v1/tokenize", chat=False)
     Options = SGLangOptions
@@ -128,37 +199,66 @@ class SGLangDialect(Dialect):
         self.grpc_rooms = self.rooms.narrowed(INT32_ROOMS)
 
     def begin(self, ctx: HandoffContext) -> HandoffContext:
-        rooms = self.grpc_rooms if ctx.front_door is FrontDoor.GRPC else self.rooms
-        return ctx.with_state(rooms.allocate())
+        grpc = ctx.front_door is FrontDoor.GRPC
+        rooms = self.grpc_rooms if grpc else self.rooms
+        if ctx.prefill_rank is None:
+            return ctx.with_state(rooms.allocate())
+        # The prefill engine is this pod's over gRPC, the target's over HTTP.
+        ranks = self.setup.local_ranks if grpc else self.setup.prefill_ranks
+        return ctx.with_state(rooms.allocate(ctx.prefill_rank, ranks))
 
     def end(self, ctx: HandoffContext) -> None:
         if isinstance(ctx.state, int):
             self.rooms.release(ctx.state)
 
     def prefill_fields(self, ctx: HandoffContext) -> dict[str, Any]:
-        return self._bootstrap_fields(ctx)
+        fields = self._bootstrap_fields(ctx)
+        if ctx.prefill_rank is not None:
+            fields[ROUTED_DP_RANK] = ctx.prefill_rank
+        return fields
 
     def handoff(
         self, prefill_response: Mapping[str, Any] | None, ctx: HandoffContext
     ) -> dict[str, Any]:
         # The decode leg is built before the prefill answers: same three values, same room.
-        return self._bootstrap_fields(ctx)
+        fields = self._bootstrap_fields(ctx)
+        if ctx.prefill_rank is not None:
+            fields[DISAGG_PREFILL_DP_RANK] = ctx.prefill_rank
+        return fields
+
+    def decode_body(
+        self, client_body: Mapping[str, Any], handoff: Mapping[str, Any],
+        rank: int | None = None,
+    ) -> dict[str, Any]:
+        body = merge_top_level(client_body, handoff)
+        if rank is not None:
+            body[ROUTED_DP_RANK] = rank
+        return body
 
     def _bootstrap_fields(self, ctx: HandoffContext) -> dict[str, Any]:
         room = ctx.state
         if not isinstance(room, int):
             raise SidecarError("SGLang request has no bootstrap room (begin not called)")
-        return {
+        fields: dict[str, Any] = {
             BOOTSTRAP_HOST: ctx.advertise_host,
             BOOTSTRAP_PORT: self.bootstrap_port,
             BOOTSTRAP_ROOM: room,
-            RID: request_rid(ctx.request_id, room),
         }
+        rid_field = RID_FIELDS.get(ctx.route, RID)
+        if rid_field is not None:
+            fields[rid_field] = route_rid(ctx, room)
+        return fields
 
     def abort_call(self, ctx: HandoffContext) -> tuple[str, dict[str, Any]] | None:
-        if not isinstance(ctx.state, int):
+        if not isinstance(ctx.state, int) or RID_FIELDS.get(ctx.route, RID) is None:
             return None
-        return ABORT_PATH, {RID: request_rid(ctx.request_id, ctx.state)}
+        return ABORT_PATH, {RID: route_rid(ctx, ctx.state)}
+
+
+def route_rid(ctx: HandoffContext, room: int) -> str:
+    """The engine's id of a request's legs on ``ctx.route``."""
+    rid = request_rid(ctx.request_id, room)
+    return RESPONSE_ID_PREFIX + rid if ctx.route is Route.RESPONSES else rid
 
 
 def request_rid(request_id: str, room: int) -> str:

@@ -9,11 +9,30 @@ Follows TensorRT-LLM's own disaggregated server (``openai_disagg_service``, cont
     decode fields = {"disaggregated_params": <that object, request_type := "generation_only">,
                      "prompt": ids (completions) | "prompt_token_ids": ids (chat)}
 
-TRT-LLM's request models forbid unknown fields: nothing of our own is added, and the context's
-object is copied with only ``request_type`` changed (``ctx_request_id``, ... stay); ids stay
-Python ints (exact above 2**53). A finished context response is the answer, without
-``disaggregated_params``. docs/handoffs.md#trtllm; the ``disagg_request_id`` and its lanes in
-a pool of workers: ``SnowflakeIds`` (docs/handoffs.md#trtllm-snowflake).
+TRT-LLM's request models forbid unknown fields, so nothing of our own is ever added; the
+object from the context response is copied with only ``request_type`` changed (its other keys,
+e.g. ``ctx_request_id``, ``encoded_opaque_state``, ``first_gen_tokens``, stay as they are).
+Ids stay Python ints end to end, so values above 2**53 survive exactly.
+
+Routes (TensorRT-LLM's worker server, ``serve/openai_server.py``): completions and chat are
+pairs. The worker's Responses request has no ``disaggregated_params`` (its models forbid
+unknown fields) and its Anthropic adapter builds the chat request from Anthropic fields only
+(the hand-off would be dropped unannounced): both run whole on the local engine.
+``/inference/v1/generate`` is not served: refused.
+
+When the context response already finished (``answered_by_prefill``), the core returns it as
+the answer, without its ``disaggregated_params`` (``prefill_answer``).
+
+Data parallelism (attention DP): TensorRT-LLM's OpenAI requests have no rank field; each
+server's attention-DP balancer places a request, and the context server names its rank in
+the answer (``disaggregated_params.ctx_dp_rank``), which the copy above carries to the
+generation server. So the dialect is not ``ranked``: the sidecar names no rank.
+
+The ``disagg_request_id`` (``SnowflakeIds``, docs/handoffs.md#trtllm-snowflake):
+``[timestamp 41b][machine 10b][counter 12b]``, folded into ``[2**42, 2**63-1)`` so TRT-LLM
+treats it as a global (cross-worker) id. In a pool of workers the 12-bit counter runs
+``lane, lane + N, lane + 2N, ...`` below ``N * (4096 // N)``: no two workers of one pod can
+produce the same id, and every worker keeps the configured machine id (the pod's identity).
 """
 
 from __future__ import annotations
@@ -26,6 +45,7 @@ from typing import Any
 
 from pydantic import Field
 
+from sidecar import jsonutil
 from sidecar.dialects.base import Dialect, DialectOptions, DialectSetup, check_lane
 from sidecar.errors import InvalidHandoff, SidecarError
 from sidecar.protocol.context import HandoffContext, Route
@@ -135,7 +155,9 @@ class TRTLLMDialect(Dialect):
     )
 
     handoff_keys = frozenset({DISAGGREGATED_PARAMS})
-    #: ``CompletionRequest.detokenize`` false: token ids, empty text (the one key it gets).
+    unserved_routes = frozenset({Route.GENERATE})
+    #: TRT-LLM's ``CompletionRequest.detokenize``: false streams token ids and empty text (its
+    #: request models forbid unknown keys, so it gets only this one).
     token_id_fields = MappingProxyType({"detokenize": False})
 
     Options = TRTLLMOptions
@@ -170,7 +192,7 @@ class TRTLLMDialect(Dialect):
         if not isinstance(params, Mapping):
             raise InvalidHandoff(
                 f"TRT-LLM context response has disaggregated_params of type "
-                f"{type(params).__name__}, expected an object"
+                f"{jsonutil.type_name(params)}, expected an object"
             )
         generation = dict(params)
         generation[REQUEST_TYPE] = GENERATION_ONLY

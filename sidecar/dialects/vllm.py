@@ -7,24 +7,44 @@ pods run; one dialect per connector (chosen by the connector pod label) subclass
     vllm_neuron.py    NIXL on AWS Neuron (label ``nixl``): the whole prefill answer rides along
     vllm_mooncake.py  MooncakeConnector, push (label ``mooncake``): both legs at once
     vllm_inline.py    this project's own connector (``--kv-transport inline``, gRPC only)
+
+Data parallelism: vLLM's API server places a request on the rank its ``X-data-parallel-rank``
+header names (one API server for all ranks, internal load balancing); every vLLM dialect
+sends it on both legs when the engine has several ranks, and nothing otherwise.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Final
 
-from sidecar.dialects.base import Dialect, TokenizeEndpoint
+from sidecar.dialects.base import NO_HEADERS, Dialect, TokenizeEndpoint
+from sidecar.protocol.context import HandoffContext
 
 KV_TRANSFER_PARAMS: Final = "kv_transfer_params"
+#: The header vLLM's API server reads a request's data-parallel rank from.
+DATA_PARALLEL_RANK_HEADER: Final = "X-data-parallel-rank"
+
+
+def rank_header(rank: int | None) -> Mapping[str, str]:
+    """The leg's rank header, or none for an engine with one rank."""
+    return NO_HEADERS if rank is None else {DATA_PARALLEL_RANK_HEADER: str(rank)}
 
 
 class VLLMDialect(Dialect):
     """The vLLM engine; a connector dialect says what its ``kv_transfer_params`` hold."""
 
     engine = "vllm"
+    ranked = True
     handoff_keys = frozenset({KV_TRANSFER_PARAMS})
     #: ``/tokenize`` takes a completions ``prompt`` or chat ``messages`` (rendered by these).
     tokenize = TokenizeEndpoint("/tokenize", chat=True, chat_fields=(
         "add_generation_prompt", "continue_final_message", "add_special_tokens", "chat_template",
         "chat_template_kwargs", "tools", "mm_processor_kwargs",
     ))
+
+    def prefill_headers(self, ctx: HandoffContext) -> Mapping[str, str]:
+        return rank_header(ctx.prefill_rank)
+
+    def decode_headers(self, rank: int | None) -> Mapping[str, str]:
+        return rank_header(rank)

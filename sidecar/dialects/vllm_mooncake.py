@@ -4,7 +4,8 @@ docs/handoffs.md#vllm-mooncake, confirmed against vLLM's ``MooncakeConnectorMeta
 (what the decode reads) and its Mooncake proxy example:
 
     begin:   transfer id T := "xfer-<uuid>"
-    look_up: engine id E := GET <remote_bootstrap_addr>/query (cached per host a minute)
+    look_up: engine id E := GET <remote_bootstrap_addr>/query, the entry of the prefill's
+             data-parallel rank (rank 0 without one; cached per host and rank a minute)
     prefill kv_transfer_params = {do_remote_decode: true, do_remote_prefill: false,
                                   transfer_id: T}
     decode kv_transfer_params  = {do_remote_decode: false, do_remote_prefill: true,
@@ -12,11 +13,27 @@ docs/handoffs.md#vllm-mooncake, confirmed against vLLM's ``MooncakeConnectorMeta
                                   remote_bootstrap_addr: "http://<advertise host>:<port>",
                                   remote_engine_id: E}
 
-``E`` is fetched through the core's ``EngineLookup`` and cached (``EngineIdCache``: a restarted
-engine gets a new id); ``engine_id_from_query`` reads both answer shapes vLLM has shipped
-(docs/handoffs.md#mooncake-query). Deliberate limits: the prefill response is not read (it has
-no params); a failed decode does not invalidate a cached id (decodes fail for many reasons;
-the id is stale only after a restart, which the expiry covers).
+``E`` comes from the prefill's bootstrap server, ``GET <remote_bootstrap_addr>/query``,
+fetched through the core's ``EngineLookup`` and cached here (``EngineIdCache``: ids change
+when an engine restarts, so entries expire after a minute). ``engine_id_from_query`` reads
+both answer shapes vLLM has shipped:
+
+    {"<dp_rank>": {"engine_id": E, "worker_addr": {...}, ...}, ...}     (dict[int, EngineEntry])
+    {"<E>": {"<dp_rank>": {"<tp_rank>": {"<pp_rank>": addr}}}, ...}    (dict[EngineId, ...])
+
+Routes: as NIXL's (``vllm_nixl``): every route takes ``kv_transfer_params`` at the top level
+(recorded on Responses, Messages and generate, vLLM 0.32).
+
+Data-parallel prefill engines (one API server, one bootstrap server for every rank; vLLM
+0.32.0's recorded answer ``{"0": {"engine_id": "<id>_dp0", ...}, "1": {"engine_id":
+"<id>_dp1", ...}}``): the prefill leg goes to rank r by the vLLM header, and the decode names
+``/query``'s entry r (read, never built: hybrid load balancing keys local ranks, ids global).
+The decode's own rank is its header. Both legs run at once, so the rank is chosen before
+either is sent.
+
+Deliberate limits: the prefill response carries no params and is not read; no invalidation
+of a cached engine id on a failed decode (a decode fails for many reasons; the id is stale
+only after a restart, which the expiry covers).
 """
 
 from __future__ import annotations
@@ -39,7 +56,7 @@ from sidecar.dialects.base import (
 )
 from sidecar.dialects.vllm import KV_TRANSFER_PARAMS, VLLMDialect
 from sidecar.errors import InvalidHandoff, SidecarError, Stage
-from sidecar.protocol.context import HandoffContext
+from sidecar.protocol.context import HandoffContext, Route
 from sidecar.protocol.hostfmt import http_url
 
 ENGINE_ID: Final = "engine_id"
@@ -125,23 +142,25 @@ def new_transfer_id() -> str:
 
 
 class EngineIdCache:
-    """``host:port -> engine id`` for ``ttl_s`` seconds, asked through an ``EngineLookup``."""
+    """``(host:port, rank) -> engine id`` for ``ttl_s`` seconds, asked through an
+    ``EngineLookup``."""
 
     def __init__(self, lookup: EngineLookup, *, ttl_s: float = ENGINE_ID_TTL_S) -> None:
         self._lookup = lookup
         self._ttl_s = ttl_s
-        self._entries: dict[str, tuple[float, str]] = {}
+        self._entries: dict[tuple[str, int], tuple[float, str]] = {}
 
-    async def get(self, bootstrap_addr: str) -> str:
-        entry = self._entries.get(bootstrap_addr)
+    async def get(self, bootstrap_addr: str, dp_rank: int = 0) -> str:
+        key = (bootstrap_addr, dp_rank)
+        entry = self._entries.get(key)
         now = time.monotonic()
         if entry is not None and entry[0] > now:
             return entry[1]
-        engine_id = await self._query(bootstrap_addr + QUERY_PATH)
-        self._entries[bootstrap_addr] = (now + self._ttl_s, engine_id)
+        engine_id = await self._query(bootstrap_addr + QUERY_PATH, dp_rank)
+        self._entries[key] = (now + self._ttl_s, engine_id)
         return engine_id
 
-    async def _query(self, url: str) -> str:
+    async def _query(self, url: str, dp_rank: int) -> str:
         try:
             status, raw = await self._lookup.get(url, max_bytes=_MAX_QUERY_BYTES)
         except LookupFailed:
@@ -156,7 +175,7 @@ class EngineIdCache:
             payload = jsonutil.loads(raw)
         except jsonutil.JSONDecodeError:
             raise InvalidHandoff("prefill bootstrap /query answered malformed JSON") from None
-        return engine_id_from_query(payload)
+        return engine_id_from_query(payload, dp_rank)
 
 
 class MooncakeDialect(VLLMDialect):
@@ -164,6 +183,7 @@ class MooncakeDialect(VLLMDialect):
 
     connector = "mooncake"
     legs = Legs.CONCURRENT
+    pd_routes = frozenset(Route)
     looks_up = True
     checked_against = (
         "vLLM main (2026 snapshot) MooncakeConnector (transfer_id, remote_bootstrap_addr, "
@@ -185,7 +205,7 @@ class MooncakeDialect(VLLMDialect):
         state = _state(ctx)
         if self.engine_ids is None:
             raise SidecarError("the Mooncake dialect was built without an engine lookup")
-        engine_id = await self.engine_ids.get(self._bootstrap_addr(ctx))
+        engine_id = await self.engine_ids.get(self._bootstrap_addr(ctx), ctx.prefill_rank or 0)
         return ctx.with_state(MooncakeState(state.transfer_id, engine_id))
 
     def _bootstrap_addr(self, ctx: HandoffContext) -> str:

@@ -1,9 +1,15 @@
 """NIXL on AWS Neuron (pod label ``nixl``): the whole prefill response rides to decode.
 
 docs/handoffs.md#neuron-nixl: the prefill body gets nothing; the decode body gets
-``"disagg_prefill_resp": <the entire prefill response JSON>``, as received (not copied, never
-modified, not validated: Neuron's connector owns its meaning), with no top-level
-``kv_transfer_params`` and no ``remote_host`` rewrite.
+``"disagg_prefill_resp": <the entire prefill response JSON>``, always, with no top-level
+``kv_transfer_params`` and no ``remote_host`` rewrite: Neuron's connector finds what it needs
+inside that object.
+
+Routes: completions and chat only (the connector reads a completions answer); every other
+route runs whole on the local engine.
+
+Deliberate limits: the response is passed as received (not copied, never modified); its
+content is not validated here because the Neuron connector owns its meaning.
 """
 
 from __future__ import annotations

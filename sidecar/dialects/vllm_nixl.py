@@ -10,6 +10,11 @@ docs/handoffs.md#vllm-nixl-pull:
                                  remote_host := ctx.advertise_host (vLLM's default from
                                  VLLM_NIXL_SIDE_CHANNEL_HOST, localhost, is wrong across pods)
 
+Routes (vLLM 0.32, ``tests/fixtures/vllm/0.32.0/routes``): completions, chat, Responses,
+Messages and ``/inference/v1/generate`` (with ``--enable-scale-out``) all take
+``kv_transfer_params`` at the top level of the request and answer it at the top level of
+the prefill's JSON, so every route is a pair with the same hand-off.
+
 Deliberate limits: a response without usable params is an ``InvalidHandoff``, never a decode
 without them (vLLM would silently recompute the prompt), so builds from before
 ``remote_request_id`` existed are refused.
@@ -20,9 +25,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from sidecar import jsonutil
 from sidecar.dialects.vllm import KV_TRANSFER_PARAMS, VLLMDialect
 from sidecar.errors import InvalidHandoff
-from sidecar.protocol.context import HandoffContext
+from sidecar.protocol.context import HandoffContext, Route
 
 REMOTE_HOST = "remote_host"
 
@@ -41,6 +47,7 @@ class NixlPullDialect(VLLMDialect):
     """Sequential NIXL hand-off: a skeleton on prefill, the engine's params on decode."""
 
     connector = "shfs"
+    pd_routes = frozenset(Route)
     checked_against = (
         "vLLM main (2026 snapshot) NixlConnector.request_finished "
         "(remote_request_id, tp_size, remote_num_tokens, ...)"
@@ -69,7 +76,7 @@ class NixlPullDialect(VLLMDialect):
             raise InvalidHandoff("prefill response has no kv_transfer_params")
         if not isinstance(params, Mapping):
             raise InvalidHandoff(
-                f"prefill response kv_transfer_params is a {type(params).__name__}, "
+                f"prefill response kv_transfer_params is a {jsonutil.type_name(params)}, "
                 "expected an object"
             )
         missing = [key for key in REQUIRED_DECODE_KEYS if key not in params]

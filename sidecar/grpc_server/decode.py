@@ -31,8 +31,9 @@ from sidecar.core.flow import PDFlow
 from sidecar.core.scope import OK, Scopes
 from sidecar.errors import DeadlineExceeded, DecodeFailed, InvalidRequest, Stage
 from sidecar.grpc_gen import disagg_pb2
+from sidecar.grpc_server.checks import check_rank
 from sidecar.grpc_server.inline.wire import Entry
-from sidecar.grpc_server.rpc import serving
+from sidecar.grpc_server.rpc import Malformed, serving, tolerant
 from sidecar.grpc_server.token_stream import TokenStreamParser
 from sidecar.http1 import UpstreamError, UpstreamResponse
 from sidecar.observability.tracing import HANDOFF_SPAN, NOOP_SPAN, RELAY_SPAN, RELAYED_TOKENS
@@ -66,13 +67,15 @@ class DecodeStrategy(Protocol):
     #: True when the strategy reads the request's wire bytes itself (no deserializer).
     raw_request: bool
 
-    def read(self, request: disagg_pb2.DecodeRequest | bytes) -> DecodeInput:
+    def read(self, request: disagg_pb2.DecodeRequest | Malformed | bytes) -> DecodeInput:
         """The request as this strategy takes it (inline: walked off its wire bytes)."""
 
     async def decode_body(
-        self, decode_input: DecodeInput, exits: contextlib.AsyncExitStack
+        self, decode_input: DecodeInput, exits: contextlib.AsyncExitStack,
+        rank: int | None = None,
     ) -> tuple[dict[str, Any], str]:
-        """Checks, then the engine's decode body and the request id; resources go on ``exits``."""
+        """Checks, then the engine's decode body (on the local data-parallel ``rank``) and the
+        request id; resources go on ``exits``."""
 
 
 class DecodeService:
@@ -88,8 +91,9 @@ class DecodeService:
         handler: grpc.RpcMethodHandler[Any, disagg_pb2.TokenStream]
         handler = grpc.unary_stream_rpc_method_handler(
             self.Decode,
-            request_deserializer=(None if self.strategy.raw_request
-                                  else disagg_pb2.DecodeRequest.FromString),
+            request_deserializer=(
+                None if self.strategy.raw_request
+                else tolerant(disagg_pb2.DecodeRequest.FromString, "DecodeRequest")),
             response_serializer=disagg_pb2.TokenStream.SerializeToString,
         )
         server.add_generic_rpc_handlers(
@@ -97,7 +101,7 @@ class DecodeService:
         )
 
     async def Decode(
-        self, request: disagg_pb2.DecodeRequest | bytes, context: Context
+        self, request: disagg_pb2.DecodeRequest | Malformed | bytes, context: Context
     ) -> AsyncIterator[disagg_pb2.TokenStream]:
         decode_input = self.strategy.read(request)
         del request  # inline: the wire bytes live on only through the walked blocks
@@ -106,17 +110,22 @@ class DecodeService:
         trace = scope.trace
         async with contextlib.AsyncExitStack() as exits, serving(scope, context):
             scope.admit()
+            # The local rank this decode runs on (the router's, else the least busy), busy
+            # until the RPC ends.
+            flow = self._flow
+            rank = flow.ranks.held(exits, check_rank(context.invocation_metadata(),
+                                                     flow.ranks.local_size))
             if trace.active:
                 with trace.span(HANDOFF_SPAN):
-                    body, request_id = await self.strategy.decode_body(decode_input, exits)
+                    body, request_id = await self.strategy.decode_body(decode_input, exits, rank)
             else:  # untraced: not even a no-op span's calls
-                body, request_id = await self.strategy.decode_body(decode_input, exits)
+                body, request_id = await self.strategy.decode_body(decode_input, exits, rank)
             del decode_input  # the KV is staged: hold no second reference to the request
             scope.request_id = request_id
             started = time.perf_counter()
-            response = await self._flow.open_decode(
+            response = await flow.open_decode(
                 Route.COMPLETIONS, body, {REQUEST_ID_HEADER: request_id, **_DECODE_HEADERS},
-                trace,
+                trace, rank,
             )
             scope.observe("decode_first_byte", time.perf_counter() - started)
             tokens = 0

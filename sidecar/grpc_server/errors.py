@@ -34,6 +34,7 @@ from sidecar.errors import (
     PrefillFailed,
     RequestTimeout,
     ResourceExhausted,
+    RouteNotServed,
     SidecarError,
     TargetNotAllowed,
 )
@@ -46,6 +47,7 @@ GRPC_STATUSES: Final[Mapping[type[SidecarError], grpc.StatusCode]] = MappingProx
     SidecarError: grpc.StatusCode.INTERNAL,
     InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
     TargetNotAllowed: grpc.StatusCode.PERMISSION_DENIED,
+    RouteNotServed: grpc.StatusCode.UNIMPLEMENTED,
     BodyTooLarge: grpc.StatusCode.RESOURCE_EXHAUSTED,
     RequestTimeout: grpc.StatusCode.DEADLINE_EXCEEDED,
     PrefillFailed: grpc.StatusCode.UNAVAILABLE,

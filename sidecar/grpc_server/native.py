@@ -27,6 +27,7 @@ from sidecar.grpc_gen import disagg_pb2
 from sidecar.grpc_server.checks import check_max_new_tokens, check_temperature, check_token_ids
 from sidecar.grpc_server.decode import DecodeInput
 from sidecar.grpc_server.prefill import PrefillCall, engine_target, resolve_advertise_host
+from sidecar.grpc_server.rpc import Malformed, tolerant
 from sidecar.kv_wire.handoff import DecodedHandoff, decode_handoff, encode_handoff
 from sidecar.observability.metrics import Metrics
 from sidecar.protocol.request_id import REQUEST_ID_HEADER, request_id_or_new
@@ -50,13 +51,14 @@ class NativePrefill:
             )
 
     async def run(self, call: PrefillCall) -> None:
-        for block in await self._handoff_blocks(call.request, call.scope, call.time_remaining):
+        for block in await self._handoff_blocks(call.request, call.scope, call.time_remaining,
+                                                call.rank):
             await call.send(disagg_pb2.KVBlockStream(block=block),
                        len(block.k_data) + len(block.v_data))
 
     async def _handoff_blocks(
         self, request: disagg_pb2.PreFillRequest, scope: RequestScope,
-        time_remaining: float | None,
+        time_remaining: float | None, rank: int | None,
     ) -> list[disagg_pb2.KVBlock]:
         token_ids = check_token_ids(request.token_ids)
         max_new_tokens = check_max_new_tokens(request.max_new_tokens, allow_unset=True)
@@ -81,7 +83,7 @@ class NativePrefill:
         handoff = await flow.prefill_only(
             client_body, request_id=request_id, target=target,
             advertise_host=self._advertise_host, headers={REQUEST_ID_HEADER: request_id},
-            time_remaining=time_remaining, scope=scope, scopes=self._scopes,
+            time_remaining=time_remaining, scope=scope, scopes=self._scopes, rank=rank,
         )
         return encode_handoff(
             handoff.fields,
@@ -102,14 +104,19 @@ class NativeDecode:
         self._flow = flow
         self._kv_in = metrics.kv_bytes.labels("in")
 
-    def read(self, request: disagg_pb2.DecodeRequest | bytes) -> DecodeInput:
+    def read(self, request: disagg_pb2.DecodeRequest | Malformed | bytes) -> DecodeInput:
         if isinstance(request, bytes):
-            return DecodeInput(disagg_pb2.DecodeRequest.FromString(request))
+            request = tolerant(disagg_pb2.DecodeRequest.FromString, "DecodeRequest")(request)
+        if isinstance(request, Malformed):
+            return DecodeInput(disagg_pb2.DecodeRequest(), malformed=request.error())
         return DecodeInput(request)
 
     async def decode_body(
-        self, decode_input: DecodeInput, exits: contextlib.AsyncExitStack
+        self, decode_input: DecodeInput, exits: contextlib.AsyncExitStack,
+        rank: int | None = None,
     ) -> tuple[dict[str, Any], str]:
+        if decode_input.malformed is not None:
+            raise decode_input.malformed  # first: the empty request says nothing true
         request = decode_input.request
         flow = self._flow
         token_ids = check_token_ids(request.token_ids)
@@ -127,7 +134,7 @@ class NativeDecode:
             "stream": True,
             **flow.dialect.token_id_fields,
         }
-        return flow.decode_body(body, handoff.fields), request_id
+        return flow.decode_body(body, handoff.fields, rank), request_id
 
     def _check_compatible(self, handoff: DecodedHandoff) -> None:
         dialect = self._flow.dialect

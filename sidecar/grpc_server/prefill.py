@@ -23,7 +23,8 @@ import grpc
 from sidecar.config.settings import Settings
 from sidecar.core.scope import OK, RequestScope, Scopes
 from sidecar.grpc_gen import disagg_pb2
-from sidecar.grpc_server.rpc import serving
+from sidecar.grpc_server.checks import check_rank
+from sidecar.grpc_server.rpc import Malformed, serving, tolerant
 from sidecar.protocol.context import PrefillTarget
 from sidecar.protocol.hostfmt import is_loopback_host
 
@@ -37,7 +38,7 @@ _DEFAULT_PORTS: Final = {"http": 80, "https": 443}
 StreamMessage = disagg_pb2.KVBlockStream | bytes
 #: Sends one stream message and counts its K+V bytes.
 Send = Callable[[StreamMessage, int], Awaitable[None]]
-Context = grpc.aio.ServicerContext[disagg_pb2.PreFillRequest, StreamMessage]
+Context = grpc.aio.ServicerContext[disagg_pb2.PreFillRequest | Malformed, StreamMessage]
 
 
 def serialize_stream_message(message: StreamMessage) -> bytes:
@@ -54,6 +55,8 @@ class PrefillCall:
     #: Seconds left of the caller's deadline (None: no deadline).
     time_remaining: float | None
     send: Send
+    #: The local engine's data-parallel rank the router named (metadata), if any.
+    rank: int | None = None
 
 
 class PrefillStrategy(Protocol):
@@ -83,24 +86,32 @@ def engine_target(settings: Settings, host: str) -> PrefillTarget:
 class PrefillService:
     """Runs the local engine's prefill leg and streams what the strategy produces."""
 
-    def __init__(self, scopes: Scopes, strategy: PrefillStrategy) -> None:
+    def __init__(self, scopes: Scopes, strategy: PrefillStrategy, *,
+                 local_ranks: int = 1) -> None:
+        """``local_ranks``: the local engine's data-parallel size (metadata ranks below it)."""
         self._scopes = scopes
         self.strategy = strategy
+        self._local_ranks = local_ranks
         self._kv_out = scopes.metrics.kv_bytes.labels("out")
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
         """Serve ``Prefill`` (a coroutine handler, registered by its method handler)."""
-        handler: grpc.RpcMethodHandler[disagg_pb2.PreFillRequest, StreamMessage]
+        handler: grpc.RpcMethodHandler[disagg_pb2.PreFillRequest | Malformed, StreamMessage]
         handler = grpc.unary_stream_rpc_method_handler(
             self.Prefill,
-            request_deserializer=disagg_pb2.PreFillRequest.FromString,
+            request_deserializer=tolerant(disagg_pb2.PreFillRequest.FromString,
+                                          "PreFillRequest"),
             response_serializer=serialize_stream_message,
         )
         server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler(SERVICE, {"Prefill": handler}),)
         )
 
-    async def Prefill(self, request: disagg_pb2.PreFillRequest, context: Context) -> None:
+    async def Prefill(self, request: disagg_pb2.PreFillRequest | Malformed,
+                      context: Context) -> None:
+        malformed = request if isinstance(request, Malformed) else None
+        if isinstance(request, Malformed):
+            request = disagg_pb2.PreFillRequest()
         scope = self._scopes.open(METHOD, request.request_id or "-",
                                   context.invocation_metadata())
         kv_out = self._kv_out
@@ -111,7 +122,11 @@ class PrefillService:
 
         async with serving(scope, context):
             scope.admit()
-            await self.strategy.run(PrefillCall(request, scope, context.time_remaining(), send))
+            if malformed is not None:
+                raise malformed.error()
+            rank = check_rank(context.invocation_metadata(), self._local_ranks)
+            await self.strategy.run(PrefillCall(request, scope, context.time_remaining(), send,
+                                                rank))
             # Counted before the last write: a router may hang up as soon as it has ``done``.
             scope.outcome = OK
             await context.write(disagg_pb2.KVBlockStream(done=True))

@@ -47,11 +47,14 @@ HEALTH_SERVICES: Final = ("", PREFILL_SERVICE, DECODE_SERVICE)
 StopFunction = Callable[[float], Awaitable[None]]
 
 
-def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
-    """Channel options of the server: message size limits (KV blocks are large)."""
+def server_options(max_message_bytes: int, *, share_port: bool = False) -> list[tuple[str, int]]:
+    """Channel options of the server: message size limits (KV blocks are large), and
+    SO_REUSEPORT only where the port is shared with the pool's other workers (grpcio sets it
+    by default, which would let another program's socket share the port silently)."""
     return [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.so_reuseport", 1 if share_port else 0),
     ]
 
 
@@ -111,8 +114,12 @@ def _services(runtime: Runtime) -> tuple[PrefillService, DecodeService, OrphanSw
     flow = runtime.grpc_flow
     scopes = runtime.grpc_scopes
     if settings.kv_transport != KVTransport.INLINE:
-        return (PrefillService(scopes, NativePrefill(flow, scopes, settings)),
-                DecodeService(flow, scopes, NativeDecode(flow, runtime.metrics)), None)
+        return (
+            PrefillService(scopes, NativePrefill(flow, scopes, settings),
+                           local_ranks=flow.ranks.local_size),
+            DecodeService(flow, scopes, NativeDecode(flow, runtime.metrics)),
+            None,
+        )
     root = Path(settings.kv_staging_dir)
     area = StagingArea(root, settings.max_staged_bytes, runtime.metrics.staged_bytes.set)
     inline_prefill = InlinePrefill(flow, settings)
@@ -120,10 +127,13 @@ def _services(runtime: Runtime) -> tuple[PrefillService, DecodeService, OrphanSw
         root, lambda: inline_prefill.active_keys | area.owned_keys(),
         older_than_s=settings.prefill_timeout_s + _ORPHAN_MARGIN_S,
         sweeps=runtime.worker.runs_pod_chores,  # one sweep per pod (worker 0)
-        touches=runtime.worker.pooled)
-    return (PrefillService(scopes, inline_prefill),
-            DecodeService(flow, scopes, InlineDecode(flow, settings, area, runtime.metrics)),
-            sweeper)
+        touches=runtime.worker.pooled,
+    )
+    return (
+        PrefillService(scopes, inline_prefill, local_ranks=flow.ranks.local_size),
+        DecodeService(flow, scopes, InlineDecode(flow, settings, area, runtime.metrics)),
+        sweeper,
+    )
 
 
 async def start_grpc_server(
@@ -134,7 +144,8 @@ async def start_grpc_server(
     if settings.kv_transport == KVTransport.INLINE:
         # Before the server exists: its threads then share the one tuned arena.
         retain_freed_heap(settings.max_staged_bytes + 2 * settings.grpc_max_message_bytes)
-    server = grpc.aio.server(options=server_options(settings.grpc_max_message_bytes))
+    server = grpc.aio.server(options=server_options(settings.grpc_max_message_bytes,
+                                                    share_port=runtime.worker.pooled))
     prefill, decode, sweeper = _services(runtime)
     prefill.add_to_server(server)
     decode.add_to_server(server)  # inline: the request's bytes, walked without protobuf objects

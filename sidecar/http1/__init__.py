@@ -14,8 +14,10 @@ from sidecar.http1.client import EngineClient
 from sidecar.http1.errors import (
     UpstreamBroken,
     UpstreamConnectError,
+    UpstreamConnectTimeout,
     UpstreamError,
     UpstreamProtocolError,
+    UpstreamTLSError,
 )
 from sidecar.http1.response import UpstreamResponse
 
@@ -23,7 +25,9 @@ __all__ = [
     "EngineClient",
     "UpstreamBroken",
     "UpstreamConnectError",
+    "UpstreamConnectTimeout",
     "UpstreamError",
     "UpstreamProtocolError",
     "UpstreamResponse",
+    "UpstreamTLSError",
 ]

@@ -27,18 +27,47 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import errno
+import os
 import socket
 import ssl
 from collections.abc import AsyncIterable
 
 from sidecar.http1.connection import Connection
 from sidecar.http1.deadlines import expire_future
-from sidecar.http1.errors import UpstreamBroken, UpstreamConnectError
+from sidecar.http1.errors import (
+    UpstreamBroken,
+    UpstreamConnectError,
+    UpstreamConnectTimeout,
+    UpstreamTLSError,
+)
 from sidecar.http1.request import Body, Headers, PoolKey, Target, encode_head, framing, target_of
 from sidecar.http1.response import UpstreamResponse
 
 #: Bodies up to this size are joined with their head and sent in one write.
 _COPY_LIMIT = 64 * 1024
+
+
+#: OpenSSL's reasons when the peer answered the handshake with something that is not TLS.
+_NOT_TLS_REASONS = frozenset({"WRONG_VERSION_NUMBER", "HTTP_REQUEST", "PACKET_LENGTH_TOO_LONG",
+                              "RECORD_LAYER_FAILURE", "UNEXPECTED_EOF_WHILE_READING"})
+
+
+def _tls_reason(exc: ssl.SSLError) -> str:
+    """A failed handshake in words: the verification error, or what the peer did instead."""
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return f"certificate verify failed: {exc.verify_message or exc.reason}"
+    reason = exc.reason or ""
+    words = reason.replace("_", " ").lower() if reason else str(exc)
+    if reason in _NOT_TLS_REASONS or isinstance(exc, ssl.SSLEOFError):
+        return f"{words} (does it serve TLS on this port?)"
+    return words
+
+
+def _connect_reason(exc: OSError) -> str:
+    if exc.errno:
+        return os.strerror(exc.errno).lower()
+    return str(exc) or "connection failed"
 
 
 class EngineClient:
@@ -199,8 +228,12 @@ class EngineClient:
     async def _connect(self, target: Target, deadline: float | None) -> Connection:
         self._open += 1
         timeout = self._connect_timeout_s
-        if deadline is not None:
-            timeout = max(min(timeout, deadline - self._loop.time()), 0.0)
+        # Which bound ends a connect that does not complete: the connect timeout (the peer is
+        # unreachable: it never saw the request) or the caller's deadline (TimeoutError).
+        own_timeout = True
+        if deadline is not None and deadline - self._loop.time() < timeout:
+            timeout = max(deadline - self._loop.time(), 0.0)
+            own_timeout = False
         try:
             async with asyncio.timeout(timeout):
                 _, conn = await self._loop.create_connection(
@@ -212,10 +245,23 @@ class EngineClient:
                 )
         except TimeoutError:
             self._free_slot()
-            raise
-        except (OSError, ssl.SSLError) as exc:
+            if not own_timeout:
+                raise
+            reason = f"no connection within {timeout:g} s"
+            raise UpstreamConnectTimeout(f"cannot connect to {target.host_header}: {reason}",
+                                         reason=reason) from None
+        except ssl.SSLError as exc:  # an OSError too: the handshake, not the connect, failed
             self._free_slot()
-            raise UpstreamConnectError(f"cannot connect to {target.host_header}: {exc}") from None
+            reason = _tls_reason(exc)
+            raise UpstreamTLSError(
+                f"TLS handshake with {target.host_header} (name {target.tls_name}) failed: "
+                f"{reason}", reason=reason) from None
+        except OSError as exc:
+            self._free_slot()
+            reason = _connect_reason(exc)
+            raise UpstreamConnectError(f"cannot connect to {target.host_header}: {reason}",
+                                       reason=reason,
+                                       refused=exc.errno == errno.ECONNREFUSED) from None
         except BaseException:
             self._free_slot()
             raise

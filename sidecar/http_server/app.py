@@ -1,8 +1,12 @@
 """The aiohttp application factory of the HTTP front door.
 
     build_http_app(runtime) ─▶ web.Application
-        POST /v1/completions, /v1/chat/completions  -> PD flow (pd.py)
-        GET /health, /ready, /metrics               -> operations (ops.py)
+        POST /v1/completions, /v1/chat/completions,
+             /v1/responses, /v1/messages,
+             /inference/v1/generate                 -> PD flow (pd.py; every ``Route``)
+        GET /health, /ready, /metrics               -> operations (ops.py); /metrics only
+                                                       without --metrics-port (there, it is
+                                                       the engine's, passed through)
         anything else                               -> local engine passthrough (proxy.py)
 """
 
@@ -38,7 +42,8 @@ def build_http_app(runtime: Runtime) -> web.Application:
     app[RUNTIME] = runtime
     app.router.add_get("/health", ops.health)
     app.router.add_get("/ready", ops.ready)
-    app.router.add_get("/metrics", ops.metrics)
+    if runtime.settings.metrics_port is None:
+        app.router.add_get("/metrics", ops.metrics)
     add_pd_routes(app)
     app.router.add_route("*", "/{tail:.*}", _passthrough)
     return app

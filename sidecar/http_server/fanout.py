@@ -5,8 +5,13 @@
         streamed: legs' events as they arrive ─StreamMerger─▶ index k, one id ─▶ client
                   then one usage chunk (when the legs sent usage) and one ``data: [DONE]``
 
-Sub-request k carries ``X-Request-Id: <id>-<k>`` and its own target choice; failures are
-answered as for single requests (README, "Request shapes"). The caller closes every leg.
+Each leg's usage is first told by the usage rule (its own prefill's cache figures, the
+route's API: ``Api.true_usage``), then summed.
+
+Each sub-request k carries ``X-Request-Id: <id>-<k>`` to the engines and gets its own prefill
+target choice; the client sees its own request id. A failure before the client's first byte
+is the request's error status; after it, the stream ends with one error event and no
+``[DONE]`` (as for single requests). The caller closes the fan-out (every leg) on the way out.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from sidecar.core.flow import PDRequest
 from sidecar.core.scope import FALLBACK, LOCAL_SHORT, OK, RequestScope
 from sidecar.errors import DecodeFailed, SidecarError, Stage
 from sidecar.http_server.sse_relay import SSERelay, engine_error_reported, stream_broke
+from sidecar.protocol.apis import api_of, usage_of
 from sidecar.protocol.fanout import SSEEvents, StreamMerger, check_fanout, merge_answers, sub_bodies
 from sidecar.protocol.request import ClientRequest
 from sidecar.protocol.request_id import REQUEST_ID_HEADER
@@ -82,6 +88,10 @@ async def _relay_json(
         if not isinstance(answer, dict):
             # A cut or garbled answer must not reach the client as a 200.
             raise DecodeFailed("decode engine answered malformed JSON", stage=Stage.DECODE)
+        if exchange.disaggregated:
+            told = api_of(client.route).answer_with_true_usage(
+                answer, await exchange.prefill_reply())
+            answer = answer if told is None else told
         answers.append(answer)
     body = jsonutil.dumps(merge_answers(answers, client.n))
     scope.relayed_bytes.inc(len(body))
@@ -95,8 +105,9 @@ async def _relay_stream(
 ) -> web.StreamResponse:
     merger = StreamMerger(client.n)
     splitters = {k: SSEEvents() for k in range(len(fanout.exchanges))}
+    api = api_of(client.route)
     relay = SSERelay(request, _stream_headers(fanout, scope),
-                     runtime.dialect.stream_markers(client.route))
+                     runtime.dialect.stream_markers(client.route), api=api)
 
     async def relay_events(k: int, payloads: list[bytes]) -> None:
         for payload in payloads:
@@ -119,7 +130,12 @@ async def _relay_stream(
             elif k not in merger.done or splitters[k].pending.strip():
                 raise DecodeFailed("decode stream ended without its [DONE] event",
                                    stage=Stage.DECODE)
-        usage = merger.usage_event()
+        prefill_usage = {k: usage_of(await exchange.prefill_reply())
+                         for k, exchange in enumerate(fanout.exchanges)
+                         if exchange.disaggregated}
+        usage = merger.usage_event(
+            lambda k, used: api.true_usage(used, prefill_usage[k]) if k in prefill_usage
+            else used)
         if usage is not None:
             await relay.send(usage)
         await relay.send(DONE_EVENT)

@@ -1,16 +1,30 @@
-"""The PD routes: ``POST /v1/completions`` and ``POST /v1/chat/completions``.
+"""The PD routes: ``POST`` on every ``Route`` (completions, chat, Responses, Messages, generate).
 
     request ─admission─▶ target? ──no──▶ passthrough to the local engine
                             │yes
                             ▼
+                 the engine runs the route as a pair? ──local──▶ passthrough (local_route)
+                            │yes                      └unserved─▶ 404 (unserved_route)
+                            ▼
         read body (capped) ─▶ body checks ─▶ flow.start ─▶ relay ─▶ client
-                                      │             (or the local engine,    JSON or SSE bytes
-                                      │              for a short prompt)
+                                      │   │         (or the local engine,    JSON or SSE bytes
+                                      │   │          for a short prompt)
+                                      │   └─ state on one engine (Responses) ─▶ passthrough of
+                                      │                                  the body (local_state)
                                       └─ n > 1 or a batch ─▶ http_server.fanout (one PD pair
                                                              per prompt and choice, merged)
 
-The relay writes the decode engine's bytes as they arrive, unchanged (a break after the first
-byte: one error event, no ``[DONE]``); the client's headers are the trace carrier.
+A router's ``x-data-parallel-rank`` (``sidecar.targets.ranks``) names the prefill leg's rank:
+checked with the other routing headers, handed to the flow, never forwarded.
+
+Which routes an engine runs as pairs is its dialect's (``Dialect.route_support``); a request
+that does not run as one is counted with its own outcome and logged at debug level. The
+relay writes the decode engine's bytes as they arrive (no re-encoding), but for the usage the
+client is told: a disaggregated answer's usage is the route's API's usage rule over both legs
+(``Api.answer_with_true_usage``; streams: ``stream_events``). A failure after the first byte
+ends the stream with one error event in the API's shape and an unterminated body: no second
+status, no fabricated end marker. The client's headers are the trace carrier: the request span
+continues a client's ``traceparent``; the relay runs in its own span, which counts the bytes.
 """
 
 from __future__ import annotations
@@ -26,17 +40,22 @@ from sidecar.core.exchange import PDExchange
 from sidecar.core.flow import PDRequest
 from sidecar.core.scope import (
     FALLBACK,
+    LOCAL_ROUTE,
     LOCAL_SHORT,
+    LOCAL_STATE,
     OK,
     PASSTHROUGH,
     REFUSED,
+    UNSERVED_ROUTE,
     RequestScope,
 )
 from sidecar.core.upstream import forwardable_headers
+from sidecar.dialects.base import RouteSupport
 from sidecar.errors import (
     BodyTooLarge,
     DecodeFailed,
     RequestTimeout,
+    RouteNotServed,
     SidecarError,
     Stage,
 )
@@ -45,11 +64,15 @@ from sidecar.http_server.fanout import relay_fanout
 from sidecar.http_server.keys import RUNTIME
 from sidecar.http_server.proxy import proxy_to_engine
 from sidecar.http_server.sse_relay import SSERelay, engine_error_reported, stream_broke
+from sidecar.http_server.stream_events import PrefillUsage
 from sidecar.observability.tracing import NOOP_SPAN, RELAY_SPAN, RELAYED_BYTES, LegSpan
+from sidecar.protocol.apis import Api, api_of
 from sidecar.protocol.context import Route
+from sidecar.protocol.request import ClientRequest
 from sidecar.protocol.request_id import REQUEST_ID_HEADER, request_id_or_new
 from sidecar.protocol.sse import answer_as_sse
 from sidecar.runtime import Runtime
+from sidecar.targets.ranks import RANK_HEADER, parse_rank_header
 from sidecar.targets.selector import PREFILL_TARGET_HEADER
 
 logger = logging.getLogger(__name__)
@@ -84,10 +107,31 @@ def _route_handler(route: Route) -> Callable[[web.Request], Awaitable[web.Stream
     return handle
 
 
+def _not_a_pair(runtime: Runtime, route: Route, request_id: str,
+                scope: RequestScope) -> bool:
+    """True when the engine serves ``route`` but not as a pair (counted, logged); raises
+    ``RouteNotServed`` when it does not serve it at all."""
+    support = runtime.dialect.route_support(route)
+    if support is RouteSupport.PD:
+        return False
+    engine = runtime.dialect.engine
+    if support is RouteSupport.UNSERVED:
+        scope.outcome = UNSERVED_ROUTE
+        logger.debug("request %s: the %s engine does not serve %s: refused", request_id,
+                     engine, route.value)
+        raise RouteNotServed(f"the {engine} engine does not serve {route.value} "
+                             "(with or without a prefill target)")
+    scope.outcome = LOCAL_ROUTE
+    logger.debug("request %s: the %s engine does not run %s as a prefill/decode pair: "
+                 "whole on the local engine", request_id, engine, route.value)
+    return True
+
+
 async def handle_pd(request: web.Request, route: Route) -> web.StreamResponse:
-    """Serve one OpenAI request, as a PD pair when it names a prefill target."""
+    """Serve one request of a PD route, as a PD pair when it names a prefill target."""
     runtime = request.app[RUNTIME]
     request_id = request_id_of(request)
+    api = api_of(route)
     scope = runtime.http_scopes.open(route.value, request_id, request.headers)
     try:
         scope.admit()
@@ -96,11 +140,17 @@ async def handle_pd(request: web.Request, route: Route) -> web.StreamResponse:
         if not candidates:
             scope.outcome = PASSTHROUGH
             return await proxy_to_engine(request, runtime.calls, request_id)
+        if _not_a_pair(runtime, route, request_id, scope):
+            return await proxy_to_engine(request, runtime.calls, request_id)
         raw = await _read_body(request, runtime.settings.max_body_bytes,
                                runtime.settings.client_body_timeout_s)
         client = runtime.body_checks.parse(raw, route,
                                            trusted_router=runtime.settings.trusted_router)
-        headers = forwardable_headers(request.headers.items(), drop=("accept-encoding",))
+        # The router's rank is the flow's to place (the dialect's field), never forwarded.
+        prefill_rank = parse_rank_header(request.headers.getall(RANK_HEADER, []),
+                                         runtime.flow.ranks.prefill_size)
+        headers = forwardable_headers(request.headers.items(),
+                                      drop=("accept-encoding", RANK_HEADER))
         headers[REQUEST_ID_HEADER] = request_id
         pd_request = PDRequest(
             route=route,
@@ -111,9 +161,17 @@ async def handle_pd(request: web.Request, route: Route) -> web.StreamResponse:
             headers=headers,
             candidates=candidates,
             trace=scope.trace,
+            prefill_rank=prefill_rank,
         )
         if client.sub_requests > 1:
             return await relay_fanout(request, runtime, scope, client, pd_request)
+        state = api.runs_whole(client.body)
+        if state is not None:
+            # The engine that holds the state answers, as it would without a prefill target.
+            scope.outcome = LOCAL_STATE
+            logger.debug("request %s: %s names state on one engine: whole on the local "
+                         "engine", request_id, state)
+            return await proxy_to_engine(request, runtime.calls, request_id, raw)
         exchange = await runtime.flow.start(pd_request)
         # The relay may still turn it into broken_stream or error (an engine's error event).
         scope.outcome = (LOCAL_SHORT if exchange.local
@@ -122,18 +180,20 @@ async def handle_pd(request: web.Request, route: Route) -> web.StreamResponse:
             scope.observe_timings(exchange.timings)
             if scope.trace.active:
                 with scope.trace.span(RELAY_SPAN) as relay_span:
-                    return await _relay(request, runtime, scope, exchange, client.stream, route,
+                    return await _relay(request, runtime, scope, exchange, client, api,
                                         relay_span)
             # Untraced: not even a no-op span's calls.
-            return await _relay(request, runtime, scope, exchange, client.stream, route,
-                                NOOP_SPAN)
+            return await _relay(request, runtime, scope, exchange, client, api, NOOP_SPAN)
         finally:
             await exchange.aclose()
     except SidecarError as error:
+        unserved = scope.outcome == UNSERVED_ROUTE
         scope.failed(error)
-        if scope.outcome != REFUSED:
+        if unserved:
+            scope.outcome = UNSERVED_ROUTE
+        elif scope.outcome != REFUSED:
             logger.warning("request %s failed: %s (%s)", request_id, error.code, error.message)
-        return error_response(error, request_id)
+        return error_response(error, request_id, api)
     except asyncio.CancelledError:
         scope.cancelled()
         raise
@@ -146,12 +206,14 @@ async def _relay(
     runtime: Runtime,
     scope: RequestScope,
     exchange: PDExchange,
-    stream: bool,
-    route: Route,
+    client: ClientRequest,
+    api: Api,
     span: LegSpan,
 ) -> web.StreamResponse:
     request_id = scope.request_id
     relayed = scope.relayed_bytes
+    stream = client.stream
+    route = client.route
     if exchange.decode is None:
         answer = exchange.answer or {}
         if stream:
@@ -172,21 +234,30 @@ async def _relay(
         body = await exchange.read_all(runtime.settings.max_body_bytes)
         try:
             # A cut or garbled answer must not reach the client as a 200.
-            jsonutil.loads(body)
+            answer = jsonutil.loads(body)
         except jsonutil.JSONDecodeError:
             raise DecodeFailed("decode engine answered malformed JSON",
                                stage=Stage.DECODE) from None
+        if exchange.disaggregated and isinstance(answer, dict):
+            told = api.answer_with_true_usage(answer, await exchange.prefill_reply())
+            if told is not None:
+                body = jsonutil.dumps(told)
         relayed.inc(len(body))
         if span.recording:
             span.set(RELAYED_BYTES, len(body))
         return web.Response(body=body, headers=headers)
-    relay = SSERelay(request, headers, runtime.dialect.stream_markers(route))
+    # Each read's bytes go to the client from the read callback (sse_relay): no task wake-up
+    # per token; the error-event check and the tail are kept there.
+    usage = (PrefillUsage(exchange)
+             if exchange.disaggregated and api.stream_has_usage(client.body) else None)
+    relay = SSERelay(request, headers, runtime.dialect.stream_markers(route), api=api,
+                     usage=usage)
     await relay.start()
     try:
         await exchange.pipe(relay.feed, relay.catch_up)
         if not relay.ended_with_done():
             # The engine closed cleanly mid-event: a cut stream, not a finished one.
-            raise DecodeFailed("decode stream ended without its [DONE] event",
+            raise DecodeFailed("decode stream ended without its end event",
                                stage=Stage.DECODE)
     except SidecarError as error:
         stream_broke(scope, relay, error, span)

@@ -1,37 +1,82 @@
 """The passthrough: any request the sidecar does not disaggregate goes to the local engine.
 
-Method, path, query, headers (less hop-by-hop and routing ones) and body go as they are,
-streamed both ways, and so does the answer; the call is the core's ``EngineCalls.passthrough``.
+Method, path, query, headers (minus hop-by-hop and routing headers) and body are forwarded
+unchanged and streamed both ways; the engine's status, headers and body come back as they are.
+The engine call itself is the core's (``EngineCalls.passthrough``).
+
+The client's body is held to the limits of every request the sidecar forwards:
+``--max-body-bytes`` (a declared length over it is refused before the engine is called; a
+chunked body that grows past it is cut, 413) and ``--client-body-timeout-s`` (the whole body
+within the deadline, else 408), so a client trickling a body cannot hold an admission slot
+for ever.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from collections.abc import AsyncIterable, AsyncIterator
 
-from aiohttp import web
+from aiohttp import StreamReader, web
 
 from sidecar.core.engine_calls import EngineCalls
 from sidecar.core.upstream import forwardable_headers, response_headers
-from sidecar.errors import DecodeFailed, SidecarError, Stage
+from sidecar.errors import BodyTooLarge, DecodeFailed, RequestTimeout, SidecarError, Stage
 from sidecar.http1 import UpstreamError
 from sidecar.http_server.errors import error_response
+from sidecar.http_server.keys import RUNTIME
 from sidecar.protocol.request_id import REQUEST_ID_HEADER
 
 logger = logging.getLogger(__name__)
 
 
+async def _limited_body(
+    content: StreamReader, max_bytes: int, timeout_s: float
+) -> AsyncIterator[bytes]:
+    """The client's body as it arrives, refused past ``max_bytes`` or the deadline."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    received = 0
+    while True:
+        try:
+            async with asyncio.timeout_at(deadline):
+                chunk = await content.readany()
+        except TimeoutError:
+            raise RequestTimeout(f"request body not received within {timeout_s:g} s") from None
+        if not chunk:
+            return
+        received += len(chunk)
+        if received > max_bytes:
+            raise BodyTooLarge(f"request body exceeds {max_bytes} bytes")
+        yield chunk
+
+
+async def _once(raw: bytes) -> AsyncIterator[bytes]:
+    yield raw
+
+
 async def proxy_to_engine(
-    request: web.Request, calls: EngineCalls, request_id: str
+    request: web.Request, calls: EngineCalls, request_id: str, raw: bytes | None = None
 ) -> web.StreamResponse:
-    """Forward ``request`` to the local engine and stream its answer back."""
+    """Forward ``request`` to the local engine and stream its answer back; ``raw``: its body,
+    when the front door has read it already."""
     headers = forwardable_headers(request.headers.items())
     headers[REQUEST_ID_HEADER] = request_id
-    body = request.content.iter_any() if request.body_exists else None
+    settings = request.app[RUNTIME].settings
+    max_bytes = settings.max_body_bytes
+    length = request.content_length
     response: web.StreamResponse | None = None
     try:
+        if request.content_length is not None and request.content_length > max_bytes:
+            raise BodyTooLarge(f"request body exceeds {max_bytes} bytes")
+        body: AsyncIterable[bytes] | None
+        if raw is not None:  # read (and held to the limits) by the front door already
+            body, length = _once(raw), len(raw)
+        else:
+            body = (_limited_body(request.content, max_bytes, settings.client_body_timeout_s)
+                    if request.body_exists else None)
         upstream = await calls.passthrough(
-            request.method, request.rel_url.raw_path_qs, list(headers.items()), body,
-            request.content_length,
+            request.method, request.rel_url.raw_path_qs, list(headers.items()), body, length,
         )
         async with upstream:
             response = web.StreamResponse(

@@ -165,6 +165,9 @@ def decode_handoff(blocks: Sequence[KVBlock]) -> DecodedHandoff:
     fields = document.get(KEY_FIELDS)
     if not isinstance(fields, dict):
         raise _invalid(f"'{KEY_FIELDS}' must be a JSON object")
+    if jsonutil.too_deep(fields, payload):
+        # Its fields go into the decode body as they are, which orjson could not write.
+        raise _invalid(f"'{KEY_FIELDS}' nests more than {jsonutil.MAX_DEPTH} levels deep")
     prefill = document.get(KEY_PREFILL)
     if not isinstance(prefill, dict):
         raise _invalid(f"'{KEY_PREFILL}' must be a JSON object with host and port")

@@ -5,8 +5,9 @@ or grpc); tests read them through the real exposition. With ``--workers N`` ever
 ``/metrics`` reads the whole pool's values (``pool_dir``; how each family combines: README,
 "Workers"; docs/design-notes.md#pool-metrics).
 
-Deliberate limits: label values come from closed sets, never from client input, so
-cardinality stays bounded (and so does ``Metrics.labelled``'s cache of children).
+Deliberate limits: label values come from closed sets (data-parallel ranks: below the
+configured size), never from client input, so cardinality stays bounded (and so does
+``Metrics.labelled``'s cache of children).
 """
 
 from __future__ import annotations
@@ -78,10 +79,33 @@ class Metrics:
             "disagg_prefill_legs",
             "Prefill legs to remote targets by target (its address for static-pool members, "
             "'header' for router-named ones) and outcome (ok, failed, connect_refused).",
-            ["target", "outcome"], registry=r)
+            ["target", "outcome"],
+            registry=r,
+        )
+        self.prefill_breaker_state = Gauge(
+            "disagg_prefill_breaker_state",
+            "Circuit breaker of prefill targets by target (as disagg_prefill_legs_total "
+            "labels it; 'header': the worst among router-named ones): 0 closed, 1 open, "
+            "2 half-open.",
+            ["target"],
+            registry=r,
+            multiprocess_mode="livemax",
+        )
+        self.rank_legs = Counter(
+            "disagg_rank_legs",
+            "Legs on data-parallel ranks (engines with --data-parallel-size above 1) by leg "
+            "(prefill, decode), rank (0..size-1 of the configured size) and outcome (ok, "
+            "failed, connect_refused, rejected); a failed one cools its rank down.",
+            ["leg", "rank", "outcome"],
+            registry=r,
+        )
         self.prefill_retries = Counter(
-            "disagg_prefill_retries", "Prefills moved to another target after a refused connect.",
-            ["front_door"], registry=r)
+            "disagg_prefill_retries",
+            "Prefills moved to another target after one that provably did no work (refused "
+            "or unreachable connect, 503/429, open circuit breaker).",
+            ["front_door"],
+            registry=r,
+        )
         self.tokenize_failures = Counter(
             "disagg_tokenize_failures",
             "Prompt-length tokenize calls that failed (the request was disaggregated).",

@@ -7,11 +7,17 @@ The endpoint's scheme picks the transport (OTLP/HTTP is protobuf), and the SDK r
 standard ``OTEL_*`` variables over this module's defaults (README, "Tracing"; also
 ``OTEL_EXPORTER_OTLP_COMPRESSION``).
 
+The SDK and the exporters are the ``tracing`` extra (``pip install
+'disagg-sidecar[tracing]'``; the container image has it): a sidecar without tracing needs
+only the API. ``missing_modules(endpoint)`` names what an endpoint needs and is not installed
+(the configuration refuses such an endpoint at start-up).
+
 Deliberate limits: the provider is this process's own, not the OpenTelemetry global one.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from typing import TYPE_CHECKING, Final
 from urllib.parse import urlsplit
 
@@ -41,6 +47,30 @@ def check_endpoint(url: str) -> str:
     if parts.scheme in GRPC_SCHEMES and (port is None or parts.path not in ("", "/")):
         raise ValueError(f"OTLP/gRPC endpoint {url!r} must be {parts.scheme}://HOST:PORT")
     return url
+
+
+#: The distributions of the ``tracing`` extra, by the module each provides.
+_SDK_MODULE: Final = "opentelemetry.sdk"
+_EXPORTER_MODULES: Final = {
+    "grpc": "opentelemetry.exporter.otlp.proto.grpc",
+    "http": "opentelemetry.exporter.otlp.proto.http",
+}
+TRACING_EXTRA: Final = "disagg-sidecar[tracing]"
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent missing, or a module without a spec
+        return False
+
+
+def missing_modules(url: str) -> list[str]:
+    """The modules exporting to ``url`` needs that are not installed (found, not imported:
+    a sidecar that only checks its configuration loads no SDK)."""
+    transport = "grpc" if urlsplit(url).scheme in GRPC_SCHEMES else "http"
+    return [module for module in (_SDK_MODULE, _EXPORTER_MODULES[transport])
+            if not _installed(module)]
 
 
 def make_exporter(url: str) -> SpanExporter:

@@ -7,19 +7,24 @@
     events  ─StreamMerger──▶ each leg's chunks with index k and one id; usage summed at the end
 
 A sub-body is the client's with ``prompt`` := prompt i, ``n`` := 1 (when sent) and ``seed`` :=
-``seed + j``; usage is summed as the engine counts it (prompt tokens once per prompt). Every
+``seed + j``; usage is summed as the engine counts it (prompt tokens once per prompt; each leg's
+``prompt_tokens_details`` told by the usage rule first, added up once per prompt too). Every
 shape, what is refused and why: README, "Request shapes".
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from sidecar import jsonutil
 from sidecar.errors import InvalidRequest
+from sidecar.protocol.apis.usage import PROMPT_TOKENS_DETAILS, summed_details
 from sidecar.protocol.request import ClientRequest
 from sidecar.protocol.sse import DATA, DATA_FIELD, DONE_PAYLOAD, sse_event
+
+#: Leg k's usage as the client is told it (the usage rule), from what the leg reported.
+TellUsage = Callable[[int, Mapping[str, Any]], Mapping[str, Any]]
 
 _SEED_SPAN = 1 << 63
 _USAGE_FIELDS = ("prompt_tokens", "completion_tokens", "total_tokens")
@@ -74,6 +79,7 @@ def sub_bodies(request: ClientRequest) -> list[dict[str, Any]]:
 def summed_usage(usages: Mapping[int, Mapping[str, Any]], n: int) -> dict[str, Any]:
     """The request's usage from its legs' (keyed by choice index k; prompt = k // n)."""
     prompt_tokens: dict[int, int] = {}
+    details: list[object] = []
     completion = 0
     base: dict[str, Any] = {}
     for k in sorted(usages):
@@ -83,11 +89,14 @@ def summed_usage(usages: Mapping[int, Mapping[str, Any]], n: int) -> dict[str, A
         prompt = k // n
         if prompt not in prompt_tokens:
             prompt_tokens[prompt] = _int(usage.get("prompt_tokens"))
+            details.append(usage.get(PROMPT_TOKENS_DETAILS))
         completion += _int(usage.get("completion_tokens"))
     prompt_total = sum(prompt_tokens.values())
     merged = {key: value for key, value in base.items() if key not in _USAGE_FIELDS}
     merged.update(prompt_tokens=prompt_total, total_tokens=prompt_total + completion,
                   completion_tokens=completion)
+    if PROMPT_TOKENS_DETAILS in merged:
+        merged[PROMPT_TOKENS_DETAILS] = summed_details(details)
     return merged
 
 
@@ -187,9 +196,12 @@ class StreamMerger:
             self._last = {key: chunk[key] for key in ("object", "created", "model")
                           if key in chunk}
 
-    def usage_event(self) -> bytes | None:
+    def usage_event(self, tell: TellUsage | None = None) -> bytes | None:
+        """The one usage chunk (``tell``: each leg's usage as the usage rule tells it)."""
         if not self._usages:
             return None
+        usages = self._usages if tell is None else {
+            k: tell(k, usage) for k, usage in self._usages.items()}
         chunk: dict[str, Any] = {"id": self._id, **self._last, "choices": [],
-                                 "usage": summed_usage(self._usages, self._n)}
+                                 "usage": summed_usage(usages, self._n)}
         return sse_event(jsonutil.dumps(chunk))

@@ -1,8 +1,11 @@
 """How many tokens a prompt has, without a tokenizer (pure; conditional disaggregation).
 
-    exact_tokens(route, body)     token-id prompts (completions): exactly that many, else None
-    estimate_tokens(route, body)  text and chat: UTF-8 bytes / 4, rounded up (chat: plus 4 per
-                                  message); multimodal parts are not counted
+- ``exact_tokens``: a prompt given as token ids (completions, ``token_ids`` of the generate
+  route) has exactly that many;
+- ``estimate_tokens``: a text or chat prompt is estimated from its UTF-8 bytes: bytes / 4,
+  rounded up (chat, Messages, Responses items: the text of every message, plus 4 per message
+  for the template's role markers; the Messages ``system`` and Responses ``instructions``
+  text counts too). Multimodal parts are not counted.
 
 The estimate's measured error: README, "Request shapes". Imports only the standard library
 and ``sidecar.protocol.context``, so it runs in an engine's environment too.
@@ -24,6 +27,9 @@ TOKENS_PER_MESSAGE: Final = 4
 
 def exact_tokens(route: Route, body: Mapping[str, Any]) -> int | None:
     """The prompt's token count when it is given as token ids, else None."""
+    if route is Route.GENERATE:
+        ids = body.get("token_ids")
+        return len(ids) if isinstance(ids, list) and ids else None
     if route is not Route.COMPLETIONS:
         return None
     prompt = body.get("prompt")
@@ -50,6 +56,15 @@ def estimate_tokens(route: Route, body: Mapping[str, Any]) -> int:
         if isinstance(prompt, list) and len(prompt) == 1:
             prompt = prompt[0]
         return math.ceil(_text_bytes(prompt) / BYTES_PER_TOKEN)
-    messages = body.get("messages") or ()
-    text = sum(_text_bytes(m.get("content")) for m in messages if isinstance(m, dict))
-    return math.ceil(text / BYTES_PER_TOKEN) + TOKENS_PER_MESSAGE * len(messages)
+    if route is Route.RESPONSES:
+        items = body.get("input")
+        if not isinstance(items, list):
+            items = [{"content": items}]
+        extra = _text_bytes(body.get("instructions"))
+    else:
+        items = body.get("messages") or ()
+        extra = _text_bytes(body.get("system")) if route is Route.MESSAGES else 0
+    if not isinstance(items, list | tuple):
+        items = ()
+    text = extra + sum(_text_bytes(m.get("content")) for m in items if isinstance(m, dict))
+    return math.ceil(text / BYTES_PER_TOKEN) + TOKENS_PER_MESSAGE * len(items)

@@ -95,7 +95,10 @@ def parse_entry(text: str) -> AllowEntry:
         return AllowEntry(entry, None, network, _parse_port(rest[1:], text))
     host, sep, port_text = entry.rpartition(":")
     if not sep or not host:
-        raise ValueError(f"allowlist entry {text!r}: expected HOST:PORT, HOST:*, CIDR:PORT")
+        raise ValueError(
+            f"allowlist entry {text!r}: expected HOST:PORT, HOST:*, CIDR:PORT or CIDR:* "
+            "(IPv6 in brackets: [fd00::/8]:*)"
+        )
     if ":" in host:
         raise ValueError(f"allowlist entry {text!r}: write IPv6 in brackets, e.g. [fd00::/8]:*")
     port = _parse_port(port_text, text)

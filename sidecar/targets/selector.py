@@ -5,14 +5,21 @@
     pool "https://prefill-0.svc:8443" ─parse_prefill_url()─▶ resolve ─▶
         PrefillTarget(ip, scheme https, tls_name "prefill-0.svc")
 
-The sidecar connects to the address it checked (never re-resolves: no DNS rebinding); IP
-literals are checked once and remembered, names on every request. The static pool
-(``--prefill-url``) is trusted configuration, skipping the allowlist; an ``https`` entry stays
-https (verified against its configured name), a router's header is plain http. ``select`` =
-``candidates`` (the checked list: a refused prefill moves on) + ``choose`` (``TargetChoice``).
+The sidecar connects to the address it checked (never re-resolves), so DNS rebinding between
+check and connect cannot redirect a prompt. Headers that name IP literals only are checked
+once and remembered (the allowlist is immutable and no name is resolved, so the verdict
+cannot change); names are resolved and checked on every request. Targets from the static
+pool (``--prefill-url``) are trusted configuration and skip the allowlist; an ``https`` entry
+stays https (verified against its configured name), a router's header is always plain http.
+
+Of several targets (a header list, or the static pool) ``TargetChoice`` picks the one with
+the fewest prefill legs in flight and skips targets whose connect was just refused or whose
+circuit breaker is open; ``candidates()`` gives the whole checked list, so a prefill that did
+no work can move to another.
 
 Deliberate limits: one address per target is used (the first resolved); no active health
-checks of targets (a refused connect is the only signal).
+checks of targets (the legs' own outcomes are the signal: refused connects, and the
+circuit breakers' failures).
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ from urllib.parse import urlsplit
 
 from sidecar.errors import InvalidRequest, PrefillFailed, TargetNotAllowed
 from sidecar.protocol.context import PrefillTarget
-from sidecar.targets.choice import TargetChoice
+from sidecar.targets.choice import HEADER_LABEL, TargetChoice
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
@@ -135,12 +142,24 @@ class TargetSelector:
         return self.choose(candidates) if candidates else None
 
     def choose(self, candidates: Sequence[PrefillTarget]) -> PrefillTarget:
-        """One of ``candidates`` (non-empty) for the next prefill leg."""
-        if len(candidates) == 1:
+        """One of ``candidates`` (non-empty) for the next prefill leg; ``PrefillFailed`` at
+        once when every candidate's circuit breaker is open (nothing is sent anywhere)."""
+        if len(candidates) == 1 and self.choice.breaker_allows(candidates[0]):
             return candidates[0]
         chosen = self.choice.pick(candidates)
-        assert chosen is not None  # nothing excluded, so one is always left
+        if chosen is None:  # nothing excluded: only open breakers leave none
+            raise self._all_open(candidates)
         return chosen
+
+    def _all_open(self, candidates: Sequence[PrefillTarget]) -> PrefillFailed:
+        choice = self.choice
+        breakers = choice.breakers
+        wait = min((breakers.retry_in(t) for t in candidates), default=0.0) if breakers else 0.0
+        named = [str(t) for t in candidates if choice.label(t) == HEADER_LABEL]
+        which = f" ({', '.join(named)})" if named else ""
+        every = "every prefill target" if len(candidates) > 1 else "the prefill target"
+        return PrefillFailed(f"circuit breaker open for {every}{which}: its legs kept "
+                             f"failing; next trial in {wait:.0f} s")
 
     async def candidates(self, header_values: Sequence[str]) -> tuple[PrefillTarget, ...]:
         """Every checked target a request may use (the header's, else the pool's; may be

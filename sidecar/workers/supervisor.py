@@ -8,8 +8,10 @@
       SIGTERM/SIGINT ─▶ SIGTERM to every worker (each drains) ─▶ wait for all ─▶ remove
       the run dir ─▶ exit 0 (1 when a worker failed)
 
-A lifeline pipe's end-of-file (the supervisor gone, even by SIGKILL) makes a worker drain and
-exit. Deliberate limit: a worker that dies before it first listened stops the pool (exit 1).
+A port another program holds stops the pool before any worker starts (``PortInUse``: one
+line, exit 2; the check binds without SO_REUSEPORT). A lifeline pipe's end-of-file (the
+supervisor gone, even by SIGKILL) makes a worker drain and exit. Deliberate limit: a worker
+that dies before it first listened stops the pool (exit 1).
 What operators see: README, "Workers".
 """
 
@@ -34,7 +36,7 @@ from prometheus_client.multiprocess import mark_process_dead
 from sidecar.config.settings import Settings
 from sidecar.observability.metrics import MULTIPROC_DIR_ENV
 from sidecar.workers.identity import INFLIGHT_FILE, METRICS_DIR, SETTINGS_FILE
-from sidecar.workers.ports import bound_port, reserve
+from sidecar.workers.ports import bound_port, check_free, reserve
 from sidecar.workers.shared_inflight import InflightSlots
 
 logger = logging.getLogger(__name__)
@@ -94,8 +96,14 @@ class _Pool:
         self.lifeline_read, self.lifeline_write = os.pipe()
 
     def prepare(self) -> None:
-        """Reserve the ports and write what every worker reads at start."""
+        """Reserve the ports and write what every worker reads at start (``PortInUse`` when
+        another program holds one: SO_REUSEPORT would let the pool join it silently)."""
         s = self.settings
+        check_free(s.host, s.port, "--port")
+        if s.grpc_enabled:
+            check_free(s.host, s.grpc_port, "--grpc-port")
+        if s.metrics_port is not None:
+            check_free(s.host, s.metrics_port, "--metrics-port")
         ports: dict[str, int | None] = {"port": self._reserve(s.port)}
         if s.grpc_enabled:
             ports["grpc_port"] = self._reserve(s.grpc_port)

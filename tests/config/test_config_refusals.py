@@ -9,6 +9,7 @@ that pydantic's errors never escape as such. Not covered: fallbacks (test_config
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -196,3 +197,41 @@ def test_several_bad_values_all_named() -> None:
 def test_malformed_podinfo_file() -> None:
     message = refused(podinfo=FIXTURES / "malformed")
     assert "labels line 2" in message
+
+
+@pytest.mark.parametrize("path", ["/v1", "/v1/", "/api/v1"])
+def test_an_engine_url_with_a_path_is_refused_saying_what_to_write(path: str) -> None:
+    # The sidecar appends /v1/completions itself: a path would send every call to
+    # /v1/v1/..., /ready would stay 503 and every PD request answer 502.
+    message = refused(["--engine-url", f"http://127.0.0.1:8200{path}"])
+    assert "flag --engine-url" in message and f"{path!r}" in message, message
+    assert "http://127.0.0.1:8200" in message.split("write")[-1], message
+
+
+def test_an_engine_url_with_only_a_trailing_slash_is_accepted() -> None:
+    assert load(["--engine-url", "https://engine:8443/"]).settings.engine_url == (
+        "https://engine:8443")
+
+
+def test_a_prefill_url_with_a_path_says_what_to_write() -> None:
+    message = refused(["--prefill-url", "http://10.0.0.7:8000/v1"])
+    assert "flag --prefill-url" in message and "'/v1'" in message, message
+    assert "http://10.0.0.7:8000" in message.split("write")[-1], message
+
+
+@pytest.mark.parametrize("missing", ["opentelemetry.sdk",
+                                     "opentelemetry.exporter.otlp.proto.grpc",
+                                     "opentelemetry.exporter.otlp.proto.http"])
+def test_an_otlp_endpoint_without_the_tracing_extra_is_refused(
+    missing: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, missing, None)  # as if not installed
+    endpoint = ("grpc://127.0.0.1:4317" if "http" not in missing.rsplit(".", 1)[-1]
+                else "http://127.0.0.1:4318")
+    message = refused(["--otlp-endpoint", endpoint])
+    assert "flag --otlp-endpoint" in message and "disagg-sidecar[tracing]" in message, message
+
+
+def test_tracing_off_needs_no_tracing_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "opentelemetry.sdk", None)
+    assert load([]).settings.otlp_endpoint is None

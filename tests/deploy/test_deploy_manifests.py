@@ -184,6 +184,15 @@ def test_pods_pair_engine_and_sidecar(overlay: str) -> None:
         assert env_value(sidecar, "POD_IP") == {"fieldRef": {"fieldPath": "status.podIP"}}
 
 
+def test_vllm_engines_serve_every_pd_route() -> None:
+    # /inference/v1/generate exists in vLLM 0.32 only with --enable-scale-out (else 403).
+    for name, dep in deployments(render_overlay("vllm")).items():
+        engine = container(dep, "engine")
+        assert "--enable-scale-out" in engine["args"], name
+        version = engine["image"].rsplit(":v", 1)[1]
+        assert tuple(int(p) for p in version.split(".")[:2]) >= (0, 32), name
+
+
 def test_sglang_roles_and_bootstrap_port_agree() -> None:
     deps = deployments(render_overlay("sglang"))
     for name, dep in deps.items():

@@ -14,7 +14,14 @@ import copy
 from typing import Any
 
 import pytest
-from protocol_builders import begin, chat_body, completions_body, make_ctx, make_dialect
+from protocol_builders import (
+    OPENAI_ROUTE_LIST,
+    begin,
+    chat_body,
+    completions_body,
+    make_ctx,
+    make_dialect,
+)
 
 from sidecar.dialects import Dialect, Legs, dialect_class
 from sidecar.dialects.vllm_mooncake import MooncakeState
@@ -71,7 +78,7 @@ def _body(route: Route) -> dict[str, Any]:
     return completions_body() if route is Route.COMPLETIONS else chat_body()
 
 
-@pytest.mark.parametrize("route", list(Route))
+@pytest.mark.parametrize("route", OPENAI_ROUTE_LIST)
 @pytest.mark.parametrize(("engine", "connector"), COMBOS)
 def test_prefill_leg_common_rules(engine: str, connector: str | None, route: Route) -> None:
     handler, ctx = _setup(engine, connector, route)
@@ -107,7 +114,7 @@ def test_prefill_leg_common_rules(engine: str, connector: str | None, route: Rou
     assert set(prefill) - set(client) - {"max_tokens"} <= ENGINE_KEYS
 
 
-@pytest.mark.parametrize("route", list(Route))
+@pytest.mark.parametrize("route", OPENAI_ROUTE_LIST)
 @pytest.mark.parametrize(("engine", "connector"), COMBOS)
 def test_decode_leg_is_the_original_body_plus_handoff(
     engine: str, connector: str | None, route: Route
@@ -127,7 +134,7 @@ def test_decode_leg_is_the_original_body_plus_handoff(
     assert {k: decode[k] for k in handoff} == handoff
 
 
-@pytest.mark.parametrize("route", list(Route))
+@pytest.mark.parametrize("route", OPENAI_ROUTE_LIST)
 @pytest.mark.parametrize(("engine", "connector"), COMBOS)
 def test_inputs_are_never_mutated(engine: str, connector: str | None, route: Route) -> None:
     handler, ctx = _setup(engine, connector, route)

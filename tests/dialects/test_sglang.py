@@ -10,7 +10,15 @@ from __future__ import annotations
 import copy
 
 import pytest
-from protocol_builders import begin, chat_body, completions_body, make_ctx, make_dialect, make_ids
+from protocol_builders import (
+    OPENAI_ROUTE_LIST,
+    begin,
+    chat_body,
+    completions_body,
+    make_ctx,
+    make_dialect,
+    make_ids,
+)
 
 from sidecar.dialects import Legs
 from sidecar.dialects.sglang import SGLangDialect
@@ -24,7 +32,7 @@ def test_concurrent() -> None:
     assert HANDLER.legs is Legs.CONCURRENT
 
 
-@pytest.mark.parametrize("route", list(Route))
+@pytest.mark.parametrize("route", OPENAI_ROUTE_LIST)
 def test_golden_both_legs_same_room(route: Route) -> None:
     ids = make_ids()
     handler = make_dialect(SGLangDialect, sglang_bootstrap_port=9001)
@@ -68,7 +76,7 @@ def test_golden_both_legs_same_room(route: Route) -> None:
     assert client == before
 
 
-@pytest.mark.parametrize("route", list(Route))
+@pytest.mark.parametrize("route", OPENAI_ROUTE_LIST)
 def test_client_bootstrap_values_are_overwritten(route: Route) -> None:
     ctx = make_ctx(route, host="10.1.2.3", state=42)
     base = completions_body() if route is Route.COMPLETIONS else chat_body()

@@ -13,7 +13,15 @@ import copy
 from typing import Any
 
 import pytest
-from protocol_builders import begin, chat_body, completions_body, make_ctx, make_dialect, make_ids
+from protocol_builders import (
+    OPENAI_ROUTE_LIST,
+    begin,
+    chat_body,
+    completions_body,
+    make_ctx,
+    make_dialect,
+    make_ids,
+)
 
 from sidecar import jsonutil
 from sidecar.dialects import Legs
@@ -148,7 +156,7 @@ def test_top_level_wins_over_choice() -> None:
     }
 
 
-@pytest.mark.parametrize("route", list(Route))
+@pytest.mark.parametrize("route", OPENAI_ROUTE_LIST)
 def test_missing_params_leave_decode_unchanged(route: Route) -> None:
     client = completions_body() if route is Route.COMPLETIONS else chat_body()
     handoff = HANDLER.handoff(_response(where="none"), make_ctx(route))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 from protocol_builders import (
+    OPENAI_ROUTE_LIST,
     begin,
     chat_body,
     completions_body,
@@ -38,7 +39,7 @@ def test_connectors_and_the_default() -> None:
     assert "kv_transfer_params" in InlineDialect.handoff_keys
 
 
-@pytest.mark.parametrize("route", list(Route))
+@pytest.mark.parametrize("route", OPENAI_ROUTE_LIST)
 def test_golden_nixl_pull_through_the_label(route: Route) -> None:
     bound = make_dialect(dialect_class("vllm", "shfs"))
     ctx = begin(bound, make_ctx(route, host="10.0.0.9"))

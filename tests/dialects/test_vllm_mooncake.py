@@ -13,7 +13,15 @@ import copy
 from typing import Any
 
 import pytest
-from protocol_builders import begin, chat_body, completions_body, make_ctx, make_dialect, make_ids
+from protocol_builders import (
+    OPENAI_ROUTE_LIST,
+    begin,
+    chat_body,
+    completions_body,
+    make_ctx,
+    make_dialect,
+    make_ids,
+)
 
 from sidecar.dialects import Legs
 from sidecar.dialects.vllm_mooncake import MooncakeDialect, MooncakeState, engine_id_from_query
@@ -34,7 +42,7 @@ def test_begin_sets_one_transfer_id() -> None:
     assert ctx.state == MooncakeState("xfer-fixed")
 
 
-@pytest.mark.parametrize("route", list(Route))
+@pytest.mark.parametrize("route", OPENAI_ROUTE_LIST)
 def test_golden_both_legs(route: Route) -> None:
     client = completions_body() if route is Route.COMPLETIONS else chat_body()
     before = copy.deepcopy(client)

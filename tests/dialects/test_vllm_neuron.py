@@ -11,7 +11,15 @@ import copy
 from typing import Any
 
 import pytest
-from protocol_builders import begin, chat_body, completions_body, make_ctx, make_dialect, make_ids
+from protocol_builders import (
+    OPENAI_ROUTE_LIST,
+    begin,
+    chat_body,
+    completions_body,
+    make_ctx,
+    make_dialect,
+    make_ids,
+)
 
 from sidecar.dialects import Legs
 from sidecar.dialects.vllm_neuron import NeuronNixlDialect
@@ -37,7 +45,7 @@ def test_flags() -> None:
     assert begin(AGENT, make_ctx(), make_ids()) == make_ctx()
 
 
-@pytest.mark.parametrize("route", list(Route))
+@pytest.mark.parametrize("route", OPENAI_ROUTE_LIST)
 def test_golden(route: Route) -> None:
     client = completions_body() if route is Route.COMPLETIONS else chat_body()
     ctx = make_ctx(route, host="10.0.0.3")

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 from protocol_builders import (
+    OPENAI_ROUTE_LIST,
     begin,
     chat_body,
     completions_body,
@@ -77,7 +78,7 @@ def test_each_prefill_gets_a_fresh_skeleton() -> None:
     assert AGENT.prefill_fields(make_ctx())["kv_transfer_params"]["remote_port"] is None
 
 
-@pytest.mark.parametrize("route", list(Route))
+@pytest.mark.parametrize("route", OPENAI_ROUTE_LIST)
 def test_golden_prefill_body(route: Route) -> None:
     client = completions_body() if route is Route.COMPLETIONS else chat_body()
     prefill = AGENT.prefill_body(client, make_ctx(route))
@@ -103,7 +104,7 @@ def test_golden_prefill_body(route: Route) -> None:
         }
 
 
-@pytest.mark.parametrize("route", list(Route))
+@pytest.mark.parametrize("route", OPENAI_ROUTE_LIST)
 @pytest.mark.parametrize("host", ["10.244.1.17", "fd00:10:244::17"])
 def test_golden_decode_rewrites_only_remote_host(route: Route, host: str) -> None:
     client = completions_body() if route is Route.COMPLETIONS else chat_body()

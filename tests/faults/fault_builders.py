@@ -88,13 +88,18 @@ class Reply:
         else:
             assert json.loads(self.body)["choices"], self.text[:300]
 
-    def expect_error(self, status: int, code: str) -> None:
-        """An OpenAI-shaped error with ``status`` and ``code``, nothing of the engine's body."""
+    def expect_error(self, status: int, code: str, *, relayed: bool | None = None) -> None:
+        """An OpenAI-shaped error with ``status`` and ``code``; of the engine's body only a
+        4xx reason (``relayed``; default: for ``engine_rejected_request``), never a 5xx
+        body."""
         assert self.status == status, (self.status, self.text[:300])
         payload = json.loads(self.body)
         assert set(payload) == {"error"}, payload
         assert payload["error"]["code"] == code, payload
-        assert "stub fault" not in self.text  # engine error bodies are never relayed
+        if relayed if relayed is not None else code == "engine_rejected_request":
+            assert payload["error"]["message"].endswith(": stub fault"), payload
+        else:
+            assert "stub fault" not in self.text  # 5xx error bodies are never relayed
 
     def expect_broken_stream(self, code: str) -> None:
         """A stream that began (200) and ended with one error event and no ``[DONE]``."""

@@ -196,3 +196,60 @@ async def test_client_gone_at_every_stage(engine: str, connector: str, stage: st
             abort = await r.decode.recorder.next_request(ABORT_PATH)
             assert abort.json is not None and "rid" in abort.json
         await r.check_recovered()
+
+
+# -- passthrough: the same body limits and deadline as a PD request --------------------------
+
+def passthrough_head(r: Rig, path: str, *, content_length: int | None) -> bytes:
+    length = (f"Content-Length: {content_length}\r\n" if content_length is not None
+              else "Transfer-Encoding: chunked\r\n")
+    return (f"POST {path} HTTP/1.1\r\nHost: sidecar\r\nContent-Type: application/json\r\n"
+            f"{length}\r\n").encode()
+
+
+async def read_answer(reader: asyncio.StreamReader) -> tuple[bytes, dict[str, Any]]:
+    status_line = await reader.readline()
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                  if line.lower().startswith(b"content-length:"))
+    return status_line, jsonutil.loads(await reader.readexactly(length))
+
+
+def passthrough_calls(r: Rig, path: str) -> int:
+    return len(r.decode.recorder.on_path(path)) + len(r.prefill.recorder.on_path(path))
+
+
+@pytest.mark.parametrize("path", [COMPLETIONS, "/v1/embeddings"])
+async def test_passthrough_body_over_the_cap_is_413_and_reaches_no_engine(path: str) -> None:
+    async with rig(max_body_bytes=2000) as r:
+        async with aiohttp.ClientSession() as client, client.post(
+            r.sidecar.url + path, data=b'{"prompt": "' + b"x" * 5000 + b'"}'
+        ) as response:
+            whole = await read_reply(response)
+        whole.expect_error(413, "body_too_large")
+        assert passthrough_calls(r, path) == 0
+
+        async def chunks() -> AsyncIterator[bytes]:
+            for _ in range(8):  # 32 KiB, no Content-Length: only a reading cap can stop it
+                yield b"x" * 4096
+
+        async with aiohttp.ClientSession() as client, client.post(
+            r.sidecar.url + path, data=chunks()
+        ) as response:
+            chunked = await read_reply(response)
+        chunked.expect_error(413, "body_too_large")
+        assert passthrough_calls(r, path) == 0
+        await r.check_recovered()
+
+
+@pytest.mark.parametrize("path", [COMPLETIONS, "/v1/embeddings"])
+async def test_slow_passthrough_body_gets_408_and_frees_its_slot(path: str) -> None:
+    async with rig(max_inflight=1, client_body_timeout_s=0.3) as r:
+        async with raw_connection(r) as (reader, writer):
+            writer.write(passthrough_head(r, path, content_length=4096) + b'{"model": "st')
+            await writer.drain()
+            status_line, payload = await read_answer(reader)  # no more bytes are coming
+        assert status_line.split()[1] == b"408", status_line
+        assert payload["error"]["code"] == "request_timeout"
+        assert passthrough_calls(r, path) == 0
+        await r.check_recovered()  # the one admission slot is free again

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
+import aiohttp
 import pytest
 from fault_builders import PAIRS, engine_param, rig
 
@@ -36,6 +37,25 @@ async def test_decode_engine_restarts_between_requests(engine: str, connector: s
         (await r.post(stream=True)).expect_error(503, "engine_not_ready")
         await r.start_engine("decode")
         await r.check_recovered()
+
+
+@pytest.mark.parametrize(("engine", "connector"), [engine_param(e, c) for e, c in PAIRS])
+async def test_a_local_engine_known_down_is_refused_at_once_without_a_prefill(
+    engine: str, connector: str
+) -> None:
+    async with rig(engine, connector) as r:
+        (await r.post()).expect_ok(stream=False)
+        await r.stop_engine("decode")
+        async with aiohttp.ClientSession() as client:
+            async with client.get(r.sidecar.url + "/ready") as ready:
+                assert ready.status == 503  # the sidecar now knows the engine is down
+        prefills = len(r.prefill.recorder.on_path(COMPLETIONS))
+        for stream in (True, False):
+            (await r.post(stream=stream)).expect_error(503, "engine_not_ready")
+            # Refused before the prefill: nothing was spent on the prefill engine.
+            assert len(r.prefill.recorder.on_path(COMPLETIONS)) == prefills
+        await r.start_engine("decode")
+        await r.check_recovered()  # known down, asked again: served at once when it is back
 
 
 @pytest.mark.parametrize(("engine", "connector"), [engine_param(e, c) for e, c in PAIRS])
@@ -62,7 +82,9 @@ async def test_decode_engine_dies_mid_stream() -> None:
 
 @pytest.mark.parametrize(("engine", "connector"), [engine_param(e, c) for e, c in PAIRS])
 async def test_burst_with_some_prefills_failing(engine: str, connector: str) -> None:
-    async with rig(engine, connector) as r:
+    # Breakers off: 8 failures in a row would open the lone target's breaker, which then
+    # refuses the rest at once (tests/http/test_circuit_breaker.py proves that).
+    async with rig(engine, connector, prefill_breaker_failures=0) as r:
         r.prefill.faults.add("status", status=500, times=8)
         replies = await asyncio.gather(*(r.post(stream=i % 2 == 0) for i in range(40)))
         failed = [reply for reply in replies if reply.status != 200]

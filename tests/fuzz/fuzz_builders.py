@@ -31,7 +31,7 @@ from hypothesis import HealthCheck, settings
 from sidecar_builders import running_sidecar
 
 from sidecar.tools.stubs.config import StubConfig
-from sidecar.tools.stubs.server import run_stub
+from sidecar.tools.stubs.server import Stub, run_stub
 
 _LONG = os.environ.get("DISAGG_FUZZ_EXAMPLES")
 _EXAMPLES = int(_LONG) if _LONG else 200
@@ -55,6 +55,8 @@ class BackgroundSidecar:
     grpc_port: int
     prefill_port: int
     loop: asyncio.AbstractEventLoop
+    #: The stub engines (read their counters only: they run on ``loop``).
+    stubs: tuple[Stub, ...] = ()
 
     @property
     def prefill_target(self) -> str:
@@ -82,7 +84,7 @@ async def _stack(engine: str, settings_overrides: dict[str, Any]) -> AsyncIterat
         overrides.update(settings_overrides)
         async with running_sidecar(**overrides) as sc:
             yield BackgroundSidecar(sc.ports["http"], sc.ports.get("grpc", 0), prefill.port,
-                                    asyncio.get_running_loop())
+                                    asyncio.get_running_loop(), (prefill, decode))
 
 
 @contextlib.contextmanager

@@ -131,7 +131,7 @@ async def grpc_pd(
 
 async def prefill_blocks(
     address: str, token_ids: list[int], *, request_id: str = "req-1", max_new_tokens: int = 6,
-    deadline_s: float | None = None,
+    deadline_s: float | None = None, metadata: tuple[tuple[str, str], ...] | None = None,
 ) -> list[disagg_pb2.KVBlock]:
     """Call Prefill and collect its blocks; read on past ``done`` to the RPC's end, so the
     server has finished its bookkeeping when this returns (tests read its metrics next)."""
@@ -141,7 +141,7 @@ async def prefill_blocks(
         async for message in stub.Prefill(
             disagg_pb2.PreFillRequest(request_id=request_id, token_ids=token_ids,
                                       max_new_tokens=max_new_tokens),
-            timeout=deadline_s,
+            timeout=deadline_s, metadata=metadata,
         ):
             if message.HasField("block"):
                 blocks.append(message.block)
@@ -149,12 +149,14 @@ async def prefill_blocks(
 
 
 async def decode_tokens(
-    address: str, request: disagg_pb2.DecodeRequest, *, deadline_s: float | None = None
+    address: str, request: disagg_pb2.DecodeRequest, *, deadline_s: float | None = None,
+    metadata: tuple[tuple[str, str], ...] | None = None,
 ) -> list[disagg_pb2.TokenStream]:
     """Call Decode and collect every message."""
     async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
         stub = disagg_pb2_grpc.DecodeWorkerStub(channel)
-        return [message async for message in stub.Decode(request, timeout=deadline_s)]
+        return [message async for message in stub.Decode(request, timeout=deadline_s,
+                                                           metadata=metadata)]
 
 
 def rooms_in_flight(runtime: Runtime) -> int:

@@ -198,6 +198,80 @@ async def test_prefill_engine_failures_map_to_statuses(
         assert pd.prefill.metric("disagg_errors_total", front_door="grpc") == 1
 
 
+async def _raw_call(address: str, method: str, payload: bytes) -> grpc.aio.AioRpcError:
+    """``payload`` sent as the request message's bytes, as a broken client would."""
+    async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+        call = channel.unary_stream(method, request_serializer=None,
+                                    response_deserializer=None)(payload, timeout=10)
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            async for _ in call:
+                pass
+    return caught.value
+
+
+#: Not a protobuf message: a field header with wire type 7 (none such), then a length that
+#: runs past the end.
+MALFORMED = [b"\xff\xff\xff\xff", b"\x0a\xff\x01abc", b"\x12\x05ab"]
+
+
+@pytest.mark.parametrize("transport", ["native", "inline"])
+@pytest.mark.parametrize("method", ["/disagg.PrefillWorker/Prefill",
+                                    "/disagg.DecodeWorker/Decode"])
+async def test_malformed_message_bytes_are_invalid_argument(
+    transport: str, method: str, tmp_path: Any
+) -> None:
+    async with grpc_sidecar(f"http://127.0.0.1:{closed_port()}", kv_transport=transport,
+                            kv_staging_dir=str(tmp_path)) as sidecar:
+        for payload in MALFORMED:
+            error = await _raw_call(sidecar.address, method, payload)
+            assert error.code() is grpc.StatusCode.INVALID_ARGUMENT, (payload, error)
+            assert dict(error.trailing_metadata() or ())[ERROR_CODE_KEY] == "invalid_request"
+        assert sidecar.metric("disagg_errors_total", code="invalid_request") == len(MALFORMED)
+        assert sidecar.metric("disagg_inflight_requests") == 0
+
+
+def _deep_handoff(depth: int) -> list[disagg_pb2.KVBlock]:
+    """A hand-off document as the prefill side writes it, its fields nested ``depth`` deep
+    (orjson writes 254 levels, so it is spelled out here)."""
+    nested = b"[" * depth + b"]" * depth
+    document = (b'{"version": 1, "kind": "handoff", "engine": "vllm", "kv_connector": "shfs", '
+                b'"fields": {"deep": ' + nested + b'}, "prefill": {"host": "127.0.0.1", '
+                b'"port": 8000}, "request_id": "req-e"}')
+    return [disagg_pb2.KVBlock(request_id="req-e", layer_idx=-1, block_idx=0,
+                               k_data=document)]
+
+
+@pytest.mark.parametrize("depth", [254, 300, 1000, 5000])
+async def test_a_deeply_nested_native_handoff_is_invalid_argument(depth: int) -> None:
+    # 254 levels inside "fields": the decode body would nest 255 deep, one more than orjson
+    # writes (253 still runs); past 1,024 orjson does not even parse it.
+    async with grpc_pd("vllm") as pd:
+        error = await _status(decode_tokens(pd.decode.address,
+                                            _decode_request(_deep_handoff(depth))))
+        assert error.code() is grpc.StatusCode.INVALID_ARGUMENT, error
+        assert "hand-off" in (error.details() or "")
+        assert _inference_requests(pd.decode_stub) == 0
+
+
+def _inference_requests(stub: Any) -> int:
+    return len(stub.recorder.on_path(COMPLETIONS))
+
+
+async def test_an_engines_4xx_reason_is_in_the_status_details() -> None:
+    reason = "This model's maximum context length is 4096 tokens"
+    prefill_fault = Fault(FaultKind.STATUS, status=400, message=reason, path=COMPLETIONS)
+    async with grpc_pd("vllm", prefill_stub={"faults": (prefill_fault,)}) as pd:
+        error = await _status(prefill_blocks(pd.prefill.address, PROMPT_IDS))
+    assert error.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert f"prefill engine rejected the request (HTTP 400): {reason}" in (error.details() or "")
+    decode_fault = Fault(FaultKind.STATUS, status=422, message=reason, path=COMPLETIONS)
+    async with grpc_pd("vllm", decode_stub={"faults": (decode_fault,)}) as pd:
+        blocks = await prefill_blocks(pd.prefill.address, PROMPT_IDS)
+        error = await _status(decode_tokens(pd.decode.address, _decode_request(blocks)))
+    assert error.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert f"decode engine rejected the request (HTTP 422): {reason}" in (error.details() or "")
+
+
 async def test_decode_engine_5xx_is_unavailable() -> None:
     fault = Fault(FaultKind.STATUS, status=503, path=COMPLETIONS)
     async with grpc_pd("vllm", decode_stub={"faults": (fault,)}) as pd:

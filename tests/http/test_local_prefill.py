@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 from pd_builders import client_body, pd_pair
-from protocol_builders import HANDOFF_FIELDS
+from protocol_builders import HANDOFF_FIELDS, OPENAI_ROUTE_LIST
 
 from sidecar.config.loader import ConfigError, add_settings_arguments, load_settings
 from sidecar.protocol.context import Route
@@ -61,7 +61,7 @@ async def test_a_short_token_prompt_never_reaches_the_prefill_engine(
         assert await pair.sidecar.metric("disagg_requests_total", outcome="ok") == 1
 
 
-@pytest.mark.parametrize("route", list(Route), ids=["completions", "chat"])
+@pytest.mark.parametrize("route", OPENAI_ROUTE_LIST, ids=["completions", "chat"])
 async def test_estimate_decides_text_and_chat(route: Route) -> None:
     async with pd_pair("vllm", "shfs", local_prefill_max_tokens=LIMIT) as pair:
         short = client_body(route, prompt="x" * 8)  # 2 tokens (+4 per chat message)
@@ -76,7 +76,7 @@ async def test_estimate_decides_text_and_chat(route: Route) -> None:
         assert await _local_short(pair) == 1
 
 
-@pytest.mark.parametrize("route", list(Route), ids=["completions", "chat"])
+@pytest.mark.parametrize("route", OPENAI_ROUTE_LIST, ids=["completions", "chat"])
 async def test_tokenize_asks_the_local_vllm_engine(route: Route) -> None:
     # The stub's chat template adds 24 tokens to a message: the limit leaves room for "hi".
     limit = 26 if route is Route.CHAT else LIMIT

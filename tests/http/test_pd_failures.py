@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from typing import Any
 
 import aiohttp
 import pytest
 from pd_builders import PDPair, client_body, pd_pair, sse_events
 
+from sidecar.observability.logs import LogEvery
 from sidecar.protocol.context import Route
 
 
@@ -152,6 +154,108 @@ async def test_local_prefill_fallback_is_a_named_counted_policy() -> None:
         assert decision.outcome == "local"
         assert await pair.sidecar.metric(
             "disagg_prefill_fallbacks_total", reason="prefill_failed") == 1
+
+
+def _nested(depth: int) -> bytes:
+    """A completions body whose ``extra`` field nests arrays so the body is ``depth`` deep."""
+    inner = b"[" * (depth - 1) + b"]" * (depth - 1)
+    return b'{"model": "stub-model", "prompt": "hi", "max_tokens": 2, "extra": ' + inner + b"}"
+
+
+@pytest.mark.parametrize("depth", [255, 600, 1024])
+async def test_a_body_nested_deeper_than_the_sidecar_can_forward_is_a_typed_400(
+    depth: int,
+) -> None:
+    # orjson parses 1,024 levels but writes only 254: such a body used to end in aiohttp's
+    # plain-text 500 after the parse, counted in no error series.
+    async with pd_pair("vllm") as pair:
+        async with aiohttp.ClientSession() as session:
+            async with session.post(pair.sidecar.url + "/v1/completions", data=_nested(depth),
+                                    headers={"x-prefiller-host-port": pair.target,
+                                             "Content-Type": "application/json"}) as response:
+                status, text = response.status, await response.text()
+        error = json.loads(text)["error"]
+        assert status == 400 and error["code"] == "invalid_request", text
+        assert "nest" in error["message"], error
+        assert await pair.sidecar.metric("disagg_errors_total", code="invalid_request") == 1
+        assert _inference_requests(pair.prefill) == 0
+
+
+async def test_a_body_254_levels_deep_still_runs() -> None:
+    async with pd_pair("vllm") as pair:
+        async with aiohttp.ClientSession() as session:
+            async with session.post(pair.sidecar.url + "/v1/completions", data=_nested(254),
+                                    headers={"x-prefiller-host-port": pair.target,
+                                             "Content-Type": "application/json"}) as response:
+                assert response.status == 200, await response.text()
+
+
+REASON = "This model's maximum context length is 4096 tokens. However, you requested 5016"
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang", "trtllm"])
+@pytest.mark.parametrize(("leg", "status"), [("prefill", 400), ("prefill", 422),
+                                             ("decode", 400), ("decode", 422)])
+async def test_an_engines_4xx_reason_reaches_the_client_naming_the_leg(
+    engine: str, leg: str, status: int
+) -> None:
+    async with pd_pair(engine) as pair:
+        stub = pair.prefill if leg == "prefill" else pair.decode
+        stub.faults.add("status", path="/v1/completions", times=1, status=status,
+                        message=REASON)
+        got, _, text = await pair.send()
+    error = json.loads(text)["error"]
+    assert got == 400 and error["code"] == "engine_rejected_request", text
+    assert REASON in error["message"], error
+    named = f"prefill target {pair.target}" if leg == "prefill" else "decode engine"
+    assert error["message"].startswith(f"{named} rejected the request (HTTP {status}): "), error
+
+
+async def test_a_relayed_reason_is_cut_to_4_kib_without_control_characters() -> None:
+    async with pd_pair("vllm") as pair:
+        reason = "bad\x1b[31m\x00 input\r\n" + "é" * 5000
+        pair.prefill.faults.add("status", path="/v1/completions", times=1, status=400,
+                                message=reason)
+        _, _, text = await pair.send()
+    message = json.loads(text)["error"]["message"]
+    relayed = message.split("): ", 1)[1]
+    assert relayed.startswith("bad[31m input é"), relayed
+    assert len(relayed.encode()) <= 4096 and relayed.endswith("é")
+    assert not any(ord(ch) < 0x20 or 0x7F <= ord(ch) < 0xA0 for ch in message), message
+
+
+async def test_a_5xx_body_is_never_relayed() -> None:
+    async with pd_pair("vllm") as pair:
+        pair.prefill.faults.add("status", path="/v1/completions", times=1, status=500,
+                                message="secret prompt text")
+        got, _, text = await pair.send()
+    assert got == 502 and "secret prompt text" not in text, text
+
+
+async def test_local_prefill_fallbacks_are_logged_at_a_bounded_rate(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO)
+    async with pd_pair("vllm", "shfs", on_prefill_failure="local") as pair:
+        pair.prefill.faults.add("status", path="/v1/completions", times=5, status=500)
+        for _ in range(5):
+            status, _, text = await pair.send()
+            assert status == 200, text
+        assert await pair.sidecar.metric("disagg_prefill_fallbacks_total") == 5
+    lines = [r.getMessage() for r in caplog.records if "on-prefill-failure local" in
+             r.getMessage()]
+    assert len(lines) == 1, lines  # five fallbacks within the bound: one line
+    assert "prefill_failed" in lines[0] and "local engine" in lines[0], lines
+
+
+def test_the_rate_bound_says_how_many_lines_it_left_out() -> None:
+    clock = [100.0]
+    every = LogEvery(10.0, clock=lambda: clock[0])
+    assert every.due() == 0  # the first is logged
+    assert [every.due() for _ in range(3)] == [None, None, None]
+    clock[0] += 10.0
+    assert every.due() == 3  # the next line says three were left out
+    assert every.due() is None
 
 
 async def _cancel_after(pair: PDPair, stub_path_seen: Any, stream: bool) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 from pd_builders import PAIRS, client_body, json_text, pd_pair, sse_events, streamed_text
-from protocol_builders import nixl_prefill_skeleton
+from protocol_builders import OPENAI_ROUTE_LIST, nixl_prefill_skeleton
 
 from sidecar.protocol.context import Route
 from sidecar.tools.stubs.textgen import is_remote_text
@@ -80,7 +80,7 @@ def _check_decode_leg(
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
-@pytest.mark.parametrize("route", list(Route), ids=["completions", "chat"])
+@pytest.mark.parametrize("route", OPENAI_ROUTE_LIST, ids=["completions", "chat"])
 @pytest.mark.parametrize(("engine", "connector"), PAIRS, ids=[f"{e}-{c}" for e, c in PAIRS])
 async def test_pd_flow(engine: str, connector: str, route: Route, stream: bool) -> None:
     async with pd_pair(engine, connector) as pair:

@@ -7,12 +7,16 @@
 - on the core with real sockets: a prefill refused at connect succeeds on another listed
   target (counted), and that target then gets no prefill within the cool-down; a prefill cut
   after its request was sent is not retried (the engine saw it once, the other none);
-- through the HTTP door: a header naming a refusing target and a live one always answers.
+- through the HTTP door: a header naming a refusing target and a live one always answers;
+- a blackholed target (its SYNs dropped: a listener whose accept queue is full) is
+  unreachable once the connect timeout passes (502 ``prefill_failed``, not the leg's
+  deadline) and moves to another target like a refused one.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import random
 import socket
 from collections.abc import Iterator
@@ -100,6 +104,22 @@ def refusing_port() -> Iterator[int]:
         sock.close()
 
 
+@contextlib.contextmanager
+def blackholed_port() -> Iterator[int]:
+    """A loopback port that drops SYNs: it listens with a backlog of 0 and one connection
+    fills its accept queue, so further connects never complete (a blackholed target)."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    filler = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(0)
+        filler.connect(listener.getsockname())
+        yield listener.getsockname()[1]
+    finally:
+        filler.close()
+        listener.close()
+
+
 def _request(target: PrefillTarget, *candidates: PrefillTarget) -> PDRequest:
     return PDRequest(route=Route.COMPLETIONS, body=client_body(), stream=False, target=target,
                      request_id="rq", headers={"X-Request-Id": "rq"},
@@ -172,3 +192,38 @@ async def test_a_header_with_a_refusing_target_always_answers() -> None:
                                                 outcome="connect_refused")
             assert refused <= 1
             assert await pair.sidecar.metric("disagg_prefill_retries_total") == refused
+
+
+async def test_a_blackholed_prefill_moves_to_another_target_like_a_refused_one() -> None:
+    with blackholed_port() as dead_port:
+        async with (
+            run_stub(engine="vllm", role="prefill") as live_stub,
+            run_stub(engine="vllm", role="decode") as decode,
+        ):
+            dead = PrefillTarget("127.0.0.1", dead_port)
+            live = PrefillTarget("127.0.0.1", live_stub.port)
+            settings = Settings(engine="vllm", engine_url=decode.url, grpc_enabled=False,
+                                prefill_allowlist=("127.0.0.1:*",), connect_timeout_s=0.3,
+                                prefill_timeout_s=30)
+            metrics = Metrics()
+            async with open_runtime(settings, metrics) as runtime:
+                exchange = await runtime.flow.start(_request(dead, dead, live))
+                try:
+                    assert b"choices" in await exchange.read_all(1 << 20)
+                finally:
+                    await exchange.aclose()
+            assert _prefills(live_stub) == 1
+            assert metrics.prefill_retries.labels("http")._value.get() == 1
+            legs = metrics.prefill_legs
+            assert legs.labels(HEADER_LABEL, "connect_refused")._value.get() == 1
+
+
+async def test_a_blackholed_lone_target_is_unreachable_not_a_deadline() -> None:
+    with blackholed_port() as dead_port:
+        async with pd_pair("vllm", "shfs", prefill_allowlist=("127.0.0.1:*",),
+                           connect_timeout_s=0.3, prefill_timeout_s=30) as pair:
+            status, _, text = await pair.send(
+                headers={"x-prefiller-host-port": f"127.0.0.1:{dead_port}"})
+    error = json.loads(text)["error"]
+    assert status == 502 and error["code"] == "prefill_failed", text
+    assert "unreachable" in error["message"] and "0.3 s" in error["message"], error

@@ -6,6 +6,7 @@ that ends, fails or is cancelled."""
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
 import grpc
@@ -108,6 +109,30 @@ def test_malformed_streams_are_invalid_argument(mutate: object) -> None:
     with pytest.raises(SidecarError) as exc:
         parse_blocks(mutate(stream()), max_blocks=100)
     assert status_of(exc) == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def _meta_json(**overrides: object) -> bytes:
+    return json.dumps({**META.to_dict(), **overrides}).encode()
+
+
+@pytest.mark.parametrize(
+    "meta",
+    [
+        pytest.param(b"[" * 5000 + b"]" * 5000, id="nested-5000"),
+        pytest.param(b'{"a": ' * 6000 + b"1" + b"}" * 6000, id="nested-objects-6000"),
+        pytest.param(_meta_json(num_tokens=2**64, block_size=1, num_blocks=2**64,
+                                pages_per_block=2**64), id="counts-2^64"),
+        pytest.param(_meta_json(num_tokens=2**70, block_size=1, num_blocks=2**70,
+                                pages_per_block=2**69), id="counts-2^70"),
+        pytest.param(_meta_json(num_kv_heads=2**64), id="heads-2^64"),
+    ],
+)
+def test_hostile_metadata_is_invalid_argument(meta: bytes) -> None:
+    blocks = [disagg_pb2.KVBlock(layer_idx=-2, k_data=meta), *stream()[1:]]
+    with pytest.raises(SidecarError) as exc:
+        parse_blocks(blocks, max_blocks=100)
+    assert status_of(exc) in (grpc.StatusCode.INVALID_ARGUMENT,
+                              grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 
 def test_too_many_blocks_is_resource_exhausted() -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from protocol_builders import HANDOFF_FIELDS, parse_client_body
+from protocol_builders import HANDOFF_FIELDS, OPENAI_ROUTE_LIST, parse_client_body
 
 from sidecar import jsonutil
 from sidecar.errors import InvalidRequest
@@ -94,7 +94,7 @@ def test_n_must_be_int(value: object) -> None:
     _refused(_raw({**COMPLETION, "n": value}), match="'n' must be an integer")
 
 
-@pytest.mark.parametrize("route", list(Route))
+@pytest.mark.parametrize("route", OPENAI_ROUTE_LIST)
 def test_n_above_one_is_a_fanout(route: Route) -> None:
     base = COMPLETION if route is Route.COMPLETIONS else CHAT
     client = parse_client_body(_raw({**base, "n": 3}), route)
@@ -136,7 +136,7 @@ def test_messages_must_be_non_empty_list_of_objects(messages: object) -> None:
 
 
 @pytest.mark.parametrize("key", HANDOFF_FIELDS)
-@pytest.mark.parametrize("route", list(Route))
+@pytest.mark.parametrize("route", OPENAI_ROUTE_LIST)
 def test_client_handoff_fields_refused(key: str, route: Route) -> None:
     base = COMPLETION if route is Route.COMPLETIONS else CHAT
     _refused(_raw({**base, key: {"x": 1}}), route, match=f"hand-off field.*{key}")
@@ -243,3 +243,14 @@ def test_slow_duplicate_check_runs_only_on_repeated_names(
     assert calls == []
     parse_client_body(_raw({**COMPLETION, "x": {"max_tokens": 1}}), Route.COMPLETIONS)
     assert len(calls) == 1
+
+
+@pytest.mark.parametrize("depth", [1, 2, 254, 255, 1024])
+def test_nesting_depth_is_measured_as_orjson_writes_it(depth: int) -> None:
+    value: object = {}
+    for level in range(depth - 1):
+        value = [value] if level % 2 else {"k": value}
+    raw = jsonutil.dumps(value) if depth <= jsonutil.MAX_DEPTH else None
+    assert jsonutil.too_deep(value, raw) is (depth > jsonutil.MAX_DEPTH)
+    if depth <= jsonutil.MAX_DEPTH:
+        jsonutil.dumps(value)  # what is not too deep is written

@@ -14,6 +14,12 @@ Nothing survives: ``EngineGroup`` is a context manager, a module ``atexit`` hook
 group still alive, and each engine asks the kernel to SIGTERM it if the test process dies
 (``PR_SET_PDEATHSIG``; engines are spawned from the main thread for that reason).
 
+Engine flags the sidecar's routes need (``ROUTE_FLAGS``, given by ``stack.py``):
+``--enable-scale-out``, without which vLLM 0.32 answers every ``/inference/v1/generate``
+request 403 (``tests/fixtures/vllm/0.32.0/routes/generate_disabled.json``), and
+``--enable-prompt-tokens-details``, without which usage carries no prompt-cache figures (the
+usage rule then has none to tell).
+
 Deliberate limits: Linux only; a free port is found by binding port 0 and closing it, so a
 tiny window exists in which another process could take it (the engine then fails to start
 and the failure says so); the engine environment is built by setup_env.sh, never here.
@@ -44,6 +50,9 @@ SERVED_MODEL_NAME = "tiny"
 BLOCK_SIZE = 32
 MAX_MODEL_LEN = 512
 KV_CACHE_BYTES = 64 * 1024 * 1024
+#: vLLM 0.32 serves /inference/v1/generate only with --enable-scale-out; usage reports the
+#: prefix cache's figures only with --enable-prompt-tokens-details.
+ROUTE_FLAGS: tuple[str, ...] = ("--enable-scale-out", "--enable-prompt-tokens-details")
 # Poll delay of NIXL's progress thread, in microseconds (see nixl_hook.py).
 NIXL_PTHR_DELAY_US = 100_000
 START_DEADLINE_S = 240.0
@@ -178,6 +187,24 @@ def free_port() -> int:
         sock.bind(("127.0.0.1", 0))
         port: int = sock.getsockname()[1]
         return port
+
+
+def free_port_run(count: int) -> int:
+    """A base port such that ``base .. base + count - 1`` are free on loopback right now (a
+    data-parallel NIXL engine listens on its side-channel port + rank)."""
+    for _ in range(200):
+        base = free_port()
+        if base + count > 65535:
+            continue
+        with contextlib.ExitStack() as held:
+            try:
+                for port in range(base, base + count):
+                    sock = held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+                    sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return base
+    raise RuntimeError(f"no run of {count} free loopback ports found")
 
 
 def nixl_config(role: str) -> dict[str, Any]:

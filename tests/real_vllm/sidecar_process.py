@@ -60,11 +60,14 @@ def sidecar_process(tmp: Path, *args: str) -> Iterator[Sidecar]:
             process.wait()
 
 
-def through(sidecar: Sidecar, path: str, body: dict[str, Any], target: str) -> str:
-    """POST ``body`` to the sidecar's ``path`` with prefill target ``target``; the text."""
+def through(sidecar: Sidecar, path: str, body: dict[str, Any], target: str,
+            headers: dict[str, str] | None = None) -> str:
+    """POST ``body`` to the sidecar's ``path`` with prefill target ``target`` (and any other
+    routing ``headers``); the text."""
     request = urllib.request.Request(
         sidecar.url + path, data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json", PREFILL_HEADER: target}, method="POST",
+        headers={"Content-Type": "application/json", PREFILL_HEADER: target, **(headers or {})},
+        method="POST",
     )
     with urllib.request.urlopen(request, timeout=120) as response:
         raw = response.read().decode()

@@ -10,6 +10,10 @@ Why five engines at once: start-up is CPU-bound (about 25 CPU-seconds each), so 
 starting them together finishes as early as any phasing would, and idle engines cost no CPU
 once NIXL's progress thread is tamed (nixl_hook.py). Memory is about 2 GiB per engine.
 
+The baseline and the NIXL pair run with ``harness.ROUTE_FLAGS`` (``/inference/v1/generate``
+served, usage with prompt-cache figures): every PD route of the sidecar can be compared with
+the baseline on them.
+
 Deliberate limits: decode engines run without prefix caching, so every decode pulls its KV
 afresh whatever ran before (tests stay independent of order, and a deliberately corrupted
 transfer cannot poison later tests); prefill engines keep vLLM's default.
@@ -21,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from real_vllm.harness import (
+    ROUTE_FLAGS,
     SERVED_MODEL_NAME,
     Engine,
     EngineEnv,
@@ -99,9 +104,10 @@ class RealVllm:
 def stack_specs(storage: Path) -> list[EngineSpec]:
     # Cores alternate so that concurrent work (a prefill and its decode) runs on both.
     return [
-        EngineSpec(BASELINE, None, cpu=0),
-        EngineSpec(NIXL_PREFILL, nixl_config("kv_producer"), cpu=0),
-        EngineSpec(NIXL_DECODE, nixl_config("kv_consumer"), cpu=1, prefix_caching=False),
+        EngineSpec(BASELINE, None, cpu=0, extra_args=ROUTE_FLAGS),
+        EngineSpec(NIXL_PREFILL, nixl_config("kv_producer"), cpu=0, extra_args=ROUTE_FLAGS),
+        EngineSpec(NIXL_DECODE, nixl_config("kv_consumer"), cpu=1, prefix_caching=False,
+                   extra_args=ROUTE_FLAGS),
         EngineSpec(EXAMPLE_PREFILL, example_config(storage), cpu=1),
         EngineSpec(EXAMPLE_DECODE, example_config(storage), cpu=0, prefix_caching=False),
     ]

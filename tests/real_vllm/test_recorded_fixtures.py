@@ -25,7 +25,10 @@ from real_vllm.harness import VLLM_VERSION
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm" / VLLM_VERSION
 FILES = sorted(FIXTURES.glob("nixl_*.json"))
 MOONCAKE_QUERY = FIXTURES / "mooncake_query.json"
-MOONCAKE_FILES = sorted(p for p in FIXTURES.glob("mooncake_*.json") if p != MOONCAKE_QUERY)
+# The single-rank exchanges; the data-parallel recordings (``*_dp2*``) pair with their own
+# /query answers (tests/dialects/test_vllm_mooncake_recorded.py).
+MOONCAKE_FILES = sorted(p for p in FIXTURES.glob("mooncake_*.json")
+                        if p != MOONCAKE_QUERY and "_dp2" not in p.stem)
 DECODE_NEEDS = {
     "do_remote_prefill",
     "remote_block_ids",

@@ -189,3 +189,50 @@ async def test_the_client_verifies_the_given_name_and_pools_per_name(
                 await client.request("GET", url, server_hostname="other.ssrf.test")
         finally:
             await client.close()
+
+
+# --- a failed handshake is named as such, never as a refused connection ---------------------
+
+async def test_a_decode_engine_certificate_of_another_ca_is_reported_as_tls(
+    pki: PKI, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with engine_stub(pki.foreign_server) as decode, engine_stub(None) as prefill:
+        async with running_sidecar(engine="plain", engine_url=decode.url,
+                                   engine_ca_file=str(pki.ca_file),
+                                   prefill_urls=(prefill.url,)) as sidecar:
+            status, answer = await post(sidecar.url)
+    message = answer["error"]["message"]
+    # The decode leg's own failure, or (once the health check has seen it) the engine known
+    # down: either way the handshake and its verification error are named.
+    assert (status, answer["error"]["code"]) in {(502, "decode_failed"),
+                                                 (503, "engine_not_ready")}, answer
+    assert "TLS handshake" in message and "certificate verify failed" in message, message
+    assert "refused" not in message
+    assert any("TLS" in r.getMessage() and decode.url in r.getMessage() for r in caplog.records)
+
+
+async def test_a_prefill_pool_certificate_of_another_ca_is_reported_as_tls(
+    pki: PKI, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with engine_stub(pki.foreign_server) as prefill, engine_stub(None) as decode:
+        async with running_sidecar(engine="plain", engine_url=decode.url,
+                                   engine_ca_file=str(pki.ca_file),
+                                   prefill_urls=(f"https://127.0.0.1:{prefill.port}",)
+                                   ) as sidecar:
+            status, answer = await post(sidecar.url)
+    message = answer["error"]["message"]
+    assert status == 502 and answer["error"]["code"] == "prefill_failed", answer
+    assert "TLS handshake with prefill engine failed: certificate verify failed" in message
+    assert any("TLS" in r.getMessage() and f"127.0.0.1:{prefill.port}" in r.getMessage()
+               for r in caplog.records)
+
+
+async def test_an_https_url_to_a_plain_http_engine_says_it_serves_no_tls() -> None:
+    async with engine_stub(None) as decode, engine_stub(None) as prefill:
+        https_url = decode.url.replace("http://", "https://")
+        async with running_sidecar(engine="plain", engine_url=https_url,
+                                   prefill_urls=(prefill.url,)) as sidecar:
+            status, answer = await post(sidecar.url)
+    message = answer["error"]["message"]
+    assert status in (502, 503) and "TLS handshake" in message, answer
+    assert "does it serve TLS" in message, message

@@ -19,6 +19,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from sidecar.dialects.sglang import SGLangOptions
+from sidecar.dialects.vllm_mooncake import MooncakeOptions
 from sidecar.tools.stubs import StubConfig
 from sidecar.tools.stubs.cli import add_stub_arguments, config_from_args
 
@@ -77,6 +79,19 @@ def test_lean_transport_refuses_what_it_does_not_serve(argv: list[str]) -> None:
         parse(["--transport", "lean", *argv])
 
 
+@pytest.mark.parametrize(("argv", "port"), [
+    (["--engine", "sglang", "--role", "prefill"], SGLangOptions().sglang_bootstrap_port),
+    (["--engine", "vllm", "--kv-connector", "mooncake", "--role", "prefill"],
+     MooncakeOptions().mooncake_bootstrap_port),
+    (["--engine", "sglang", "--role", "prefill", "--bootstrap-port", "0"], 0),
+    (["--engine", "sglang", "--role", "decode"], 0),
+    (["--engine", "vllm", "--role", "prefill"], 0),
+])
+def test_the_bootstrap_port_defaults_to_the_sidecars(argv: list[str], port: int) -> None:
+    # A stub engine and a sidecar started with their defaults meet (README's snippet).
+    assert parse(argv).bootstrap_port == port
+
+
 async def test_module_runs_until_sigterm(session: aiohttp.ClientSession) -> None:
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
@@ -86,6 +101,8 @@ async def test_module_runs_until_sigterm(session: aiohttp.ClientSession) -> None
         "sglang",
         "--role",
         "prefill",
+        "--bootstrap-port",
+        "0",
         "--fault",
         '{"kind": "status", "status": 503, "times": 1, "path": "/health"}',
         stdout=asyncio.subprocess.PIPE,

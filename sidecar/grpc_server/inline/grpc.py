@@ -63,6 +63,7 @@ from sidecar.grpc_server.inline.wire import (
     parse_entries,
 )
 from sidecar.grpc_server.prefill import PrefillCall, Send, engine_target
+from sidecar.grpc_server.rpc import Malformed
 from sidecar.observability.metrics import Metrics
 from sidecar.protocol.context import FrontDoor, HandoffContext, Route
 from sidecar.protocol.request_id import REQUEST_ID_HEADER, request_id_or_new
@@ -96,16 +97,18 @@ class InlinePrefill:
             self._check_bound(announced.layout.num_layers * announced.num_blocks
                               * announced.layout.block_bytes)
         ctx = self._dialect.keyed(HandoffContext(
-            Route.COMPLETIONS, request_id, self._engine, self._engine.host, FrontDoor.GRPC
+            Route.COMPLETIONS, request_id, self._engine, self._engine.host, FrontDoor.GRPC,
+            prefill_rank=self._flow.ranks.local(call.rank),
         ), key)
         client_body = {"model": await self._flow.calls.model_name(Stage.PREFILL),
                        "prompt": token_ids}
         leg = PrefillLeg(
             url=self._url,
             body=self._dialect.prefill_body(client_body, ctx),
-            headers={REQUEST_ID_HEADER: request_id},
+            headers={REQUEST_ID_HEADER: request_id, **self._dialect.prefill_headers(ctx)},
             timeout_s=self._flow.prefill_timeout(call.time_remaining),
             trace=scope.trace,
+            rank=ctx.prefill_rank,
         )
         self.active_keys.add(key)
         try:
@@ -248,9 +251,12 @@ class InlineDecode:
         self.staging = area
         self._kv_in = metrics.kv_bytes.labels("in")
 
-    def read(self, request: disagg_pb2.DecodeRequest | bytes) -> DecodeInput:
-        """The request without its blocks, and its blocks; a malformed one: an empty request and
-        the error, raised in ``decode_body`` (counted and answered like every refusal)."""
+    def read(self, request: disagg_pb2.DecodeRequest | Malformed | bytes) -> DecodeInput:
+        """The request without its blocks, and its blocks; a malformed one becomes an empty
+        request and the error, raised in ``decode_body`` so that it is counted and answered
+        like every other refusal."""
+        if isinstance(request, Malformed):
+            return DecodeInput(disagg_pb2.DecodeRequest(), malformed=request.error(Stage.HANDOFF))
         if not isinstance(request, bytes):
             return DecodeInput(request)
         try:
@@ -265,7 +271,8 @@ class InlineDecode:
         )
 
     async def decode_body(
-        self, decode_input: DecodeInput, exits: contextlib.AsyncExitStack
+        self, decode_input: DecodeInput, exits: contextlib.AsyncExitStack,
+        rank: int | None = None,
     ) -> tuple[dict[str, Any], str]:
         if decode_input.malformed is not None:
             raise decode_input.malformed  # first: the empty head says nothing true
@@ -302,7 +309,7 @@ class InlineDecode:
             "stream": True,
             **self._dialect.token_id_fields,
         }
-        body = self._dialect.decode_body(body, self._dialect.handoff(None, ctx))
+        body = self._dialect.decode_body(body, self._dialect.handoff(None, ctx), rank)
         return body, request_id
 
 

@@ -8,7 +8,9 @@ blocks: INVALID_ARGUMENT for anything malformed, RESOURCE_EXHAUSTED past ``max_k
 (FAILED_PRECONDITION).
 
 The encoding (metadata keys, pages and runs) and every decode rule: protos/README.md
-("layer_idx -2"). Deliberate limit: the metadata fits one block (a few hundred bytes).
+("layer_idx -2"). A client controls the metadata: a document nested past the parser's
+recursion limit and counts beyond 64 bits are INVALID_ARGUMENT too. Deliberate limit: the
+metadata fits one block (a few hundred bytes).
 """
 
 from __future__ import annotations
@@ -91,6 +93,9 @@ def parse_entries(entries: Sequence[Entry], *, max_blocks: int) -> InlineKV:
         meta = InlineMeta.from_json(bytes(meta_json))
     except LayoutError as exc:
         raise _bad(str(exc)) from None
+    except RecursionError:
+        # The standard library's parser recurses per level: a client's 5,000-deep document.
+        raise _bad("the metadata block nests too deeply to be metadata") from None
     layout = meta.layout
     runs = meta.runs_per_layer
     expected = layout.num_layers * runs
@@ -105,7 +110,9 @@ def parse_entries(entries: Sequence[Entry], *, max_blocks: int) -> InlineKV:
     num_layers = layout.num_layers
     # Every block carries pages_per_block pages but a layer's last, which carries the rest.
     full_run = meta.pages_per_block * tile
-    last_run = len(meta.run_pages(runs - 1)) * tile
+    # Counted, not ``len(meta.run_pages(...))``: a client's counts may exceed what a range's
+    # length can hold (2**64 pages), and every size must then simply fail to match.
+    last_run = (meta.num_blocks - (runs - 1) * meta.pages_per_block) * tile
     for layer_idx, block_idx, k_data, v_data in entries:
         if layer_idx == INLINE_META_LAYER:
             continue

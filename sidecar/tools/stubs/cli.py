@@ -23,6 +23,8 @@ import sys
 from typing import Any
 
 from sidecar import jsonutil
+from sidecar.dialects.sglang import SGLangOptions
+from sidecar.dialects.vllm_mooncake import MooncakeOptions
 from sidecar.tools.stubs.config import (
     ENGINES,
     MOONCAKE_QUERY_SHAPES,
@@ -31,51 +33,104 @@ from sidecar.tools.stubs.config import (
     VLLM_CONNECTORS,
     StubConfig,
 )
-from sidecar.tools.stubs.faults import Fault
+from sidecar.tools.stubs.faults import Fault, FaultKind
 from sidecar.tools.stubs.lean.server import run_lean
 from sidecar.tools.stubs.server import run_stub
 
+#: The sidecar's default bootstrap port for SGLang and vLLM Mooncake prefills (the same).
+SIDECAR_BOOTSTRAP_PORT = SGLangOptions().sglang_bootstrap_port
+
 
 def add_stub_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the stub engine's flags to ``parser``."""
+    """Add the stub engine's flags to ``parser`` (every one with a help text and its
+    default)."""
     d = StubConfig()
-    parser.add_argument("--engine", choices=ENGINES, default=d.engine)
-    parser.add_argument("--role", choices=ROLES, default=d.role)
-    parser.add_argument("--kv-connector", choices=VLLM_CONNECTORS, default=d.kv_connector,
-                        help="vLLM only: shfs (NIXL pull), nixl (Neuron), mooncake")
-    parser.add_argument("--host", default=d.host)
-    parser.add_argument("--port", type=int, default=d.port, help="0: OS-chosen")
-    parser.add_argument("--bootstrap-port", type=int, default=d.bootstrap_port,
-                        help="SGLang / vLLM Mooncake prefill bootstrap server port (0: OS-chosen)")
-    parser.add_argument("--model", default=d.model)
-    parser.add_argument("--max-model-len", type=int, default=d.max_model_len)
-    parser.add_argument("--default-max-tokens", type=int, default=d.default_max_tokens)
-    parser.add_argument("--block-size", type=int, default=d.block_size)
-    parser.add_argument("--eos-rate", type=int, default=d.eos_rate)
-    parser.add_argument("--ttft", type=float, default=d.ttft_s, help="seconds before token 1")
-    parser.add_argument("--itl", type=float, default=d.itl_s, help="seconds between tokens")
-    parser.add_argument("--kv-lease", type=float, default=d.kv_lease_s)
-    parser.add_argument("--pull-timeout", type=float, default=d.pull_timeout_s)
-    parser.add_argument("--bootstrap-timeout", type=float, default=d.bootstrap_timeout_s)
-    parser.add_argument("--waiting-timeout", type=float, default=d.waiting_timeout_s)
-    parser.add_argument(
-        "--mooncake-query-shape", choices=MOONCAKE_QUERY_SHAPES, default=d.mooncake_query_shape
-    )
-    parser.add_argument("--side-channel-host", default=d.side_channel_host)
-    parser.add_argument("--keepalive", type=float, default=d.keepalive_s)
-    parser.add_argument("--record-limit", type=int, default=d.record_limit)
-    parser.add_argument("--secret", default=d.secret)
-    parser.add_argument("--transport", choices=TRANSPORTS, default=d.transport,
-                        help="aiohttp (every engine, faults, recording) or lean (the bench's)")
-    parser.add_argument("--faults-endpoint", action="store_true",
-                        help="serve /_stub/faults so another process can switch faults")
-    parser.add_argument(
-        "--fault",
-        action="append",
-        default=[],
-        metavar="JSON",
-        help='a fault switch, e.g. \'{"kind": "status", "status": 503, "times": 1}\'',
-    )
+    add = parser.add_argument
+    add("--engine", choices=ENGINES, default=d.engine,
+        help="the engine to behave like (default: %(default)s)")
+    add("--role", choices=ROLES, default=d.role,
+        help="prefill, decode or both (serves either leg) (default: %(default)s)")
+    add("--kv-connector", choices=VLLM_CONNECTORS, default=d.kv_connector,
+        help="vLLM only: shfs (NIXL pull), nixl (Neuron), mooncake (default: %(default)s)")
+    add("--host", default=d.host, help="address to listen on (default: %(default)s)")
+    add("--port", type=int, default=d.port,
+        help="engine port, 0: OS-chosen (default: %(default)s)")
+    add("--bootstrap-port", type=int, default=None,
+        help="SGLang / vLLM Mooncake prefill bootstrap server port (0: OS-chosen; default: "
+        f"{SIDECAR_BOOTSTRAP_PORT}, the sidecar's --sglang-bootstrap-port and "
+        "--mooncake-bootstrap-port default)")
+    add("--model", default=d.model, help="served model name (default: %(default)s)")
+    add("--max-model-len", type=int, default=d.max_model_len,
+        help="context length: longer prompts get the engine's 400 (default: %(default)s)")
+    add("--default-max-tokens", type=int, default=d.default_max_tokens,
+        help="tokens generated when a request names none (default: %(default)s)")
+    add("--block-size", type=int, default=d.block_size,
+        help="KV block size in tokens, for the hand-off's block ids (default: %(default)s)")
+    add("--eos-rate", type=int, default=d.eos_rate,
+        help="stop with EOS with chance 1/N at each token after the first (deterministic "
+        "per prompt), 0: never (default: %(default)s)")
+    add("--ttft", type=float, default=d.ttft_s,
+        help="seconds before the first token (default: %(default)s)")
+    add("--itl", type=float, default=d.itl_s,
+        help="seconds between tokens (default: %(default)s)")
+    add("--kv-lease", type=float, default=d.kv_lease_s,
+        help="vLLM NIXL: seconds a prefill holds its blocks for a decode (default: "
+        "%(default)s)")
+    add("--pull-timeout", type=float, default=d.pull_timeout_s,
+        help="seconds a decode waits to pull KV or query a bootstrap server (default: "
+        "%(default)s)")
+    add("--bootstrap-timeout", type=float, default=d.bootstrap_timeout_s,
+        help="SGLang: seconds a prefill waits for its decode (default: %(default)s)")
+    add("--waiting-timeout", type=float, default=d.waiting_timeout_s,
+        help="SGLang and vLLM Mooncake: seconds a decode waits for its prefill (default: "
+        "%(default)s)")
+    add("--mooncake-query-shape", choices=MOONCAKE_QUERY_SHAPES, default=d.mooncake_query_shape,
+        help="vLLM Mooncake: the bootstrap /query answer's shape (default: %(default)s)")
+    add("--side-channel-host", default=d.side_channel_host,
+        help="vLLM NIXL: the host a prefill names in its hand-off (default: %(default)s)")
+    add("--data-parallel-size", type=int, default=d.data_parallel_size,
+        help="ranks behind the one API server (each honours and records the rank a request "
+        "names, as the engine does) (default: %(default)s)")
+    add("--keepalive", type=float, default=d.keepalive_s,
+        help="seconds an idle client connection stays open (default: %(default)s)")
+    add("--record-limit", type=int, default=d.record_limit,
+        help="requests kept for /_stub/requests, 0: none (default: %(default)s)")
+    add("--secret", default=d.secret,
+        help="TensorRT-LLM: the opaque state's key, the same for every stub of a pair "
+        "(default: %(default)s)")
+    add("--transport", choices=TRANSPORTS, default=d.transport,
+        help="aiohttp (every engine, faults, recording) or lean (the bench's) (default: "
+        "%(default)s)")
+    add("--faults-endpoint", action="store_true",
+        help="serve /_stub/faults so another process can switch faults (default: off)")
+    add("--tls-cert-file", default=None, metavar="PEM",
+        help="serve HTTPS on --port with this certificate chain (with --tls-key-file; the "
+        "bootstrap port stays plain HTTP; default: plain HTTP)")
+    add("--tls-key-file", default=None, metavar="PEM",
+        help="the private key of --tls-cert-file")
+    add("--tls-client-ca-file", default=None, metavar="PEM",
+        help="ask HTTPS clients for a certificate signed by this CA bundle (mutual TLS; "
+        "default: no client certificate asked for)")
+    kinds = ", ".join(kind.value for kind in FaultKind)
+    add("--fault", action="append", default=[], metavar="JSON",
+        help="a fault switch, repeatable: a JSON object with kind (one of: "
+        f"{kinds}) and optionally path, times, status, message, delay_s, after_chunks, "
+        "size; e.g. '{\"kind\": \"status\", \"status\": 503, \"times\": 1}' (default: "
+        "none)")
+
+
+def _bootstrap_port(args: argparse.Namespace) -> int:
+    """The flag's port, else the sidecar's default for a prefill that runs a bootstrap
+    server, so that a stub and a sidecar started with their defaults meet."""
+    if args.bootstrap_port is not None:
+        return int(args.bootstrap_port)
+    if args.role == "decode":
+        return 0
+    if args.engine == "sglang":
+        return SGLangOptions().sglang_bootstrap_port
+    if args.engine == "vllm" and args.kv_connector == "mooncake":
+        return MooncakeOptions().mooncake_bootstrap_port
+    return 0
 
 
 def config_from_args(args: argparse.Namespace) -> StubConfig:
@@ -86,7 +141,7 @@ def config_from_args(args: argparse.Namespace) -> StubConfig:
         kv_connector=args.kv_connector,
         host=args.host,
         port=args.port,
-        bootstrap_port=args.bootstrap_port,
+        bootstrap_port=_bootstrap_port(args),
         model=args.model,
         max_model_len=args.max_model_len,
         default_max_tokens=args.default_max_tokens,
@@ -100,12 +155,16 @@ def config_from_args(args: argparse.Namespace) -> StubConfig:
         waiting_timeout_s=args.waiting_timeout,
         mooncake_query_shape=args.mooncake_query_shape,
         side_channel_host=args.side_channel_host,
+        data_parallel_size=args.data_parallel_size,
         keepalive_s=args.keepalive,
         record_limit=args.record_limit,
         secret=args.secret,
         faults=faults,
         transport=args.transport,
         control_faults=args.faults_endpoint,
+        tls_cert_file=args.tls_cert_file,
+        tls_key_file=args.tls_key_file,
+        tls_client_ca_file=args.tls_client_ca_file,
     )
 
 

@@ -2,7 +2,10 @@
 and both transports (``aiohttp``: every engine, fault switches, recording; ``lean``: the
 benchmark's cheap one, vLLM NIXL and SGLang completions only).
 
-Deliberate limits: checks only what would make the stub meaningless (an unknown engine,
+Deliberate limits: a vLLM NIXL decode stub pulls its KV from the prefill stub's engine port
+over plain HTTP, so a TLS prefill stub serves SGLang, TensorRT-LLM and Mooncake pairs (whose
+peers meet on the plain bootstrap port, or not at all) but not a NIXL pull; checks only what
+would make the stub meaningless (an unknown engine,
 role, connector, query shape or transport, or what the lean transport does not serve);
 everything else is trusted test input.
 """
@@ -66,6 +69,10 @@ class StubConfig:
     # default "localhost"). Set e.g. "127.0.0.2" (nothing listens) to model the cross-pod
     # case, where only a sidecar that rewrites remote_host gets a working pull.
     side_channel_host: str = "localhost"
+    # Data-parallel ranks behind the one API server (``ranks``): each request runs on the rank
+    # it names (vLLM's header, SGLang's routed_dp_rank) or the next in turn, and the rank's
+    # KV identity is what its hand-off names.
+    data_parallel_size: int = 1
     # vLLM's uvicorn keeps idle connections 5 s; a pool that keeps them longer gets resets.
     keepalive_s: float = 5.0
     # How many requests the recorder keeps (oldest dropped); 0 disables recording bodies.
@@ -77,6 +84,16 @@ class StubConfig:
     transport: str = "aiohttp"
     # Serve /_stub/faults (faults switched over HTTP by another process): off unless asked.
     control_faults: bool = False
+    # HTTPS on the engine port (both PEM files; the bootstrap port stays plain HTTP, as the
+    # engines' bootstrap servers are), asking for a client certificate signed by
+    # ``tls_client_ca_file`` when that is set (mutual TLS, as an engine behind a mesh).
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    tls_client_ca_file: str | None = None
+    # vLLM --enable-prompt-tokens-details: usage reports the prefix cache's figures.
+    prompt_tokens_details: bool = False
+    # vLLM --enable-scale-out: /inference/v1/generate is served (else 403, as vLLM 0.32).
+    scale_out: bool = True
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -94,10 +111,16 @@ class StubConfig:
             )
         if self.block_size < 1:
             raise ValueError("block_size must be >= 1")
+        if self.data_parallel_size < 1:
+            raise ValueError("data_parallel_size must be >= 1")
         if self.transport not in TRANSPORTS:
             raise ValueError(
                 f"unknown transport {self.transport!r}; known: {', '.join(TRANSPORTS)}"
             )
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("tls_cert_file and tls_key_file: set both or neither")
+        if self.tls_client_ca_file is not None and self.tls_cert_file is None:
+            raise ValueError("tls_client_ca_file needs tls_cert_file and tls_key_file")
         if self.transport == "lean":
             self._check_lean()
 
@@ -112,6 +135,10 @@ class StubConfig:
             raise ValueError("the lean vLLM engine speaks NixlConnector (shfs) only")
         if self.faults or self.eos_rate or self.control_faults:
             raise ValueError("the lean transport has no fault switches or EOS")
+        if self.tls_cert_file is not None:
+            raise ValueError("the lean transport serves plain HTTP only")
+        if self.data_parallel_size != 1:
+            raise ValueError("the lean transport has one data-parallel rank")
 
     @property
     def has_bootstrap_server(self) -> bool:

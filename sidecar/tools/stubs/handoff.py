@@ -129,10 +129,12 @@ class HeldKV:
     block_ids: list[list[int]]
     num_tokens: int
     expires: float
+    #: The KV identity of the data-parallel rank that holds it (None: the engine's own).
+    engine_id: str | None = None
 
     def payload(self, engine_id: str) -> dict[str, Any]:
         return {
-            "engine_id": engine_id,
+            "engine_id": self.engine_id or engine_id,
             "prompt_digest": f"{self.digest:016x}",
             "block_ids": self.block_ids,
             "num_tokens": self.num_tokens,
@@ -165,17 +167,20 @@ class NixlHolder:
         self.blocks = BlockAllocator(config.block_size)
         self.pulled = 0
 
-    def issue(self, request_id: str, digest: int, num_tokens: int, port: int) -> dict[str, Any]:
-        """Hold this prompt's blocks; the ``kv_transfer_params`` the prefill answers."""
+    def issue(self, request_id: str, digest: int, num_tokens: int, port: int,
+              engine_id: str | None = None, cached_tokens: int = 0) -> dict[str, Any]:
+        """Hold this prompt's blocks; the ``kv_transfer_params`` the prefill answers
+        (``engine_id``: the holding data-parallel rank's, None: the engine's own;
+        ``cached_tokens``: the prefill's own prefix-cache hits, which vLLM 0.32 hands on)."""
         self._expire()
         block_ids = [self.blocks.allocate(num_tokens)]
         expires = time.monotonic() + self.config.kv_lease_s
-        self.store[request_id] = HeldKV(digest, block_ids, num_tokens, expires)
+        self.store[request_id] = HeldKV(digest, block_ids, num_tokens, expires, engine_id)
         return {
             "do_remote_prefill": True,
             "do_remote_decode": False,
             "remote_block_ids": block_ids,
-            "remote_engine_id": self.engine_id,
+            "remote_engine_id": engine_id or self.engine_id,
             "remote_request_id": request_id,
             "remote_host": self.config.side_channel_host,
             "remote_port": port,
@@ -186,7 +191,7 @@ class NixlHolder:
             # vLLM 0.32.0 answers null here in pull mode (tests/fixtures/vllm/0.32.0).
             "remote_blocks_expiry_time": None,
             "transfer_mode": "pull",
-            "remote_prefill_cached_tokens": 0,
+            "remote_prefill_cached_tokens": cached_tokens,
         }
 
     def take(self, request_id: str) -> dict[str, Any] | None:

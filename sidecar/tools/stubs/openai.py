@@ -173,12 +173,13 @@ def parse(
     )
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+def usage(prompt_tokens: int, completion_tokens: int,
+          details: dict[str, Any] | None = None) -> dict[str, Any]:
     return {
         "prompt_tokens": prompt_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "completion_tokens": completion_tokens,
-        "prompt_tokens_details": None,
+        "prompt_tokens_details": details,
     }
 
 
@@ -193,6 +194,8 @@ class Rendering:
     choice_extra: dict[str, Any] = field(default_factory=dict)
     chunk_choice_extra: dict[str, Any] = field(default_factory=dict)
     vllm_token_ids: bool = False  # vLLM return_token_ids placement
+    #: ``usage.prompt_tokens_details`` (vLLM with --enable-prompt-tokens-details), else None.
+    prompt_details: dict[str, Any] | None = None
 
 
 def new_rendering(response_id: str, model: str) -> Rendering:
@@ -243,7 +246,7 @@ def render_body(gen: GenRequest, r: Rendering, tokens: list[int], finish: str) -
         "created": r.created,
         "model": r.model,
         "choices": [choice],
-        "usage": usage(len(gen.prompt_ids), len(tokens)),
+        "usage": usage(len(gen.prompt_ids), len(tokens), r.prompt_details),
     }
     if r.vllm_token_ids and gen.kind == "chat":
         body["prompt_token_ids"] = gen.prompt_ids if gen.return_token_ids else None
@@ -317,7 +320,7 @@ async def render_events(
             choice.update(r.chunk_choice_extra)
             chunk: dict[str, Any] = {**head, "choices": [choice]}
             if gen.include_usage and gen.continuous_usage:
-                chunk["usage"] = usage(prompt_n, i + 1)
+                chunk["usage"] = usage(prompt_n, i + 1, r.prompt_details)
             elif not chat:
                 chunk["usage"] = None
             yield sse(chunk)
@@ -331,7 +334,8 @@ async def render_events(
                 }
             )
         if gen.include_usage:
-            yield sse({**head, "choices": [], "usage": usage(prompt_n, len(tokens))})
+            yield sse({**head, "choices": [],
+                       "usage": usage(prompt_n, len(tokens), r.prompt_details)})
         yield SSE_DONE
     finally:
         if on_done is not None:

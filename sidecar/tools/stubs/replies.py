@@ -4,8 +4,12 @@ Engine handlers return a ``JsonReply`` (one JSON body) or a ``StreamReply`` (SSE
 each already ``data: ...\\n\\n``, written and flushed one by one, as the engines do); ``send``
 writes it, bending it first when the request drew a fault (see ``faults``).
 
-Deliberate limits: SSE only as ``data:`` lines (no ``event:``/``id:``, which these engines do
-not use); a dropped connection is a transport abort, so the client sees a reset or an
+A ``StreamReply`` may say how its engine fails after the head on its route (``failure``:
+the bytes the ``error_event`` fault writes then; None: the engine cuts the connection, as
+vLLM's Responses stream does). Events are written as the handler made them (``data:`` lines,
+or ``event:`` + ``data:`` for the Responses and Messages routes).
+
+Deliberate limits: a dropped connection is a transport abort, so the client sees a reset or an
 incomplete chunked body, never a clean end.
 """
 
@@ -43,6 +47,8 @@ class JsonReply:
 @dataclass(frozen=True)
 class StreamReply:
     events: AsyncIterator[bytes]
+    #: What the ``error_event`` fault writes before the stream ends (None: a cut connection).
+    failure: bytes | None = _ERROR_EVENT + SSE_DONE
 
 
 Reply = JsonReply | StreamReply
@@ -106,7 +112,7 @@ async def _send_stream(
     resp.headers["Cache-Control"] = "no-cache"
     await resp.prepare(request)
     try:
-        await _write_events(request, resp, reply.events, fault, book)
+        await _write_events(request, resp, reply.events, fault, book, reply.failure)
     finally:
         aclose = getattr(reply.events, "aclose", None)
         if aclose is not None:
@@ -120,6 +126,7 @@ async def _write_events(
     events: AsyncIterator[bytes],
     fault: Fault | None,
     book: FaultBook,
+    failure: bytes | None = _ERROR_EVENT + SSE_DONE,
 ) -> None:
     kind = fault.kind if fault is not None else None
     after = fault.after_chunks if fault is not None else 0
@@ -137,8 +144,10 @@ async def _write_events(
                 await resp.write_eof()
                 return
             if kind is FaultKind.ERROR_EVENT:
-                await resp.write(_ERROR_EVENT)
-                await resp.write(SSE_DONE)
+                if failure is None:
+                    _abort(request)
+                    return
+                await resp.write(failure)
                 await resp.write_eof()
                 return
             if kind is FaultKind.MALFORMED:

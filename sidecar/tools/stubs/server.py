@@ -21,7 +21,10 @@ identity, hand-off verdicts and their metric) comes from ``sidecar.tools.stubs.h
 Handlers are cancelled when the client goes away (``handler_cancellation``), as uvicorn
 does for the real engines, so a test can see upstream work end.
 
-Deliberate limits: loopback-oriented test tool; no TLS, no auth, no per-request logging.
+TLS (``StubConfig.tls_cert_file``/``tls_key_file``): the engine port serves HTTPS, asking
+for a client certificate of ``tls_client_ca_file`` when set; the bootstrap port stays plain.
+
+Deliberate limits: loopback-oriented test tool; no auth, no per-request logging.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import asyncio
 import contextlib
 import functools
 import itertools
+import ssl
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Final, Protocol
@@ -43,6 +47,7 @@ from sidecar.tools.stubs import handoff, shapes
 from sidecar.tools.stubs.config import StubConfig, flavour_class
 from sidecar.tools.stubs.faults import Fault, FaultBook, FaultKind
 from sidecar.tools.stubs.openai import BadRequest
+from sidecar.tools.stubs.ranks import Ranks
 from sidecar.tools.stubs.recorder import RecordedRequest, Recorder
 from sidecar.tools.stubs.replies import Reply, json_response, send
 
@@ -94,6 +99,8 @@ class Stub:
         # Requests on the bootstrap server (SGLang rendezvous, Mooncake /query and pushes).
         self.bootstrap_recorder = Recorder(limit=config.record_limit)
         self.faults = FaultBook(config.faults)
+        #: The data-parallel ranks behind this API server (where each request ran).
+        self.ranks = Ranks(config.data_parallel_size)
         # vLLM: str(uuid4()) per engine; also names SGLang/TRT-LLM stubs in their metrics.
         self.engine_id = str(uuid.uuid4())
         self.port = 0
@@ -108,7 +115,8 @@ class Stub:
 
     @property
     def url(self) -> str:
-        return f"http://{self.config.host}:{self.port}"
+        scheme = "https" if self.config.tls_cert_file else "http"
+        return f"{scheme}://{self.config.host}:{self.port}"
 
     @property
     def bootstrap_url(self) -> str | None:
@@ -160,13 +168,27 @@ class Stub:
         app = web.Application(middlewares=[self._middleware], client_max_size=64 * 1024 * 1024)
         self._add_common_routes(app)
         self.engine.add_routes(app)
-        self.port = await self._serve(app, self.config.port)
+        self.port = await self._serve(app, self.config.port, self._tls_context())
         if self.config.has_bootstrap_server:
             boot = web.Application(middlewares=[self._bootstrap_middleware])
             self.engine.add_bootstrap_routes(boot)
             self.bootstrap_port = await self._serve(boot, self.config.bootstrap_port)
 
-    async def _serve(self, app: web.Application, port: int) -> int:
+    def _tls_context(self) -> ssl.SSLContext | None:
+        """The engine port's server context (and client-certificate check), if TLS."""
+        config = self.config
+        if config.tls_cert_file is None or config.tls_key_file is None:
+            return None
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        context.load_cert_chain(config.tls_cert_file, config.tls_key_file)
+        if config.tls_client_ca_file is not None:
+            context.verify_mode = ssl.CERT_REQUIRED
+            context.load_verify_locations(cafile=config.tls_client_ca_file)
+        return context
+
+    async def _serve(self, app: web.Application, port: int,
+                     ssl_context: ssl.SSLContext | None = None) -> int:
         runner = web.AppRunner(
             app,
             handler_cancellation=True,
@@ -176,7 +198,7 @@ class Stub:
         )
         await runner.setup()
         self._runners.append(runner)
-        site = web.TCPSite(runner, self.config.host, port)
+        site = web.TCPSite(runner, self.config.host, port, ssl_context=ssl_context)
         await site.start()
         # The runner's addresses are its listening sockets' names: (host, port, ...).
         return int(runner.addresses[-1][1])

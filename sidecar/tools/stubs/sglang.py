@@ -16,20 +16,35 @@ rendezvous (a fault switch, ``no_handoff``) leaves its decode waiting until the 
 as the real engines do. ``POST /abort_request {"rid", "abort_all"}`` (200, empty body)
 ends a waiting request with finish_reason ``abort``.
 
+The Responses and Messages routes (``/v1/responses``, ``/v1/messages``) rendezvous the same
+way (SGLang 0.5.23 reads the bootstrap fields at their top level); a Responses request's
+engine id is its ``request_id`` (its ``rid`` elsewhere), and one naming stored state answers
+400 (SGLang refuses its response store in PD mode). ``/inference/v1/generate`` is not
+served (404). Their events are SGLang's: ``type`` first; a failed Responses stream ends with
+``response.failed``, a failed Messages stream with ``error`` then ``message_stop``.
+
 ``/generate`` shapes: ``{"text", "output_ids", "meta_info": {"id", "finish_reason":
 {"type": "length", "length": n}, "prompt_tokens", "completion_tokens", "cached_tokens",
 "e2e_latency"}}``; streamed as ``data:`` events with cumulative text and ids, then
 ``data: [DONE]``. Errors: ``/generate`` ``{"error": {"message"}}``, OpenAI routes
 ``{"object": "error", "message", "type", "param", "code"}``.
 
-Deliberate limits: one prompt per request, no data parallelism (one bootstrap server, room
-not mapped to a DP rank), the rid comes from the body's ``rid``, else ``X-Request-Id``,
-else a fresh uuid.
+Data parallelism (``data_parallel_size`` P, SGLang 0.5.23's rules): a request runs on the
+rank its ``routed_dp_rank`` names (out of range: 400), else a prefill on ``room % P``
+(``follow_bootstrap_room``) and a decode on the next in turn. A prefill placed off
+``room % P`` without ``disagg_prefill_dp_rank`` fails as SGLang's conflict check does. Rooms
+live per prefill rank; a decode meets its prefill on the rank its ``disagg_prefill_dp_rank``
+names, else the one the prefill's bootstrap server derives (0 with one rank, else
+``room % P``): a decode looking on another rank waits until it times out.
+
+Deliberate limits: one prompt per request, one bootstrap server for every rank, the rid
+comes from the body's ``rid``, else ``X-Request-Id``, else a fresh uuid.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
@@ -39,7 +54,8 @@ from typing import TYPE_CHECKING, Any, Final, TypeVar
 import aiohttp
 from aiohttp import web
 
-from sidecar.tools.stubs import handoff, openai, shapes, textgen
+from sidecar.tools.stubs import apis, handoff, openai, shapes, textgen
+from sidecar.tools.stubs.apis import ApiAnswer, CacheFigures
 from sidecar.tools.stubs.faults import FaultKind
 from sidecar.tools.stubs.openai import BadRequest
 from sidecar.tools.stubs.replies import SSE_DONE, JsonReply, Reply, StreamReply, json_response, sse
@@ -53,6 +69,8 @@ GENERATE: Final = "/generate"
 COMPLETIONS: Final = "/v1/completions"
 CHAT: Final = "/v1/chat/completions"
 ROOM_PATH: Final = "/_stub/sglang/rooms/{room}"
+ROUTED_DP_RANK: Final = "routed_dp_rank"
+DISAGG_PREFILL_DP_RANK: Final = "disagg_prefill_dp_rank"
 
 T = TypeVar("T")
 
@@ -85,13 +103,20 @@ class _Prompt:
     stream: bool
 
 
+_STORE_DISABLED: Final = ("Response store is disabled. Stateful Responses require "
+                          "--enable-response-store on a standalone server; response storage "
+                          "is unavailable in PD mode.")
+
+
 class SglangEngine:
-    inference_paths: frozenset[str] = frozenset({GENERATE, COMPLETIONS, CHAT})
+    inference_paths: frozenset[str] = frozenset({GENERATE, COMPLETIONS, CHAT, apis.RESPONSES,
+                                                 apis.MESSAGES})
 
     def __init__(self, stub: Stub) -> None:
         self.stub = stub
         self.config = stub.config
-        self.rooms: dict[int, _Room] = {}
+        #: Rooms by (prefill rank, room).
+        self.rooms: dict[tuple[int, int], _Room] = {}
         self.aborts: dict[str, asyncio.Event] = {}
         self.running = 0
         self.prompt_tokens = 0
@@ -102,6 +127,9 @@ class SglangEngine:
     def add_routes(self, app: web.Application) -> None:
         app.router.add_post(GENERATE, self.stub.route(self._generate))
         self.stub.add_openai_routes(app, self._openai, self._models)
+        for kind in ("responses", "messages"):
+            app.router.add_post(apis.API_PATHS[kind],
+                                self.stub.route(functools.partial(self._openai, kind=kind)))
         app.router.add_post("/abort_request", self._abort_request)
         app.router.add_get("/health_generate", self._health_generate)
         app.router.add_post("/v1/tokenize", self.stub.route(self._tokenize))
@@ -130,15 +158,15 @@ class SglangEngine:
         for event in self.aborts.values():
             event.set()
 
-    def _room(self, room_id: int) -> _Room:
-        room = self.rooms.get(room_id)
+    def _room(self, key: tuple[int, int]) -> _Room:
+        room = self.rooms.get(key)
         if room is None:
-            room = self.rooms[room_id] = _Room()
+            room = self.rooms[key] = _Room()
         return room
 
-    def _forget(self, room_id: int, room: _Room) -> None:
-        if self.rooms.get(room_id) is room:
-            del self.rooms[room_id]
+    def _forget(self, key: tuple[int, int], room: _Room) -> None:
+        if self.rooms.get(key) is room:
+            del self.rooms[key]
 
     async def _health_generate(self, request: web.Request) -> web.StreamResponse:
         return web.Response(status=200)
@@ -192,28 +220,50 @@ class SglangEngine:
         try:
             room_id = int(request.match_info["room"])
             timeout_s = float(request.query.get("timeout", self.config.waiting_timeout_s))
+            hint = request.query.get("prefill_rank")
+            rank = int(hint) if hint is not None else self._derived_rank(room_id)
         except ValueError:
-            return json_response({"error": "bad room or timeout"}, 400)
-        room = self._room(room_id)
+            return json_response({"error": "bad room, rank or timeout"}, 400)
+        key = (rank, room_id)
+        room = self._room(key)
         room.decode_arrived.set()
         try:
             async with asyncio.timeout(timeout_s):
                 payload = await asyncio.shield(room.handed_over)
         except TimeoutError:
-            self._forget(room_id, room)
+            self._forget(key, room)
             return json_response({"error": "prefill did not hand over in time"}, 408)
         except asyncio.CancelledError:
             # The decode went away: the room is free again, the prefill keeps waiting.
             if not room.handed_over.done():
                 room.decode_arrived.clear()
             raise
-        self._forget(room_id, room)
+        self._forget(key, room)
         return json_response(payload)
+
+    def _derived_rank(self, room_id: int) -> int:
+        """The prefill rank a decode without a hint finds (SGLang's ``follow_bootstrap_room``)."""
+        size = self.stub.ranks.size
+        return 0 if size == 1 else room_id % size
+
+    def _prefill_rank(self, body: dict[str, Any], room_id: int) -> int:
+        """Where a prefill runs: its ``routed_dp_rank``, else ``room % P``; off that without a
+        ``disagg_prefill_dp_rank`` is SGLang's follow_bootstrap_room conflict."""
+        ranks = self.stub.ranks
+        named = ranks.sglang_named(body.get(ROUTED_DP_RANK))
+        implied = self._derived_rank(room_id)
+        rank = implied if named is None else named
+        if ranks.size > 1 and rank != implied and body.get(DISAGG_PREFILL_DP_RANK) is None:
+            raise _Failed(
+                f"follow_bootstrap_room conflict: dispatched to dp_rank {rank} but "
+                f"bootstrap_room {room_id} implies dp_rank {implied}."
+            )
+        return rank
 
     # -- request handling --------------------------------------------------------------
 
     def _rid(self, request: web.Request, body: dict[str, Any]) -> str:
-        rid = body.get("rid")
+        rid = body.get("request_id" if request.path == apis.RESPONSES else "rid")
         if isinstance(rid, str) and rid:
             return rid
         return request.headers.get("X-Request-Id") or uuid.uuid4().hex
@@ -227,19 +277,26 @@ class SglangEngine:
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
         abort = self.aborts[rid]
+        ranks = self.stub.ranks
         if self.config.role == "prefill":
             if room_id is None:
+                ranks.place(ranks.sglang_named(body.get(ROUTED_DP_RANK)), request.path)
                 return PrefillKind.LOCAL, False
+            rank = ranks.place(self._prefill_rank(body, room_id), request.path)
             fault = request_fault(request)
             if fault is not None and fault.kind is FaultKind.NO_HANDOFF:
                 return PrefillKind.REMOTE, True  # answers, never meets its decode
-            await self._prefill_rendezvous(room_id, rid, prompt, abort)
+            await self._prefill_rendezvous((rank, room_id), rid, prompt, abort)
             return PrefillKind.REMOTE, True
+        ranks.place(ranks.sglang_named(body.get(ROUTED_DP_RANK)), request.path)
         target = handoff.sglang_decode_target(body, room_id)
         if isinstance(target, handoff.Verdict):
             self.stub.recorder.judge(request.path, rid, target)
             return target.kind, False
-        payload = await self._decode_rendezvous(target, rid, abort)
+        hint = body.get(DISAGG_PREFILL_DP_RANK)
+        if hint is not None and (isinstance(hint, bool) or not isinstance(hint, int)):
+            raise BadRequest("disagg_prefill_dp_rank must be an integer")
+        payload = await self._decode_rendezvous(target, rid, abort, hint)
         try:
             handed = int(str(payload.get("prompt_digest")), 16)
         except ValueError:
@@ -249,17 +306,17 @@ class SglangEngine:
         return verdict.kind, False
 
     async def _prefill_rendezvous(
-        self, room_id: int, rid: str, prompt: _Prompt, abort: asyncio.Event
+        self, key: tuple[int, int], rid: str, prompt: _Prompt, abort: asyncio.Event
     ) -> None:
-        room = self._room(room_id)
+        room = self._room(key)
         timeout_s = self.config.bootstrap_timeout_s
         try:
             await self._wait(room.decode_arrived.wait(), abort, timeout_s)
         except TimeoutError:
-            self._forget(room_id, room)
-            raise _Failed(handoff.sglang_prefill_timeout(rid, room_id, timeout_s)) from None
+            self._forget(key, room)
+            raise _Failed(handoff.sglang_prefill_timeout(rid, key[1], timeout_s)) from None
         except (_Aborted, asyncio.CancelledError):
-            self._forget(room_id, room)
+            self._forget(key, room)
             raise
         if not room.handed_over.done():
             room.handed_over.set_result(
@@ -267,13 +324,16 @@ class SglangEngine:
             )
 
     async def _decode_rendezvous(
-        self, target: handoff.Rendezvous, rid: str, abort: asyncio.Event
+        self, target: handoff.Rendezvous, rid: str, abort: asyncio.Event,
+        prefill_rank: int | None = None,
     ) -> dict[str, Any]:
         timeout_s = self.config.waiting_timeout_s
         room_id = target.room
+        # Without the hint the prefill's bootstrap server derives the rank (it knows its size).
+        hint = "" if prefill_rank is None else f"&prefill_rank={prefill_rank}"
         url = (
             f"http://{handoff.url_host(target.host)}:{target.port}"
-            f"/_stub/sglang/rooms/{room_id}?timeout={timeout_s}"
+            f"/_stub/sglang/rooms/{room_id}?timeout={timeout_s}{hint}"
         )
         try:
             status, payload = await self._wait(
@@ -423,6 +483,8 @@ class SglangEngine:
 
     async def _openai(self, request: web.Request, *, kind: str) -> Reply:
         body = request_json(request)
+        if kind in apis.API_PATHS:
+            return await self._api(request, body, kind)
         gen = openai.parse(body, kind, self.config)
         rid = self._rid(request, gen.body)
         prompt = _Prompt(gen.prompt_ids, gen.digest, gen.max_tokens, gen.ignore_eos, gen.stream)
@@ -444,6 +506,33 @@ class SglangEngine:
             )
         await openai.wait_tokens(self.config, len(tokens))
         return JsonReply(openai.render_body(gen, rendering, tokens, finish))
+
+    async def _api(self, request: web.Request, body: Any, kind: str) -> Reply:
+        gen = apis.parse_api(body, kind, self.config)
+        if kind == "responses" and (gen.body.get("previous_response_id") is not None
+                                    or gen.body.get("background") is True):
+            raise BadRequest(_STORE_DISABLED)
+        rid = self._rid(request, gen.body)
+        prompt = _Prompt(gen.prompt_ids, gen.digest, gen.max_tokens, gen.ignore_eos, gen.stream)
+        result = await self._run(request, gen.body, rid, prompt)
+        if isinstance(result, JsonReply):
+            return result
+        tokens, finish = result
+        usage = apis.api_usage(kind, len(gen.prompt_ids), len(tokens), CacheFigures(), False)
+        answer = ApiAnswer(gen, rid, tokens, finish, usage, "sglang")
+        if gen.stream:
+            self.running += 1
+            return StreamReply(self._counted(apis.EVENTS[kind](answer, self.config)),
+                               failure=apis.stream_failure(kind, "sglang"))
+        await openai.wait_tokens(self.config, len(tokens))
+        return JsonReply(apis.BODIES[kind](answer))
+
+    async def _counted(self, events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        try:
+            async for event in events:
+                yield event
+        finally:
+            self._done()
 
     def _done(self) -> None:
         self.running -= 1

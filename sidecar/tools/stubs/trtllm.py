@@ -17,6 +17,16 @@ Request bodies are validated by pydantic models with ``extra="forbid"``, as TRT-
                     remote output starting with first_gen_tokens; otherwise local output and
                     a recorded verdict.
 
+Attention data parallelism (``data_parallel_size``): the OpenAI surface names no rank; each
+server places a request on its next rank in turn, and the context server names its rank in
+``ctx_dp_rank`` (covered by the opaque state: a generation request whose ``ctx_dp_rank`` was
+changed is a mismatch).
+
+``/v1/responses`` and ``/v1/messages`` are served whole, never as pairs (as TensorRT-LLM's
+worker server: its Responses model forbids unknown fields, so ``disaggregated_params`` is a
+400; its Anthropic adapter builds the chat request from Anthropic fields only, so the same
+field is accepted and dropped); ``/inference/v1/generate`` is not served (404).
+
 Deliberate limits: only the request fields clients send in practice are modelled (any other
 is refused like an unknown one); the opaque state is not TRT-LLM's real encoding, only its
 role (opaque, base64, tied to the context request).
@@ -34,7 +44,8 @@ from typing import TYPE_CHECKING, Any, Final
 from aiohttp import web
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError
 
-from sidecar.tools.stubs import openai, shapes, textgen
+from sidecar.tools.stubs import apis, openai, shapes, textgen
+from sidecar.tools.stubs.apis import ApiAnswer, CacheFigures
 from sidecar.tools.stubs.faults import FaultKind
 from sidecar.tools.stubs.openai import BadRequest, GenRequest
 from sidecar.tools.stubs.replies import JsonReply, Reply, StreamReply
@@ -139,12 +150,26 @@ class ChatCompletionRequest(_Sampling):
     prompt_token_ids: list[int] | None = None
 
 
+class ResponsesRequest(_Strict):
+    model: str
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    stream: bool | None = False
+    store: bool | None = True
+    temperature: float | None = None
+    top_p: float | None = None
+    user: str | None = None
+    metadata: dict[str, Any] | None = None
+
+
 def _error_type(status: int) -> str:
     return "BadRequestError" if status < 500 else "InternalServerError"
 
 
 class TrtllmEngine:
-    inference_paths: frozenset[str] = frozenset({COMPLETIONS, CHAT})
+    inference_paths: frozenset[str] = frozenset({COMPLETIONS, CHAT, apis.RESPONSES,
+                                                 apis.MESSAGES})
 
     def __init__(self, stub: Stub) -> None:
         self.stub = stub
@@ -155,6 +180,8 @@ class TrtllmEngine:
 
     def add_routes(self, app: web.Application) -> None:
         self.stub.add_openai_routes(app, self._generate, self._models)
+        app.router.add_post(apis.RESPONSES, self.stub.route(self._responses))
+        app.router.add_post(apis.MESSAGES, self.stub.route(self._messages))
 
     def add_bootstrap_routes(self, app: web.Application) -> None:
         return None
@@ -182,8 +209,11 @@ class TrtllmEngine:
 
     # -- opaque state ------------------------------------------------------------------
 
-    def opaque_state(self, ctx_request_id: int, digest: int, first_token: int) -> str:
+    def opaque_state(self, ctx_request_id: int, digest: int, first_token: int,
+                     ctx_dp_rank: int = 0) -> str:
         msg = f"{ctx_request_id}:{digest:016x}:{first_token}".encode()
+        if ctx_dp_rank:
+            msg += f":{ctx_dp_rank}".encode()
         mac = hmac.new(self._key, msg, hashlib.sha256).digest()
         return base64.b64encode(b"stub-ctx-state\x00" + mac).decode()
 
@@ -198,7 +228,8 @@ class TrtllmEngine:
             base64.b64decode(params.encoded_opaque_state, validate=True)
         except (binascii.Error, ValueError):
             return PrefillKind.LOCAL, "malformed_handoff"
-        expected = self.opaque_state(params.ctx_request_id, gen.digest, params.first_gen_tokens[0])
+        expected = self.opaque_state(params.ctx_request_id, gen.digest, params.first_gen_tokens[0],
+                                     params.ctx_dp_rank or 0)
         if not hmac.compare_digest(expected, params.encoded_opaque_state):
             return PrefillKind.LOCAL, "opaque_state_mismatch"
         return PrefillKind.REMOTE, "ok"
@@ -231,6 +262,7 @@ class TrtllmEngine:
         if request_type is not None and request_type not in REQUEST_TYPES:
             raise BadRequest(f"Unknown request_type: {request_type}")
         fault = request_fault(request)
+        rank = self.stub.ranks.place(None, request.path)  # its attention-DP balancer's pick
         response_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         rendering = openai.new_rendering(response_id, gen.model)
         if kind == "completion" and getattr(req, "detokenize", True) is False:
@@ -247,9 +279,9 @@ class TrtllmEngine:
                 **DisaggregatedParams(request_type=CONTEXT_ONLY).model_dump(),
                 "first_gen_tokens": tokens[:1],
                 "ctx_request_id": ctx_id,
-                "encoded_opaque_state": self.opaque_state(ctx_id, gen.digest, tokens[0]),
+                "encoded_opaque_state": self.opaque_state(ctx_id, gen.digest, tokens[0], rank),
                 "disagg_request_id": params.disagg_request_id,
-                "ctx_dp_rank": 0,
+                "ctx_dp_rank": rank,
             }
             if fault is not None and fault.kind is FaultKind.NO_HANDOFF:
                 out_params = None
@@ -271,6 +303,42 @@ class TrtllmEngine:
         rendering.choice_extra = {"disaggregated_params": None}
         rendering.top_extra = {"prompt_token_ids": None}
         return await self._finish(gen, rendering, tokens, finish)
+
+    async def _responses(self, request: web.Request) -> Reply:
+        body = request_json(request)
+        try:
+            ResponsesRequest.model_validate(body)
+        except ValidationError as exc:
+            raise BadRequest(str(exc)) from None
+        return await self._whole(request, body, "responses")
+
+    async def _messages(self, request: web.Request) -> Reply:
+        body = request_json(request)
+        if isinstance(body, dict):
+            # The Anthropic adapter reads Anthropic fields only: anything else is dropped.
+            body = {k: v for k, v in body.items() if k != "disaggregated_params"}
+        return await self._whole(request, body, "messages")
+
+    async def _whole(self, request: web.Request, body: Any, kind: str) -> Reply:
+        """A Responses or Messages request, run whole (a local verdict is recorded)."""
+        gen = apis.parse_api(body, kind, self.config)
+        response_id = f"resp_{uuid.uuid4().hex}" if kind == "responses" else (
+            f"msg_{uuid.uuid4().hex}")
+        if self.config.role == "decode":
+            self.stub.recorder.decide(request.path, response_id, PrefillKind.LOCAL.value,
+                                      "no_handoff")
+        tokens, finish = textgen.generate(gen.digest, gen.max_tokens, PrefillKind.LOCAL,
+                                          eos_rate=self.config.eos_rate,
+                                          ignore_eos=gen.ignore_eos)
+        self.prompt_tokens += len(gen.prompt_ids)
+        self.generation_tokens += len(tokens)
+        usage = apis.api_usage(kind, len(gen.prompt_ids), len(tokens), CacheFigures(), False)
+        answer = ApiAnswer(gen, response_id, tokens, finish, usage, "trtllm")
+        if gen.stream:
+            return StreamReply(apis.EVENTS[kind](answer, self.config),
+                               failure=apis.stream_failure(kind, "trtllm"))
+        await openai.wait_tokens(self.config, len(tokens))
+        return JsonReply(apis.BODIES[kind](answer))
 
     async def _finish(
         self, gen: GenRequest, rendering: openai.Rendering, tokens: list[int], finish: str

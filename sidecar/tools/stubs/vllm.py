@@ -1,10 +1,18 @@
 """The vLLM stub engine: OpenAI routes shaped like vLLM's, with a KV connector.
 
-    POST /v1/completions, /v1/chat/completions
+    POST /v1/completions, /v1/chat/completions, /v1/responses, /v1/messages,
+         /inference/v1/generate (``scale_out``; else 403, as without --enable-scale-out)
       parse (vLLM-like 400s) -> decode side: connector.check_handoff -> remote | local
       -> generate -> prefill side: connector.after_prefill -> kv_transfer_params
       -> JSON (kv_transfer_params at top level) or SSE (no params, as vLLM)
     GET /health (200, empty), /v1/models, /metrics (vllm:* lines)
+
+Usage as vLLM 0.32 reports it on each leg (``apis.PrefixCache``): a prompt's cached and newly
+written full blocks (in ``prompt_tokens_details`` only with ``prompt_tokens_details``, as
+``--enable-prompt-tokens-details``; Responses always); a NIXL decode reports the prefill's
+hits (``remote_prefill_cached_tokens``), a Mooncake decode the whole prompt, and neither
+reports what the cache wrote. The Responses route keeps no state: ``previous_response_id``
+answers 404 and ``background`` 400, as vLLM without its response store.
 
 Ids as vLLM makes them: ``cmpl-<X-Request-Id or uuid hex>`` (chat: ``chatcmpl-``); the
 internal request id (``remote_request_id``) adds ``-0-<suffix>``, so prefill and decode
@@ -14,20 +22,29 @@ Roles: a prefill stub never acts on ``do_remote_prefill``, a decode stub never h
 ``do_remote_decode``; ``both`` does either, as ``kv_both``. A decode stub records a verdict
 for every generation request (``no_handoff`` when none came).
 
+Data parallelism (``data_parallel_size``, ``ranks``): each request runs on the rank its
+``X-data-parallel-rank`` header names (vLLM's rules: a malformed value is ignored, out of
+range is a 400), else the next in turn; a prefill's hand-off names its rank's engine id
+(``<id>_dp<rank>``), and ``/metrics`` counts requests per rank (``engine="<rank>"``).
+
 Deliberate limits: see ``openai`` (one prompt, n=1) and ``vllm_connectors``.
 """
 
 from __future__ import annotations
 
+import functools
 import uuid
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, Final
 
 from aiohttp import web
 
-from sidecar.tools.stubs import openai, shapes, textgen
+from sidecar.tools.stubs import apis, openai, shapes, textgen
+from sidecar.tools.stubs.apis import API_PATHS, ApiAnswer, CacheFigures, PrefixCache
 from sidecar.tools.stubs.faults import FaultKind
 from sidecar.tools.stubs.handoff import Verdict
 from sidecar.tools.stubs.openai import BadRequest, GenRequest
+from sidecar.tools.stubs.ranks import VLLM_RANK_HEADER
 from sidecar.tools.stubs.replies import JsonReply, Reply, StreamReply
 from sidecar.tools.stubs.server import request_fault, request_json
 from sidecar.tools.stubs.textgen import PrefillKind
@@ -41,6 +58,7 @@ CHAT: Final = "/v1/chat/completions"
 
 _ERROR_TYPES: Final = {
     400: "BadRequestError",
+    403: "PermissionDeniedError",
     404: "NotFoundError",
     408: "RequestTimeoutError",
     413: "RequestEntityTooLargeError",
@@ -58,19 +76,30 @@ def base_request_id(request: web.Request) -> str:
     return request.headers.get("X-Request-Id") or uuid.uuid4().hex
 
 
+#: The response id prefix of each route, as vLLM makes them.
+_ID_PREFIXES: Final = {"completion": "cmpl-", "chat": "chatcmpl-", "responses": "resp_",
+                       "messages": "chatcmpl-", "generate": "generate-tokens-"}
+_SCALE_OUT_DISABLED: Final = ("Scale-out endpoints are disabled. Restart vllm serve with "
+                              "--enable-scale-out to enable them.")
+
+
 class VllmEngine:
-    inference_paths: frozenset[str] = frozenset({COMPLETIONS, CHAT})
+    inference_paths: frozenset[str] = frozenset({COMPLETIONS, CHAT, *API_PATHS.values()})
 
     def __init__(self, stub: Stub) -> None:
         self.stub = stub
         self.config = stub.config
         self.connector = make_connector(stub)
+        self.cache = PrefixCache(stub.config.block_size)
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.running = 0
 
     def add_routes(self, app: web.Application) -> None:
         self.stub.add_openai_routes(app, self._generate, self._models)
+        for kind, path in API_PATHS.items():
+            app.router.add_post(path, self.stub.route(functools.partial(self._generate,
+                                                                        kind=kind)))
         app.router.add_post("/tokenize", self.stub.route(self._tokenize))
         self.connector.add_routes(app)
 
@@ -84,13 +113,17 @@ class VllmEngine:
 
     def metrics(self) -> list[str]:
         label = f'model_name="{self.config.model}"'
-        return shapes.metric_lines([
+        lines = shapes.metric_lines([
             ("gauge", "vllm:num_requests_running", label, self.running),
             ("gauge", "vllm:num_requests_waiting", label, 0),
             ("counter", "vllm:prompt_tokens_total", label, self.prompt_tokens),
             ("counter", "vllm:generation_tokens_total", label, self.generation_tokens),
             ("gauge", "stub_kv_blocks_held", "", self.connector.held()),
         ])
+        if self.stub.ranks.size > 1:
+            lines += self.stub.ranks.metric_lines("vllm:request_success_total",
+                                                  self.config.model)
+        return lines
 
     def close(self) -> None:
         self.connector.close()
@@ -106,14 +139,44 @@ class VllmEngine:
         return JsonReply(openai.tokenize(request_json(request), self.config.max_model_len,
                                          chat=True))
 
+    def _parse(self, body: Any, kind: str) -> GenRequest:
+        if kind == "generate" and not self.config.scale_out:
+            raise BadRequest(_SCALE_OUT_DISABLED, status=403)
+        if kind not in API_PATHS:
+            return openai.parse(body, kind, self.config)
+        gen = apis.parse_api(body, kind, self.config)
+        if kind == "responses":
+            previous = gen.body.get("previous_response_id")
+            if previous is not None:
+                # No response store (VLLM_ENABLE_RESPONSES_API_STORE unset): nothing is kept.
+                raise BadRequest(f"Response with id '{previous}' not found.", status=404)
+            if gen.body.get("background") is True:
+                raise BadRequest("This vLLM engine does not support store=True and therefore "
+                                 "does not support the background mode.")
+        return gen
+
+    def _cache_figures(self, gen: GenRequest, verdict: Verdict) -> CacheFigures:
+        """What this leg reports of the prompt's cache (see the module docstring)."""
+        params = gen.body.get("kv_transfer_params")
+        if (isinstance(params, dict) and params.get("do_remote_prefill")
+                and verdict.kind is PrefillKind.REMOTE):
+            if self.config.kv_connector == "mooncake":
+                return CacheFigures(cached=len(gen.prompt_ids))
+            cached = params.get("remote_prefill_cached_tokens")
+            return CacheFigures(cached=cached if isinstance(cached, int) else 0)
+        return self.cache.use(gen.prompt_ids)
+
     async def _generate(self, request: web.Request, *, kind: str) -> Reply:
         body = request_json(request)
-        gen = openai.parse(body, kind, self.config)
+        gen = self._parse(body, kind)
         params = gen.body.get("kv_transfer_params")
         if params is not None and not isinstance(params, dict):
             raise BadRequest("kv_transfer_params must be an object or null")
+        ranks = self.stub.ranks
+        rank = ranks.place(ranks.vllm_named(request.headers.get(VLLM_RANK_HEADER)),
+                           request.path)
         base = base_request_id(request)
-        response_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{base}"
+        response_id = f"{_ID_PREFIXES[kind]}{base}"
         internal_id = f"{response_id}-0-{self.stub.next_id():08x}"
         verdict = await self._decode_side(request, gen, internal_id)
         tokens, finish = textgen.generate(
@@ -123,13 +186,21 @@ class VllmEngine:
             eos_rate=self.config.eos_rate,
             ignore_eos=gen.ignore_eos,
         )
+        cache = self._cache_figures(gen, verdict)
+        gen.extra["cached_tokens"] = cache.cached
         fault = request_fault(request)
         kv_params = None
         if self.config.role != "decode":
-            kv_params = self.connector.after_prefill(gen, internal_id, finish, fault)
+            kv_params = self.connector.after_prefill(gen, internal_id, finish, fault, rank)
+        if fault is not None and fault.kind is FaultKind.NO_HANDOFF:
+            kv_params = None
         self.prompt_tokens += len(gen.prompt_ids)
         self.generation_tokens += len(tokens)
+        if kind in API_PATHS:
+            return await self._api_reply(gen, response_id, tokens, finish, cache, kv_params)
         rendering = openai.new_rendering(response_id, gen.model)
+        if self.config.prompt_tokens_details:
+            rendering.prompt_details = apis.openai_details(kind, cache)
         rendering.vllm_token_ids = True
         rendering.top_extra = {"service_tier": None, "system_fingerprint": None}
         if gen.stream:
@@ -143,10 +214,32 @@ class VllmEngine:
         # vLLM 0.32 answers carry these too (tests/fixtures/vllm/0.32.0), null unless used.
         rendering.top_extra["ec_transfer_params"] = None
         rendering.top_extra["metrics"] = None
-        if fault is not None and fault.kind is FaultKind.NO_HANDOFF:
-            rendering.top_extra["kv_transfer_params"] = None
         await openai.wait_tokens(self.config, len(tokens))
         return JsonReply(openai.render_body(gen, rendering, tokens, finish))
+
+    async def _api_reply(self, gen: GenRequest, response_id: str, tokens: list[int],
+                         finish: str, cache: CacheFigures,
+                         kv_params: dict[str, Any] | None) -> Reply:
+        kind = gen.kind
+        usage = apis.api_usage(kind, len(gen.prompt_ids), len(tokens), cache,
+                               self.config.prompt_tokens_details)
+        extra: dict[str, Any] = {"kv_transfer_params": kv_params}
+        if kind != "messages":
+            extra["ec_transfer_params"] = None
+        answer = ApiAnswer(gen, response_id, tokens, finish, usage, "vllm", extra)
+        if gen.stream:
+            self.running += 1
+            return StreamReply(self._counted(apis.EVENTS[kind](answer, self.config)),
+                               failure=apis.stream_failure(kind, "vllm"))
+        await openai.wait_tokens(self.config, len(tokens))
+        return JsonReply(apis.BODIES[kind](answer))
+
+    async def _counted(self, events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        try:
+            async for event in events:
+                yield event
+        finally:
+            self._done()
 
     def _done(self) -> None:
         self.running -= 1

@@ -24,7 +24,13 @@ bootstrap port and, after prefilling a request with ``transfer_id`` T, "pushes" 
 Any missing key or mismatch makes D recompute locally, as vLLM does: the output differs
 (``textgen.PrefillKind.LOCAL``) and the verdict is recorded, never sent to the client.
 
-Deliberate limits: one KV-cache group, tp_size 1, dp_rank 0; the "KV" is the prompt digest.
+Data-parallel ranks (``StubConfig.data_parallel_size``): a prefill on rank r holds its KV
+under that rank's engine id (``<id>_dp<r>``, as vLLM suffixes it), which its NIXL hand-off
+names; a Mooncake ``/query`` lists every rank's entry, and a decode naming another rank's
+engine id than the one that holds its transfer recomputes locally (``engine_mismatch``).
+
+Deliberate limits: one KV-cache group, tp_size 1; every rank's NIXL pull is served on the
+stub's HTTP port (vLLM: a side-channel port per rank); the "KV" is the prompt digest.
 """
 
 from __future__ import annotations
@@ -72,9 +78,10 @@ class Connector(Protocol):
         ...
 
     def after_prefill(
-        self, gen: GenRequest, request_id: str, finish: str, fault: Fault | None
+        self, gen: GenRequest, request_id: str, finish: str, fault: Fault | None, rank: int
     ) -> dict[str, Any] | None:
-        """Prefill side: the response's kv_transfer_params (None: null)."""
+        """Prefill side, on data-parallel ``rank``: the response's kv_transfer_params (None:
+        null)."""
         ...
 
     def held(self) -> int: ...
@@ -115,14 +122,16 @@ class NixlConnector:
         return json_response(payload)
 
     def after_prefill(
-        self, gen: GenRequest, request_id: str, finish: str, fault: Fault | None
+        self, gen: GenRequest, request_id: str, finish: str, fault: Fault | None, rank: int
     ) -> dict[str, Any] | None:
         if not wants_nixl_prefill(_params(gen)):
             return None
         # vLLM returns params only when the prefill ended by the length cap.
         if finish != "length" or (fault is not None and fault.kind is FaultKind.NO_HANDOFF):
             return None
-        return self.holder.issue(request_id, gen.digest, len(gen.prompt_ids), self.stub.port)
+        return self.holder.issue(request_id, gen.digest, len(gen.prompt_ids), self.stub.port,
+                                 self.stub.ranks.engine_id(self.stub.engine_id, rank),
+                                 int(gen.extra.get("cached_tokens", 0)))
 
     async def check_handoff(self, gen: GenRequest) -> Verdict | None:
         cfg = self.stub.config
@@ -156,7 +165,7 @@ class NeuronConnector:
         return None
 
     def after_prefill(
-        self, gen: GenRequest, request_id: str, finish: str, fault: Fault | None
+        self, gen: GenRequest, request_id: str, finish: str, fault: Fault | None, rank: int
     ) -> dict[str, Any] | None:
         return None
 
@@ -217,11 +226,14 @@ class MooncakeConnector:
 
     def query_body(self) -> dict[str, Any]:
         addr = f"{self.stub.config.host}:{self.stub.bootstrap_port}"
-        entry = {"engine_id": self.stub.engine_id, "worker_addr": {"0": {"0": addr}}}
+        ranks = self.stub.ranks
+        ids = {str(rank): ranks.engine_id(self.stub.engine_id, rank) for rank in range(ranks.size)}
         if self.stub.config.mooncake_query_shape == "engine_id":
             # The other shape vLLM has shipped: engine id -> dp rank -> tp rank -> pp rank -> addr.
-            return {self.stub.engine_id: {"0": {"0": {"0": addr}}}}
-        return {"0": entry}
+            return {engine_id: {rank: {"0": {"0": addr}}} for rank, engine_id in ids.items()}
+        # One bootstrap server for every rank (vLLM 0.32.0, internal load balancing).
+        return {rank: {"engine_id": engine_id, "worker_addr": {"0": {"0": addr}}}
+                for rank, engine_id in ids.items()}
 
     async def _query(self, request: web.Request) -> web.StreamResponse:
         return json_response(self.query_body())
@@ -249,7 +261,7 @@ class MooncakeConnector:
         return json_response(slot.held.payload(self.stub.engine_id))
 
     def after_prefill(
-        self, gen: GenRequest, request_id: str, finish: str, fault: Fault | None
+        self, gen: GenRequest, request_id: str, finish: str, fault: Fault | None, rank: int
     ) -> dict[str, Any] | None:
         params = _params(gen)
         if params is None or not params.get("do_remote_decode"):
@@ -263,7 +275,8 @@ class MooncakeConnector:
         slot = self._slot(str(transfer_id))
         expires = time.monotonic() + self.stub.config.kv_lease_s
         slot.held = HeldKV(
-            gen.digest, [self.blocks.allocate(len(gen.prompt_ids))], len(gen.prompt_ids), expires
+            gen.digest, [self.blocks.allocate(len(gen.prompt_ids))], len(gen.prompt_ids), expires,
+            self.stub.ranks.engine_id(self.stub.engine_id, rank),
         )
         slot.event.set()
         self.pushed += 1
@@ -308,6 +321,9 @@ class MooncakeConnector:
             return local("transfer_timeout")
         if status != 200 or not isinstance(data, dict):
             return local("pull_failed")
+        if data.get("engine_id") != engine_id:
+            # The transfer was pushed by another rank than the one the decode names.
+            return local("engine_mismatch")
         if data.get("prompt_digest") != f"{gen.digest:016x}":
             return local("prompt_mismatch")
         return REMOTE_OK

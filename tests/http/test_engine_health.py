@@ -1,0 +1,91 @@
+"""Proves the local engine's readiness is logged from the first check, not only on changes:
+an engine down from start-up is logged at once with the cause (refused, an HTTP status, no
+answer), again at a bounded rate while it stays down, and once when it comes up.
+
+Runs ``EngineHealth`` against real sockets (a refusing port, a stub engine) with a fake
+clock, so the rate bound is checked without waiting for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+
+import pytest
+
+from sidecar.core.engine_health import EngineHealth
+from sidecar.http1 import EngineClient
+from sidecar.tools.stubs.server import run_stub
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _lines(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "sidecar.core.engine_health"]
+
+
+async def test_an_engine_down_from_the_start_is_logged_with_its_cause_at_a_bounded_rate(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))  # bound, never listening: refuses
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    clock = FakeClock()
+    session = EngineClient(limit=4, keepalive_s=4, connect_timeout_s=1, read_timeout_s=1)
+    try:
+        health = EngineHealth(session, url, timeout_s=1, clock=clock, down_log_interval_s=30)
+        assert health.known_down is False  # not checked yet: nothing is known
+        await health.check()
+        first = _lines(caplog)
+        assert len(first) == 1 and url in first[0] and "connection refused" in first[0], first
+        assert health.known_down is True
+        for _ in range(5):  # 10 s apart: within the bound, silent
+            clock.now += 10
+            await health.check()
+        assert len(_lines(caplog)) == 2  # one more at 30 s
+        assert "still not ready" in _lines(caplog)[-1] and "30 s" in _lines(caplog)[-1]
+    finally:
+        sock.close()
+        await session.close()
+
+
+async def test_an_http_status_and_recovery_are_logged(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO)
+    async with run_stub(engine="vllm", role="decode") as engine:
+        engine.faults.add("status", status=503, path="/health", times=1)
+        session = EngineClient(limit=4, keepalive_s=4, connect_timeout_s=1, read_timeout_s=1)
+        try:
+            health = EngineHealth(session, engine.url, timeout_s=1, clock=FakeClock())
+            assert await health.check() is False
+            assert await health.check() is True
+        finally:
+            await session.close()
+    lines = _lines(caplog)
+    assert len(lines) == 2, lines
+    assert "HTTP 503" in lines[0] and engine.url in lines[0]
+    assert "ready" in lines[1] and "not" not in lines[1]
+
+
+async def test_no_answer_within_the_deadline_is_the_cause(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO)
+    async with run_stub(engine="vllm", role="decode") as engine:
+        engine.faults.add("hang", path="/health", times=1)
+        session = EngineClient(limit=4, keepalive_s=4, connect_timeout_s=1, read_timeout_s=5)
+        try:
+            health = EngineHealth(session, engine.url, timeout_s=0.2, clock=FakeClock())
+            assert await health.check() is False
+        finally:
+            await session.close()
+            engine.faults.release_hangs()
+            await asyncio.sleep(0)
+    assert "no answer" in _lines(caplog)[0] and "0.2 s" in _lines(caplog)[0]
