@@ -26,8 +26,9 @@ from sidecar.config.settings import KVTransport, Settings
 from sidecar.core.admission import Admission
 from sidecar.core.engine_calls import EngineCalls
 from sidecar.core.engine_health import EngineHealth
-from sidecar.core.flow import FlowCounters, PDFlow
+from sidecar.core.flow import PDFlow
 from sidecar.core.local_prefill import LocalPrefill
+from sidecar.core.pd_request import FlowCounters
 from sidecar.core.scope import Scopes
 from sidecar.core.upstream import make_session
 from sidecar.dialects import Dialect, DialectSetup, InlineDialect, dialect_class, handoff_keys

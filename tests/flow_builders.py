@@ -31,8 +31,9 @@ from protocol_builders import install, make_ids
 from sidecar.config.limits import PrefillFailurePolicy
 from sidecar.core.admission import Admission
 from sidecar.core.engine_calls import EngineCalls, PrefillLeg
-from sidecar.core.flow import FlowCounters, PDFlow, PDRequest
+from sidecar.core.flow import PDFlow
 from sidecar.core.local_prefill import LocalPrefill
+from sidecar.core.pd_request import FlowCounters, PDRequest
 from sidecar.core.scope import Scopes
 from sidecar.dialects import Dialect
 from sidecar.errors import Stage

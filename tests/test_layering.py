@@ -12,7 +12,8 @@
 - the serving package never loads the tools wing (only ``__main__`` does);
 - the front doors reach engines only through the core's public API (the PD flow and its
   engine calls): no import of the core's upstream internals or the client type;
-- the core imports no front door and not the process wiring.
+- the core imports no front door and not the process wiring;
+- no module of the serving package is over ``MAX_MODULE_LINES`` lines (one job per module).
 
 Each check is shown able to fail on a deliberate leak (``test_each_check_catches_a_leak``).
 It does not prove behaviour (the suites of each room do), nor imports made at run time by
@@ -36,6 +37,9 @@ TOOLS = "sidecar.tools"
 MAY_IMPORT_TOOLS = (PACKAGE / "tools", PACKAGE / "__main__.py")
 #: Not part of the serving package's own code.
 NOT_SERVING = (PACKAGE / "tools", PACKAGE / "grpc_gen")
+
+#: The longest a serving module may grow: past it a module holds more than one job.
+MAX_MODULE_LINES = 400
 
 #: The layers, bottom first: a module may import from its own layer and the ones below.
 LAYERS: tuple[tuple[str, ...], ...] = (
@@ -238,6 +242,21 @@ def test_engine_knowledge_is_written_only_in_the_dialects() -> None:
         if DIALECT_ROOM not in path.parents and (words := engine_words(path.read_text()))
     }
     assert found == {}
+
+
+def too_long(modules: Mapping[str, str], limit: int = MAX_MODULE_LINES) -> dict[str, int]:
+    """Module -> its line count, for each of ``modules`` (name -> source) over ``limit``."""
+    counts = {name: len(source.splitlines()) for name, source in modules.items()}
+    return {name: count for name, count in counts.items() if count > limit}
+
+
+def test_no_serving_module_is_over_the_line_limit() -> None:
+    modules = {_rel(path): path.read_text() for path in serving_modules().values()}
+    assert len(modules) > 80
+    assert too_long(modules) == {}
+    # The check sees a module one line over, and not one at the limit.
+    assert too_long({"a.py": "x\n" * (MAX_MODULE_LINES + 1), "b.py": "x\n" * MAX_MODULE_LINES}
+                    ) == {"a.py": MAX_MODULE_LINES + 1}
 
 
 def test_the_serving_package_never_imports_the_tools_wing() -> None:

@@ -30,7 +30,6 @@ from collections.abc import Mapping
 from enum import StrEnum
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Final
-from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -38,6 +37,7 @@ from sidecar.config.cores import available_cores
 from sidecar.config.data_parallel import DATA_PARALLEL_POD_SOURCES, DataParallelSettings
 from sidecar.config.limits import LimitsSettings, PrefillFailurePolicy, PromptLengthSource
 from sidecar.config.tls_settings import TLSSettings
+from sidecar.config.urls import check_engine_url, check_prefill_url
 from sidecar.dialects import DEFAULT_CONNECTOR, DEFAULT_ENGINE, DIALECTS
 from sidecar.dialects.base import PodSource
 from sidecar.observability.otlp import check_endpoint
@@ -273,22 +273,7 @@ class ServingSettings(BaseModel):
     @field_validator("engine_url")
     @classmethod
     def _engine_url(cls, value: str) -> str:
-        parts = urlsplit(value)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError("engine URL must be http(s)://host[:port][/path]")
-        if parts.query or parts.fragment or parts.username or parts.password:
-            raise ValueError("engine URL must not carry a query, fragment or credentials")
-        _ = parts.port  # raises ValueError for a port that is not a number in range
-        if parts.path not in ("", "/"):
-            # The sidecar appends the engine's own paths (/v1/completions, /health): a base
-            # path would send every call to /v1/v1/... and /ready would stay 503.
-            raise ValueError(
-                f"engine URL must not carry a path ({parts.path!r}): the sidecar adds the "
-                f"engine's paths (/v1/..., /health) itself; write "
-                f"{parts.scheme}://{parts.netloc}"
-            )
-        # Paths are joined onto it, so a trailing slash would double.
-        return value.rstrip("/")
+        return check_engine_url(value)
 
     @field_validator("prefill_urls")
     @classmethod
@@ -324,35 +309,6 @@ class ServingSettings(BaseModel):
         if fmt not in LOG_FORMATS:
             raise ValueError(f"log format must be one of {', '.join(LOG_FORMATS)}")
         return fmt
-
-
-def check_prefill_url(url: str) -> None:
-    """Raise ValueError unless ``url`` is exactly ``http(s)://host:port``."""
-    try:
-        parts = urlsplit(url)
-        port = parts.port
-    except ValueError as exc:
-        raise ValueError(f"prefill URL {url!r}: {exc}") from None
-    if parts.scheme in ("http", "https") and parts.hostname and parts.path and not (
-            parts.query or parts.fragment or "?" in url or "#" in url):
-        raise ValueError(
-            f"prefill URL {url!r} must not carry a path ({parts.path!r}): the sidecar adds "
-            f"/v1/... itself; write {parts.scheme}://{parts.netloc}"
-        )
-    if (
-        parts.scheme not in ("http", "https")
-        or not parts.hostname
-        or port is None
-        or port == 0
-        or parts.path
-        or parts.query
-        or parts.fragment
-        or "?" in url
-        or "#" in url
-        or parts.username is not None
-        or parts.password is not None
-    ):
-        raise ValueError(f"prefill URL {url!r} must be http(s)://host:port with nothing else")
 
 
 class _Settings(TLSSettings, DataParallelSettings, LimitsSettings, ServingSettings):

@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Final
 
 from sidecar.core.exchange import PDExchange, cancel_and_wait
-from sidecar.core.flow import PDRequest
+from sidecar.core.pd_request import PDRequest
 from sidecar.errors import SidecarError
 
 #: Chunks buffered from all legs before their readers wait for the client.

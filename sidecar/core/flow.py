@@ -14,9 +14,8 @@ The dialect says what the bodies hold and how the legs run; ``EngineCalls`` make
 the flow orders them, keeps the deadlines, begins and ends the dialect's per-request state and
 hands abort and release to the ``PDExchange``. A client gone cancels every upstream call.
 
-Data-parallel engines: before the dialect state begins the flow chooses each leg's rank
-(``sidecar.core.ranks``): the prefill's on the target (gRPC Prefill: on the local engine), the
-decode's on the local engine, busy until the request ends.
+Data-parallel engines: the flow chooses each leg's rank before the dialect state begins
+(``sidecar.core.ranks``); the decode's stays busy until the request ends.
 
 Deliberate limits: one retry, only of a prefill whose engine provably did no work (a refused
 or unreachable connect, a 503 or 429 answer, a target whose breaker let no leg through), on
@@ -27,18 +26,19 @@ only (a concurrent dialect's decode cannot run without its prefill).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field, replace
+from collections.abc import Awaitable, Mapping
+from dataclasses import replace
 from typing import Any
 
 from sidecar.config.limits import PrefillFailurePolicy
+from sidecar.core.background import BackgroundPrefills
 from sidecar.core.engine_calls import EngineCalls, PrefillLeg
 from sidecar.core.engine_health import EngineHealth
 from sidecar.core.exchange import PDExchange, as_prefill_error, cancel_and_wait
 from sidecar.core.local_prefill import LocalPrefill
+from sidecar.core.pd_request import FlowCounters, Handoff, PDRequest
 from sidecar.core.ranks import LegRanks
 from sidecar.core.scope import RequestScope, Scopes, Timings
 from sidecar.core.upstream import with_headers
@@ -50,7 +50,6 @@ from sidecar.errors import (
     PrefillFailed,
     PrefillNotRun,
     SidecarError,
-    Stage,
 )
 from sidecar.http1 import UpstreamResponse
 from sidecar.observability.logs import LogEvery
@@ -65,44 +64,6 @@ _FALLBACK_ERRORS = (PrefillFailed, InvalidHandoff, DeadlineExceeded)
 ANSWERED_BY_PREFILL = "answered_by_prefill"
 #: Local-prefill fallbacks are logged at most once per this many seconds (each is counted).
 _FALLBACK_LOG_INTERVAL_S = 10.0
-
-
-@dataclass(frozen=True, slots=True)
-class PDRequest:
-    """One client request that runs as a prefill/decode pair."""
-
-    route: Route
-    body: Mapping[str, Any]
-    stream: bool
-    target: PrefillTarget
-    request_id: str
-    headers: Mapping[str, str]
-    #: Every target the request may use (``target`` among them), for a refused prefill's retry.
-    candidates: tuple[PrefillTarget, ...] = ()
-    trace: RequestTrace = NOOP_TRACE
-    front_door: FrontDoor = FrontDoor.HTTP
-    #: The prefill leg's data-parallel rank as the router named it (None: the flow chooses).
-    prefill_rank: int | None = None
-
-
-@dataclass(slots=True)
-class Handoff:
-    """What a prefill leg produced for its decode: the top-level ``fields`` of the decode body,
-    or (empty fields) the ``answer`` as the client sees it when the prefill already is one."""
-
-    fields: dict[str, Any]
-    answer: dict[str, Any] | None = None
-    timings: Timings = field(default_factory=Timings)
-    #: The prefill engine's answer (its usage is what the client is told: the usage rule).
-    response: dict[str, Any] | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class FlowCounters:
-    """What the flow counts: local-prefill fallbacks (front door, reason) and retries."""
-
-    fallback: Callable[[str, str], None] = lambda front_door, reason: None
-    retry: Callable[[str], None] = lambda front_door: None
 
 
 class PDFlow:
@@ -121,8 +82,7 @@ class PDFlow:
         local_ranks: int = 1,
         prefill_ranks: int = 1,
     ) -> None:
-        """``local_ranks``: the local engine's data-parallel size; ``prefill_ranks``: each
-        prefill target's."""
+        """``local_ranks``/``prefill_ranks``: the local engine's/each target's DP size."""
         self.dialect = dialect
         self.calls = calls
         self.ranks = LegRanks(calls.choice, local_size=local_ranks, prefill_size=prefill_ranks)
@@ -131,7 +91,7 @@ class PDFlow:
         self._local_fallback = on_prefill_failure is PrefillFailurePolicy.LOCAL
         self._local = local_prefill if local_prefill is not None and local_prefill.enabled else None
         self._counters = counters or FlowCounters()
-        self._background: set[asyncio.Task[None]] = set()
+        self.background = BackgroundPrefills()
         self._fallback_log = LogEvery(_FALLBACK_LOG_INTERVAL_S)
         self._local_engine = local_engine
 
@@ -362,17 +322,9 @@ class PDFlow:
     # -- one leg: the gRPC services ---------------------------------------------------------
 
     async def prefill_only(
-        self,
-        client_body: Mapping[str, Any],
-        *,
-        request_id: str,
-        target: PrefillTarget,
-        advertise_host: str,
-        headers: Mapping[str, str],
-        time_remaining: float | None,
-        scope: RequestScope,
-        scopes: Scopes,
-        rank: int | None = None,
+        self, client_body: Mapping[str, Any], *, request_id: str, target: PrefillTarget,
+        advertise_host: str, headers: Mapping[str, str], time_remaining: float | None,
+        scope: RequestScope, scopes: Scopes, rank: int | None = None,
     ) -> Handoff:
         """The prefill half on the local engine, as gRPC Prefill runs it; ``target`` is this
         pod's engine as the hand-off names it; ``rank``: the local rank the router named.
@@ -399,7 +351,14 @@ class PDFlow:
                 fields = self._handoff(None, ctx, scope.trace)
                 # The engine call outlives this RPC: its own deadline, not the caller's.
                 background = replace(leg, timeout_s=self.prefill_timeout())
-                self._run_in_background(background, ctx, scopes, scope.detach())
+                release_admission = scope.detach()
+
+                def done() -> None:
+                    self.end(ctx)
+                    release_admission()
+
+                self.background.run(self.calls.post_prefill(background), request_id, scopes,
+                                    done)
                 handed_off = True
                 return Handoff(fields)
             timings = Timings()
@@ -416,32 +375,6 @@ class PDFlow:
             if not handed_off:
                 self.end(ctx)
 
-    def _run_in_background(self, leg: PrefillLeg, ctx: HandoffContext, scopes: Scopes,
-                           release_admission: Callable[[], None]) -> None:
-        task = asyncio.ensure_future(self._watched(leg, ctx, scopes, release_admission))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
-    async def _watched(self, leg: PrefillLeg, ctx: HandoffContext, scopes: Scopes,
-                       release_admission: Callable[[], None]) -> None:
-        started = time.perf_counter()
-        try:
-            await self.calls.post_prefill(leg)
-            scopes.observe("prefill", time.perf_counter() - started)
-        except SidecarError as error:
-            scopes.count_error(error)
-            logger.warning("request %s: background prefill failed after the hand-off: %s (%s)",
-                           ctx.request_id, error.code, error.message)
-        except asyncio.CancelledError:
-            logger.info("request %s: background prefill cancelled", ctx.request_id)
-            raise
-        except Exception:
-            scopes.count_error(SidecarError("background prefill crashed", stage=Stage.PREFILL))
-            logger.exception("request %s: background prefill crashed", ctx.request_id)
-        finally:
-            self.end(ctx)
-            release_admission()
-
     def decode_body(self, client_body: Mapping[str, Any],
                     fields: Mapping[str, Any], rank: int | None = None) -> dict[str, Any]:
         """The decode body from a client body and a hand-off's fields (on ``rank``)."""
@@ -457,9 +390,4 @@ class PDFlow:
 
     async def close(self) -> None:
         """Cancel the background prefills still running (server stop)."""
-        tasks = list(self._background)
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await self.background.close()

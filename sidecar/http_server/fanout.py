@@ -23,7 +23,7 @@ from aiohttp import web
 
 from sidecar import jsonutil
 from sidecar.core.fanout import FanOut, start_all, sub_request_id
-from sidecar.core.flow import PDRequest
+from sidecar.core.pd_request import PDRequest
 from sidecar.core.scope import FALLBACK, LOCAL_SHORT, OK, RequestScope
 from sidecar.errors import DecodeFailed, SidecarError, Stage
 from sidecar.http_server.sse_relay import SSERelay, engine_error_reported, stream_broke

@@ -37,7 +37,7 @@ from aiohttp import web
 
 from sidecar import jsonutil
 from sidecar.core.exchange import PDExchange
-from sidecar.core.flow import PDRequest
+from sidecar.core.pd_request import PDRequest
 from sidecar.core.scope import (
     FALLBACK,
     LOCAL_ROUTE,

@@ -26,7 +26,7 @@ from protocol_builders import completions_body, make_ctx
 
 from sidecar.core.exchange import PDExchange
 from sidecar.core.fanout import FanOut, start_all, sub_request_id
-from sidecar.core.flow import PDRequest
+from sidecar.core.pd_request import PDRequest
 from sidecar.errors import DecodeFailed, PrefillFailed
 from sidecar.http1 import UpstreamBroken
 from sidecar.protocol.context import HandoffContext

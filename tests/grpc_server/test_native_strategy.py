@@ -31,7 +31,8 @@ from protocol_builders import FIXED_NOW_MS, make_dialect
 
 from sidecar.config.settings import Settings
 from sidecar.core.admission import Admission
-from sidecar.core.flow import Handoff, PDFlow
+from sidecar.core.flow import PDFlow
+from sidecar.core.pd_request import Handoff
 from sidecar.dialects import Dialect
 from sidecar.dialects.sglang import SGLangDialect
 from sidecar.dialects.trtllm import TRTLLMDialect, snowflake_id

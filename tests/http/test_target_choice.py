@@ -26,7 +26,7 @@ import pytest
 from pd_builders import client_body, pd_pair
 
 from sidecar.config.settings import Settings
-from sidecar.core.flow import PDRequest
+from sidecar.core.pd_request import PDRequest
 from sidecar.errors import PrefillFailed
 from sidecar.observability.metrics import Metrics
 from sidecar.protocol.context import PrefillTarget, Route
