@@ -1,7 +1,8 @@
 """Inline KV throughput: the gRPC path through two sidecars vs raw loopback TCP.
 
     python -m bench.kv_throughput [--layers 32 --blocks 16 --requests 5 --max-staged-mib 256
-        --kv-block-bytes 65536,2097152 --rounds 1 --sidecar-tree DIR]
+        --kv-block-bytes 65536,2097152 --rounds 1 --sidecar-tree DIR
+        --sidecar-tree-kv-block-bytes N]
 
 What runs: a stub engine (in this process, aiohttp on loopback) that plays the
 SidecarKVConnector's part on the shared volume: both staging dirs get its ``engine.json``; a
@@ -14,7 +15,8 @@ back and streams one token. Two real sidecars run as their own processes
 per case: each ``--kv-block-bytes`` value (the prefill's KV block size: runs of that many
 bytes of consecutive engine pages; 65536 is one page of the default shape, 2 MiB the
 default, here a whole layer), and first, with ``--sidecar-tree``, the sidecars of another
-tree (e.g. ``git archive`` of main) without the flag: before and after in one run.
+tree (e.g. ``git archive`` of main) without the flag (``--sidecar-tree-kv-block-bytes``:
+with it): before and after in one run.
 ``--rounds`` repeats the cases interleaved. This process is the router: Prefill on one,
 collect the blocks, Decode on the other (it keeps each block serialized and frames
 DecodeRequest's ``kv_blocks`` from them, see ``decode_request_bytes``: what a router that
@@ -53,6 +55,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import contextlib
 import json
 import os
 import shutil
@@ -208,12 +211,18 @@ async def route_once(
     prompt: list[int],
     options: list[Any],
     times: dict[str, list[float]],
+    kept: tuple[grpc.aio.Channel, grpc.aio.Channel] | None = None,
 ) -> tuple[float, float, int, int]:
-    """The router: Prefill's blocks, in order, into Decode's ``kv_blocks``.
+    """The router: Prefill's blocks, in order, into Decode's ``kv_blocks``, on the ``kept``
+    channels (None: one new channel per call).
 
     Returns Prefill's and Decode's seconds, the K+V bytes carried and the DecodeRequest's size.
     """
-    async with grpc.aio.insecure_channel(pre, options=options) as ch:
+    async with contextlib.AsyncExitStack() as exits:
+        if kept is None:
+            ch = await exits.enter_async_context(grpc.aio.insecure_channel(pre, options=options))
+        else:
+            ch = kept[0]
         started = time.perf_counter()
         prefill: grpc.aio.UnaryStreamMultiCallable[disagg_pb2.PreFillRequest, bytes]
         prefill = ch.unary_stream(
@@ -232,7 +241,11 @@ async def route_once(
                 if len(blocks) == 2:  # the metadata block comes first, then the KV
                     times["prefill_first_kv_block_s"].append(time.perf_counter() - started)
         prefill_s = time.perf_counter() - started
-    async with grpc.aio.insecure_channel(dec, options=options) as ch:
+    async with contextlib.AsyncExitStack() as exits:
+        if kept is None:
+            ch = await exits.enter_async_context(grpc.aio.insecure_channel(dec, options=options))
+        else:
+            ch = kept[1]
         started = time.perf_counter()
         decode = ch.unary_stream(
             "/disagg.DecodeWorker/Decode",
@@ -280,6 +293,7 @@ async def measure_block_size(
     max_staged = args.max_staged_mib << 20
     times: dict[str, list[float]] = collections.defaultdict(list)
     sidecars: list[procs.Proc] = []
+    exits = contextlib.AsyncExitStack()  # the kept channels, closed before the sidecars stop
     try:
         for role, staging in (("prefill", prefill_dir), ("decode", decode_dir)):
             flags = [
@@ -306,13 +320,20 @@ async def measure_block_size(
         prompt = list(range(1, args.blocks * layout.block_size + 1))
         # Resident size once started and idle: what the decode sidecar holds before any KV.
         idle_rss = {p.name: vm_rss_bytes(p.pid) for p in sidecars}
-        await route_once(pre, dec, "warmup", prompt, options, times)
+        if args.keep_channels:
+            kept = (
+                await exits.enter_async_context(grpc.aio.insecure_channel(pre, options=options)),
+                await exits.enter_async_context(grpc.aio.insecure_channel(dec, options=options)),
+            )
+        else:
+            kept = None
+        await route_once(pre, dec, "warmup", prompt, options, times, kept)
         times.clear()
         stub_times.clear()  # the stub engine's file times, from here on
         pids = {"prefill": sidecars[0].pid, "decode": sidecars[1].pid, "router+stub": os.getpid()}
         cpu_before = {name: procs.cpu_seconds(pid) for name, pid in pids.items()}
         runs = [
-            await route_once(pre, dec, f"r{i}", prompt, options, times)
+            await route_once(pre, dec, f"r{i}", prompt, options, times, kept)
             for i in range(args.requests)
         ]
         cpu_ms = {
@@ -322,6 +343,7 @@ async def measure_block_size(
         leftovers = [p.name for d in (prefill_dir, decode_dir) for p in d.iterdir() if p.is_dir()]
         hwm = {p.name: vm_hwm_bytes(p.pid) for p in sidecars}
     finally:
+        await exits.aclose()
         for proc in sidecars:
             procs.stop(proc)
     best = min(p + d for p, d, _, _ in runs)
@@ -390,7 +412,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         raw.append(raw_loopback_mb_s(2 * kv_bytes))
         cases: list[tuple[int | None, Path]] = [(b, procs.REPO_ROOT) for b in args.kv_block_bytes]
         if args.sidecar_tree is not None:
-            cases.insert(0, (None, args.sidecar_tree.resolve()))
+            cases.insert(0, (args.sidecar_tree_kv_block_bytes, args.sidecar_tree.resolve()))
         # Rounds interleave the cases: each sees the machine's load swings alike.
         for round_idx in range(args.rounds):
             for kv_block_bytes, code_root in cases:
@@ -412,6 +434,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "kv_bytes_per_request": kv_bytes,
         "requests": args.requests,
         "rounds": args.rounds,
+        "keep_channels": args.keep_channels,
         "max_staged_bytes": args.max_staged_mib << 20,
         "raw_loopback_mb_s": round(raw_mb_s, 1),
         "raw_loopback_runs_mb_s": [round(r, 1) for r in raw],
@@ -467,6 +490,14 @@ def main() -> None:
     parser.add_argument("--sidecar-tree", type=Path,
                         help="also run, first, the sidecars of this tree (e.g. `git archive` "
                         "of an older commit) without --kv-block-bytes: before/after in one run")
+    parser.add_argument("--sidecar-tree-kv-block-bytes", type=int,
+                        help="give --sidecar-tree's prefill sidecar this --kv-block-bytes (a "
+                        "tree that has the setting: the same blocks on both sides of a "
+                        "before/after)")
+    parser.add_argument("--keep-channels", action="store_true",
+                        help="the router keeps one channel to each sidecar per case (warmed "
+                        "by the warm-up request), as a router with pooled channels does; "
+                        "default: a new channel per call")
     parser.add_argument("--no-notices", action="store_true",
                         help="the stub engine sends no layer notices: the stream starts at its "
                         "answer")

@@ -4,6 +4,7 @@
     wire.py           KV blocks and their metadata block (layer -2) as the stream carries them
     protowire.py      framing and walking of the messages' wire bytes (no protobuf copies)
     prefill_files.py  the prefill engine's layer files, read as stream messages
+    filled.py         messages built in place: file bytes read straight into them
     layer_watch.py    the connector's per-layer notices (a Unix datagram socket)
     staging.py        the decode side's staging area, bounded by max_staged_bytes
     orphans.py        the sweep of staging entries left behind

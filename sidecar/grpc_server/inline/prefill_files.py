@@ -8,13 +8,14 @@
 
 The caller compares announced and written metadata once the engine has answered
 (docs/design-notes.md#announced-meta). Deliberate limits: one layer's messages
-are built in memory at once (about twice the layer); a layer file of the wrong size is
-FAILED_PRECONDITION.
+are built in memory at once (the layer's size, read into them in place); a layer file of the
+wrong size is FAILED_PRECONDITION.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 from connectors.inline_layout import (
@@ -25,7 +26,8 @@ from connectors.inline_layout import (
     read_engine_layout,
 )
 from sidecar.errors import FailedPrecondition, Stage
-from sidecar.grpc_server.inline.protowire import frame_stream_block
+from sidecar.grpc_server.inline.filled import filled_bytes, preadv_exactly
+from sidecar.grpc_server.inline.protowire import stream_block_heads
 
 logger = logging.getLogger(__name__)
 
@@ -85,27 +87,51 @@ def ready_layer_messages(
     request_id: str, meta: InlineMeta, directory: Path, layer_idx: int
 ) -> list[LayerMessage] | None:
     """Layer ``layer_idx``'s data blocks as serialized Prefill stream messages (block ``j``:
-    pages ``meta.run_pages(j)``), None if no file yet; the file is read once and each message
-    framed from slices of it: one copy from the file to the message."""
+    pages ``meta.run_pages(j)``), None if no file yet. Each message is read into place: the
+    file's K and V tiles go by one ``preadv`` from the file to where the message carries
+    them (``filled``), the only copy on this side."""
     tile = meta.layout.tile_bytes
     expected = meta.num_blocks * 2 * tile
     try:
-        fh = (directory / layer_file(layer_idx)).open("rb", buffering=0)
+        fd = os.open(directory / layer_file(layer_idx), os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
         return None
-    with fh:
-        size = fh.seek(0, 2)
+    try:
+        size = os.fstat(fd).st_size
         if size != expected:
             raise FailedPrecondition(
                 f"layer {layer_idx} file has {size} bytes, expected {expected}",
                 stage=Stage.PREFILL)
-        fh.seek(0)
-        data = memoryview(fh.read())
-    messages: list[LayerMessage] = []
-    for run_idx in range(meta.runs_per_layer):
-        pages = meta.run_pages(run_idx)
-        k_parts = [data[2 * p * tile : (2 * p + 1) * tile] for p in pages]
-        v_parts = [data[(2 * p + 1) * tile : (2 * p + 2) * tile] for p in pages]
-        message = frame_stream_block(request_id, layer_idx, run_idx, k_parts, v_parts)
-        messages.append((message, 2 * tile * len(pages)))
-    return messages
+        messages: list[LayerMessage] = []
+        for run_idx in range(meta.runs_per_layer):
+            pages = meta.run_pages(run_idx)
+            try:
+                message = _read_run(fd, request_id, layer_idx, run_idx, pages, tile)
+            except EOFError:  # the file shrank since its size was checked
+                raise FailedPrecondition(
+                    f"layer {layer_idx} file ended early", stage=Stage.PREFILL) from None
+            messages.append((message, 2 * tile * len(pages)))
+        return messages
+    finally:
+        os.close(fd)
+
+
+def _read_run(fd: int, request_id: str, layer_idx: int, run_idx: int, pages: range,
+              tile: int) -> bytes:
+    """One run's stream message, its tiles read from the layer file into place."""
+    run_bytes = len(pages) * tile
+    head, middle = stream_block_heads(request_id, layer_idx, run_idx, run_bytes, run_bytes)
+    k_at = len(head)
+    v_at = k_at + run_bytes + len(middle)
+
+    def fill(view: memoryview) -> None:
+        view[:k_at] = head
+        view[k_at + run_bytes : v_at] = middle
+        # The file holds each page's K then V: read in file order, to where each one goes.
+        tiles: list[memoryview] = []
+        for i in range(len(pages)):
+            at = i * tile
+            tiles += (view[k_at + at : k_at + at + tile], view[v_at + at : v_at + at + tile])
+        preadv_exactly(fd, tiles, pages.start * 2 * tile)
+
+    return filled_bytes(v_at + run_bytes, fill)

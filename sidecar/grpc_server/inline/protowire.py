@@ -4,8 +4,8 @@
       head:   every field but ``kv_blocks`` (2), re-framed as they came (``FromString`` it)
       blocks: one ``WireBlock(layer_idx, block_idx, k_data, v_data)`` per ``kv_blocks`` entry,
               ``k_data`` / ``v_data`` memoryviews into ``data`` (no copy of the KV)
-    kv_block_of_stream, frame_decode_request, frame_stream_block: the router's and the inline
-              Prefill's framing of blocks, without message objects
+    kv_block_of_stream, frame_decode_request, frame_stream_block, stream_block_heads: the
+              router's and the inline Prefill's framing of blocks, without message objects
 
 Malformed wire raises ``WireError``; groups (wire types 3 and 4, proto2 only) count as
 malformed. Why, and what it reads exactly as protobuf's parser does:
@@ -187,26 +187,33 @@ def _int_field(number: int, value: int) -> bytes:
     return encode_varint(number << 3 | VARINT) + encode_varint(value) if value else b""
 
 
+def stream_block_heads(request_id: str, layer_idx: int, block_idx: int,
+                       k_len: int, v_len: int) -> tuple[bytes, bytes]:
+    """What ``KVBlockStream{block: KVBlock{...}}`` with ``k_len`` bytes of K and ``v_len`` of
+    V serializes to around them: the bytes before K, and the bytes between K and V (none
+    after V). A message is ``head + K + middle + V``."""
+    rid = request_id.encode("utf-8")
+    fields = b"".join([
+        _len_field(BLOCK_REQUEST_ID, len(rid)) + rid if rid else b"",
+        _int_field(BLOCK_LAYER, layer_idx),
+        _int_field(BLOCK_INDEX, block_idx),
+    ])
+    k_key = _len_field(BLOCK_K, k_len) if k_len else b""
+    v_key = _len_field(BLOCK_V, v_len) if v_len else b""
+    block_len = len(fields) + len(k_key) + k_len + len(v_key) + v_len
+    return _len_field(STREAM_BLOCK, block_len) + fields + k_key, v_key
+
+
 def frame_stream_block(request_id: str, layer_idx: int, block_idx: int,
                        k_parts: Sequence[bytes | memoryview],
                        v_parts: Sequence[bytes | memoryview]) -> bytes:
     """The bytes ``SerializeToString`` gives for ``KVBlockStream{block: KVBlock{...}}`` with
     ``k_parts`` and ``v_parts`` joined, built with one copy of the parts."""
-    k_len = sum(len(part) for part in k_parts)
-    v_len = sum(len(part) for part in v_parts)
-    rid = request_id.encode("utf-8")
-    fields = [
-        _len_field(BLOCK_REQUEST_ID, len(rid)) + rid if rid else b"",
-        _int_field(BLOCK_LAYER, layer_idx),
-        _int_field(BLOCK_INDEX, block_idx),
-    ]
-    head = b"".join(fields)
-    k_key = _len_field(BLOCK_K, k_len) if k_len else b""
-    v_key = _len_field(BLOCK_V, v_len) if v_len else b""
-    block_len = len(head) + len(k_key) + k_len + len(v_key) + v_len
-    return b"".join(
-        [_len_field(STREAM_BLOCK, block_len), head, k_key, *k_parts, v_key, *v_parts]
+    head, middle = stream_block_heads(
+        request_id, layer_idx, block_idx,
+        sum(len(part) for part in k_parts), sum(len(part) for part in v_parts),
     )
+    return b"".join([head, *k_parts, middle, *v_parts])
 
 
 def kv_block_of_stream(data: bytes | memoryview) -> memoryview | None:
