@@ -134,7 +134,10 @@ def paced_stack(
     flow: str, plan: PacedPlan, log_dir: Path, *, max_connections: int,
     baseline_tree: Path | None, pin_sidecar: str, pin_bench: str,
     anchor_names: tuple[str, ...] = (), anchor_workers: int | None = None,
+    worker_cores: dict[int, str] | None = None,
 ) -> Iterator[PacedStack]:
+    """``worker_cores``: ``--pin-workers``' taskset CPU list per worker count (``bench.pinning``);
+    otherwise every sidecar gets ``pin_sidecar``."""
     engine = "vllm" if flow == "seq" else "sglang"
     bench_prefix = ["taskset", "-c", pin_bench] if pin_bench else []
     sidecar_prefix = ["taskset", "-c", pin_sidecar] if pin_sidecar else []
@@ -164,8 +167,10 @@ def paced_stack(
         trees += [(sidecar_way(n), procs.REPO_ROOT, n) for n in plan.workers]
         for way, tree, workers in trees:
             extra = ["--workers", str(workers)] if workers > 1 else []
+            cores = (worker_cores or {}).get(workers)
             proc = procs.start_sidecar(f"{flow}-{way}", [*flags, *extra], log_dir=log_dir,
-                                       prefix=sidecar_prefix, code_root=tree)
+                                       prefix=["taskset", "-c", cores] if cores
+                                       else sidecar_prefix, code_root=tree)
             started.append(proc)
             st.relays[way] = proc
         for name in anchor_names:

@@ -59,6 +59,7 @@ from typing import Any
 import aiohttp
 
 from bench import anchors, flows, http_clients, legs, load, paced, procs, report
+from bench.pinning import plan_pinning as pinning_of
 from bench.thread_meter import ThreadMeter
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -378,6 +379,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="paced: taskset CPU list for the sidecars and the bare relay")
     parser.add_argument("--pin-bench", default="",
                         help="paced: taskset CPU list for the stubs and the load generator")
+    parser.add_argument("--pin-workers", action="store_true",
+                        help="paced: each --workers N sidecar on N cores of its own, the stubs "
+                        "and load on the other half (bench.pinning); counts that do not fit "
+                        "are left out, with the reason")
     parser.add_argument("--out", type=Path, help="JSON output (default bench/results/<time>.json)")
     parser.add_argument("--markdown", type=Path, help="also write the table here")
     args = parser.parse_args(argv)
@@ -414,17 +419,34 @@ def paced_plan_of(args: argparse.Namespace) -> paced.PacedPlan:
 async def run_paced(args: argparse.Namespace, result: dict[str, Any], log_dir: Path,
                     log: Callable[[str], None]) -> dict[str, Any]:
     plan = paced_plan_of(args)
-    if args.pin_bench:
-        os.sched_setaffinity(0, {int(c) for c in args.pin_bench.split(",")})
-    result.update(paced_plan=plan.__dict__, pin_sidecar=args.pin_sidecar,
-                  pin_bench=args.pin_bench, baseline_tree=str(args.baseline_tree or ""))
+    pin_sidecar, pin_bench = args.pin_sidecar, args.pin_bench
+    worker_cores: dict[int, str] | None = None
+    if args.pin_workers:
+        if pin_sidecar or pin_bench:
+            raise SystemExit("--pin-workers chooses the cores itself: "
+                             "drop --pin-sidecar/--pin-bench")
+        pinning = pinning_of(plan.workers)
+        for count, why in pinning.left_out.items():
+            log(f"--workers {count} left out of the pinned run: {why}")
+        if not pinning.sidecars:
+            raise SystemExit("--pin-workers: no worker count fits this machine's cores")
+        plan = dataclasses.replace(plan, workers=tuple(pinning.sidecars))
+        worker_cores = {n: pinning.cpu_list(cores) for n, cores in pinning.sidecars.items()}
+        pin_sidecar, pin_bench = pinning.cpu_list(pinning.anchors), pinning.cpu_list(pinning.bench)
+        left_out = {str(n): why for n, why in pinning.left_out.items()}
+        result["pinned_workers"] = {"cores": worker_cores, "left_out": left_out}
+    if pin_bench:
+        os.sched_setaffinity(0, {int(c) for c in pin_bench.split(",")})
+    result.update(paced_plan=plan.__dict__, pin_sidecar=pin_sidecar,
+                  pin_bench=pin_bench, baseline_tree=str(args.baseline_tree or ""))
     anchor_names = tuple(m for m in modes_of(args) if m in anchors.ANCHORS)
     result["anchors"] = {}
     for flow in [f.strip() for f in args.flows.split(",") if f.strip()]:
         with paced.paced_stack(flow, plan, log_dir, max_connections=args.max_connections,
-                               baseline_tree=args.baseline_tree, pin_sidecar=args.pin_sidecar,
-                               pin_bench=args.pin_bench, anchor_names=anchor_names,
-                               anchor_workers=args.anchor_workers) as st:
+                               baseline_tree=args.baseline_tree, pin_sidecar=pin_sidecar,
+                               pin_bench=pin_bench, anchor_names=anchor_names,
+                               anchor_workers=args.anchor_workers,
+                               worker_cores=worker_cores) as st:
             log(f"{flow} (paced): {st.engine}  prefill {st.prefill.url}  decode {st.decode.url}")
             note_anchors(result, flow, {n: st.relays[n] for n in st.anchors}, st.skipped, log)
             ways = paced.ways_of(plan, args.baseline_tree is not None, st.anchors)

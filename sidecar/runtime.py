@@ -177,8 +177,8 @@ async def open_runtime(
         calls = EngineCalls(
             session, settings.engine_url, connect_timeout_s=settings.connect_timeout_s,
             max_prefill_response_bytes=settings.max_prefill_response_bytes, choice=choice,
-            on_prefill_leg=lambda target, outcome: metrics.labelled(legs, target, outcome).inc(),
-            on_rank_leg=lambda leg, rank, outcome: metrics.labelled(
+            on_prefill_leg=lambda target, outcome: metrics.counter(legs, target, outcome).inc(),
+            on_rank_leg=lambda leg, rank, outcome: metrics.counter(
                 metrics.rank_legs, leg, str(rank), outcome).inc(),
         )
         # Each worker of a pool draws ids from its own lane (the dialects' id sources).

@@ -32,11 +32,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
 
-from prometheus_client import Counter, Histogram
-
 from sidecar.core.admission import Admission
 from sidecar.errors import ClientCancelled, SidecarError
 from sidecar.observability.metrics import Metrics
+from sidecar.observability.prometheus_private import CounterValue, HistogramValues
 from sidecar.observability.tracing import (
     NO_TRACING,
     NOOP_TRACE,
@@ -93,10 +92,10 @@ class Scopes:
         self.connector = connector
         self.tracing = tracing
         # Labelled children used by every request, looked up once (the hot path's share).
-        self.inflight = metrics.labelled(metrics.inflight, front_door)
-        self.relayed_bytes = metrics.labelled(metrics.relayed_bytes, front_door)
-        self._stages: dict[str, Histogram] = {}
-        self._requests: dict[tuple[str, str], Counter] = {}
+        self.inflight = metrics.gauge(metrics.inflight, front_door)
+        self.relayed_bytes = metrics.counter(metrics.relayed_bytes, front_door)
+        self._stages: dict[str, HistogramValues] = {}
+        self._requests: dict[tuple[str, str], CounterValue] = {}
 
     def open(
         self, route: str, request_id: str = "-", carrier: Carrier | None = None
@@ -119,7 +118,7 @@ class Scopes:
         histogram = self._stages.get(stage)
         if histogram is None:
             metrics = self.metrics
-            histogram = self._stages[stage] = metrics.labelled(
+            histogram = self._stages[stage] = metrics.histogram(
                 metrics.stage_seconds, self.front_door, stage)
         histogram.observe(seconds)
 
@@ -127,7 +126,7 @@ class Scopes:
         counter = self._requests.get((route, outcome))
         if counter is None:
             metrics = self.metrics
-            counter = self._requests[(route, outcome)] = metrics.labelled(
+            counter = self._requests[(route, outcome)] = metrics.counter(
                 metrics.requests, self.front_door, route, self.engine, self.connector, outcome)
         counter.inc()
 
@@ -175,7 +174,7 @@ class RequestScope:
         self._scopes.observe(stage, seconds)
 
     @property
-    def relayed_bytes(self) -> Counter:
+    def relayed_bytes(self) -> CounterValue:
         """The counter of bytes relayed from the decode engine to this front door's clients."""
         return self._scopes.relayed_bytes
 

@@ -39,7 +39,6 @@ only after a restart, which the expiry covers).
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
@@ -58,6 +57,7 @@ from sidecar.dialects.vllm import KV_TRANSFER_PARAMS, VLLMDialect
 from sidecar.errors import InvalidHandoff, SidecarError, Stage
 from sidecar.protocol.context import HandoffContext, Route
 from sidecar.protocol.hostfmt import http_url
+from sidecar.protocol.request_id import new_request_id
 
 ENGINE_ID: Final = "engine_id"
 QUERY_PATH: Final = "/query"
@@ -138,7 +138,7 @@ class MooncakeState:
 
 def new_transfer_id() -> str:
     """A ``transfer_id``: one per request, chosen by the router."""
-    return f"xfer-{uuid.uuid4().hex}"
+    return f"xfer-{new_request_id()}"
 
 
 class EngineIdCache:

@@ -20,6 +20,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.multiprocess import MultiProcessCollector
 
+from sidecar.observability.prometheus_private import CounterValue, GaugeValue, HistogramValues
+
 _M = TypeVar("_M", bound=MetricWrapperBase)
 
 _LATENCY_BUCKETS = (
@@ -53,6 +55,7 @@ class Metrics:
         self.registry = registry or CollectorRegistry(auto_describe=True)
         self._exposed = self.registry if pool_dir is None else _pool_registry(pool_dir)
         self._children: dict[tuple[int, tuple[str, ...]], MetricWrapperBase] = {}
+        self._counters: dict[tuple[int, tuple[str, ...]], CounterValue] = {}
         r = self.registry
         self.requests = Counter(
             "disagg_requests",
@@ -129,6 +132,23 @@ class Metrics:
         if child is None:
             child = self._children[key] = metric.labels(*values)
         return cast(_M, child)
+
+    def counter(self, metric: Counter, *values: str) -> CounterValue:
+        """The hot path's handle on ``metric.labels(*values)`` (``prometheus_private``),
+        remembered like ``labelled``'s children."""
+        key = (id(metric), values)
+        handle = self._counters.get(key)
+        if handle is None:
+            handle = self._counters[key] = CounterValue(self.labelled(metric, *values))
+        return handle
+
+    def gauge(self, metric: Gauge, *values: str) -> GaugeValue:
+        """A gauge child's hot-path handle (made once per caller: callers keep it)."""
+        return GaugeValue(self.labelled(metric, *values))
+
+    def histogram(self, metric: Histogram, *values: str) -> HistogramValues:
+        """A histogram child's hot-path handle (made once per caller: callers keep it)."""
+        return HistogramValues(self.labelled(metric, *values))
 
     def exposition(self) -> bytes:
         """The registry (with workers: every worker's values) in Prometheus text format."""

@@ -13,6 +13,8 @@ import ipaddress
 
 def is_ipv6_literal(host: str) -> bool:
     """True when ``host`` is a bare IPv6 address (a zone suffix such as ``%eth0`` allowed)."""
+    if ":" not in host:
+        return False  # every IPv6 literal has a colon; names and IPv4 never do (hot path)
     try:
         return ipaddress.ip_address(host).version == 6
     except ValueError:
