@@ -452,7 +452,9 @@ class EngineGroup:
                 _signal_group(engine.process, signal.SIGTERM)
         for engine in self.engines.values():
             stop_process_group(engine.process)
-        shutil.rmtree(self.root, ignore_errors=True)
+        # REAL_VLLM_KEEP_LOGS=1 keeps the engines' logs and caches for a failure's reader.
+        if os.environ.get("REAL_VLLM_KEEP_LOGS") != "1":
+            shutil.rmtree(self.root, ignore_errors=True)
         _LIVE_GROUPS.discard(self)
 
     def __hash__(self) -> int:

@@ -2,7 +2,8 @@
 
 Owns: starting ``python -m sidecar serve`` on an OS-chosen port (HTTP only, loopback, every
 loopback prefill target allowed) and stopping it, and sending one OpenAI request through its
-HTTP front door with ``x-prefiller-host-port`` (JSON or streamed) to get the generated text.
+HTTP front door with ``x-prefiller-host-port`` (JSON or streamed) to get the generated text;
+the sidecar's log is kept in ``<tmp>/sidecar.log`` for a failed test's reader.
 
 Deliberate limits: blocking ``urllib`` only; a stream must end with ``data: [DONE]``.
 """
@@ -18,7 +19,7 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from real_vllm.client import text_of, text_of_stream
 
@@ -40,15 +41,18 @@ def sidecar_process(tmp: Path, *args: str) -> Iterator[Sidecar]:
         stderr=subprocess.PIPE, text=True,
     )
     assert process.stderr is not None
+    log = (tmp / "sidecar.log").open("w")
     try:
         # The sidecar logs "listening:" after writing the ports file; stderr ends if it dies.
         for line in process.stderr:
+            log.write(line)
             if "listening:" in line:
                 break
         else:
             raise AssertionError(f"sidecar exited with {process.wait()} before listening")
-        # Keep draining its log so a chatty sidecar never blocks on a full pipe.
-        threading.Thread(target=process.stderr.read, daemon=True).start()
+        # Keep draining its log into the file (kept for a failed test's reader) so a chatty
+        # sidecar never blocks on a full pipe.
+        threading.Thread(target=_copy_lines, args=(process.stderr, log), daemon=True).start()
         ports = json.loads(ports_file.read_text())
         yield Sidecar(url=f"http://127.0.0.1:{ports['http']}")
     finally:
@@ -58,6 +62,13 @@ def sidecar_process(tmp: Path, *args: str) -> Iterator[Sidecar]:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+def _copy_lines(source: IO[str], sink: IO[str]) -> None:
+    for line in source:
+        sink.write(line)
+        sink.flush()
+    sink.close()
 
 
 def through(sidecar: Sidecar, path: str, body: dict[str, Any], target: str,
