@@ -389,9 +389,13 @@ def anchors_markdown(result: dict[str, Any]) -> list[str]:
         names = flow.get("anchors", [])
         if not names:
             continue
-        cols = [w for w in (DIRECT, BARE, *names, "sidecar") if w in flow.get("ways", [])]
+        ways = flow.get("ways", [])
+        # Every sidecar way of the run (`sidecar`, `sidecar-w2`, ...) gets its column and ratios.
+        sidecars = [w for w in ways if w.startswith("sidecar")]
+        cols = [w for w in (DIRECT, BARE, *names) if w in ways] + sidecars
+        ratios = [(side, name) for side in sidecars for name in names]
         head = ["figure", *[f"`{w}`" if w in names else w for w in cols],
-                *[f"sidecar / {n}" for n in names]]
+                *[f"{side} / {name}" for side, name in ratios]]
         for streams in flow["rounds"][0]:
             rows = [row[streams] for row in flow["rounds"]]
 
@@ -420,8 +424,8 @@ def anchors_markdown(result: dict[str, Any]) -> list[str]:
             for label, get, digits in figures:
                 values = {w: get(w) for w in cols}
                 cells = [label, *[_fmt(values[w], digits) for w in cols]]
-                for name in names:
-                    side, anchor = values.get("sidecar"), values.get(name)
+                for side_way, name in ratios:
+                    side, anchor = values.get(side_way), values.get(name)
                     cells.append(_fmt(side / anchor if side is not None and anchor else None,
                                       2))
                 lines.append("| " + " | ".join(cells) + " |")

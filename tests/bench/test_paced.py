@@ -25,7 +25,7 @@ import orjson
 import pytest
 from test_lean_engine import PROMPT, dechunk, raw_exchange, request
 
-from bench import procs
+from bench import paced, procs
 from bench.lean_client import Client, EventTally, Origin
 from sidecar.tools.stubs.lean.server import run_lean
 
@@ -126,3 +126,19 @@ def test_quick_paced_run_measures_every_way(tmp_path: Path, flows: str) -> None:
             assert side["relay_cpu_us_per_token"] > 0
             assert side["relay_reads_per_token"] > 0 and side["relay_writes_per_token"] > 0
     assert "| sidecar-w2 |" in done.stdout and "relay CPU us/token" in done.stdout
+
+
+def test_the_side_by_side_table_has_every_sidecar_way() -> None:
+    # A run with only `--workers 2` has no way called `sidecar`: its `sidecar-w2` still gets
+    # its column and its ratio to the router.
+    def way(cpu: float, tokens: float, ttft: float) -> dict[str, float]:
+        return {"relay_cpu_us_per_token": cpu, "tokens_per_s": tokens, "ttft_p50_ms": ttft}
+
+    row = {"direct": {"tokens_per_s": 1000.0, "ttft_p50_ms": 50.0}, "smg": way(20.0, 990.0, 60.0),
+           "sidecar-w2": way(30.0, 980.0, 55.0)}
+    result = {"flows": {"conc": {"anchors": ["smg"], "ways": list(row),
+                                 "rounds": [{256: row}]}}}
+    table = paced.anchors_markdown(result)
+    assert "| figure | direct | `smg` | sidecar-w2 | sidecar-w2 / smg |" in table
+    assert "| relay CPU us per token | - | 20.00 | 30.00 | 1.50 |" in table
+    assert "| TTFT p50 ms | 50.0 | 60.0 | 55.0 | 0.92 |" in table
