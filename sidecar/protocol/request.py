@@ -39,8 +39,8 @@ from typing import Any
 
 from sidecar import jsonutil
 from sidecar.errors import InvalidRequest
+from sidecar.jsonutil import type_name
 from sidecar.protocol.apis import CONTROL_KEYS, api_of
-from sidecar.protocol.apis.fields import type_name
 from sidecar.protocol.context import Route
 
 __all__ = ["CONTROL_KEYS", "BodyChecks", "ClientRequest"]

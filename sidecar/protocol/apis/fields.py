@@ -1,10 +1,10 @@
 """Checks of single JSON fields that every API module's body checks share (pure).
 
-    type_name(value)                 "null", "boolean", "integer", "number", "string", ...
     is_int(value)                    an integer that is not a JSON boolean
     check_bool / check_int_or_null   raise ``InvalidRequest`` naming the field and its type
 
-Messages name the field and the JSON type only, never a value (a value may quote the prompt).
+Messages name the field and the JSON type only (``jsonutil.type_name``), never a value (a value
+may quote the prompt).
 """
 
 from __future__ import annotations
@@ -13,23 +13,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any, TypeGuard
 
 from sidecar.errors import InvalidRequest
-
-
-def type_name(value: object) -> str:
-    """The JSON type of a parsed value, as error messages name it."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, int):
-        return "integer"
-    if isinstance(value, float):
-        return "number"
-    if isinstance(value, str):
-        return "string"
-    if isinstance(value, list):
-        return "array"
-    return "object"
+from sidecar.jsonutil import type_name
 
 
 def is_int(value: object) -> TypeGuard[int]:

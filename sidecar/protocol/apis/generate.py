@@ -19,9 +19,10 @@ from collections.abc import Mapping
 from typing import Any, Final
 
 from sidecar.errors import InvalidRequest
+from sidecar.jsonutil import type_name
 from sidecar.protocol.apis.base import PREFILL_MAX_TOKENS, STREAM, STREAM_OPTIONS, Api
 from sidecar.protocol.apis.completions import asks_usage
-from sidecar.protocol.apis.fields import check_bool, check_int_or_null, is_token_ids, type_name
+from sidecar.protocol.apis.fields import check_bool, check_int_or_null, is_token_ids
 from sidecar.protocol.apis.usage import true_openai_usage
 from sidecar.protocol.context import Route
 

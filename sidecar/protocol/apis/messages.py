@@ -24,8 +24,9 @@ from typing import Any, Final
 
 from sidecar import jsonutil
 from sidecar.errors import InvalidRequest, SidecarError
+from sidecar.jsonutil import type_name
 from sidecar.protocol.apis.base import PREFILL_MAX_TOKENS, STREAM, STREAM_OPTIONS, Api
-from sidecar.protocol.apis.fields import check_bool, check_object_list, is_int, type_name
+from sidecar.protocol.apis.fields import check_bool, check_object_list, is_int
 from sidecar.protocol.context import Route
 from sidecar.protocol.sse import EVENT, StreamMarkers
 

@@ -27,12 +27,12 @@ from typing import Any, Final
 
 from sidecar import jsonutil
 from sidecar.errors import InvalidRequest, SidecarError
+from sidecar.jsonutil import type_name
 from sidecar.protocol.apis.base import PREFILL_MAX_TOKENS, STREAM, STREAM_OPTIONS, USAGE, Api
 from sidecar.protocol.apis.fields import (
     check_bool,
     check_int_or_null,
     check_string_or_null,
-    type_name,
 )
 from sidecar.protocol.context import Route
 from sidecar.protocol.sse import EVENT, StreamMarkers
