@@ -56,6 +56,14 @@ class InvalidRequest(SidecarError):
     default_stage = Stage.REQUEST
 
 
+class UnsupportedContentEncoding(InvalidRequest):
+    """The body's ``Content-Encoding`` is none the sidecar decodes (HTTP 415): it never
+    forwards bytes it cannot read nor a length it did not count."""
+
+    code = "unsupported_content_encoding"
+    http_status = 415
+
+
 class TargetNotAllowed(SidecarError):
     """The named prefill target is not on the allowlist; nothing is sent to it (HTTP 403)."""
 

@@ -25,6 +25,10 @@ _NOT_FORWARDED = frozenset({
 #: Routing headers a router sets for the sidecar; never forwarded to an engine.
 ROUTING_HEADERS = frozenset({"x-prefiller-host-port", "x-prefiller-url", "x-decoder-host-port"})
 
+#: Request headers that describe bytes the engine never gets: a body reaches an engine plain
+#: (aiohttp decoded it, or the front door refused it: ``http_server.body_encoding``).
+_REQUEST_ONLY_DROPPED = frozenset({"content-encoding"})
+
 
 def make_session(settings: Settings) -> EngineClient:
     """The process-wide upstream client; create it inside the running event loop."""
@@ -39,18 +43,33 @@ def make_session(settings: Settings) -> EngineClient:
                         read_timeout_s=settings.read_timeout_s, ssl_context=ssl_context)
 
 
+def _connection_options(value: str) -> list[str]:
+    """The header names one ``Connection`` header lists (RFC 9110 7.6.1: hop-by-hop too)."""
+    return [token.strip().lower() for token in value.split(",")]
+
+
+def _without(out: CIMultiDict[str], names: Iterable[str]) -> CIMultiDict[str]:
+    for name in names:
+        out.popall(name, None)
+    return out
+
+
 def forwardable_headers(headers: Iterable[tuple[str, str]] | Mapping[str, str], *,
                         drop: Iterable[str] = ()) -> CIMultiDict[str]:
-    """Client headers minus hop-by-hop, routing and ``drop`` headers (case-insensitive)."""
+    """Client headers minus hop-by-hop (those ``Connection`` names among them), routing,
+    ``Content-Encoding`` and ``drop`` headers (case-insensitive)."""
     dropped = {name.lower() for name in drop}
     items = headers.items() if isinstance(headers, Mapping) else headers
     out: CIMultiDict[str] = CIMultiDict()
+    named: list[str] = []
     for name, value in items:
         lower = name.lower()
-        if lower in _NOT_FORWARDED or lower in ROUTING_HEADERS or lower in dropped:
-            continue
-        out.add(name, value)
-    return out
+        if lower == "connection":
+            named += _connection_options(value)
+        elif not (lower in _NOT_FORWARDED or lower in ROUTING_HEADERS or lower in dropped
+                  or lower in _REQUEST_ONLY_DROPPED):
+            out.add(name, value)
+    return _without(out, named) if named else out
 
 
 def with_headers(headers: Mapping[str, str], extra: Mapping[str, str]) -> Mapping[str, str]:
@@ -65,11 +84,15 @@ def with_headers(headers: Mapping[str, str], extra: Mapping[str, str]) -> Mappin
 
 
 def response_headers(headers: Iterable[tuple[str, str]]) -> CIMultiDict[str]:
-    """Upstream response headers that may be relayed to the client."""
+    """Upstream response headers that may be relayed to the client (hop-by-hop ones, and
+    those the engine's ``Connection`` names, left out)."""
     out: CIMultiDict[str] = CIMultiDict()
+    named: list[str] = []
     for name, value in headers:
         lower = name.lower()
-        if lower in _NOT_FORWARDED or (lower == "content-encoding" and value == "identity"):
-            continue
-        out.add(name, value)
-    return out
+        if lower == "connection":
+            named += _connection_options(value)
+        elif not (lower in _NOT_FORWARDED
+                  or (lower == "content-encoding" and value == "identity")):
+            out.add(name, value)
+    return _without(out, named) if named else out

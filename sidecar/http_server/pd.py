@@ -59,6 +59,7 @@ from sidecar.errors import (
     SidecarError,
     Stage,
 )
+from sidecar.http_server.body_encoding import body_coding
 from sidecar.http_server.errors import error_response
 from sidecar.http_server.fanout import relay_fanout
 from sidecar.http_server.keys import RUNTIME
@@ -86,6 +87,7 @@ def request_id_of(request: web.Request) -> str:
 
 
 async def _read_body(request: web.Request, max_bytes: int, timeout_s: float) -> bytes:
+    body_coding(request.headers)  # an encoding aiohttp left as sent is refused (415)
     if request.content_length is not None and request.content_length > max_bytes:
         raise BodyTooLarge(f"request body exceeds {max_bytes} bytes")
     try:

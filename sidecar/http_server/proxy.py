@@ -8,7 +8,9 @@ The client's body is held to the limits of every request the sidecar forwards:
 ``--max-body-bytes`` (a declared length over it is refused before the engine is called; a
 chunked body that grows past it is cut, 413) and ``--client-body-timeout-s`` (the whole body
 within the deadline, else 408), so a client trickling a body cannot hold an admission slot
-for ever.
+for ever. A body aiohttp inflated (``body_encoding``) is read whole first and sent with its
+own length: the engine reads exactly the bytes counted here, never the client's compressed
+length over them.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from sidecar.core.engine_calls import EngineCalls
 from sidecar.core.upstream import forwardable_headers, response_headers
 from sidecar.errors import BodyTooLarge, DecodeFailed, RequestTimeout, SidecarError, Stage
 from sidecar.http1 import UpstreamError
+from sidecar.http_server.body_encoding import BodyCoding, body_coding
 from sidecar.http_server.errors import error_response
 from sidecar.http_server.keys import RUNTIME
 from sidecar.protocol.request_id import REQUEST_ID_HEADER
@@ -69,8 +72,13 @@ async def proxy_to_engine(
     try:
         if request.content_length is not None and request.content_length > max_bytes:
             raise BodyTooLarge(f"request body exceeds {max_bytes} bytes")
+        inflated = body_coding(request.headers) is BodyCoding.INFLATED
         body: AsyncIterable[bytes] | None
-        if raw is not None:  # read (and held to the limits) by the front door already
+        if raw is None and inflated and request.body_exists:
+            # Its length is the inflated bytes': known only once they are all here.
+            raw = b"".join([chunk async for chunk in _limited_body(
+                request.content, max_bytes, settings.client_body_timeout_s)])
+        if raw is not None:  # read (and held to the limits) already
             body, length = _once(raw), len(raw)
         else:
             body = (_limited_body(request.content, max_bytes, settings.client_body_timeout_s)

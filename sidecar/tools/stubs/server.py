@@ -195,6 +195,9 @@ class Stub:
             access_log=None,
             keepalive_timeout=self.config.keepalive_s,
             shutdown_timeout=0.5,
+            # The engines' servers (uvicorn) hand bodies over as sent: a Content-Encoding
+            # is the application's to honour, so the stub records the bytes on the wire.
+            auto_decompress=False,
         )
         await runner.setup()
         self._runners.append(runner)

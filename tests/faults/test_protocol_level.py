@@ -1,0 +1,259 @@
+"""The protocol-level suite: what a hostile client sends, and what the engines then receive.
+
+Each class of attack is sent over a raw socket (so nothing on the client side tidies it up)
+and judged by what the stub engines recorded (``sidecar.tools.stubs.recorder``), not only by
+the status the client got:
+
+- smuggling by encoding: a gzip body whose inflated bytes hold a second request reaches the
+  engine as one request with its true length and no ``Content-Encoding`` (passthrough and PD
+  legs); a coding the sidecar does not decode is refused (415) on every path, engine untouched;
+- hop-by-hop by name: headers a ``Connection`` header names are not forwarded (RFC 9110
+  7.6.1), either way;
+- number fidelity: integers beyond 64 bits reach the engines exactly as sent, or nowhere;
+- id patterns: an id ending in a line feed is refused, never forwarded;
+- aiohttp's own rejections (malformed framing, bare CR/LF, obs-fold, oversized headers,
+  CONNECT, ``OPTIONS *``): OpenAI-shaped JSON or a closed connection, no client bytes
+  echoed, one rate-limited log line and no traceback.
+
+The stub engines do not inflate bodies (as uvicorn does not), so they record the bytes on
+the wire. Does not prove what a real engine's parser makes of the same bytes (the stubs run
+aiohttp's).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gzip
+import json
+import zlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from fault_builders import Rig, client_body, rig
+
+from sidecar.protocol.context import Route
+
+COMPLETIONS = Route.COMPLETIONS.value
+SMUGGLED_PROMPT = "smuggled past the sidecar"
+
+
+# -- raw HTTP/1.1 --------------------------------------------------------------------------
+
+@contextlib.asynccontextmanager
+async def raw_connection(r: Rig) -> AsyncIterator[tuple[asyncio.StreamReader,
+                                                         asyncio.StreamWriter]]:
+    reader, writer = await asyncio.open_connection("127.0.0.1", r.sidecar.ports["http"])
+    try:
+        yield reader, writer
+    finally:
+        writer.close()
+        with contextlib.suppress(ConnectionError):
+            await writer.wait_closed()
+
+
+async def read_response(reader: asyncio.StreamReader) -> tuple[int, dict[str, str], bytes]:
+    """One response off the socket: status, headers (lower-case names), body."""
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+    lines = head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split()[1])
+    headers = {}
+    for line in lines[1:]:
+        if ":" in line:
+            name, value = line.split(":", 1)
+            headers[name.strip().lower()] = value.strip()
+    if "content-length" in headers:
+        body = await asyncio.wait_for(reader.readexactly(int(headers["content-length"])), 10)
+    elif headers.get("transfer-encoding") == "chunked":
+        body = b""
+        while size := int((await asyncio.wait_for(reader.readline(), 10)).strip(), 16):
+            body += await reader.readexactly(size)
+            await reader.readexactly(2)
+        await reader.readexactly(2)
+    else:
+        body = await asyncio.wait_for(reader.read(), 10)
+    return status, headers, body
+
+
+async def send_raw(r: Rig, data: bytes) -> tuple[int, dict[str, str], bytes]:
+    async with raw_connection(r) as (reader, writer):
+        writer.write(data)
+        await writer.drain()
+        return await read_response(reader)
+
+
+def post_head(path: str, length: int, *, target: str | None, extra: str = "") -> bytes:
+    routing = f"x-prefiller-host-port: {target}\r\n" if target else ""
+    return (f"POST {path} HTTP/1.1\r\nHost: sidecar\r\nContent-Type: application/json\r\n"
+            f"{routing}Content-Length: {length}\r\n{extra}\r\n").encode()
+
+
+def error_code(body: bytes) -> str:
+    payload = json.loads(body)
+    assert set(payload) == {"error"}, payload
+    return str(payload["error"]["code"])
+
+
+# -- smuggling by encoding -----------------------------------------------------------------
+
+def smuggling_gzip() -> tuple[bytes, bytes]:
+    """A gzip body whose inflated form is the compressed length of padding, then a whole
+    second request: an engine told the compressed length reads that request as its next."""
+    inner = json.dumps({"model": "stub-model", "prompt": SMUGGLED_PROMPT,
+                        "max_tokens": 1}).encode()
+    smuggled = (b"POST /v1/completions HTTP/1.1\r\nHost: evil.example\r\n"
+                b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(inner)
+                + inner)
+    for pad in range(1, 4096):
+        first = b'{"pad": "' + b"a" * pad + b'"}'
+        packed = gzip.compress(first + smuggled, mtime=0)
+        if len(packed) == len(first):
+            return packed, first + smuggled
+    raise AssertionError("no padding makes the compressed and first lengths meet")
+
+
+def smuggled_anywhere(r: Rig) -> list[Any]:
+    return [entry for stub in (r.prefill, r.decode) for entry in stub.recorder.requests
+            if SMUGGLED_PROMPT.encode() in entry.body and entry.headers.get("Host") ==
+            "evil.example"]
+
+
+async def test_a_gzip_body_inflating_past_its_length_smuggles_nothing_through_passthrough(
+) -> None:
+    packed, inflated = smuggling_gzip()
+    assert len(inflated) > len(packed)
+    async with rig() as r:
+        status, _, _ = await send_raw(r, post_head(
+            COMPLETIONS, len(packed), target=None, extra="Content-Encoding: gzip\r\n") + packed)
+        got = await r.decode.recorder.next_request(COMPLETIONS)
+        await r.wait_upstreams_closed()
+        assert smuggled_anywhere(r) == []
+        assert len(r.decode.recorder.on_path(COMPLETIONS)) == 1
+        assert got.body == inflated  # the bytes the sidecar read, all of them, once
+        assert got.headers["Content-Length"] == str(len(inflated))
+        assert "Content-Encoding" not in got.headers
+        assert status == 400  # the engine's own verdict on a body that is not a request
+        await r.check_recovered()
+
+
+async def test_a_body_shorter_once_inflated_is_sent_with_its_own_length() -> None:
+    body = json.dumps(client_body()).encode()
+    packed = gzip.compress(body + b" " * 4096, mtime=0)  # inflates to far more
+    deflated = zlib.compress(body)
+    assert len(deflated) < len(body)
+    async with rig(read_timeout_s=5.0) as r:
+        for coding, data, sent in (("gzip", packed, body + b" " * 4096),
+                                   ("deflate", deflated, body)):
+            status, _, _ = await send_raw(r, post_head(
+                COMPLETIONS, len(data), target=None,
+                extra=f"Content-Encoding: {coding}\r\n") + data)
+            assert status == 200
+            got = await r.decode.recorder.next_request(COMPLETIONS)
+            assert got.body == sent and got.headers["Content-Length"] == str(len(sent))
+            assert "Content-Encoding" not in got.headers
+        await r.check_recovered()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_pd_legs_never_carry_the_clients_content_encoding(stream: bool) -> None:
+    body = json.dumps(client_body(stream=stream)).encode()
+    packed = gzip.compress(body, mtime=0)
+    async with rig() as r:
+        status, _, reply = await send_raw(r, post_head(
+            COMPLETIONS, len(packed), target=r.target,
+            extra="Content-Encoding: gzip\r\n") + packed)
+        assert status == 200, reply[:300]
+        for stub in (r.prefill, r.decode):
+            got = await stub.recorder.next_request(COMPLETIONS)
+            assert "Content-Encoding" not in got.headers
+            assert got.json["prompt"] == client_body()["prompt"]
+            assert got.headers["Content-Length"] == str(len(got.body))
+        await r.check_recovered()
+
+
+@pytest.mark.parametrize("coding", ["compress", "gzip, gzip", "x-gzip", "bogus"])
+@pytest.mark.parametrize("pd", [False, True], ids=["passthrough", "pd"])
+async def test_a_coding_the_sidecar_does_not_decode_is_415_and_reaches_no_engine(
+        coding: str, pd: bool) -> None:
+    body = json.dumps(client_body()).encode()
+    async with rig() as r:
+        target = r.target if pd else None
+        for path in (COMPLETIONS, "/v1/models-unknown"):
+            status, _, reply = await send_raw(r, post_head(
+                path, len(body), target=target,
+                extra=f"Content-Encoding: {coding}\r\n") + body)
+            assert (status, error_code(reply)) == (415, "unsupported_content_encoding")
+        # Two headers, each a coding aiohttp decodes alone.
+        status, _, reply = await send_raw(r, post_head(
+            COMPLETIONS, len(body), target=target,
+            extra="Content-Encoding: identity\r\nContent-Encoding: gzip\r\n") + body)
+        assert status in (400, 415), reply
+        assert r.prefill.recorder.on_path(COMPLETIONS) == []
+        assert r.decode.recorder.on_path(COMPLETIONS) == []
+        await r.check_recovered()
+
+
+async def test_aiohttp_inflates_exactly_the_codings_the_sidecar_counts_on() -> None:
+    """``body_encoding.INFLATED_BY_AIOHTTP`` mirrors aiohttp's parser: these codings arrive
+    inflated, every other one as sent (which the sidecar refuses)."""
+    from aiohttp import web
+
+    from sidecar.http_server.body_encoding import INFLATED_BY_AIOHTTP
+
+    async def echo(request: web.Request) -> web.Response:
+        return web.Response(body=await request.read())
+
+    app = web.Application()
+    app.router.add_post("/", echo)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = next(a[1] for a in runner.addresses if isinstance(a, tuple))
+    plain = b'{"prompt": "' + b"x" * 200 + b'"}'
+    packed = {"gzip": gzip.compress(plain), "deflate": zlib.compress(plain)}
+    try:
+        for coding, expect_inflated in (("gzip", True), ("GZip", True), ("deflate", True),
+                                        ("x-gzip", False), ("gzip, gzip", False),
+                                        ("compress", False)):
+            data = packed.get(coding.lower(), packed["gzip"])
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(f"POST / HTTP/1.1\r\nHost: x\r\nContent-Encoding: {coding}\r\n"
+                         f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n".encode()
+                         + data)
+            raw = await asyncio.wait_for(reader.read(), 10)
+            writer.close()
+            body = raw.split(b"\r\n\r\n", 1)[1]
+            assert (body == plain) is expect_inflated, coding
+            assert (coding.lower() in INFLATED_BY_AIOHTTP) is expect_inflated, coding
+    finally:
+        await runner.cleanup()
+
+
+# -- hop-by-hop by name --------------------------------------------------------------------
+
+@pytest.mark.parametrize("pd", [False, True], ids=["passthrough", "pd"])
+async def test_headers_named_in_connection_are_not_forwarded(pd: bool) -> None:
+    body = json.dumps(client_body()).encode()
+    async with rig() as r:
+        status, _, reply = await send_raw(r, post_head(
+            COMPLETIONS, len(body), target=r.target if pd else None,
+            extra="Connection: keep-alive, X-Hop-Secret,x-other-hop\r\n"
+                  "X-Hop-Secret: for the sidecar only\r\nX-Other-Hop: 1\r\n"
+                  "X-End-To-End: kept\r\n") + body)
+        assert status == 200, reply[:300]
+        stubs = (r.prefill, r.decode) if pd else (r.decode,)
+        for stub in stubs:
+            got = await stub.recorder.next_request(COMPLETIONS)
+            assert "X-Hop-Secret" not in got.headers and "X-Other-Hop" not in got.headers
+            assert got.headers["X-End-To-End"] == "kept"
+        await r.check_recovered()
+
+
+def test_engine_response_headers_named_in_connection_are_not_relayed() -> None:
+    from sidecar.core.upstream import response_headers
+
+    relayed = response_headers([("Connection", "x-engine-hop"), ("X-Engine-Hop", "1"),
+                                ("Content-Type", "application/json"), ("X-Kept", "2")])
+    assert dict(relayed) == {"Content-Type": "application/json", "X-Kept": "2"}
