@@ -1,23 +1,88 @@
 """JSON encoding for bodies the sidecar must parse or build (orjson: several times faster).
 
-Integers stay exact (TensorRT-LLM ids above 2**53 must survive a round trip); orjson refuses
-integers beyond 64 bits, which no engine sends. orjson parses documents nested up to 1,024
-levels but writes only ``MAX_DEPTH`` (254): a parsed value that goes back out (every body
-the sidecar forwards, a hand-off it merges) must be checked with ``too_deep`` first.
+Integers from -2**63 to 2**64-1 stay exact (TensorRT-LLM ids above 2**53 must survive a round
+trip). orjson parses an integer beyond that range as a float (2**64 comes back out as
+``1.8446744073709552e+19``), so a document from outside the sidecar (a client's body, a
+router's hand-off) is read with ``loads_exact``, which refuses such an integer naming where
+it was (``IntegerOutOfRange``); engines' answers, which never hold one, are read with
+``loads``. orjson parses documents nested up to 1,024 levels but writes only ``MAX_DEPTH``
+(254): a parsed value that goes back out (every body the sidecar forwards, a hand-off it
+merges) must be checked with ``too_deep`` first.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import json
+import re
+from typing import Any, Final
 
 import orjson
 
 JSONDecodeError = orjson.JSONDecodeError
 
+#: The integers every parser on the way (orjson, the engines' int64 and uint64 fields) keeps.
+INT_MIN: Final = -(2**63)
+INT_MAX: Final = 2**64 - 1
+#: An integer outside [INT_MIN, INT_MAX] has 19 digits or more (no leading zeros in JSON).
+_LONG_DIGITS: Final = re.compile(rb"[0-9]{19}")
+
+
+class IntegerOutOfRange(JSONDecodeError):
+    """A document holds an integer beyond 64 bits; ``path`` says where (``seed``,
+    ``logit_bias.50256``, ``messages[0].n``): a ``JSONDecodeError`` to any caller that does
+    not ask."""
+
+    def __init__(self, path: str, doc: str) -> None:
+        super().__init__(f"integer beyond 64 bits at {path}", doc, 0)
+        self.path = path
+
+
+class _Wide:
+    """An integer literal outside the 64-bit range, kept as text (never made an int: a
+    4,300-digit literal would exceed Python's own conversion limit)."""
+
+
+def _wide_or_int(text: str) -> int | _Wide:
+    if len(text) < 19:
+        return int(text)
+    value = int(text) if len(text) <= 21 else None
+    return value if value is not None and INT_MIN <= value <= INT_MAX else _Wide()
+
+
+def _wide_path(value: Any) -> str | None:
+    """Where the first ``_Wide`` in ``value`` is, as ``a.b[2].c`` (None: nowhere)."""
+    stack: list[tuple[Any, str]] = [(value, "")]
+    while stack:
+        item, path = stack.pop()
+        if isinstance(item, _Wide):
+            return path or "the document"
+        if isinstance(item, dict):
+            stack.extend((child, f"{path}.{key}" if path else str(key))
+                         for key, child in reversed(item.items()))
+        elif isinstance(item, list):
+            stack.extend((child, f"{path}[{index}]")
+                         for index, child in reversed(list(enumerate(item))))
+    return None
+
 
 def loads(data: bytes | bytearray | memoryview | str) -> Any:
     """Parse JSON text; raises ``JSONDecodeError`` on malformed input."""
     return orjson.loads(data)
+
+
+def loads_exact(data: bytes) -> Any:
+    """``loads``, refusing an integer beyond 64 bits (``IntegerOutOfRange``) instead of
+    turning it into a float. A document without a run of 19 digits pays one scan for it."""
+    value = orjson.loads(data)
+    if _LONG_DIGITS.search(data) is None or too_deep(value, data):
+        return value  # (too deep: refused by the caller's depth check, whatever it holds)
+    # Rare: a long digit run (a big integer, or digits inside a string). Read it again with
+    # the standard parser, whose integer hook sees every literal as written.
+    text = data.decode("utf-8")
+    path = _wide_path(json.loads(text, parse_int=_wide_or_int))
+    if path is not None:
+        raise IntegerOutOfRange(path, text)
+    return value
 
 
 def dumps(obj: Any) -> bytes:

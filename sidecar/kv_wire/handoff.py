@@ -141,7 +141,9 @@ def decode_handoff(blocks: Sequence[KVBlock]) -> DecodedHandoff:
     skipped); raises ``InvalidRequest`` when unusable."""
     payload = _handoff_payload(blocks)
     try:
-        document = jsonutil.loads(payload)
+        document = jsonutil.loads_exact(payload)
+    except jsonutil.IntegerOutOfRange as wide:
+        raise _invalid(f"{wide.path}: integer outside the 64-bit range") from None
     except jsonutil.JSONDecodeError:
         # A missing last chunk lands here too: a proper prefix of a JSON object never parses.
         raise _invalid(

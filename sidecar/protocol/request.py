@@ -95,7 +95,13 @@ class BodyChecks:
         """Parse and check a client body; raises ``InvalidRequest`` naming what is wrong
         (``trusted_router``: the hand-off fields are allowed, the router computed them)."""
         try:
-            body = jsonutil.loads(raw)
+            body = jsonutil.loads_exact(raw)
+        except jsonutil.IntegerOutOfRange as wide:
+            # orjson would have made it a float: the engines would get another number.
+            where = "".join(c if c.isprintable() else "?" for c in wide.path[:128])
+            raise InvalidRequest(
+                f"request body field {where}: integer outside the 64-bit range "
+                f"[{jsonutil.INT_MIN}, {jsonutil.INT_MAX}]") from None
         except jsonutil.JSONDecodeError:
             raise InvalidRequest("request body is not valid JSON") from None
         if not isinstance(body, dict):

@@ -257,3 +257,64 @@ def test_engine_response_headers_named_in_connection_are_not_relayed() -> None:
     relayed = response_headers([("Connection", "x-engine-hop"), ("X-Engine-Hop", "1"),
                                 ("Content-Type", "application/json"), ("X-Kept", "2")])
     assert dict(relayed) == {"Content-Type": "application/json", "X-Kept": "2"}
+
+
+# -- number fidelity -----------------------------------------------------------------------
+
+@pytest.mark.parametrize(("field", "value", "where"), [
+    ("seed", 2**64, "seed"),
+    ("seed", -(2**63) - 1, "seed"),
+    ("logit_bias", {"50256": 10**30}, "logit_bias.50256"),
+    ("stop_token_ids", [1, 2, 2**70], "stop_token_ids[2]"),
+])
+@pytest.mark.parametrize("stream", [False, True])
+async def test_an_integer_beyond_64_bits_is_refused_naming_its_field(
+        field: str, value: Any, where: str, stream: bool) -> None:
+    body = json.dumps(client_body(stream=stream, **{field: value})).encode()
+    async with rig() as r:
+        status, _, reply = await send_raw(r, post_head(COMPLETIONS, len(body),
+                                                       target=r.target) + body)
+        assert (status, error_code(reply)) == (400, "invalid_request")
+        assert f"field {where}:" in json.loads(reply)["error"]["message"]
+        assert r.prefill.recorder.on_path(COMPLETIONS) == []
+        assert r.decode.recorder.on_path(COMPLETIONS) == []
+        await r.check_recovered()
+
+
+async def test_integers_at_the_64_bit_edges_reach_both_engines_exactly() -> None:
+    extremes = {"seed": 2**64 - 1, "user": "12345678901234567890123 in a string",
+                "logit_bias": {"7": -(2**63)}}
+    body = json.dumps(client_body(**extremes)).encode()
+    async with rig() as r:
+        status, _, reply = await send_raw(r, post_head(COMPLETIONS, len(body),
+                                                       target=r.target) + body)
+        assert status == 200, reply[:300]
+        for stub in (r.prefill, r.decode):
+            got = await stub.recorder.next_request(COMPLETIONS)
+            assert b'"seed":18446744073709551615' in got.body  # the digits, not a float
+            assert b'"7":-9223372036854775808' in got.body
+            assert got.json["user"] == extremes["user"]
+        await r.check_recovered()
+
+
+async def test_passthrough_forwards_any_number_as_its_bytes() -> None:
+    body = b'{"model": "stub-model", "prompt": "x", "seed": 18446744073709551616}'
+    async with rig() as r:
+        await send_raw(r, post_head(COMPLETIONS, len(body), target=None) + body)
+        got = await r.decode.recorder.next_request(COMPLETIONS)
+        assert got.body == body
+
+
+def test_a_grpc_handoff_with_an_integer_beyond_64_bits_is_invalid() -> None:
+    from sidecar import jsonutil
+    from sidecar.errors import InvalidRequest
+    from sidecar.grpc_gen import disagg_pb2
+    from sidecar.kv_wire.handoff import HANDOFF_LAYER, decode_handoff
+
+    document = b'{"version": 1, "kind": "x", "fields": {"id": 18446744073709551616}}'
+    block = disagg_pb2.KVBlock(request_id="r", layer_idx=HANDOFF_LAYER, block_idx=0,
+                               k_data=document)
+    with pytest.raises(InvalidRequest, match=r"fields\.id: integer outside the 64-bit range"):
+        decode_handoff([block])
+    with pytest.raises(jsonutil.IntegerOutOfRange):
+        jsonutil.loads_exact(document)
