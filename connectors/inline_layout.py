@@ -58,7 +58,7 @@ NOTICE_SUFFIX = ".notify"
 PAGES_PER_BLOCK_KEY = "pages_per_block"
 #: Longest datagram a valid notice can be (a 128-character key, a space, a layer number).
 NOTICE_MAX_BYTES = 160
-_KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_KEY_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
 class LayoutError(ValueError):
@@ -67,7 +67,7 @@ class LayoutError(ValueError):
 
 def check_key(key: str) -> str:
     """Return ``key`` if it is a safe directory name, else raise ``LayoutError``."""
-    if not isinstance(key, str) or not _KEY_RE.match(key) or key in (".", ".."):
+    if not isinstance(key, str) or not _KEY_RE.fullmatch(key) or key in (".", ".."):
         raise LayoutError(f"bad inline KV key {key!r}")
     return key
 

@@ -38,7 +38,7 @@ from sidecar.grpc_server.token_stream import TokenStreamParser
 from sidecar.http1 import UpstreamError, UpstreamResponse
 from sidecar.observability.tracing import HANDOFF_SPAN, NOOP_SPAN, RELAY_SPAN, RELAYED_TOKENS
 from sidecar.protocol.context import Route
-from sidecar.protocol.request_id import REQUEST_ID_HEADER
+from sidecar.protocol.request_id import REQUEST_ID_HEADER, logged_request_id
 
 SERVICE: Final = disagg_pb2.DESCRIPTOR.services_by_name["DecodeWorker"].full_name
 METHOD: Final = f"/{SERVICE}/Decode"
@@ -105,7 +105,7 @@ class DecodeService:
     ) -> AsyncIterator[disagg_pb2.TokenStream]:
         decode_input = self.strategy.read(request)
         del request  # inline: the wire bytes live on only through the walked blocks
-        scope = self._scopes.open(METHOD, decode_input.request.request_id or "-",
+        scope = self._scopes.open(METHOD, logged_request_id(decode_input.request.request_id),
                                   context.invocation_metadata())
         trace = scope.trace
         async with contextlib.AsyncExitStack() as exits, serving(scope, context):

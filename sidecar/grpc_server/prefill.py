@@ -27,6 +27,7 @@ from sidecar.grpc_server.checks import check_rank
 from sidecar.grpc_server.rpc import Malformed, serving, tolerant
 from sidecar.protocol.context import PrefillTarget
 from sidecar.protocol.hostfmt import is_loopback_host
+from sidecar.protocol.request_id import logged_request_id
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +113,7 @@ class PrefillService:
         malformed = request if isinstance(request, Malformed) else None
         if isinstance(request, Malformed):
             request = disagg_pb2.PreFillRequest()
-        scope = self._scopes.open(METHOD, request.request_id or "-",
+        scope = self._scopes.open(METHOD, logged_request_id(request.request_id),
                                   context.invocation_metadata())
         kv_out = self._kv_out
 

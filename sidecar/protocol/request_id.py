@@ -15,13 +15,19 @@ from typing import Final
 
 REQUEST_ID_HEADER: Final = "X-Request-Id"
 
-_SAFE_REQUEST_ID: Final = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,200}$")
+_SAFE_REQUEST_ID: Final = re.compile(r"[A-Za-z0-9._:@/+=-]{1,200}")
+
+
+def logged_request_id(candidate: str | None) -> str:
+    """``candidate`` when it is a sane id, else ``-``: what a log line or span may name
+    before the request has an id of its own (a client's bytes never split a log line)."""
+    return candidate if candidate and _SAFE_REQUEST_ID.fullmatch(candidate) else "-"
 
 
 def request_id_or_new(*candidates: str | None) -> str:
     """The first sane request id among ``candidates``, else a fresh one."""
     for candidate in candidates:
-        if candidate and _SAFE_REQUEST_ID.match(candidate):
+        if candidate and _SAFE_REQUEST_ID.fullmatch(candidate):
             return candidate
     return new_request_id()
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
-_LABEL = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
+_LABEL = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ def _check_hostname(host: str, entry: str) -> str:
             "name the hosts or a network (e.g. 10.0.0.0/8:8000)"
         )
     labels = name.split(".")
-    if not name or len(name) > 253 or not all(_LABEL.match(label) for label in labels):
+    if not name or len(name) > 253 or not all(_LABEL.fullmatch(label) for label in labels):
         raise ValueError(f"allowlist entry {entry!r}: {host!r} is not a host name or IP")
     if labels[-1].isdigit():
         # All-numeric last label: a mistyped IP address (e.g. 10.0.0.256), not a name.

@@ -222,7 +222,7 @@ async def test_staging_bound_is_resource_exhausted(tmp_path: Path) -> None:
     assert area.staged_keys() == [] and area.reserved_bytes == 0
 
 
-@pytest.mark.parametrize("key", ["../x", "a/b", "", ".hidden", "x" * 129, "a b"])
+@pytest.mark.parametrize("key", ["../x", "a/b", "", ".hidden", "x" * 129, "a b", "key\n"])
 def test_unsafe_keys_are_refused(key: str) -> None:
     with pytest.raises(LayoutError):
         check_key(key)

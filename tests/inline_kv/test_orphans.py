@@ -58,12 +58,14 @@ def test_only_old_unowned_request_entries_are_removed(tmp_path: Path) -> None:
     _entry(tmp_path, "engine.json", 500, kind="file")
     _entry(tmp_path, "p-not-a-key", 500)
     _entry(tmp_path, "someone-else", 500)
+    _entry(tmp_path, f"{old_prefill}\n", 500)  # a key's pattern matches whole names
 
     removed = sweep_orphans(tmp_path, {owned}, older_than_s=90, now=NOW)
 
     assert sorted(removed) == sorted([old_prefill, old_decode, f".{socket_key}.notify"])
     assert _names(tmp_path) == sorted(
-        [owned, young, f".{owned}.notify", "engine.json", "p-not-a-key", "someone-else"]
+        [owned, young, f".{owned}.notify", "engine.json", "p-not-a-key", "someone-else",
+         f"{old_prefill}\n"]
     )
 
 

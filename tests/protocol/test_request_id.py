@@ -8,7 +8,7 @@ import uuid
 
 import pytest
 
-from sidecar.protocol.request_id import new_request_id, request_id_or_new
+from sidecar.protocol.request_id import logged_request_id, new_request_id, request_id_or_new
 
 
 def test_a_new_id_is_a_version_4_uuid_in_hex() -> None:
@@ -28,7 +28,14 @@ def test_a_sane_client_id_is_kept(given: str) -> None:
     assert request_id_or_new(given) == given
 
 
-@pytest.mark.parametrize("given", [None, "", "a" * 201, "bad id", "x\r\nInjected: 1"])
+@pytest.mark.parametrize("given", [None, "", "a" * 201, "bad id", "x\r\nInjected: 1",
+                                   "trailing-line-feed\n", "a" * 200 + "\n"])
 def test_anything_else_gets_a_fresh_id(given: str | None) -> None:
     fresh = request_id_or_new(given)
     assert fresh != given and uuid.UUID(hex=fresh).version == 4
+
+
+def test_a_log_line_names_only_a_sane_id() -> None:
+    assert logged_request_id("abc-1") == "abc-1"
+    assert logged_request_id("abc-1\n") == "-"
+    assert logged_request_id(None) == "-"

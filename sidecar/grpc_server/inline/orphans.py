@@ -23,7 +23,7 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-_KEY = re.compile(r"^(?:[pd]-[0-9a-f]{32}|\.p-[0-9a-f]{32}\.notify)$")
+_KEY = re.compile(r"(?:[pd]-[0-9a-f]{32}|\.p-[0-9a-f]{32}\.notify)")
 
 
 def _key_of(name: str) -> str:
@@ -42,7 +42,7 @@ def sweep_orphans(
     except FileNotFoundError:
         return removed
     for entry in entries:
-        if not _KEY.match(entry.name) or _key_of(entry.name) in owned:
+        if not _KEY.fullmatch(entry.name) or _key_of(entry.name) in owned:
             continue
         try:
             age = now - entry.stat(follow_symlinks=False).st_mtime
