@@ -100,8 +100,7 @@ async def _start_site(
     options: dict[str, Any] = {
         "handler_cancellation": True, "access_log": None, "shutdown_timeout": 0.1,
     }
-    runner = (web.AppRunner(app, **options) if head_timeout_s is None
-              else HeadTimeoutAppRunner(app, head_timeout_s=head_timeout_s, **options))
+    runner = HeadTimeoutAppRunner(app, head_timeout_s=head_timeout_s, **options)
     await runner.setup()
     site = web.TCPSite(runner, host, port, reuse_address=True, reuse_port=reuse_port or None,
                        ssl_context=ssl_context)

@@ -6,6 +6,20 @@
 1. ``HeadTimeoutAppRunner``: a deadline for a client's request head. The runner re-classes the
    server ``AppRunner._make_server`` built; its handler times heads by ``RequestHandler._waiter``
    and ``_request_count`` and closes a connection whose head is late.
+   The same handler overrides ``RequestHandler.handle_error``, where aiohttp answers what it
+   refuses itself (malformed framing, bare CR or LF, obs-fold, a head line over 8 KiB, a
+   body whose framing or coding breaks) and a handler's unexpected exception: the answer is
+   the taxonomy's JSON (400 ``invalid_request``; 500 ``internal_error``), never aiohttp's
+   text/plain echo of the client's bytes, and the connection is closed (aiohttp's own rule:
+   after a framing error it cannot be trusted). A refusal logs one line without the client's
+   bytes and no traceback, at most one per 10 s per worker (``LogEvery``), so no client can
+   flood the log; a handler's exception keeps aiohttp's traceback (a bug of ours).
+   A body whose chunked framing breaks while its handler reads it fails that read at once
+   (``_current_request``'s content): aiohttp queues the parse error as the next message and
+   would leave the read waiting until the body deadline.
+   The runner also wraps ``web.Server.request_handler``: a request target that is no path
+   (``CONNECT host:port``, ``OPTIONS *``, which aiohttp's router answers with a text/plain 404)
+   is refused with 400 ``invalid_request`` JSON before routing.
 2. ``StreamWithHead``: a stream's head leaves with its first chunk (``_send_headers_immediately``).
 3. ``ClientSocket``: relayed bytes written straight onto the client's transport in aiohttp's
    framing, after aiohttp wrote the head and first chunk; a full socket waits on ``drain``.
@@ -19,23 +33,92 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any, Final
 
 from aiohttp import hdrs, web
-from aiohttp.web_protocol import RequestHandler
+from aiohttp.http_exceptions import BadHttpMethod, HttpProcessingError, LineTooLong
+from aiohttp.web_protocol import RequestHandler, RequestPayloadError
+
+from sidecar.errors import InvalidRequest, SidecarError
+from sidecar.http_server.errors import error_response
+from sidecar.observability.logs import LogEvery
 
 logger = logging.getLogger(__name__)
 
+#: At most one line per this many seconds about requests aiohttp refused itself.
+REFUSAL_LOG_INTERVAL_S: Final = 10.0
+
+_Handler = Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]
+
+
+def _refusal(exc: BaseException | None) -> InvalidRequest:
+    """What the client is told about a request aiohttp refused (never its own bytes)."""
+    if isinstance(exc, LineTooLong):
+        return InvalidRequest("request line or header field too long (8190 bytes at most)")
+    if isinstance(exc, BadHttpMethod):
+        return InvalidRequest("malformed request line: not an HTTP/1.x request")
+    if isinstance(exc, RequestPayloadError):
+        return InvalidRequest("request body framing or content coding is malformed")
+    return InvalidRequest("malformed HTTP/1.1 request (framing, line endings or header syntax)")
+
+
+def _origin_form_only(handler: _Handler) -> _Handler:
+    """``handler`` for requests whose target is a path; others refused before routing."""
+
+    async def serve(request: web.BaseRequest) -> web.StreamResponse:
+        if request.method == hdrs.METH_CONNECT or not request.raw_path.startswith("/"):
+            return error_response(InvalidRequest(
+                "the request target must be a path: the sidecar is no proxy (CONNECT) and "
+                "answers no server-wide OPTIONS *"))
+        return await handler(request)
+
+    return serve
+
 
 class _HeadTimeoutHandler(RequestHandler):
-    """aiohttp's connection protocol, closing a connection whose head is late."""
+    """aiohttp's connection protocol, closing a connection whose head is late (no deadline
+    when ``head_timeout_s`` is None) and answering aiohttp's own refusals as JSON."""
 
-    __slots__ = ("_head_timeout_s", "_head_timer")
+    __slots__ = ("_head_timeout_s", "_head_timer", "_refusals")
 
-    def __init__(self, manager: web.Server, *, head_timeout_s: float, **kwargs: Any) -> None:
+    def __init__(self, manager: web.Server, *, head_timeout_s: float | None,
+                 refusals: LogEvery, **kwargs: Any) -> None:
         super().__init__(manager, **kwargs)
         self._head_timeout_s = head_timeout_s
         self._head_timer: asyncio.TimerHandle | None = None
+        self._refusals = refusals
+
+    def handle_error(self, request: web.BaseRequest, status: int = 500,
+                     exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        error: SidecarError
+        if status >= 500 and not isinstance(exc, HttpProcessingError | RequestPayloadError):
+            # A handler raised: a bug of ours, worth its traceback.
+            self.log_exception("Error handling request from %s", request.remote, exc_info=exc)
+            error = SidecarError("internal error")
+        else:
+            error = _refusal(exc)
+            left_out = self._refusals.due()
+            if left_out is not None:
+                logger.warning("refused a malformed HTTP request from %s (%s)%s",
+                               request.remote, type(exc).__name__ if exc else status,
+                               f"; {left_out} more since the last such line" if left_out
+                               else "")
+        if request.writer.output_size > 0:
+            # Part of an answer left already: no second status (aiohttp's own rule).
+            raise ConnectionError("response already started; cannot send an error response")
+        response = error_response(error)
+        response.force_close()
+        return response
+
+    def log_exception(self, *args: Any, **kw: Any) -> None:
+        # aiohttp reads a refused body's rest after the answer (its lingering close) and logs
+        # the same broken framing again with a traceback: answered already, say it quietly.
+        if isinstance(kw.get("exc_info"), HttpProcessingError | RequestPayloadError):
+            logger.debug("connection closed after a malformed request body")
+            return
+        super().log_exception(*args, **kw)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
@@ -48,15 +131,25 @@ class _HeadTimeoutHandler(RequestHandler):
         super().data_received(data)
         if self._request_count != heads_before:
             self._disarm()
+            self._fail_unfinished_body()
         elif awaiting_head and self._head_timer is None:
             self._arm()
+
+    def _fail_unfinished_body(self) -> None:
+        # A new message while the request being handled still reads its body can only be
+        # aiohttp's parse error in that body's framing (a bad chunk size): aiohttp queues
+        # it as the next message and leaves the body waiting for bytes that never come.
+        current = self._current_request
+        if current is not None and not current.content.is_eof():
+            current.content.set_exception(RequestPayloadError("malformed chunked framing"))
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self._disarm()
         super().connection_lost(exc)
 
     def _arm(self) -> None:
-        self._head_timer = self._loop.call_later(self._head_timeout_s, self._head_late)
+        if self._head_timeout_s is not None:
+            self._head_timer = self._loop.call_later(self._head_timeout_s, self._head_late)
 
     def _disarm(self) -> None:
         if self._head_timer is not None:
@@ -73,19 +166,22 @@ class _HeadTimeoutHandler(RequestHandler):
 class _HeadTimeoutServer(web.Server):
     """``web.Server`` whose connections time their request heads."""
 
-    head_timeout_s: float
+    head_timeout_s: float | None
+    refusals: LogEvery
 
     def __call__(self) -> RequestHandler:
         return _HeadTimeoutHandler(self, loop=self._loop, head_timeout_s=self.head_timeout_s,
-                                   **self._kwargs)
+                                   refusals=self.refusals, **self._kwargs)
 
 
 class HeadTimeoutAppRunner(web.AppRunner):
-    """``web.AppRunner`` whose connections are closed when a request head is late."""
+    """``web.AppRunner`` whose connections are closed when a request head is late (None: no
+    head deadline), whose refusals are JSON and whose request targets are paths."""
 
     __slots__ = ("_head_timeout_s",)
 
-    def __init__(self, app: web.Application, *, head_timeout_s: float, **kwargs: Any) -> None:
+    def __init__(self, app: web.Application, *, head_timeout_s: float | None,
+                 **kwargs: Any) -> None:
         super().__init__(app, **kwargs)
         self._head_timeout_s = head_timeout_s
 
@@ -95,6 +191,8 @@ class HeadTimeoutAppRunner(web.AppRunner):
         server.__class__ = _HeadTimeoutServer
         assert isinstance(server, _HeadTimeoutServer)
         server.head_timeout_s = self._head_timeout_s
+        server.refusals = LogEvery(REFUSAL_LOG_INTERVAL_S)
+        server.request_handler = _origin_form_only(server.request_handler)
         return server
 
 

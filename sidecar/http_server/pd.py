@@ -63,7 +63,7 @@ from sidecar.http_server.body_encoding import body_coding
 from sidecar.http_server.errors import error_response
 from sidecar.http_server.fanout import relay_fanout
 from sidecar.http_server.keys import RUNTIME
-from sidecar.http_server.proxy import proxy_to_engine
+from sidecar.http_server.proxy import MALFORMED_BODY, proxy_to_engine
 from sidecar.http_server.sse_relay import SSERelay, engine_error_reported, stream_broke
 from sidecar.http_server.stream_events import PrefillUsage
 from sidecar.observability.tracing import NOOP_SPAN, RELAY_SPAN, RELAYED_BYTES, LegSpan
@@ -98,6 +98,8 @@ async def _read_body(request: web.Request, max_bytes: int, timeout_s: float) -> 
             return await request.read()
     except web.HTTPRequestEntityTooLarge:
         raise BodyTooLarge(f"request body exceeds {max_bytes} bytes") from None
+    except web.RequestPayloadError:
+        raise MALFORMED_BODY from None
     except TimeoutError:
         raise RequestTimeout(f"request body not received within {timeout_s:g} s") from None
 

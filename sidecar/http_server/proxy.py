@@ -23,7 +23,14 @@ from aiohttp import StreamReader, web
 
 from sidecar.core.engine_calls import EngineCalls
 from sidecar.core.upstream import forwardable_headers, response_headers
-from sidecar.errors import BodyTooLarge, DecodeFailed, RequestTimeout, SidecarError, Stage
+from sidecar.errors import (
+    BodyTooLarge,
+    DecodeFailed,
+    InvalidRequest,
+    RequestTimeout,
+    SidecarError,
+    Stage,
+)
 from sidecar.http1 import UpstreamError
 from sidecar.http_server.body_encoding import BodyCoding, body_coding
 from sidecar.http_server.errors import error_response
@@ -31,6 +38,10 @@ from sidecar.http_server.keys import RUNTIME
 from sidecar.protocol.request_id import REQUEST_ID_HEADER
 
 logger = logging.getLogger(__name__)
+
+#: A body whose chunked framing or content coding breaks while it is read (aiohttp's
+#: ``RequestPayloadError``): the client's fault, told without its bytes.
+MALFORMED_BODY = InvalidRequest("request body framing or content coding is malformed")
 
 
 async def _limited_body(
@@ -46,6 +57,8 @@ async def _limited_body(
                 chunk = await content.readany()
         except TimeoutError:
             raise RequestTimeout(f"request body not received within {timeout_s:g} s") from None
+        except web.RequestPayloadError:
+            raise MALFORMED_BODY from None
         if not chunk:
             return
         received += len(chunk)

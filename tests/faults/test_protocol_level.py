@@ -26,12 +26,13 @@ import asyncio
 import contextlib
 import gzip
 import json
+import logging
 import zlib
 from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from fault_builders import Rig, client_body, rig
+from fault_builders import Rig, client_body, eventually, rig
 
 from sidecar.protocol.context import Route
 
@@ -87,6 +88,10 @@ def post_head(path: str, length: int, *, target: str | None, extra: str = "") ->
     routing = f"x-prefiller-host-port: {target}\r\n" if target else ""
     return (f"POST {path} HTTP/1.1\r\nHost: sidecar\r\nContent-Type: application/json\r\n"
             f"{routing}Content-Length: {length}\r\n{extra}\r\n").encode()
+
+
+async def gauge_is(r: Rig, value: float) -> bool:
+    return await r.inflight() == value
 
 
 def error_code(body: bytes) -> str:
@@ -309,7 +314,8 @@ def test_a_grpc_handoff_with_an_integer_beyond_64_bits_is_invalid() -> None:
     from sidecar import jsonutil
     from sidecar.errors import InvalidRequest
     from sidecar.grpc_gen import disagg_pb2
-    from sidecar.kv_wire.handoff import HANDOFF_LAYER, decode_handoff
+    from sidecar.kv_wire.handoff import decode_handoff
+    from sidecar.kv_wire.layers import HANDOFF_LAYER
 
     document = b'{"version": 1, "kind": "x", "fields": {"id": 18446744073709551616}}'
     block = disagg_pb2.KVBlock(request_id="r", layer_idx=HANDOFF_LAYER, block_idx=0,
@@ -318,3 +324,93 @@ def test_a_grpc_handoff_with_an_integer_beyond_64_bits_is_invalid() -> None:
         decode_handoff([block])
     with pytest.raises(jsonutil.IntegerOutOfRange):
         jsonutil.loads_exact(document)
+
+
+# -- aiohttp's own rejections --------------------------------------------------------------
+
+SECRET = "client-bytes-never-echoed"
+REJECTED: dict[str, bytes] = {
+    "content-length-and-chunked": (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n"
+        b"Transfer-Encoding: chunked\r\nX-S: " + SECRET.encode() + b"\r\n\r\n0\r\n\r\n"),
+    "bare-lf": b"GET /v1/models HTTP/1.1\nHost: x\nX-S: " + SECRET.encode() + b"\n\n",
+    "bare-cr": b"GET /v1/models HTTP/1.1\rX-S: " + SECRET.encode() + b"\r\n\r\n",
+    "obs-fold": b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-A: a\r\n " + SECRET.encode()
+                + b"\r\n\r\n",
+    "header-over-8k": b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Big: " + SECRET.encode()
+                      + b"a" * 9000 + b"\r\n\r\n",
+    "bad-method": b"G(T /" + SECRET.encode() + b" HTTP/1.1\r\nHost: x\r\n\r\n",
+    "tls-on-http": b"\x16\x03\x01\x00\xa5\x01\x00\x00\xa1\x03\x03" + SECRET.encode()
+                   + b"\r\n\r\n",
+    "bad-chunk-size": (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                       b"Transfer-Encoding: chunked\r\n\r\n5\r\n{\"a\":\r\n"
+                       + SECRET.encode() + b"\r\n"),
+    "connect": b"CONNECT " + SECRET.encode() + b".example:443 HTTP/1.1\r\nHost: x\r\n\r\n",
+    "options-asterisk": b"OPTIONS * HTTP/1.1\r\nHost: " + SECRET.encode() + b"\r\n\r\n",
+}
+
+
+async def answer_or_close(r: Rig, data: bytes) -> tuple[int, dict[str, str], bytes] | None:
+    """The sidecar's answer to ``data``, or None when it closed the connection unanswered."""
+    async with raw_connection(r) as (reader, writer):
+        writer.write(data)
+        await writer.drain()
+        try:
+            return await read_response(reader)
+        except asyncio.IncompleteReadError as cut:
+            assert cut.partial == b"", cut.partial
+            return None
+
+
+async def test_aiohttps_own_rejections_answer_json_without_the_clients_bytes(
+        caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG)
+    async with rig() as r:
+        for name, data in REJECTED.items():
+            answer = await answer_or_close(r, data)
+            if answer is None:
+                continue  # an unusable connection, closed: also allowed
+            status, headers, body = answer
+            assert status == 400, (name, status, body)
+            assert headers["content-type"].startswith("application/json"), name
+            assert error_code(body) == "invalid_request", name
+            assert SECRET.encode() not in body, name
+        for _ in range(8):  # a flood: one more line at most, within the interval
+            await answer_or_close(r, REJECTED["bare-lf"])
+        assert r.prefill.recorder.requests == r.prefill.recorder.requests.__class__()
+        assert not r.decode.recorder.on_path(COMPLETIONS)
+        await r.check_recovered()
+    refusals = [rec for rec in caplog.records if rec.name.endswith("aiohttp_private")
+                and rec.levelno >= logging.WARNING]
+    assert len(refusals) == 1, [rec.getMessage() for rec in refusals]
+    for record in caplog.records:
+        assert SECRET not in record.getMessage(), record.getMessage()
+        if record.levelno >= logging.WARNING:
+            assert record.exc_info is None, record.getMessage()
+        assert record.levelno < logging.ERROR, record.getMessage()
+
+
+async def test_a_body_whose_coding_breaks_is_400_and_nothing_reaches_an_engine(
+        caplog: pytest.LogCaptureFixture) -> None:
+    async with rig() as r:
+        for target in (r.target, None):
+            status, _, body = await send_raw(r, post_head(
+                COMPLETIONS, 16, target=target, extra="Content-Encoding: gzip\r\n")
+                + SECRET.encode()[:16])
+            assert (status, error_code(body)) == (400, "invalid_request")
+            assert SECRET.encode()[:16] not in body
+        # A chunked passthrough body that breaks after its first chunk reached the engine.
+        async with raw_connection(r) as (reader, writer):
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                         b"Transfer-Encoding: chunked\r\n\r\n5\r\n{\"a\":\r\n")
+            await writer.drain()
+            await eventually(lambda: gauge_is(r, 1))  # admitted, its body on the way
+            writer.write(b"zz\r\n" + SECRET.encode() + b"\r\n")
+            await writer.drain()
+            with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+                status, _, body = await read_response(reader)
+                assert (status, error_code(body)) == (400, "invalid_request")
+        assert not r.decode.recorder.on_path(COMPLETIONS)
+        assert not r.prefill.recorder.on_path(COMPLETIONS)
+        await r.check_recovered()
+    assert not [rec for rec in caplog.records if rec.levelno >= logging.ERROR]

@@ -10,7 +10,15 @@ against the installed aiohttp, one test per touch, on real loopback sockets:
    chunk (and a plain ``StreamResponse`` does send it at once: the check can fail);
 4. bytes written straight onto the client's transport between aiohttp's own writes are framed
    as aiohttp frames them: one valid chunked body for HTTP/1.1, the bare bytes for HTTP/1.0;
-   and the writer's ``drain`` is there to wait on.
+   and the writer's ``drain`` is there to wait on;
+5. aiohttp answers a request it cannot parse through ``RequestHandler.handle_error`` (status,
+   exception) and logs a broken body's lingering read through ``log_exception(...,
+   exc_info=exc)``; a plain runner answers text/plain (the check can fail);
+6. a bad chunk size after a body's first chunk is queued as the next message
+   (``_request_count`` grows) while ``_current_request`` still reads its body: plain aiohttp
+   leaves that read waiting, the runner's handler fails it;
+7. ``web.Server.request_handler`` is what each connection's handler calls: wrapped, it sees
+   ``CONNECT`` and ``OPTIONS *`` before routing.
 
 When one fails after an aiohttp upgrade, the module docstring of ``aiohttp_private`` says
 what relies on it; pyproject.toml pins the minor versions these tests passed on.
@@ -182,3 +190,99 @@ async def test_an_http10_client_gets_the_bare_bytes(
     head, _, body = raw.partition(b"\r\n\r\n")
     assert b"Transfer-Encoding" not in head
     assert body == b"data: one\n\ndata: two\n\ndata: three\n\n"
+
+
+async def _exchange(port: int, data: bytes, *, between: bytes = b"") -> bytes:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(data)
+        await writer.drain()
+        if between:
+            await asyncio.sleep(0)  # the first part is its own read on the server
+            writer.write(between)
+            await writer.drain()
+        return await asyncio.wait_for(reader.read(), 5)
+    finally:
+        writer.close()
+
+
+async def _ok(request: web.Request) -> web.Response:
+    return web.Response(text="ok")
+
+
+@pytest.mark.parametrize("runner_class", [HeadTimeoutAppRunner, web.AppRunner])
+async def test_parse_errors_reach_handle_error_and_are_json_with_the_runner(
+        runner_class: type[web.AppRunner]) -> None:
+    options: dict[str, object] = ({"head_timeout_s": None}
+                                  if runner_class is HeadTimeoutAppRunner else {})
+    runner, port = await _serve(_ok, runner_class, **options)
+    try:
+        raw = await _exchange(port, b"GET / HTTP/1.1\nHost: x\n\n")
+    finally:
+        await runner.cleanup()
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert head.split()[1] == b"400"
+    json_answer = b"application/json" in head
+    assert json_answer is (runner_class is HeadTimeoutAppRunner), raw
+    if json_answer:
+        assert b'"code":"invalid_request"' in body and b"GET /" not in body
+
+
+async def test_a_bad_chunk_size_fails_the_body_read_only_with_the_runner() -> None:
+    outcomes: list[str] = []
+
+    async def read_body(request: web.Request) -> web.Response:
+        try:
+            async with asyncio.timeout(2):
+                await request.read()
+            outcomes.append("read")
+        except TimeoutError:
+            outcomes.append("waiting")
+        except web.RequestPayloadError:
+            outcomes.append("failed")
+        return web.Response(text="done")
+
+    head = b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n"
+    for runner_class, options in ((HeadTimeoutAppRunner, {"head_timeout_s": None}),
+                                  (web.AppRunner, {})):
+        app = web.Application()
+        app.router.add_post("/", read_body)
+        runner = runner_class(app, handler_cancellation=True, **options)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = next(a[1] for a in runner.addresses if isinstance(a, tuple))
+        try:
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(head)
+            await writer.drain()
+            assert runner.server is not None
+            # The handler reads the body: no event tells it, only the handler's request.
+            while not any(handler._current_request is not None  # noqa: ASYNC110
+                          for handler in runner.server.connections):
+                await asyncio.sleep(0.01)
+            writer.write(b"zz\r\n")
+            await writer.drain()
+            expected = len(outcomes) + 1
+            # Plain aiohttp answers only after its lingering read (10 s): wait for the handler.
+            async with asyncio.timeout(5):
+                while len(outcomes) < expected:  # noqa: ASYNC110
+                    await asyncio.sleep(0.01)
+            writer.close()
+        finally:
+            await runner.cleanup()
+    assert outcomes == ["failed", "waiting"]
+
+
+async def test_the_wrapped_request_handler_sees_connect_and_asterisk_first() -> None:
+    runner, port = await _serve(_ok, HeadTimeoutAppRunner, head_timeout_s=None)
+    try:
+        assert runner.server is not None
+        assert runner.server.request_handler.__name__ == "serve"
+        for line in (b"CONNECT example.com:443 HTTP/1.1", b"OPTIONS * HTTP/1.1"):
+            raw = await _exchange(port, line + b"\r\nHost: x\r\nConnection: close\r\n\r\n")
+            assert raw.split()[1] == b"400" and b'"code":"invalid_request"' in raw, raw
+        raw = await _exchange(port, b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        assert raw.endswith(b"ok")
+    finally:
+        await runner.cleanup()
