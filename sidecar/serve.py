@@ -19,7 +19,6 @@ program holds stops start-up with one line (``PortInUse``; the supervisor checks
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import errno
 import gc
 import logging
@@ -40,6 +39,7 @@ from sidecar.http_server.app import build_http_app
 from sidecar.http_server.keys import RUNTIME
 from sidecar.http_server.ops import metrics as metrics_endpoint
 from sidecar.runtime import open_runtime
+from sidecar.tasks import cancel_and_wait
 from sidecar.tls import ReloadingServerTLS
 from sidecar.workers.identity import SOLO, WorkerIdentity
 from sidecar.workers.ports import PortInUse, check_free
@@ -163,11 +163,7 @@ async def run_server(
             if not drained:
                 logger.warning("grace period over with %d request(s) in flight",
                                runtime.admission.inflight)
-            for task in (watcher, reloader):
-                if task is not None:
-                    task.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await task
+            await cancel_and_wait(*(task for task in (watcher, reloader) if task is not None))
             if stop_grpc is not None:
                 await stop_grpc(1.0)
             await http_runner.cleanup()

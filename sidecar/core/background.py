@@ -4,13 +4,13 @@ hand-off at once while the engine call (which blocks until a decode connects) ru
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
 
 from sidecar.core.scope import Scopes
 from sidecar.errors import SidecarError, Stage
+from sidecar.tasks import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 
@@ -53,9 +53,4 @@ class BackgroundPrefills:
 
     async def close(self) -> None:
         """Cancel the background prefills still running (server stop)."""
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(*self._tasks)

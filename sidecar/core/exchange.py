@@ -17,7 +17,6 @@ the relay's read fails at once with its error, not at the engines' bootstrap tim
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -26,6 +25,7 @@ from sidecar.core.scope import Timings
 from sidecar.errors import DeadlineExceeded, DecodeFailed, PrefillFailed, SidecarError, Stage
 from sidecar.http1 import UpstreamError, UpstreamResponse
 from sidecar.protocol.context import HandoffContext
+from sidecar.tasks import cancel_and_wait
 
 
 class LegOwner(Protocol):
@@ -163,13 +163,15 @@ class PDExchange:
         self._closed = True
         if self.decode is not None:
             self.decode.close()
-        if self.prefill_task is not None:
-            await cancel_and_wait(self.prefill_task)
-        owner = self.owner
-        if owner is not None:
-            if not self.completed and self.decode is not None:
-                owner.abort(self.ctx)
-            owner.end(self.ctx)
+        try:
+            if self.prefill_task is not None:
+                await cancel_and_wait(self.prefill_task)
+        finally:  # the caller's cancellation too: the legs and ids are still ended
+            owner = self.owner
+            if owner is not None:
+                if not self.completed and self.decode is not None:
+                    owner.abort(self.ctx)
+                owner.end(self.ctx)
 
 
 def as_prefill_error(error: BaseException) -> SidecarError:
@@ -177,11 +179,3 @@ def as_prefill_error(error: BaseException) -> SidecarError:
     if isinstance(error, SidecarError):
         return error
     return PrefillFailed("prefill leg failed unexpectedly")
-
-
-async def cancel_and_wait(task: asyncio.Task[Any]) -> None:
-    """Cancel ``task`` if it still runs and wait for it, raising nothing of its own."""
-    if not task.done():
-        task.cancel()
-    with contextlib.suppress(BaseException):
-        await task

@@ -15,13 +15,16 @@ bounded queue, so a slow client slows every leg alike; the interleaving follows 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Final
 
-from sidecar.core.exchange import PDExchange, cancel_and_wait
+from sidecar.core.exchange import PDExchange
 from sidecar.core.pd_request import PDRequest
-from sidecar.errors import SidecarError
+from sidecar.errors import DecodeFailed, SidecarError, Stage
+from sidecar.tasks import cancel_and_wait
+
+logger = logging.getLogger(__name__)
 
 #: Chunks buffered from all legs before their readers wait for the client.
 _QUEUE_CHUNKS: Final = 64
@@ -41,11 +44,7 @@ async def _first_failure(tasks: Sequence[asyncio.Task[object]]) -> None:
         done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
         for task in done:
             if not task.cancelled() and task.exception() is not None:
-                for other in pending:
-                    other.cancel()
-                for other in pending:
-                    with contextlib.suppress(BaseException):
-                        await other
+                await cancel_and_wait(*pending)
                 error = task.exception()
                 assert error is not None
                 raise error
@@ -65,8 +64,7 @@ class FanOut:
         try:
             await _first_failure(tasks)
         finally:
-            for task in tasks:
-                await cancel_and_wait(task)
+            await cancel_and_wait(*tasks)
         return [task.result() for task in tasks]
 
     @staticmethod
@@ -92,8 +90,7 @@ class FanOut:
                     remaining -= 1
                 yield item
         finally:
-            for reader in readers:
-                await cancel_and_wait(reader)
+            await cancel_and_wait(*readers)
 
     @staticmethod
     async def _pump(k: int, exchange: PDExchange,
@@ -103,6 +100,12 @@ class FanOut:
                 await queue.put((k, chunk))
         except SidecarError as error:
             await queue.put(error)
+            return
+        except Exception:
+            # Whatever ends a reader ends its leg for the consumer, or chunks() waits for ever.
+            logger.exception("sub-request %d: decode stream reader failed", k)
+            await queue.put(DecodeFailed("decode stream failed unexpectedly",
+                                         stage=Stage.DECODE))
             return
         await queue.put((k, None))
 
@@ -122,11 +125,11 @@ async def start_all(start: StartOne, requests: Sequence[PDRequest]) -> FanOut:
     try:
         await _first_failure(tasks)
     except BaseException:
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(BaseException):
-                exchange = await task
-                await exchange.aclose()
+        try:
+            await cancel_and_wait(*tasks)
+        finally:  # the caller's cancellation too: pairs that had started are closed
+            for task in tasks:
+                if not task.cancelled() and task.exception() is None:
+                    await task.result().aclose()
         raise
     return FanOut([task.result() for task in tasks])

@@ -36,7 +36,7 @@ from sidecar.config.limits import PrefillFailurePolicy
 from sidecar.core.background import BackgroundPrefills
 from sidecar.core.engine_calls import EngineCalls, PrefillLeg
 from sidecar.core.engine_health import EngineHealth
-from sidecar.core.exchange import PDExchange, as_prefill_error, cancel_and_wait
+from sidecar.core.exchange import PDExchange, as_prefill_error
 from sidecar.core.local_prefill import LocalPrefill
 from sidecar.core.pd_request import FlowCounters, Handoff, PDRequest
 from sidecar.core.ranks import LegRanks
@@ -55,6 +55,7 @@ from sidecar.http1 import UpstreamResponse
 from sidecar.observability.logs import LogEvery
 from sidecar.observability.tracing import HANDOFF_SPAN, NOOP_TRACE, RequestTrace
 from sidecar.protocol.context import FrontDoor, HandoffContext, PrefillTarget, Route
+from sidecar.tasks import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 
@@ -305,11 +306,12 @@ class PDFlow:
                         raise as_prefill_error(error)
             decode = decode_task.result()
         except BaseException:
-            await cancel_and_wait(decode_task)
-            await cancel_and_wait(prefill_task)
-            if decode_task.done() and not decode_task.cancelled() and (
-                    decode_task.exception() is None):
-                decode_task.result().close()  # its head came in the turn the prefill failed
+            try:
+                await cancel_and_wait(decode_task, prefill_task)
+            finally:
+                if decode_task.done() and not decode_task.cancelled() and (
+                        decode_task.exception() is None):
+                    decode_task.result().close()  # its head came as the prefill failed
             raise
         timings.decode_first_byte = time.perf_counter() - started
         if prefill_task.done():

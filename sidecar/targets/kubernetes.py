@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from sidecar.targets.allowlist import Allowlist, IPAddress
+from sidecar.tasks import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 
@@ -269,8 +270,8 @@ async def watched_pod_allowlist(
                            "it arrives", selector)
         yield allowlist
     finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        if owned is not None:
-            await owned.close()
+        try:
+            await cancel_and_wait(task)
+        finally:
+            if owned is not None:
+                await owned.close()

@@ -302,3 +302,32 @@ async def test_aclose_after_a_prefill_failure_aborts() -> None:
             pass
     await exchange.aclose()
     assert owner.calls == [("abort", CTX), ("end", CTX)]
+
+
+async def test_aclose_cancelled_by_its_caller_still_ends_the_legs_then_raises() -> None:
+    """The caller's cancellation, while the prefill is still stopping, propagates (it was
+    swallowed: a cancelled relay returned normally) and the legs and state are still ended."""
+    owner = Owner()
+    stopping, release = asyncio.Event(), asyncio.Event()
+
+    async def slow_prefill() -> dict[str, Any]:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            stopping.set()
+            await release.wait()
+            raise
+        return {}
+
+    task = asyncio.ensure_future(slow_prefill())
+    await asyncio.sleep(0)
+    exchange = exchange_of(FakeUpstream(b"data: 1\n\n"), owner=owner, prefill_task=task)
+    closing = asyncio.ensure_future(exchange.aclose())
+    await stopping.wait()
+    closing.cancel()
+    await asyncio.sleep(0)
+    release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await closing
+    assert task.cancelled()
+    assert owner.calls == [("abort", CTX), ("end", CTX)]

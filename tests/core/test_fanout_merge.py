@@ -206,3 +206,31 @@ async def test_aclose_closes_every_exchange_once() -> None:
     await fanout.aclose()
     assert all(leg.closed for leg in legs)
     assert len(owner.ended) == 3
+
+
+async def test_a_reader_ended_by_any_exception_still_ends_its_leg() -> None:
+    """Only a ``SidecarError`` reached the consumer before: a reader ended by anything else
+    left ``chunks()`` waiting for ever."""
+    legs = [FakeUpstream(), FakeUpstream()]
+    fanout = FanOut([exchange(legs[0]), exchange(legs[1])])
+    chunks = fanout.chunks()
+    legs[0].feed(RuntimeError("a bug in a reader"))
+    async with asyncio.timeout(5):
+        with pytest.raises(DecodeFailed, match="decode stream failed unexpectedly"):
+            await anext(chunks)
+    assert legs[1].read_cancelled
+
+
+async def test_start_all_cancelled_by_its_caller_closes_pairs_that_had_started() -> None:
+    owner = Owner()
+    starts = Starts(2)
+    task = asyncio.ensure_future(start_all(starts, requests(2)))
+    await starts.entered.wait()
+    first = exchange(FakeUpstream(), owner)
+    starts.held[sub_request_id("rq", 0)].set_result(first)
+    await starts.returned[sub_request_id("rq", 0)].wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert starts.cancelled == [sub_request_id("rq", 1)]
+    assert owner.ended == [first.ctx]  # the started pair was closed, its ids given back
