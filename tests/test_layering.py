@@ -44,7 +44,8 @@ MAX_MODULE_LINES = 400
 #: The layers, bottom first: a module may import from its own layer and the ones below.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("sidecar", "sidecar.jsonutil", "sidecar.errors", "sidecar.loop", "sidecar.tasks",
-     "sidecar.tls", "sidecar.grpc_gen", "sidecar.http1", "sidecar.protocol"),
+     "sidecar.ttl_cache", "sidecar.tls", "sidecar.grpc_gen", "sidecar.http1",
+     "sidecar.protocol"),
     ("sidecar.dialects", "sidecar.observability", "sidecar.kv_wire"),
     ("sidecar.targets",),
     ("sidecar.config",),

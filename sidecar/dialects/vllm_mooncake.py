@@ -14,8 +14,10 @@ docs/handoffs.md#vllm-mooncake, confirmed against vLLM's ``MooncakeConnectorMeta
                                   remote_engine_id: E}
 
 ``E`` comes from the prefill's bootstrap server, ``GET <remote_bootstrap_addr>/query``,
-fetched through the core's ``EngineLookup`` and cached here (``EngineIdCache``: ids change
-when an engine restarts, so entries expire after a minute). ``engine_id_from_query`` reads
+fetched through the core's ``EngineLookup`` and cached here (``EngineIdCache``, on
+``sidecar.ttl_cache``: one ``/query`` in flight per host and rank however many requests wait
+for it; ids change when an engine restarts, so entries expire after a minute and are
+evicted). ``engine_id_from_query`` reads
 both answer shapes vLLM has shipped:
 
     {"<dp_rank>": {"engine_id": E, "worker_addr": {...}, ...}, ...}     (dict[int, EngineEntry])
@@ -38,7 +40,6 @@ only after a restart, which the expiry covers).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
@@ -58,6 +59,7 @@ from sidecar.errors import InvalidHandoff, SidecarError, Stage
 from sidecar.protocol.context import HandoffContext, Route
 from sidecar.protocol.hostfmt import http_url
 from sidecar.protocol.request_id import new_request_id
+from sidecar.ttl_cache import SingleFlightTTLCache
 
 ENGINE_ID: Final = "engine_id"
 QUERY_PATH: Final = "/query"
@@ -143,22 +145,15 @@ def new_transfer_id() -> str:
 
 class EngineIdCache:
     """``(host:port, rank) -> engine id`` for ``ttl_s`` seconds, asked through an
-    ``EngineLookup``."""
+    ``EngineLookup``, one ``/query`` at a time per key."""
 
     def __init__(self, lookup: EngineLookup, *, ttl_s: float = ENGINE_ID_TTL_S) -> None:
         self._lookup = lookup
-        self._ttl_s = ttl_s
-        self._entries: dict[tuple[str, int], tuple[float, str]] = {}
+        self._ids: SingleFlightTTLCache[tuple[str, int], str] = SingleFlightTTLCache(ttl_s)
 
     async def get(self, bootstrap_addr: str, dp_rank: int = 0) -> str:
-        key = (bootstrap_addr, dp_rank)
-        entry = self._entries.get(key)
-        now = time.monotonic()
-        if entry is not None and entry[0] > now:
-            return entry[1]
-        engine_id = await self._query(bootstrap_addr + QUERY_PATH, dp_rank)
-        self._entries[key] = (now + self._ttl_s, engine_id)
-        return engine_id
+        return await self._ids.get((bootstrap_addr, dp_rank),
+                                   lambda: self._query(bootstrap_addr + QUERY_PATH, dp_rank))
 
     async def _query(self, url: str, dp_rank: int) -> str:
         try:

@@ -1,0 +1,100 @@
+"""A small async cache of looked-up values: one look-up in flight per key, entries that
+expire, bounded memory.
+
+    cache = SingleFlightTTLCache[tuple[str, int], str](ttl_s=60.0)
+    value = await cache.get(key, lambda: look_up(key))
+
+- single flight: while a look-up for ``key`` runs, every other ``get(key)`` waits for that
+  one (50 concurrent first requests make one call, not 50). The look-up runs as a task of
+  its own, so a caller that goes away cancels neither it nor the others' wait; its failure
+  reaches every waiter and is not cached (the next ``get`` asks again);
+- expiry: a value is served for ``ttl_s`` seconds after it arrived; expired entries are
+  evicted by a sweep at most once per ``ttl_s`` (amortised into ``get``), so keys asked once
+  do not stay for ever;
+- bound: at most ``max_entries`` values; past it the oldest goes first.
+
+Built for dialects' side-channel look-ups (the Mooncake engine id; any dialect's identity
+look-up). Deliberate limits: no per-entry TTL; no negative caching.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Hashable
+from typing import Any, Generic, TypeVar
+
+from sidecar.tasks import cancel_and_wait
+
+K = TypeVar("K", bound=Hashable)
+V = TypeVar("V")
+
+
+class SingleFlightTTLCache(Generic[K, V]):
+    """``key -> value`` for ``ttl_s`` seconds, each missing value looked up once at a time."""
+
+    def __init__(self, ttl_s: float, *, max_entries: int = 1024,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if ttl_s <= 0 or max_entries < 1:
+            raise ValueError("ttl_s must be > 0 and max_entries >= 1")
+        self._ttl_s = ttl_s
+        self._max_entries = max_entries
+        self._clock = clock
+        #: key -> (expires at, value), oldest first.
+        self._entries: dict[K, tuple[float, V]] = {}
+        self._flights: dict[K, asyncio.Task[V]] = {}
+        self._next_sweep = clock() + ttl_s
+
+    def __len__(self) -> int:
+        """Values held (expired ones not yet swept included)."""
+        return len(self._entries)
+
+    @property
+    def in_flight(self) -> int:
+        """Look-ups running now."""
+        return len(self._flights)
+
+    async def get(self, key: K, look_up: Callable[[], Awaitable[V]]) -> V:
+        """The value of ``key``: cached, or from the running look-up, or from ``look_up()``."""
+        now = self._clock()
+        if now >= self._next_sweep:
+            self._sweep(now)
+        entry = self._entries.get(key)
+        if entry is not None and entry[0] > now:
+            return entry[1]
+        flight = self._flights.get(key)
+        if flight is None:
+            flight = asyncio.ensure_future(self._fly(key, look_up))
+            flight.add_done_callback(_retrieved)  # its waiters may all have gone
+            self._flights[key] = flight
+        # Shielded: this caller's cancellation leaves the look-up to the others (and the cache).
+        return await asyncio.shield(flight)
+
+    async def _fly(self, key: K, look_up: Callable[[], Awaitable[V]]) -> V:
+        """One look-up; its value is stored before any waiter resumes (a failure is not)."""
+        try:
+            value = await look_up()
+        finally:
+            if self._flights.get(key) is asyncio.current_task():
+                del self._flights[key]
+        self._entries.pop(key, None)  # re-inserted last: the newest
+        self._entries[key] = (self._clock() + self._ttl_s, value)
+        while len(self._entries) > self._max_entries:
+            del self._entries[next(iter(self._entries))]
+        return value
+
+    def _sweep(self, now: float) -> None:
+        for key in [key for key, (expires, _) in self._entries.items() if expires <= now]:
+            del self._entries[key]
+        self._next_sweep = now + self._ttl_s
+
+    async def close(self) -> None:
+        """Stop the look-ups still running (shutdown)."""
+        flights = list(self._flights.values())
+        self._flights.clear()
+        await cancel_and_wait(*flights)
+
+
+def _retrieved(flight: asyncio.Future[Any]) -> None:
+    if not flight.cancelled():
+        flight.exception()
