@@ -70,6 +70,7 @@ class Runtime:
     #: The client-body checks (the hand-off keys every dialect owns are refused).
     body_checks: BodyChecks
     worker: WorkerIdentity = SOLO
+    _closed: bool = False
 
     @property
     def dialect(self) -> Dialect:
@@ -77,10 +78,18 @@ class Runtime:
         return self.flow.dialect
 
     async def close(self) -> None:
-        """Cancel what the flows still run in the background (server stop)."""
-        await self.flow.close()
-        if self.grpc_flow is not self.flow:
-            await self.grpc_flow.close()
+        """Cancel and wait for what the flows and engine calls still run in the background
+        (background prefills, abort calls, a dialect's look-ups); once, whichever stop path
+        comes first (the gRPC server's stop, then ``open_runtime``'s exit)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            await self.flow.close()
+            if self.grpc_flow is not self.flow:
+                await self.grpc_flow.close()
+        finally:
+            await self.calls.close()
 
 
 def _literal_members(pool: list[PrefillTarget]) -> list[PrefillTarget]:
@@ -96,11 +105,14 @@ def _literal_members(pool: list[PrefillTarget]) -> list[PrefillTarget]:
     return members
 
 
-def _admission(settings: Settings, worker: WorkerIdentity) -> Admission:
-    """The in-flight bound: this process's, or (in a pool) the whole pool's."""
+def _admission(settings: Settings, worker: WorkerIdentity,
+               resources: contextlib.AsyncExitStack) -> Admission:
+    """The in-flight bound: this process's, or (in a pool) the whole pool's (its slots' map
+    closed with ``resources``)."""
     if not worker.pooled or worker.run_dir is None:
         return Admission(settings.max_inflight)
     slots = InflightSlots.open(worker.run_dir / INFLIGHT_FILE, worker.count, worker.index)
+    resources.callback(slots.close)
     return Admission(settings.max_inflight, slots)
 
 
@@ -149,13 +161,15 @@ def _flows(settings: Settings, metrics: Metrics, calls: EngineCalls,
 async def open_runtime(
     settings: Settings, metrics: Metrics | None = None, worker: WorkerIdentity = SOLO
 ) -> AsyncIterator[Runtime]:
-    """Build the shared services; close the client session on exit."""
+    """Build the shared services; on exit stop their background work, close the pooled
+    in-flight slots, the client session and the tracer."""
     metrics = metrics or Metrics(pool_dir=pool_metrics_dir(worker.pooled))
     session = make_session(settings)
     resources = contextlib.AsyncExitStack()
     tracing = start_tracing(settings.otlp_endpoint)
+    runtime: Runtime | None = None
     try:
-        admission = _admission(settings, worker)
+        admission = _admission(settings, worker, resources)
         pool = [parse_prefill_url(url) for url in settings.prefill_urls]
         # One view of the prefill targets for the whole process: both front doors' legs count.
         breaker_states = metrics.prefill_breaker_state
@@ -226,7 +240,11 @@ async def open_runtime(
         runtime.health.on_change(lambda ready: metrics.engine_ready.set(1 if ready else 0))
         yield runtime
     finally:
-        await resources.aclose()
+        try:
+            if runtime is not None:
+                await runtime.close()  # every stop path, not only the gRPC server's
+        finally:
+            await resources.aclose()
         await session.close()
         if tracing.enabled:
             # Exporting blocks (a collector may be slow or gone): never on the event loop.

@@ -1,6 +1,8 @@
 """Ending tasks from the outside without losing the caller's own cancellation.
 
     await cancel_and_wait(task, ...)   cancel those still running, wait for all to end
+    await wait_to_the_end(future)      work that cannot be stopped (a thread): wait for it
+                                       even through the caller's cancellation, then raise that
 
 Every place that stops work it started (a leg's task, a fan-out's readers, background
 prefills, watchers at shutdown) goes through this one helper. The tasks' own outcomes
@@ -17,7 +19,9 @@ Deliberate limit: a task that ignores its cancellation holds its caller as long.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 async def cancel_and_wait(*tasks: asyncio.Future[Any]) -> None:
@@ -37,3 +41,20 @@ async def cancel_and_wait(*tasks: asyncio.Future[Any]) -> None:
             task.exception()  # retrieved: a task error nobody awaits is not "never retrieved"
     if cancelled is not None:
         raise cancelled
+
+
+async def wait_to_the_end(future: asyncio.Future[T]) -> T:
+    """``future``'s result, waited for to its end even if the caller is cancelled meanwhile
+    (work a cancellation cannot stop, such as a thread still writing files the caller removes
+    next); then the caller's cancellation is raised, if it came."""
+    cancelled: asyncio.CancelledError | None = None
+    while not future.done():
+        try:
+            await asyncio.wait({future})
+        except asyncio.CancelledError as caller_cancelled:
+            cancelled = caller_cancelled
+    if cancelled is not None:
+        if not future.cancelled():
+            future.exception()  # retrieved: the caller's cancellation is what is raised
+        raise cancelled
+    return future.result()

@@ -68,6 +68,7 @@ from sidecar.observability.tracing import (
 from sidecar.protocol.context import PrefillTarget, Route
 from sidecar.protocol.request_id import REQUEST_ID_HEADER
 from sidecar.targets.choice import HEADER_LABEL, LOCAL, Engine, TargetChoice
+from sidecar.tasks import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 
@@ -346,6 +347,10 @@ class EngineCalls:
             task = asyncio.ensure_future(self._post_abort(base + path, body, tls_name))
             self._aborts.add(task)
             task.add_done_callback(self._aborts.discard)
+
+    async def close(self) -> None:
+        """Cancel the abort calls still running and wait for them (server stop)."""
+        await cancel_and_wait(*self._aborts)
 
     async def _post_abort(self, url: str, body: Mapping[str, Any],
                           tls_name: str | None = None) -> None:

@@ -391,5 +391,9 @@ class PDFlow:
             route, body, with_headers(headers, self.dialect.decode_headers(rank)), trace, rank)
 
     async def close(self) -> None:
-        """Cancel the background prefills still running (server stop)."""
-        await self.background.close()
+        """Cancel the background prefills and the dialect's own work still running (server
+        stop)."""
+        try:
+            await self.background.close()
+        finally:
+            await self.dialect.close()

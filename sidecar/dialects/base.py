@@ -192,6 +192,9 @@ class Dialect(ABC):
     def end(self, ctx: HandoffContext) -> None:  # noqa: B027 (optional: most take nothing)
         """Give back what ``begin`` took (called once, when the request's legs are over)."""
 
+    async def close(self) -> None:  # noqa: B027 (optional: most run nothing of their own)
+        """Stop what the dialect runs of its own (a look-up in flight) at shutdown."""
+
     # -- bodies -----------------------------------------------------------------------------
 
     def prefill_body(self, client_body: Mapping[str, Any], ctx: HandoffContext) -> dict[str, Any]:

@@ -155,6 +155,9 @@ class EngineIdCache:
         return await self._ids.get((bootstrap_addr, dp_rank),
                                    lambda: self._query(bootstrap_addr + QUERY_PATH, dp_rank))
 
+    async def close(self) -> None:
+        await self._ids.close()
+
     async def _query(self, url: str, dp_rank: int) -> str:
         try:
             status, raw = await self._lookup.get(url, max_bytes=_MAX_QUERY_BYTES)
@@ -195,6 +198,10 @@ class MooncakeDialect(VLLMDialect):
 
     def begin(self, ctx: HandoffContext) -> HandoffContext:
         return ctx.with_state(MooncakeState(self.new_transfer_id()))
+
+    async def close(self) -> None:
+        if self.engine_ids is not None:
+            await self.engine_ids.close()
 
     async def look_up(self, ctx: HandoffContext) -> HandoffContext:
         state = _state(ctx)

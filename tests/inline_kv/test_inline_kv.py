@@ -208,6 +208,43 @@ async def test_staging_cleans_up_after_cancel(tmp_path: Path) -> None:
     assert area.staged_keys() == [] and area.reserved_bytes == 0
 
 
+async def test_a_stage_cancelled_while_writing_waits_for_its_writer_then_cleans_up(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The writer thread cannot be cancelled: removing the directory while it still wrote
+    left the files it wrote afterwards on the volume."""
+    import threading
+
+    kv = parse_blocks(stream(), max_blocks=100)
+    area = StagingArea(tmp_path, max_bytes=1 << 30)
+    writing, release, written = threading.Event(), threading.Event(), threading.Event()
+    write = StagingArea._write
+
+    def slow_write(directory: Path, kv: object, key: str) -> None:
+        writing.set()
+        release.wait(10)
+        try:
+            write(directory, kv, key)  # type: ignore[arg-type]
+        finally:
+            written.set()
+
+    monkeypatch.setattr(StagingArea, "_write", staticmethod(slow_write))
+
+    async def decode() -> None:
+        async with area.stage(kv):
+            pass  # pragma: no cover (cancelled while writing)
+
+    task = asyncio.ensure_future(decode())
+    assert await asyncio.to_thread(writing.wait, 10)
+    task.cancel()
+    await asyncio.sleep(0)  # the cancellation is delivered while the thread writes
+    release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert written.is_set()  # the stage ended after its writer, not before
+    assert await asyncio.to_thread(written.wait, 10)
+    assert area.staged_keys() == [] and area.reserved_bytes == 0
+
+
 async def test_staging_bound_is_resource_exhausted(tmp_path: Path) -> None:
     kv = parse_blocks(stream(), max_blocks=100)
     area = StagingArea(tmp_path, max_bytes=kv.nbytes + kv.nbytes // 2)

@@ -23,6 +23,7 @@ from pathlib import Path
 from connectors.inline_layout import META_FILE, InlineMeta, layer_file, write_atomic
 from sidecar.errors import ResourceExhausted, Stage
 from sidecar.grpc_server.inline.wire import InlineKV, Tile
+from sidecar.tasks import wait_to_the_end
 
 #: Buffers per ``writev`` call (the POSIX minimum of IOV_MAX; Linux allows 1024).
 _IOV_MAX = 1024
@@ -73,7 +74,10 @@ class StagingArea:
         key = self._reserve(kv.nbytes)
         directory = self.root / key
         try:
-            await asyncio.to_thread(self._write, directory, kv, key)
+            # A cancelled caller must not remove the directory while the thread still writes
+            # into it (it would write on, after the removal): the write ends first.
+            await wait_to_the_end(asyncio.ensure_future(
+                asyncio.to_thread(self._write, directory, kv, key)))
             # Written: this frame no longer keeps the tiles (or the request they view) alive.
             del kv
             yield key
