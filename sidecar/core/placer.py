@@ -23,7 +23,6 @@ from sidecar.core.placement import (
     UNKNOWN_PROMPT,
     Decision,
     Facts,
-    Fate,
     PromptFacts,
     Rules,
     Targets,
@@ -97,7 +96,7 @@ class Placer:
     def route_fate(self, route: Route, has_targets: bool, request_id: str) -> Decision | None:
         """What the route alone decides (None: ``place`` decides on the body)."""
         decision = route_fate(route, self._route_support(route), has_targets, self._engine)
-        if decision is not None and decision.fate is not Fate.PASSTHROUGH:
+        if decision is not None:
             _log(request_id, decision)
         return decision
 
