@@ -137,4 +137,6 @@ class Placer:
 
 def _log(request_id: str, decision: Decision) -> None:
     if logger.isEnabledFor(logging.DEBUG):
-        logger.debug("request %s: %s: %s", request_id, decision.outcome, decision.why)
+        cached = decision.cached_tokens
+        logger.debug("request %s: %s: %s%s", request_id, decision.outcome, decision.why,
+                     "" if cached is None else f" (cached prompt tokens: {cached})")
