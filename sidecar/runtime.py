@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from sidecar.config.settings import KVTransport, Settings
 from sidecar.core.admission import Admission
+from sidecar.core.breaker_probes import BreakerProbes
 from sidecar.core.engine_calls import EngineCalls
 from sidecar.core.engine_health import EngineHealth
 from sidecar.core.flow import PDFlow
@@ -42,7 +43,7 @@ from sidecar.observability.tracing import NoTracing, Tracing
 from sidecar.protocol.context import FrontDoor, PrefillTarget
 from sidecar.protocol.request import BodyChecks
 from sidecar.targets.allowlist import Allowlist
-from sidecar.targets.breaker import CircuitBreakers
+from sidecar.targets.breaker import BreakerState, CircuitBreakers
 from sidecar.targets.choice import HEADER_LABEL, TargetChoice
 from sidecar.targets.ranks import RankChoice
 from sidecar.targets.selector import AllowlistLike, TargetSelector, parse_prefill_url
@@ -190,15 +191,21 @@ async def open_runtime(
         pool = [parse_prefill_url(url) for url in settings.prefill_urls]
         # One view of the prefill targets for the whole process: both front doors' legs count.
         breaker_states = metrics.prefill_breaker_state
+        # An open breaker's target is probed, so a recovered engine gets legs at once.
+        probes = BreakerProbes(session, timeout_s=min(settings.connect_timeout_s, 2.0))
+        resources.push_async_callback(probes.close)
 
-        def breaker_changed(target: PrefillTarget, *_: object) -> None:
+        def breaker_changed(target: PrefillTarget, _: BreakerState, new: BreakerState,
+                            __: str) -> None:
             label = choice.label(target)
             metrics.labelled(breaker_states, label).set(choice.breaker_state(label))
+            probes.changed(target, new)
 
         breakers = CircuitBreakers(
             failures=settings.prefill_breaker_failures, open_s=settings.prefill_breaker_open_s,
             successes=settings.prefill_breaker_successes, on_change=breaker_changed,
         )
+        probes.breakers = breakers
         choice = TargetChoice(cooldown_s=settings.prefill_cooldown_s,
                               pool=_literal_members(pool), breakers=breakers)
         ranks = RankChoice(cooldown_s=settings.prefill_cooldown_s)

@@ -196,7 +196,7 @@ class EngineCalls:
                 except PrefillUnreachable as error:
                     outcome = "connect_refused"
                     self.choice.refused(target)
-                    verdict.failed(error.message)
+                    verdict.failed(error.message, down=True)
                     self._log_failed_leg(leg, target, error)
                     raise
                 except SidecarError as error:

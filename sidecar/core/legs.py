@@ -79,7 +79,7 @@ def _json_headers(headers: Mapping[str, str]) -> list[tuple[str, str]]:
 
 
 #: Engine statuses that mean "this request is invalid": the client must change it.
-_CLIENT_FAULT_STATUSES = frozenset({400, 413, 422})
+_CLIENT_FAULT_STATUSES = frozenset({400, 413, 415, 422})
 #: Prefill statuses of an engine that took the request in no further (overloaded, not
 #: ready): the prefill did no work.
 _NOT_STARTED_STATUSES = frozenset({429, 503})

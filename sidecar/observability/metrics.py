@@ -88,8 +88,8 @@ class Metrics:
         self.prefill_breaker_state = Gauge(
             "disagg_prefill_breaker_state",
             "Circuit breaker of prefill targets by target (as disagg_prefill_legs_total "
-            "labels it; 'header': the worst among router-named ones): 0 closed, 1 open, "
-            "2 half-open.",
+            "labels it; 'header': the worst among router-named ones): 0 closed, 1 half-open, "
+            "2 open.",
             ["target"],
             registry=r,
             multiprocess_mode="livemax",

@@ -2,18 +2,23 @@
 stop getting them for a while.
 
     closed ──F failures in a row──▶ open ──cool-down──▶ half-open ──S trial legs ok──▶ closed
-                                     ▲                      │ a trial leg failed
+                                     ▲  └─probe: down, then ok─▶│ a trial leg failed
                                      └──cool-down doubled───┘ (up to 8 x the first)
 
     breakers.allows(target)         may a leg go there now (a pick's filter; changes nothing)
-    breakers.admit(target)          at a leg's start: NORMAL, TRIAL (the one half-open leg)
-                                    or None (open, or a trial already running)
+    breakers.admit(target)          at a leg's start: an ``Admission`` (normal, or the one
+                                    half-open trial leg) or None (open, or a trial running)
     breakers.settle(target, admission, ok)   the leg's verdict: True, False, None (neither)
+    breakers.probed(target, healthy)   a health probe's answer (``core.breaker_probes``, only
+                                    while open): healthy after down ends the cool-down now
 
 What counts as a failure is the caller's to say (``sidecar.core.engine_calls``: 5xx, resets,
 garbage, deadlines, refused or unreachable connects; never a 4xx, a 429 or a cancelled leg).
-Only verdicts of legs admitted in the current state count: a leg that started before the
-breaker opened says nothing about the open breaker. Every change of state is logged (with
+Only verdicts of legs admitted in the current state count: every change of state starts a
+new epoch, an ``Admission`` carries the epoch it was given in, and a verdict of another epoch
+says nothing (a leg that started before the breaker opened, or before an open, half-open,
+closed cycle, is no fresh failure). A breaker that has changed state is remembered while
+closed (its epoch), within the same bound. Every change of state is logged (with
 the words "circuit breaker", the target and why) and goes to ``on_change(target, old, new,
 why)`` (the caller exports it).
 
@@ -32,7 +37,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from enum import Enum, IntEnum
+from enum import IntEnum
 
 from sidecar.protocol.context import PrefillTarget
 
@@ -44,26 +49,32 @@ _MAX_TRACKED = 4096
 
 
 class BreakerState(IntEnum):
-    """A target's breaker, as ``disagg_prefill_breaker_state`` exports it."""
+    """A target's breaker, as ``disagg_prefill_breaker_state`` exports it: numbered by
+    severity, so that the highest value over several targets or workers is the worst."""
 
     CLOSED = 0
-    OPEN = 1
-    HALF_OPEN = 2
+    HALF_OPEN = 1
+    OPEN = 2
 
 
 #: How bad a state is, for a label that covers several targets (open is the worst).
-SEVERITY = {BreakerState.CLOSED: 0, BreakerState.HALF_OPEN: 1, BreakerState.OPEN: 2}
+SEVERITY = {state: int(state) for state in BreakerState}
 
 
 _VERBS = {BreakerState.OPEN: "opened", BreakerState.HALF_OPEN: "half-open",
           BreakerState.CLOSED: "closed"}
 
 
-class Admission(Enum):
-    """How a leg was let through."""
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """How a leg was let through: as a trial or not, in which epoch of its breaker."""
 
-    NORMAL = "normal"
-    TRIAL = "trial"
+    trial: bool = False
+    epoch: int = 0
+
+
+#: A leg let through with no breaker to ask (breakers off).
+NORMAL = Admission()
 
 
 #: ``on_change(target, old, new, why)``.
@@ -78,6 +89,10 @@ class _Breaker:
     open_until: float = 0.0
     open_s: float = 0.0
     trial_running: bool = False
+    #: The epoch of its last change of state (0: never changed).
+    epoch: int = 0
+    #: A probe of this open spell found the engine down (its next healthy answer is news).
+    seen_down: bool = False
 
 
 class CircuitBreakers:
@@ -98,6 +113,8 @@ class CircuitBreakers:
         self._on_change = on_change
         self._clock = clock
         self._breakers: dict[PrefillTarget, _Breaker] = {}
+        #: Every change of state of any breaker takes the next epoch.
+        self._epochs = 0
 
     @property
     def enabled(self) -> bool:
@@ -128,27 +145,51 @@ class CircuitBreakers:
 
     def admit(self, target: PrefillTarget) -> Admission | None:
         breaker = self._breakers.get(target)
-        if breaker is None or breaker.state is BreakerState.CLOSED:
-            return Admission.NORMAL
+        if breaker is None:
+            return NORMAL
+        if breaker.state is BreakerState.CLOSED:
+            return Admission(epoch=breaker.epoch)
         if breaker.state is BreakerState.OPEN:
             if self._clock() < breaker.open_until:
                 return None
-            self._change(target, breaker, BreakerState.HALF_OPEN,
-                         "cool-down over: one trial leg")
-            breaker.successes = 0
+            self._half_open(target, breaker, "cool-down over: one trial leg")
         if breaker.trial_running:
             return None
         breaker.trial_running = True
-        return Admission.TRIAL
+        return Admission(trial=True, epoch=breaker.epoch)
+
+    def probed(self, target: PrefillTarget, healthy: bool) -> None:
+        """What a probe of an open breaker's target found (``core.breaker_probes``). Health
+        that never failed says nothing about legs that fail (an engine that answers
+        ``/health`` but fails its prefills): only a healthy answer after the engine was seen
+        down in this open spell (a probe unanswered, or the leg that opened it refused)
+        ends the cool-down at once (half-open: the next leg is a trial), so an engine that
+        restarts gets legs again as soon as it answers."""
+        breaker = self._breakers.get(target)
+        if breaker is None or breaker.state is not BreakerState.OPEN:
+            return
+        if not healthy:
+            breaker.seen_down = True
+            return
+        if breaker.seen_down:
+            breaker.open_until = self._clock()
+            self._half_open(target, breaker, "its health endpoint answers again: a trial leg")
+
+    def _half_open(self, target: PrefillTarget, breaker: _Breaker, why: str) -> None:
+        self._change(target, breaker, BreakerState.HALF_OPEN, why)
+        breaker.successes = 0
 
     def settle(self, target: PrefillTarget, admission: Admission, ok: bool | None,
-               why: str = "") -> None:
+               why: str = "", *, down: bool = False) -> None:
         """A leg's verdict: ``ok`` True (it answered), False (a failure showing the engine
-        unhealthy, ``why`` in words), None (neither: cancelled, or the request's own fault)."""
+        unhealthy, ``why`` in words; ``down``: its connect was refused or never accepted),
+        None (neither: cancelled, or the request's own fault)."""
         if not self.enabled:
             return
         breaker = self._breakers.get(target)
-        if admission is Admission.TRIAL:
+        if (breaker.epoch if breaker is not None else 0) != admission.epoch:
+            return  # admitted in another state of the breaker: says nothing about this one
+        if admission.trial:
             if breaker is None or breaker.state is not BreakerState.HALF_OPEN:
                 return
             breaker.trial_running = False
@@ -157,16 +198,18 @@ class CircuitBreakers:
                 if breaker.successes >= self._successes:
                     self._change(target, breaker, BreakerState.CLOSED,
                                  f"{breaker.successes} trial leg(s) answered")
-                    self._breakers.pop(target, None)
+                    breaker.failures = 0
             elif ok is False:
                 self._open(target, breaker, min(breaker.open_s * 2, self._open_s * MAX_BACKOFF),
-                           f"the trial leg failed: {why}")
+                           f"the trial leg failed: {why}", down)
             return
         if breaker is not None and breaker.state is not BreakerState.CLOSED:
             return  # began before the breaker opened: says nothing about it now
         if ok is True:
             if breaker is not None:
-                del self._breakers[target]  # closed with no failures: nothing to remember
+                breaker.failures = 0
+                if not breaker.epoch:
+                    del self._breakers[target]  # never changed state: nothing to remember
             return
         if ok is None:
             return
@@ -177,19 +220,24 @@ class CircuitBreakers:
         breaker.failures += 1
         if breaker.failures >= self._failures:
             self._open(target, breaker, self._open_s,
-                       f"{breaker.failures} failed legs in a row, the last: {why}")
+                       f"{breaker.failures} failed legs in a row, the last: {why}", down)
 
-    def _open(self, target: PrefillTarget, breaker: _Breaker, open_s: float, why: str) -> None:
+    def _open(self, target: PrefillTarget, breaker: _Breaker, open_s: float, why: str,
+              down: bool) -> None:
         breaker.open_s = open_s
         breaker.open_until = self._clock() + open_s
         breaker.failures = 0
         breaker.trial_running = False
+        # Its last leg found it not listening: its next healthy answer is news.
+        breaker.seen_down = down
         self._change(target, breaker, BreakerState.OPEN, f"{why}; next trial in {open_s:g} s")
 
     def _track(self, target: PrefillTarget) -> _Breaker | None:
         if len(self._breakers) >= _MAX_TRACKED:
             closed = next((t for t, b in self._breakers.items()
                            if b.state is BreakerState.CLOSED), None)
+            # (a closed one forgotten loses its epoch: a leg of before its last cycle may
+            # then count; only under this many targets' pressure)
             if closed is None:
                 return None
             del self._breakers[closed]
@@ -199,6 +247,8 @@ class CircuitBreakers:
     def _change(self, target: PrefillTarget, breaker: _Breaker, new: BreakerState,
                 why: str) -> None:
         old, breaker.state = breaker.state, new
+        self._epochs += 1
+        breaker.epoch = self._epochs
         log = logger.warning if new is BreakerState.OPEN else logger.info
         log("circuit breaker of prefill target %s %s: %s", target, _VERBS[new], why)
         if self._on_change is not None:

@@ -17,7 +17,8 @@ Data-parallel ranks are chosen apart (``sidecar.targets.ranks``); the placement 
 (``sidecar.core.placement``) asks both.
 
 Deliberate limits: this process's own view (each ``--workers`` worker its own); the maps
-forget a target with nothing in flight and no cool-down. Why it picks this way, and its
+forget a target with nothing in flight and no cool-down, and hold at most 4,096 cooling
+targets (``cooling``). Why it picks this way, and its
 bounded metric labels: docs/design-notes.md#target-choice
 """
 
@@ -30,7 +31,8 @@ from collections.abc import Callable, Collection, Iterator, Sequence
 
 from sidecar.errors import PrefillBreakerOpen, PrefillFailed
 from sidecar.protocol.context import PrefillTarget
-from sidecar.targets.breaker import SEVERITY, Admission, BreakerState, CircuitBreakers
+from sidecar.targets.breaker import NORMAL, SEVERITY, BreakerState, CircuitBreakers
+from sidecar.targets.cooling import CoolDowns
 
 #: Past this many candidates two random ones are compared instead of all (power of two
 #: choices: nearly as even, and O(1) per pick however long the router's list).
@@ -42,19 +44,22 @@ HEADER_LABEL = "header"
 class LegVerdict:
     """What a prefill leg showed of its target, for the target's circuit breaker."""
 
-    __slots__ = ("ok", "why")
+    __slots__ = ("down", "ok", "why")
 
     def __init__(self) -> None:
         self.ok: bool | None = None
         self.why = ""
+        self.down = False
 
     def answered(self) -> None:
         self.ok = True
 
-    def failed(self, why: str) -> None:
-        """A failure that shows the engine unhealthy (never the request's own fault)."""
+    def failed(self, why: str, *, down: bool = False) -> None:
+        """A failure that shows the engine unhealthy (never the request's own fault);
+        ``down``: not even listening (its connect refused or never accepted)."""
         self.ok = False
         self.why = why
+        self.down = down
 
 
 class TargetChoice:
@@ -74,7 +79,7 @@ class TargetChoice:
         self._clock = clock
         self._rng = rng or random.Random()
         self._in_flight: dict[PrefillTarget, int] = {}
-        self._cool_until: dict[PrefillTarget, float] = {}
+        self._cooling: CoolDowns[PrefillTarget] = CoolDowns(cooldown_s, clock)
         self._pool_labels = {target: str(target) for target in pool}
         self.breakers = breakers if breakers is not None and breakers.enabled else None
 
@@ -82,13 +87,7 @@ class TargetChoice:
         return self._in_flight.get(target, 0)
 
     def cooling(self, target: PrefillTarget) -> bool:
-        until = self._cool_until.get(target)
-        if until is None:
-            return False
-        if self._clock() >= until:
-            del self._cool_until[target]
-            return False
-        return True
+        return self._cooling.active(target)
 
     def label(self, target: PrefillTarget) -> str:
         """The bounded metric label of ``target``: its address in the pool, else ``header``."""
@@ -146,7 +145,7 @@ class TargetChoice:
         verdict to the target's breaker; ``PrefillBreakerOpen`` (before the block) when the
         breaker lets no leg through now (open, or its one trial leg already running)."""
         breakers = self.breakers
-        admission = Admission.NORMAL if breakers is None else breakers.admit(target)
+        admission = NORMAL if breakers is None else breakers.admit(target)
         if admission is None:
             named = f" {target}" if self.label(target) == HEADER_LABEL else ""
             raise PrefillBreakerOpen(f"circuit breaker of prefill target{named} is open")
@@ -161,13 +160,12 @@ class TargetChoice:
             else:
                 del self._in_flight[target]
             if breakers is not None:
-                breakers.settle(target, admission, verdict.ok, verdict.why)
+                breakers.settle(target, admission, verdict.ok, verdict.why, down=verdict.down)
 
     def answered(self, target: PrefillTarget) -> None:
         """``target`` answered a prefill: whatever refusal it had is over."""
-        self._cool_until.pop(target, None)
+        self._cooling.end(target)
 
     def refused(self, target: PrefillTarget) -> None:
         """``target`` refused a connection: skip it for the cool-down."""
-        if self._cooldown_s > 0:
-            self._cool_until[target] = self._clock() + self._cooldown_s
+        self._cooling.start(target)

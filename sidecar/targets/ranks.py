@@ -39,6 +39,7 @@ from typing import Final
 
 from sidecar.errors import InvalidRequest
 from sidecar.protocol.context import PrefillTarget
+from sidecar.targets.cooling import CoolDowns
 
 RANK_HEADER: Final = "x-data-parallel-rank"
 #: Longer than any rank below the size bound (1024): refused before it is read as a number.
@@ -99,23 +100,14 @@ class RankChoice:
         self._cooldown_s = cooldown_s
         self._clock = clock
         self._rank_in_flight: dict[tuple[Engine, int], int] = {}
-        self._rank_cool_until: dict[tuple[Engine, int], float] = {}
+        self._rank_cooling: CoolDowns[tuple[Engine, int]] = CoolDowns(cooldown_s, clock)
         self._rank_turns: dict[Engine, int] = {}
 
     def rank_in_flight(self, engine: Engine, rank: int) -> int:
         return self._rank_in_flight.get((engine, rank), 0)
 
     def rank_cooling(self, engine: Engine, rank: int) -> bool:
-        if not self._rank_cool_until:
-            return False
-        key = (engine, rank)
-        until = self._rank_cool_until.get(key)
-        if until is None:
-            return False
-        if self._clock() >= until:
-            del self._rank_cool_until[key]
-            return False
-        return True
+        return self._rank_cooling.active((engine, rank))
 
     def pick_rank(self, engine: Engine, size: int) -> int | None:
         """The rank of ``engine`` (``size`` ranks) for its next leg; None when ``size`` is 1.
@@ -180,13 +172,11 @@ class RankChoice:
 
     def rank_answered(self, engine: Engine, rank: int) -> None:
         """A leg on ``rank`` of ``engine`` succeeded: whatever failure it had is over."""
-        if self._rank_cool_until:
-            self._rank_cool_until.pop((engine, rank), None)
+        self._rank_cooling.end((engine, rank))
 
     def rank_failed(self, engine: Engine, rank: int) -> None:
         """A leg on ``rank`` of ``engine`` failed: skip the rank for the cool-down."""
-        if self._cooldown_s > 0:
-            self._rank_cool_until[(engine, rank)] = self._clock() + self._cooldown_s
+        self._rank_cooling.start((engine, rank))
 
 
 class LegRanks:

@@ -33,7 +33,7 @@ from sidecar_builders import RunningSidecar, decode_sidecar_settings, running_si
 from sidecar.config.settings import Settings
 from sidecar.errors import PrefillBreakerOpen
 from sidecar.protocol.context import PrefillTarget, Route
-from sidecar.targets.breaker import Admission, BreakerState, CircuitBreakers
+from sidecar.targets.breaker import BreakerState, CircuitBreakers
 from sidecar.targets.choice import TargetChoice
 from sidecar.tools.stubs.server import Stub, run_stub
 
@@ -84,12 +84,12 @@ def test_half_open_lets_one_trial_at_a_time_and_closes_after_the_successes() -> 
     clock.now += 0.1
     assert breakers.allows(A)
     trial = breakers.admit(A)
-    assert trial is Admission.TRIAL and breakers.state(A) is BreakerState.HALF_OPEN
+    assert trial is not None and trial.trial and breakers.state(A) is BreakerState.HALF_OPEN
     assert breakers.admit(A) is None and not breakers.allows(A)  # one trial at a time
     breakers.settle(A, trial, True)
     assert breakers.state(A) is BreakerState.HALF_OPEN
     second = breakers.admit(A)
-    assert second is Admission.TRIAL
+    assert second is not None and second.trial
     breakers.settle(A, second, True)
     assert breakers.state(A) is BreakerState.CLOSED
     assert [new for _, new in changes] == [BreakerState.OPEN, BreakerState.HALF_OPEN,
@@ -106,10 +106,10 @@ def test_a_failed_trial_opens_it_twice_as_long_up_to_8x_and_a_cancelled_one_free
         waits.append(breakers.retry_in(A))
         clock.now += breakers.retry_in(A)
         trial = breakers.admit(A)
-        assert trial is Admission.TRIAL
+        assert trial is not None and trial.trial
         breakers.settle(A, trial, None)  # cancelled: no verdict, the trial is free again
         trial = breakers.admit(A)
-        assert trial is Admission.TRIAL
+        assert trial is not None and trial.trial
         breakers.settle(A, trial, False)
     assert waits == [10.0, 20.0, 40.0, 80.0, 80.0]
 
@@ -118,7 +118,7 @@ def test_legs_that_began_before_it_opened_say_nothing() -> None:
     clock = FakeClock()
     breakers, _ = _breakers(clock)
     early = breakers.admit(A)
-    assert early is Admission.NORMAL
+    assert early is not None and not early.trial
     for _ in range(3):
         _leg(breakers, A, False)
     breakers.settle(A, early, True)  # answered late: the breaker stays open
