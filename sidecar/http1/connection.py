@@ -31,7 +31,7 @@ from typing import cast
 import httptools
 
 from sidecar.http1.deadlines import Deadlines
-from sidecar.http1.errors import UpstreamBroken, UpstreamError, UpstreamProtocolError
+from sidecar.http1.errors import UpstreamBroken, UpstreamProtocolError
 
 #: Queued body bytes above which the socket stops being read until the reader catches up.
 _HIGH_WATER = 256 * 1024
@@ -125,7 +125,15 @@ class Connection(Deadlines, asyncio.Protocol):
                 data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
                 chunks.clear()  # the same list again: no new object for the collector
                 self._buffered = 0
-                if not sink(data):
+                try:
+                    taken = sink(data)
+                except Exception as exc:
+                    # The sink's own failure (rewriting the stream), not the engine's: raised
+                    # as itself by pipe(). Escaping here it became asyncio's "fatal error"
+                    # and read as "engine closed the connection".
+                    self._fail(exc)
+                    return
+                if not taken:
                     self.sink_refused()
         if self._waiter is not None:
             self._wake()
@@ -318,7 +326,7 @@ class Connection(Deadlines, asyncio.Protocol):
 
     # ---- internals -----------------------------------------------------------------------
 
-    def _fail(self, error: UpstreamError) -> None:
+    def _fail(self, error: Exception) -> None:
         if self._error is None:
             self._error = error
         head = self._head

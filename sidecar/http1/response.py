@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 
 from sidecar.http1.connection import Connection
+from sidecar.http1.errors import UpstreamError
 
 
 class UpstreamResponse:
@@ -97,6 +98,9 @@ class UpstreamResponse:
         conn.set_sink(sink)
         try:
             while True:
+                error = conn.error
+                if error is not None and not isinstance(error, UpstreamError):
+                    raise error  # the sink's own failure in the read callback, as itself
                 if conn.has_body:  # bytes that arrived before the sink was set
                     if not sink(conn.take_body()):
                         conn.sink_refused()

@@ -40,9 +40,10 @@ IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 PREFILL_TARGET_HEADER = "x-prefiller-host-port"
 
-_HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
-                       r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?$")
-_PORT = re.compile(r"^[0-9]{1,5}$")
+# Whole-string patterns (``fullmatch``): ``$`` would also match before a final line feed.
+_HOSTNAME = re.compile(r"(?=.{1,253}\Z)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+                       r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?")
+_PORT = re.compile(r"[0-9]{1,5}")
 _MAX_TARGETS = 16
 #: Checked literal-address selections kept (cleared whole when full: bounded memory).
 _MAX_REMEMBERED = 1024
@@ -68,12 +69,12 @@ def parse_host_port(text: str) -> PrefillTarget:
             raise InvalidRequest("x-prefiller-host-port: malformed IPv6 address") from None
     else:
         host, sep, port_text = text.rpartition(":")
-        if not sep or not _HOSTNAME.match(host):
+        if not sep or not _HOSTNAME.fullmatch(host):
             raise InvalidRequest(
                 "x-prefiller-host-port: expected HOST:PORT with no scheme, user info or path"
             )
         host = host.rstrip(".").lower()
-    if not _PORT.match(port_text) or not 1 <= int(port_text) <= 65535:
+    if not _PORT.fullmatch(port_text) or not 1 <= int(port_text) <= 65535:
         raise InvalidRequest("x-prefiller-host-port: port must be 1..65535")
     return PrefillTarget(host=host, port=int(port_text))
 

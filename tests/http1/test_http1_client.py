@@ -537,3 +537,35 @@ async def test_pipe_reports_a_break_and_a_silent_engine() -> None:
         response.close()
         await gone.wait()  # the timed-out exchange's connection was closed
         await http.close()
+
+
+async def test_a_sink_that_raises_is_reported_as_itself_not_as_the_engine(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A sink failing in the read callback (a stream rewrite) escaped ``data_received``: an
+    asyncio "fatal error", then "engine closed the connection mid-response"."""
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(CHUNKED_HEAD + b"5\r\nhello\r\n")
+        await writer.drain()
+        await asyncio.sleep(0.05)  # the second read arrives while the sink is set
+        writer.write(b"6\r\n world\r\n0\r\n\r\n")
+        await writer.drain()
+        await reader.read()
+
+    class RewriteFailed(Exception):
+        pass
+
+    def sink(data: bytes) -> bool:
+        if data.endswith(b"world"):
+            raise RewriteFailed("the usage rewrite broke")
+        return True
+
+    async def no_catch_up() -> None:
+        raise AssertionError("not reached")
+
+    async with scripted(serve) as (url, _):
+        response = await client().request("GET", url + "/stream")
+        with pytest.raises(RewriteFailed, match="usage rewrite"):
+            await response.pipe(sink, no_catch_up)
+    assert not [r for r in caplog.records if "Fatal error" in r.getMessage()]
