@@ -33,6 +33,8 @@ from sidecar.core.scope import Scopes
 from sidecar.core.upstream import make_session
 from sidecar.dialects import Dialect, DialectSetup, InlineDialect, dialect_class, handoff_keys
 from sidecar.http1 import EngineClient
+from sidecar.kv_events.engine_cache import EngineKVCache
+from sidecar.kv_events.subscriber import EndpointUnavailable, open_kv_events
 from sidecar.observability.metrics import Metrics, pool_metrics_dir
 from sidecar.observability.otlp import start_tracing
 from sidecar.observability.tracing import NoTracing, Tracing
@@ -43,6 +45,7 @@ from sidecar.targets.breaker import CircuitBreakers
 from sidecar.targets.choice import HEADER_LABEL, TargetChoice
 from sidecar.targets.selector import AllowlistLike, TargetSelector, parse_prefill_url
 from sidecar.workers.identity import INFLIGHT_FILE, SOLO, WorkerIdentity
+from sidecar.workers.ports import PortInUse
 from sidecar.workers.shared_inflight import InflightSlots
 
 logger = logging.getLogger(__name__)
@@ -70,6 +73,8 @@ class Runtime:
     #: The client-body checks (the hand-off keys every dialect owns are refused).
     body_checks: BodyChecks
     worker: WorkerIdentity = SOLO
+    #: The local engine's prefix cache from its KV events (``--kv-events-endpoint``), or None.
+    kv_cache: EngineKVCache | None = None
 
     @property
     def dialect(self) -> Dialect:
@@ -102,6 +107,22 @@ def _admission(settings: Settings, worker: WorkerIdentity) -> Admission:
         return Admission(settings.max_inflight)
     slots = InflightSlots.open(worker.run_dir / INFLIGHT_FILE, worker.count, worker.index)
     return Admission(settings.max_inflight, slots)
+
+
+async def _kv_cache(settings: Settings, metrics: Metrics,
+                    resources: contextlib.AsyncExitStack) -> EngineKVCache | None:
+    """The index fed by the local engine's KV events, its subscriber closed with ``resources``;
+    None without ``--kv-events-endpoint``."""
+    if settings.kv_events_endpoint is None:
+        return None
+    try:
+        subscriber = await resources.enter_async_context(open_kv_events(
+            settings.kv_events_endpoint, settings.kv_events_replay_endpoint,
+            topic=settings.kv_events_topic or "", max_blocks=settings.kv_events_max_blocks,
+            metrics=metrics))
+    except EndpointUnavailable as exc:
+        raise PortInUse(str(exc)) from None
+    return subscriber.cache
 
 
 def data_parallel_ranks(settings: Settings, ranked: bool) -> tuple[int, int]:
@@ -156,6 +177,7 @@ async def open_runtime(
     tracing = start_tracing(settings.otlp_endpoint)
     try:
         admission = _admission(settings, worker)
+        kv_cache = await _kv_cache(settings, metrics, resources)
         pool = [parse_prefill_url(url) for url in settings.prefill_urls]
         # One view of the prefill targets for the whole process: both front doors' legs count.
         breaker_states = metrics.prefill_breaker_state
@@ -222,6 +244,7 @@ async def open_runtime(
             worker=worker,
             tracing=tracing,
             body_checks=BodyChecks(handoff_keys()),
+            kv_cache=kv_cache,
         )
         runtime.health.on_change(lambda ready: metrics.engine_ready.set(1 if ready else 0))
         yield runtime

@@ -46,7 +46,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("sidecar", "sidecar.jsonutil", "sidecar.errors", "sidecar.loop", "sidecar.tls",
      "sidecar.grpc_gen", "sidecar.http1", "sidecar.protocol"),
     ("sidecar.dialects", "sidecar.observability", "sidecar.kv_wire"),
-    ("sidecar.targets",),
+    ("sidecar.targets", "sidecar.kv_events"),
     ("sidecar.config",),
     ("sidecar.workers",),
     ("sidecar.core",),
