@@ -93,10 +93,17 @@ class EngineKVCache:
 
     # What the subscriber feeds.
 
+    def wants(self, topic: bytes) -> bool:
+        """Whether a message of ``topic`` is this cache's (else counted and dropped, before it
+        is decoded: another stream's message is no gap in this one)."""
+        if self.topic and topic != self.topic:
+            self._batch(OTHER_TOPIC)
+            return False
+        return True
+
     def receive(self, message: Message) -> Gap | None:
         """Apply ``message`` if it is next; a ``Gap`` when batches are missing before it."""
-        if message.topic != self.topic and self.topic:
-            self._batch(OTHER_TOPIC)
+        if not self.wants(message.topic):
             return None
         rank = message.batch.data_parallel_rank
         if rank is not None:

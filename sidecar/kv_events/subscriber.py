@@ -141,6 +141,9 @@ class KVEventsSubscriber:
     async def _read(self) -> None:
         while True:
             frames = await self._sub.recv_multipart()
+            if frames and not self.cache.wants(frames[0]):
+                self._handled.set()
+                continue
             try:
                 message = decode_message(frames)
             except MalformedMessage as exc:
