@@ -20,6 +20,21 @@ import zmq.asyncio
 
 TOKENS = list(range(1000, 1064))
 
+#: ``msgspec.msgpack.encode(KVEventBatch(ts=1.5, events=[BlockStored(block_hashes=[b"\\x01" *
+#: 32, 7], parent_block_hash=None, token_ids=[1, 2, 3, 4], block_size=2, lora_id=None,
+#: medium="GPU", lora_name=None, extra_keys=[None, None], group_idx=0), BlockRemoved(
+#: block_hashes=[7], medium="GPU", group_idx=0), AllBlocksCleared()], data_parallel_rank=0))``
+#: in vLLM 0.32.0's venv.
+VLLM_0_32_BATCH = bytes.fromhex(
+    "93cb3ff8000000000000938aa474797065ab426c6f636b53746f726564ac626c6f636b5f686173686573"
+    "92c420010101010101010101010101010101010101010101010101010101010101010107b1706172656e"
+    "745f626c6f636b5f68617368c0a9746f6b656e5f6964739401020304aa626c6f636b5f73697a6502a76c"
+    "6f72615f6964c0a66d656469756da3475055a96c6f72615f6e616d65c0aa65787472615f6b65797392c0"
+    "c0a967726f75705f6964780084a474797065ac426c6f636b52656d6f766564ac626c6f636b5f686173686573"
+    "9107a66d656469756da3475055a967726f75705f6964780081a474797065b0416c6c426c6f636b73436c65"
+    "6172656400"
+)
+
 
 def map_stored(hashes: list[Any], parent: Any, token_ids: list[int], block_size: int, *,
                lora_id: int | None = None, lora_name: str | None = None,
