@@ -8,8 +8,9 @@ a tagged struct in one of two encodings, both accepted:
 - a map with a ``"type"`` tag (vLLM 0.32: ``{"type": "BlockStored", "block_hashes": [...],
   ...}``);
 - an array whose first item is the tag (SGLang, and vLLM before the events became maps:
-  ``["BlockStored", [hashes], parent, token_ids, block_size, lora_id, medium, ...]``), the
-  fields in the same order as the map's.
+  ``["BlockStored", [hashes], parent, token_ids, block_size, lora_id, medium, X]``), the
+  first six fields as the map's; X (vLLM's ``lora_name``, SGLang's cache-salt ``metadata``)
+  is read as the blocks' extra key: present, they never match a plain prompt.
 
 Fields this sidecar does not read are ignored, fields it reads but an older publisher does not
 send default to None, so a publisher that adds fields does not break decoding. A block hash is
@@ -65,8 +66,23 @@ class AllBlocksCleared(msgspec.Struct, tag="AllBlocksCleared", omit_defaults=Tru
     """The engine dropped every cached block (a prefix-cache reset)."""
 
 
-class _BlockStoredArray(BlockStored, array_like=True, tag="BlockStored"):
-    pass
+class _BlockStoredArray(msgspec.Struct, array_like=True, tag="BlockStored", gc=False):
+    """The array encoding: the map's first six fields in order, then one item that differs by
+    publisher (vLLM: ``lora_name``; SGLang: ``metadata``, a map holding the cache salt). Any
+    value there keys the blocks (they never match a plain prompt)."""
+
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = None
+    keyed_by: Any = None
+
+    def as_event(self) -> BlockStored:
+        keys = None if self.keyed_by is None else [[self.keyed_by]] * len(self.block_hashes)
+        return BlockStored(self.block_hashes, self.parent_block_hash, self.token_ids,
+                           self.block_size, self.lora_id, self.medium, extra_keys=keys)
 
 
 class _BlockRemovedArray(BlockRemoved, array_like=True, tag="BlockRemoved"):
@@ -119,7 +135,11 @@ def decode_batch(payload: bytes) -> Batch:
             decoded = _ARRAY_DECODER.decode(payload)
         except msgspec.DecodeError:
             raise MalformedMessage(f"payload is not an event batch: {map_error}") from None
-    return Batch(list(decoded.events), decoded.data_parallel_rank)
+    events: list[Event] = [
+        event.as_event() if isinstance(event, _BlockStoredArray) else event
+        for event in decoded.events
+    ]
+    return Batch(events, decoded.data_parallel_rank)
 
 
 def decode_sequence(frame: bytes) -> int:

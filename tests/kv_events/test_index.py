@@ -10,6 +10,8 @@
 - blocks stored with a LoRA adapter (name or id), with a non-null ``extra_keys`` entry (cache
   salt, multimodal) or in another medium never match a plain prompt, nor do blocks chained
   after them; ``extra_keys`` as a list of nulls (vLLM's plain blocks) or None match;
+- SGLang's array events: a block with its cache-salt metadata or in host memory
+  (``CPU_PINNED``) never matches, a plain one does;
 - blocks of a second KV-cache group make the answers unknown; a block size other than the
   first one's is ignored; an event whose token count does not fit its blocks is ignored;
 - the cap: storing past ``max_blocks`` forgets the block stored longest ago (counted), so the
@@ -24,7 +26,15 @@ from typing import Any
 
 import msgspec
 import pytest
-from kv_event_builders import TOKENS, chain, map_cleared, map_removed, map_stored, payload
+from kv_event_builders import (
+    TOKENS,
+    array_stored,
+    chain,
+    map_cleared,
+    map_removed,
+    map_stored,
+    payload,
+)
 
 from sidecar.kv_events.index import PrefixIndex
 from sidecar.kv_events.wire import decode_batch
@@ -136,6 +146,17 @@ def test_blocks_a_plain_prompt_never_matches(event: dict[str, Any]) -> None:
     index = PrefixIndex(100)
     apply(index, event)
     assert index.cached_tokens(TOKENS) == 0
+
+
+def test_sglang_salted_and_offloaded_blocks_never_match() -> None:
+    index = PrefixIndex(100)
+    index.apply(decode_batch(payload([
+        [*array_stored([1], None, TOKENS[:4], BS), "GPU", {"cache_salt": "s"}],
+        [*array_stored([2], None, TOKENS[:4], BS), "CPU_PINNED"],
+    ], rank=None)).events)
+    assert index.cached_tokens(TOKENS) == 0
+    index.apply(decode_batch(payload([array_stored([3, 4], None, TOKENS[:8], BS)])).events)
+    assert index.cached_tokens(TOKENS) == 8
 
 
 def test_a_multimodal_block_in_the_middle_ends_the_walk() -> None:

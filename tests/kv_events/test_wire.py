@@ -4,8 +4,9 @@
   ``"type"``, bytes and int hashes, ``extra_keys`` of nulls, ``group_idx``, rank 0) decodes to
   the same events (tests/real_vllm/test_kv_events_format.py re-encodes with vLLM's classes on
   every run, so a format change breaks that test);
-- SGLang's shapes (array events with the tag first, int hashes, no medium, a batch without a
-  rank) decode to the same types, missing fields None;
+- SGLang's shapes (array events with the tag first, int hashes, with and without a medium,
+  the cache salt's metadata map after it, a batch with and without a rank) decode to the
+  same types, missing fields None, the metadata as the blocks' extra key;
 - fields the decoder does not know are ignored (a publisher that adds fields keeps working);
 - every malformed message raises ``MalformedMessage``: not three frames, a sequence not of 8
   bytes, not msgpack, an unknown tag, a wrong type.
@@ -67,6 +68,17 @@ def test_sglang_array_events() -> None:
     assert isinstance(cleared, AllBlocksCleared)
 
 
+def test_sglang_medium_and_salted_metadata() -> None:
+    salted = [*array_stored([21], None, [1, 2], 2), "GPU", {"cache_salt": "tenant-a"}]
+    plain = [*array_stored([22], None, [1, 2], 2), "CPU_PINNED"]
+    batch = decode_batch(payload([salted, plain, ["BlockRemoved", [21], "GPU"]], rank=0))
+    first, second, removed = batch.events
+    assert isinstance(first, BlockStored) and first.extra_keys == [[{"cache_salt": "tenant-a"}]]
+    assert isinstance(second, BlockStored) and second.medium == "CPU_PINNED"
+    assert second.extra_keys is None
+    assert isinstance(removed, BlockRemoved) and removed.medium == "GPU"
+
+
 def test_unknown_fields_are_ignored() -> None:
     event = {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None,
              "token_ids": [5, 6], "block_size": 2, "lora_id": None, "medium": "GPU",
@@ -77,7 +89,7 @@ def test_unknown_fields_are_ignored() -> None:
     # Arrays too: trailing items past the known fields.
     (stored,) = decode_batch(payload([[*array_stored([1], None, [5, 6], 2), "GPU", None,
                                        None, 0, "more"]])).events
-    assert isinstance(stored, BlockStored) and stored.group_idx == 0
+    assert isinstance(stored, BlockStored) and stored.extra_keys is None
 
 
 def test_message_frames() -> None:
