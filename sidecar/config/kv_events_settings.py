@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from sidecar.dialects.base import PodSource
 from sidecar.kv_events.endpoint import check_endpoint
 
-#: The default cap of the index, in blocks (about 80 MB at 16 tokens a block: see
+#: The default cap of the index, in blocks (about 45 MB at 16 tokens a block, 160 MB at 128: see
 #: docs/cache-aware.md#the-cap).
 DEFAULT_MAX_BLOCKS: Final = 131_072
 
