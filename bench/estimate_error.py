@@ -6,7 +6,7 @@ Runs where the ``tokenizers`` package is installed (the real-vLLM engine environ
 tests/real_vllm/setup_env.sh). The prompts are real English prose: the paragraphs (over 80
 characters, at most 20 per file) of the license texts in ``TEXT_DIR`` (default
 ``/usr/share/common-licenses``). For each it compares the sidecar's estimate
-(``sidecar.core.local_prefill.estimate_tokens``) with the tokenizer's count and prints the
+(``sidecar.protocol.prompt_length.estimate_tokens``) with the tokenizer's count and prints the
 relative error's mean, median, 10th and 90th percentiles, and the median bytes per token.
 
 Deliberate limits: completions prompts only (the chat estimate adds a fixed per-message

@@ -1,8 +1,9 @@
 """The shared services of one sidecar process, opened and closed together.
 
     Settings ─open_runtime()─▶ Runtime(PD flow per front door over one dialect and one set of
-                                       engine calls, scopes per front door, selector,
-                                       admission, health, metrics, tracing)
+                                       engine calls, the placement decision, scopes per
+                                       front door, selector, admission, health, metrics,
+                                       tracing)
 
 Both front doors reach engines only through their ``PDFlow`` (``runtime.flow``; and
 ``runtime.grpc_flow``: the same, unless ``--kv-transport inline`` gives the gRPC door the
@@ -27,8 +28,10 @@ from sidecar.core.admission import Admission
 from sidecar.core.engine_calls import EngineCalls
 from sidecar.core.engine_health import EngineHealth
 from sidecar.core.flow import PDFlow
-from sidecar.core.local_prefill import LocalPrefill
 from sidecar.core.pd_request import FlowCounters
+from sidecar.core.placement import Rules
+from sidecar.core.placer import CachedPrefix, Placer
+from sidecar.core.prompt_measure import PromptMeasure
 from sidecar.core.scope import Scopes
 from sidecar.core.upstream import make_session
 from sidecar.dialects import Dialect, DialectSetup, InlineDialect, dialect_class, handoff_keys
@@ -43,6 +46,7 @@ from sidecar.protocol.request import BodyChecks
 from sidecar.targets.allowlist import Allowlist
 from sidecar.targets.breaker import CircuitBreakers
 from sidecar.targets.choice import HEADER_LABEL, TargetChoice
+from sidecar.targets.ranks import RankChoice
 from sidecar.targets.selector import AllowlistLike, TargetSelector, parse_prefill_url
 from sidecar.workers.identity import INFLIGHT_FILE, SOLO, WorkerIdentity
 from sidecar.workers.ports import PortInUse
@@ -67,6 +71,8 @@ class Runtime:
     http_scopes: Scopes
     grpc_scopes: Scopes
     selector: TargetSelector
+    #: Where each request of the HTTP door runs (``sidecar.core.placement``).
+    placer: Placer
     admission: Admission
     health: EngineHealth
     tracing: Tracing | NoTracing
@@ -135,7 +141,7 @@ def data_parallel_ranks(settings: Settings, ranked: bool) -> tuple[int, int]:
 
 
 def _flows(settings: Settings, metrics: Metrics, calls: EngineCalls,
-           setup: DialectSetup, health: EngineHealth) -> tuple[PDFlow, PDFlow]:
+           setup: DialectSetup) -> tuple[PDFlow, PDFlow]:
     """The HTTP door's flow and the gRPC door's (the same one but for the inline transport)."""
     dialect = dialect_class(settings.engine, settings.kv_connector)(setup)
     fallbacks = metrics.prefill_fallbacks
@@ -144,8 +150,23 @@ def _flows(settings: Settings, metrics: Metrics, calls: EngineCalls,
         fallback=lambda door, reason: fallbacks.labels(door, reason).inc(),
         retry=lambda door: retries[FrontDoor(door)].inc(),
     )
-    local = LocalPrefill(
-        settings.local_prefill_max_tokens,
+
+    def flow(of: Dialect) -> PDFlow:
+        return PDFlow(of, calls, prefill_timeout_s=settings.prefill_timeout_s,
+                      on_prefill_failure=settings.on_prefill_failure, counters=counters,
+                      local_ranks=setup.local_ranks, prefill_ranks=setup.prefill_ranks)
+
+    http_flow = flow(dialect)
+    if settings.kv_transport is not KVTransport.INLINE:
+        return http_flow, http_flow
+    return http_flow, flow(InlineDialect(setup))
+
+
+def _placer(settings: Settings, metrics: Metrics, calls: EngineCalls, flow: PDFlow,
+            health: EngineHealth, cache: CachedPrefix | None) -> Placer:
+    """The placement decision of the HTTP door's requests, over the flow's targets."""
+    dialect = flow.dialect
+    measure = PromptMeasure(
         source=settings.prompt_length_source,
         endpoint=dialect.tokenize,
         post_local=calls.post_local,
@@ -153,17 +174,11 @@ def _flows(settings: Settings, metrics: Metrics, calls: EngineCalls,
         on_tokenize_failure=lambda reason: metrics.labelled(
             metrics.tokenize_failures, reason).inc(),
     )
-
-    def flow(of: Dialect) -> PDFlow:
-        return PDFlow(of, calls, prefill_timeout_s=settings.prefill_timeout_s,
-                      on_prefill_failure=settings.on_prefill_failure, local_prefill=local,
-                      counters=counters, local_engine=health,
-                      local_ranks=setup.local_ranks, prefill_ranks=setup.prefill_ranks)
-
-    http_flow = flow(dialect)
-    if settings.kv_transport is not KVTransport.INLINE:
-        return http_flow, http_flow
-    return http_flow, flow(InlineDialect(setup))
+    rules = Rules(max_tokens=settings.local_prefill_max_tokens,
+                  max_uncached=settings.local_prefill_max_uncached_tokens,
+                  local_fallback=flow.local_fallback)
+    return Placer(route_support=dialect.route_support, engine=dialect.engine, rules=rules,
+                  targets=flow.targets, measure=measure, cache=cache, health=health)
 
 
 @contextlib.asynccontextmanager
@@ -192,6 +207,7 @@ async def open_runtime(
         )
         choice = TargetChoice(cooldown_s=settings.prefill_cooldown_s,
                               pool=_literal_members(pool), breakers=breakers)
+        ranks = RankChoice(cooldown_s=settings.prefill_cooldown_s)
         if choice.breakers is not None:
             for label in {HEADER_LABEL, *(choice.label(t) for t in pool)}:
                 metrics.labelled(breaker_states, label).set(0)
@@ -199,6 +215,7 @@ async def open_runtime(
         calls = EngineCalls(
             session, settings.engine_url, connect_timeout_s=settings.connect_timeout_s,
             max_prefill_response_bytes=settings.max_prefill_response_bytes, choice=choice,
+            ranks=ranks,
             on_prefill_leg=lambda target, outcome: metrics.counter(legs, target, outcome).inc(),
             on_rank_leg=lambda leg, rank, outcome: metrics.counter(
                 metrics.rank_legs, leg, str(rank), outcome).inc(),
@@ -209,7 +226,7 @@ async def open_runtime(
         setup = DialectSetup(settings, lane=worker.index, lanes=worker.count, lookup=calls,
                              local_ranks=local_ranks, prefill_ranks=prefill_ranks)
         health = EngineHealth(session, settings.engine_url, timeout_s=settings.connect_timeout_s)
-        http_flow, grpc_flow = _flows(settings, metrics, calls, setup, health)
+        http_flow, grpc_flow = _flows(settings, metrics, calls, setup)
         dialect = http_flow.dialect
 
         def scopes(front_door: FrontDoor) -> Scopes:
@@ -239,6 +256,7 @@ async def open_runtime(
             http_scopes=scopes(FrontDoor.HTTP),
             grpc_scopes=scopes(FrontDoor.GRPC),
             selector=selector,
+            placer=_placer(settings, metrics, calls, http_flow, health, None),
             admission=admission,
             health=health,
             worker=worker,

@@ -32,7 +32,6 @@ from sidecar.config.limits import PrefillFailurePolicy
 from sidecar.core.admission import Admission
 from sidecar.core.engine_calls import EngineCalls, PrefillLeg
 from sidecar.core.flow import PDFlow
-from sidecar.core.local_prefill import LocalPrefill
 from sidecar.core.pd_request import FlowCounters, PDRequest
 from sidecar.core.scope import Scopes
 from sidecar.dialects import Dialect
@@ -42,6 +41,7 @@ from sidecar.observability.metrics import Metrics
 from sidecar.observability.tracing import NOOP_TRACE, RequestTrace
 from sidecar.protocol.context import FrontDoor, HandoffContext, PrefillTarget, Route
 from sidecar.targets.choice import TargetChoice
+from sidecar.targets.ranks import RankChoice
 
 D = TypeVar("D", bound=Dialect)
 
@@ -154,6 +154,7 @@ class FakeCalls:
     def __init__(self, *, choice: TargetChoice | None = None,
                  model: str = "m", engine_url: str = ENGINE_URL) -> None:
         self.choice = choice or TargetChoice(cooldown_s=0.0, rng=random.Random(7))
+        self.ranks = RankChoice(cooldown_s=0.0)
         self.engine_url = engine_url
         self.model = model
         self._prefill: deque[Outcome] = deque()
@@ -290,13 +291,12 @@ def flow_of(
     *,
     prefill_timeout_s: float = 30.0,
     on_prefill_failure: PrefillFailurePolicy = PrefillFailurePolicy.FAIL,
-    local_prefill: LocalPrefill | None = None,
     counts: Counted | None = None,
 ) -> PDFlow:
     """A flow over ``dialect`` (fixed ids installed) and the fake calls."""
     install(dialect, make_ids())
     return PDFlow(dialect, cast(EngineCalls, calls), prefill_timeout_s=prefill_timeout_s,
-                  on_prefill_failure=on_prefill_failure, local_prefill=local_prefill,
+                  on_prefill_failure=on_prefill_failure,
                   counters=counts.counters() if counts is not None else None)
 
 

@@ -21,7 +21,7 @@ from sidecar.config.settings import PromptLengthSource, Settings
 from sidecar.dialects import DIALECTS, dialect_class
 from sidecar.kv_events.endpoint import check_endpoint
 from sidecar.observability.otlp import TRACING_EXTRA, missing_modules
-from sidecar.protocol.hostfmt import is_loopback_host
+from sidecar.protocol.hostfmt import is_loopback_host, url_port
 from sidecar.tls import ReloadingServerTLS, TLSFileError, client_ssl_context
 
 
@@ -36,7 +36,7 @@ class Sources(Protocol):
 
 def check_ports(settings: Settings, sources: Sources) -> None:
     parts = urlsplit(settings.engine_url)
-    engine_port = parts.port or (443 if parts.scheme == "https" else 80)
+    engine_port = url_port(parts)
     if settings.port and settings.port == engine_port and is_loopback_host(parts.hostname or ""):
         raise ConfigError(
             f"port {settings.port} (from {sources.source_of('port')}) is the local engine's port "

@@ -53,6 +53,14 @@ class LimitsSettings(BaseModel):
         description="Prompts of at most this many tokens run whole on the local engine, with "
         "no prefill leg (0: off, every request is disaggregated).",
     )
+    local_prefill_max_uncached_tokens: int = Field(
+        default=0,
+        ge=0,
+        description="Prompts with at most this many tokens that the local engine does not "
+        "already hold (its longest cached prefix, in whole KV blocks, from its KV events: "
+        "--kv-events-endpoint) run whole on the local engine, counted local_cached (0: off). "
+        "Text and chat prompts are tokenized by the local engine for this rule.",
+    )
     prompt_length_source: PromptLengthSource = Field(
         default=PromptLengthSource.ESTIMATE,
         description="How a text or chat prompt's length is known for "

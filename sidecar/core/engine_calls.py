@@ -66,8 +66,10 @@ from sidecar.observability.tracing import (
     RequestTrace,
 )
 from sidecar.protocol.context import PrefillTarget, Route
+from sidecar.protocol.hostfmt import url_port
 from sidecar.protocol.request_id import REQUEST_ID_HEADER
-from sidecar.targets.choice import HEADER_LABEL, LOCAL, Engine, TargetChoice
+from sidecar.targets.choice import HEADER_LABEL, TargetChoice
+from sidecar.targets.ranks import LOCAL, Engine, RankChoice
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +78,6 @@ _MAX_REMEMBERED_URLS: Final = 4096
 _JSON_HEADERS: Final = {"Content-Type": "application/json"}
 #: An abort call's answer is a short acknowledgement; it is read only to keep the connection.
 _MAX_ABORT_ANSWER: Final = 64 * 1024
-_DEFAULT_PORTS: Final = {"http": 80, "https": 443}
 
 #: Counts a finished prefill leg to a remote target: (target label, outcome).
 LegCounter = Callable[[str, str], None]
@@ -127,6 +128,7 @@ class EngineCalls:
         connect_timeout_s: float,
         max_prefill_response_bytes: int,
         choice: TargetChoice | None = None,
+        ranks: RankChoice | None = None,
         on_prefill_leg: LegCounter | None = None,
         on_rank_leg: RankCounter | None = None,
     ) -> None:
@@ -135,6 +137,7 @@ class EngineCalls:
         self._connect_timeout_s = connect_timeout_s
         self._max_prefill_bytes = max_prefill_response_bytes
         self.choice = choice if choice is not None else TargetChoice(cooldown_s=0.0)
+        self.ranks = ranks if ranks is not None else RankChoice(cooldown_s=0.0)
         self._on_prefill_leg = on_prefill_leg
         self._on_rank_leg = on_rank_leg
         self._aborts: set[asyncio.Task[None]] = set()
@@ -229,7 +232,7 @@ class EngineCalls:
         it); a failure that is the rank's (not the whole engine's, nor the request's) cools
         the rank down; the outcome is counted (a cancelled call is not: the request went away).
         """
-        choice = self.choice
+        choice = self.ranks
         outcome: str | None = None
         try:
             if counts:
@@ -379,7 +382,7 @@ def _target(url: str) -> dict[str, AttributeValue]:
     """The prefill engine's address as leg span attributes (the URL's host and port)."""
     parts = urlsplit(url)
     host = parts.hostname or ""
-    port = parts.port or _DEFAULT_PORTS.get(parts.scheme, 80)
+    port = url_port(parts)
     return {
         SERVER_ADDRESS: host,
         SERVER_PORT: port,

@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from sidecar.core.scope import Timings
+from sidecar.core.scope import OK, Timings
 from sidecar.errors import DeadlineExceeded, DecodeFailed, PrefillFailed, SidecarError, Stage
 from sidecar.http1 import UpstreamError, UpstreamResponse
 from sidecar.protocol.context import HandoffContext
@@ -50,8 +50,10 @@ class PDExchange:
     prefill_task: asyncio.Task[dict[str, Any]] | None = None
     prefill_error: SidecarError | None = None
     completed: bool = False
-    #: Run whole on the local engine (a short prompt): no prefill leg, no hand-off.
+    #: Run whole on the local engine (the placement decision's): no prefill leg, no hand-off.
     local: bool = False
+    #: What the request is counted with (``disagg_requests_total{outcome}``), as it started.
+    outcome: str = OK
     #: Ends the legs and the dialect state on ``aclose`` (None: nothing to end).
     owner: LegOwner | None = None
     #: The prefill engine's JSON answer, when the legs ran one after the other.

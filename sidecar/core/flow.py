@@ -1,26 +1,27 @@
-"""The PD flow: how a request's two legs run, decided once for every front door.
+"""The PD flow: how a request's two legs run, the same for every front door.
 
-    start(PDRequest) ─▶ PDExchange            the HTTP door, and each fan-out sub-request
-        local engine known down ─▶ EngineNotReady at once (asked again first; no prefill)
-        short prompt (--local-prefill-max-tokens) ─▶ the local engine alone
-        SEQUENTIAL: prefill ─▶ hand-off ─▶ open decode
-        CONCURRENT: prefill ║ open decode (prefill watched)
+    start(PDRequest, Decision) ─▶ PDExchange   the HTTP door, and each fan-out sub-request
+        LOCAL (short, cached prompt; every breaker open under the local policy) ─▶ the
+                                               client's own body on the local engine alone
+        PAIR, SEQUENTIAL: prefill ─▶ hand-off ─▶ open decode
+        PAIR, CONCURRENT: prefill ║ open decode (prefill watched)
     prefill_only(...) ─▶ Handoff              gRPC Prefill: the prefill half
         SEQUENTIAL: the prefill, then its hand-off
         CONCURRENT: the hand-off at once; the engine call runs on in the background, watched
     open_decode(...)  ─▶ UpstreamResponse     gRPC Decode: the decode half
 
-The dialect says what the bodies hold and how the legs run; ``EngineCalls`` makes the calls;
-the flow orders them, keeps the deadlines, begins and ends the dialect's per-request state and
-hands abort and release to the ``PDExchange``. A client gone cancels every upstream call.
-
-Data-parallel engines: the flow chooses each leg's rank before the dialect state begins
-(``sidecar.core.ranks``); the decode's stays busy until the request ends.
+Where a request runs (local, a pair on which target and ranks, or a refusal) is the placement
+decision's (``sidecar.core.placement``), taken before the flow starts; the flow runs what it
+was given. The dialect says what the bodies hold and how the legs run; ``EngineCalls`` makes
+the calls; the flow orders them, keeps the deadlines, begins and ends the dialect's
+per-request state and hands abort and release to the ``PDExchange``. A client gone cancels
+every upstream call. The decode leg's data-parallel rank stays busy until the request ends.
 
 Deliberate limits: one retry, only of a prefill whose engine provably did no work (a refused
 or unreachable connect, a 503 or 429 answer, a target whose breaker let no leg through), on
-another of the request's targets; the local-prefill fallback applies to sequential dialects
-only (a concurrent dialect's decode cannot run without its prefill).
+another of the request's targets (``placement.retry_pair``); the local-prefill fallback after
+a failed prefill applies to sequential dialects only (a concurrent dialect's decode cannot
+run without its prefill).
 """
 
 from __future__ import annotations
@@ -35,26 +36,24 @@ from typing import Any
 from sidecar.config.limits import PrefillFailurePolicy
 from sidecar.core.background import BackgroundPrefills
 from sidecar.core.engine_calls import EngineCalls, PrefillLeg
-from sidecar.core.engine_health import EngineHealth
 from sidecar.core.exchange import PDExchange, as_prefill_error, cancel_and_wait
-from sidecar.core.local_prefill import LocalPrefill
 from sidecar.core.pd_request import FlowCounters, Handoff, PDRequest
-from sidecar.core.ranks import LegRanks
-from sidecar.core.scope import RequestScope, Scopes, Timings
+from sidecar.core.placement import Decision, Fate, Targets, pair_on, retry_pair
+from sidecar.core.placer import PrefillTargets
+from sidecar.core.scope import FALLBACK, OK, RequestScope, Scopes, Timings
 from sidecar.core.upstream import with_headers
 from sidecar.dialects import Dialect, Legs
 from sidecar.errors import (
     DeadlineExceeded,
-    EngineNotReady,
     InvalidHandoff,
     PrefillFailed,
     PrefillNotRun,
-    SidecarError,
 )
 from sidecar.http1 import UpstreamResponse
 from sidecar.observability.logs import LogEvery
 from sidecar.observability.tracing import HANDOFF_SPAN, NOOP_TRACE, RequestTrace
 from sidecar.protocol.context import FrontDoor, HandoffContext, PrefillTarget, Route
+from sidecar.targets.ranks import LegRanks
 
 logger = logging.getLogger(__name__)
 
@@ -76,24 +75,28 @@ class PDFlow:
         *,
         prefill_timeout_s: float,
         on_prefill_failure: PrefillFailurePolicy = PrefillFailurePolicy.FAIL,
-        local_prefill: LocalPrefill | None = None,
         counters: FlowCounters | None = None,
-        local_engine: EngineHealth | None = None,
         local_ranks: int = 1,
         prefill_ranks: int = 1,
     ) -> None:
         """``local_ranks``/``prefill_ranks``: the local engine's/each target's DP size."""
         self.dialect = dialect
         self.calls = calls
-        self.ranks = LegRanks(calls.choice, local_size=local_ranks, prefill_size=prefill_ranks)
+        self.ranks = LegRanks(calls.ranks, local_size=local_ranks, prefill_size=prefill_ranks)
+        #: The prefill targets and ranks as the placement decision sees them.
+        self.targets: Targets = PrefillTargets(calls.choice, self.ranks)
         self.concurrent = dialect.legs is Legs.CONCURRENT
         self._prefill_timeout_s = prefill_timeout_s
         self._local_fallback = on_prefill_failure is PrefillFailurePolicy.LOCAL
-        self._local = local_prefill if local_prefill is not None and local_prefill.enabled else None
         self._counters = counters or FlowCounters()
         self.background = BackgroundPrefills()
         self._fallback_log = LogEvery(_FALLBACK_LOG_INTERVAL_S)
-        self._local_engine = local_engine
+
+    @property
+    def local_fallback(self) -> bool:
+        """``--on-prefill-failure local`` holds for this flow's requests: its decode can run
+        without its prefill (sequential dialects)."""
+        return self._local_fallback and not self.concurrent
 
     # -- per-request state: what the exchange calls back ------------------------------------
 
@@ -164,58 +167,62 @@ class PDFlow:
 
     # -- both legs: the HTTP door and fan-out sub-requests ----------------------------------
 
-    async def start(self, request: PDRequest) -> PDExchange:
-        """Run the request's legs until the decode response head has arrived.
+    async def start(self, request: PDRequest, decision: Decision | None = None) -> PDExchange:
+        """Run the request as ``decision`` placed it, until the decode head has arrived
+        (no decision: a pair on the request's target).
 
-        A local engine known to be down (and still down when asked again) fails the request
-        at once: its decode could not run, so nothing is spent on a prefill engine. A short
-        prompt runs whole on the local engine. A prefill whose engine provably did no work
-        (``PrefillNotRun``) is run once more on another of the request's candidates,
-        with a new context; a concurrent flow's decode, already sent, is aborted first.
+        A prefill whose engine provably did no work (``PrefillNotRun``) is run once more on
+        another of the request's candidates, with a new context; a concurrent flow's decode,
+        already sent, is aborted first.
         """
-        health = self._local_engine
-        if health is not None and health.known_down and not await health.recheck():
-            raise EngineNotReady(f"local engine is not ready ({health.cause}); nothing was "
-                                 "sent to a prefill engine")
-        local = self._local
-        if local is not None and await local.is_short(
-                request.route, request.body, request.request_id):
-            return await self._start_local(request)
-        target = request.target
+        if decision is None:
+            decision = pair_on(request.target, request.prefill_rank, self.targets)
+        if decision.fate is Fate.LOCAL:
+            return await self._start_local(request, decision)
+        if decision.fate is not Fate.PAIR or decision.target is None:
+            raise decision.error or RuntimeError(f"not a pair: {decision.outcome}")
+        target = decision.target
         alternative = self._alternative(request, target)
         try:
-            return await self._start_on(request, may_retry=alternative is not None)
+            return await self._start_on(request, decision, may_retry=alternative is not None)
         except PrefillNotRun as error:
             if alternative is None:
                 raise
             why = error.message
-        # Picked again now: the first pick may have cooled down meanwhile, others changed.
-        retry_target = self._alternative(request, target) or alternative
+        retry = (retry_pair(request.candidates, target, request.prefill_rank, self.targets)
+                 or pair_on(alternative, request.prefill_rank, self.targets))
         logger.info("request %s: prefill target %s did no work (%s); retrying on %s",
-                    request.request_id, target, why, retry_target)
+                    request.request_id, target, why, retry.target)
         self._counters.retry(request.front_door)
-        return await self._start_on(replace(request, target=retry_target), may_retry=False)
+        return await self._start_on(request, retry, may_retry=False)
 
     def _alternative(self, request: PDRequest, target: PrefillTarget) -> PrefillTarget | None:
         if len(request.candidates) < 2:
             return None
-        return self.calls.choice.pick(request.candidates, exclude=(target,))
+        return self.targets.pick(request.candidates, exclude=(target,))
 
-    async def _start_local(self, request: PDRequest) -> PDExchange:
+    async def _start_local(self, request: PDRequest, decision: Decision) -> PDExchange:
         """The client's own body on the local engine: no prefill leg, no hand-off fields."""
+        reason = decision.fallback_reason
+        if reason is not None:
+            self._counters.fallback(request.front_door, reason)
+            self._log_fallback(request, reason, decision.why)
         ctx = HandoffContext(request.route, request.request_id, request.target,
                              request.target.host, request.front_door)
-        decode = await self.calls.open_decode(
-            request.route, request.body, request.headers, request.trace
-        )
-        return PDExchange(ctx=ctx, decode=decode, local=True)
+        body = request.raw if request.raw is not None else request.body
+        decode = await self.calls.open_decode(request.route, body, request.headers,
+                                              request.trace)
+        return PDExchange(ctx=ctx, decode=decode, local=True, fallback_reason=reason,
+                          outcome=decision.outcome)
 
-    async def _start_on(self, request: PDRequest, *, may_retry: bool) -> PDExchange:
+    async def _start_on(self, request: PDRequest, decision: Decision, *,
+                        may_retry: bool) -> PDExchange:
+        if decision.target is not None and decision.target != request.target:
+            request = replace(request, target=decision.target)
         ctx = await self.begin(request.route, request.request_id, request.target,
                                front_door=request.front_door,
-                               prefill_rank=self.ranks.prefill(request.target,
-                                                               request.prefill_rank),
-                               decode_rank=self.ranks.local())
+                               prefill_rank=decision.prefill_rank,
+                               decode_rank=decision.decode_rank)
         try:
             if self.concurrent:
                 return await self._start_concurrent(request, ctx)
@@ -267,22 +274,22 @@ class PDFlow:
                 raise  # another target comes first; the local fallback is the last resort
             fallback_reason = error.code
             self._counters.fallback(request.front_door, fallback_reason)
-            self._log_fallback(request, error)
+            self._log_fallback(request, error.code, error.message)
             decode_body = dict(request.body)
         decode_started = time.perf_counter()
         decode = await self._open_decode(request, ctx, decode_body)
         timings.decode_first_byte = time.perf_counter() - decode_started
         return PDExchange(ctx=ctx, decode=decode, fallback_reason=fallback_reason,
-                          timings=timings, owner=self, prefill_response=prefill_response)
+                          timings=timings, owner=self, prefill_response=prefill_response,
+                          outcome=FALLBACK if fallback_reason else OK)
 
-    def _log_fallback(self, request: PDRequest, error: SidecarError) -> None:
+    def _log_fallback(self, request: PDRequest, reason: str, why: str) -> None:
         left_out = self._fallback_log.due()
         if left_out is None:
             return
         more = f" ({left_out} more since the last such line)" if left_out else ""
         logger.warning("request %s: prefill failed: %s (%s); served whole by the local engine "
-                       "(--on-prefill-failure local)%s", request.request_id, error.code,
-                       error.message, more)
+                       "(--on-prefill-failure local)%s", request.request_id, reason, why, more)
 
     async def _start_concurrent(self, request: PDRequest, ctx: HandoffContext) -> PDExchange:
         timings = Timings()

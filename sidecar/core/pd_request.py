@@ -25,8 +25,10 @@ class PDRequest:
     candidates: tuple[PrefillTarget, ...] = ()
     trace: RequestTrace = NOOP_TRACE
     front_door: FrontDoor = FrontDoor.HTTP
-    #: The prefill leg's data-parallel rank as the router named it (None: the flow chooses).
+    #: The prefill leg's data-parallel rank as the router named it (None: the sidecar chooses).
     prefill_rank: int | None = None
+    #: The client's body as it came (a single request): what a local run sends, unchanged.
+    raw: bytes | None = None
 
 
 @dataclass(slots=True)

@@ -55,6 +55,8 @@ FALLBACK: Final = "fallback"
 PASSTHROUGH: Final = "passthrough"
 #: A short prompt run whole on the local engine (``--local-prefill-max-tokens``).
 LOCAL_SHORT: Final = "local_short"
+#: A prompt the local engine holds nearly whole (``--local-prefill-max-uncached-tokens``).
+LOCAL_CACHED: Final = "local_cached"
 #: A prefill target on a route the engine does not run as a pair: run whole on it.
 LOCAL_ROUTE: Final = "local_route"
 #: A request naming state that lives on one engine (Responses): run whole on the local one.

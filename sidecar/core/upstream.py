@@ -14,6 +14,8 @@ from multidict import CIMultiDict
 
 from sidecar.config.settings import Settings
 from sidecar.http1 import EngineClient
+from sidecar.targets.ranks import RANK_HEADER
+from sidecar.targets.selector import PREFILL_TARGET_HEADER
 from sidecar.tls import client_ssl_context
 
 #: Hop-by-hop headers (RFC 9110 section 7.6.1) and those the client library recomputes.
@@ -22,8 +24,13 @@ _NOT_FORWARDED = frozenset({
     "te", "trailer", "trailers", "transfer-encoding", "upgrade", "host", "content-length",
 })
 
-#: Routing headers a router sets for the sidecar; never forwarded to an engine.
-ROUTING_HEADERS = frozenset({"x-prefiller-host-port", "x-prefiller-url", "x-decoder-host-port"})
+#: Routing headers a router sets for the sidecar (the prefill target, the data-parallel rank,
+#: and the other pods of a request: llm-d's and AIBrix's names); never forwarded to an engine,
+#: on any path (a decode leg's rank is the dialect's to set, where its engine reads it).
+ROUTING_HEADERS = frozenset({
+    PREFILL_TARGET_HEADER, "x-prefiller-url", "x-decoder-host-port", "x-encoder-hosts-ports",
+    RANK_HEADER,
+})
 
 
 def make_session(settings: Settings) -> EngineClient:

@@ -4,7 +4,7 @@
 
 The rules, and why Prefill lets ``max_new_tokens`` 0 pass: docs/grpc.md#checks (the request
 id: ``sidecar.protocol.request_id``; metadata ``x-data-parallel-rank``: the local engine's
-rank the router placed the leg on, parsed as the HTTP header is, ``sidecar.targets.ranks``).
+rank the router placed the leg on, ``sidecar.targets.ranks.rank_from_metadata``).
 Deliberate limits: no check against the engine's context length (the engine refuses, and
 its 4xx maps to INVALID_ARGUMENT).
 """
@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import math
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Final
 
 from sidecar.errors import InvalidRequest
-from sidecar.targets.ranks import RANK_HEADER, parse_rank_header
 
 #: Upper bound of ``max_new_tokens``: far above any engine's context, below int32's end.
 MAX_NEW_TOKENS: Final = 1 << 20
@@ -58,11 +57,3 @@ def check_temperature(value: float) -> float:
         if _float32(candidate) == value:
             return candidate
     return value
-
-
-def check_rank(metadata: Iterable[tuple[str, str | bytes]] | None, size: int) -> int | None:
-    """The local rank the call's ``x-data-parallel-rank`` metadata names (None: none, or the
-    engine has one rank)."""
-    values = [value if isinstance(value, str) else value.decode("latin-1")
-              for key, value in metadata or () if key == RANK_HEADER]
-    return parse_rank_header(values, size)

@@ -31,7 +31,6 @@ from sidecar.core.flow import PDFlow
 from sidecar.core.scope import OK, Scopes
 from sidecar.errors import DeadlineExceeded, DecodeFailed, InvalidRequest, Stage
 from sidecar.grpc_gen import disagg_pb2
-from sidecar.grpc_server.checks import check_rank
 from sidecar.grpc_server.inline.wire import Entry
 from sidecar.grpc_server.rpc import Malformed, serving, tolerant
 from sidecar.grpc_server.token_stream import TokenStreamParser
@@ -39,6 +38,7 @@ from sidecar.http1 import UpstreamError, UpstreamResponse
 from sidecar.observability.tracing import HANDOFF_SPAN, NOOP_SPAN, RELAY_SPAN, RELAYED_TOKENS
 from sidecar.protocol.context import Route
 from sidecar.protocol.request_id import REQUEST_ID_HEADER
+from sidecar.targets.ranks import rank_from_metadata
 
 SERVICE: Final = disagg_pb2.DESCRIPTOR.services_by_name["DecodeWorker"].full_name
 METHOD: Final = f"/{SERVICE}/Decode"
@@ -113,7 +113,7 @@ class DecodeService:
             # The local rank this decode runs on (the router's, else the least busy), busy
             # until the RPC ends.
             flow = self._flow
-            rank = flow.ranks.held(exits, check_rank(context.invocation_metadata(),
+            rank = flow.ranks.held(exits, rank_from_metadata(context.invocation_metadata(),
                                                      flow.ranks.local_size))
             if trace.active:
                 with trace.span(HANDOFF_SPAN):

@@ -23,16 +23,15 @@ import grpc
 from sidecar.config.settings import Settings
 from sidecar.core.scope import OK, RequestScope, Scopes
 from sidecar.grpc_gen import disagg_pb2
-from sidecar.grpc_server.checks import check_rank
 from sidecar.grpc_server.rpc import Malformed, serving, tolerant
 from sidecar.protocol.context import PrefillTarget
-from sidecar.protocol.hostfmt import is_loopback_host
+from sidecar.protocol.hostfmt import is_loopback_host, url_port
+from sidecar.targets.ranks import rank_from_metadata
 
 logger = logging.getLogger(__name__)
 
 SERVICE: Final = disagg_pb2.DESCRIPTOR.services_by_name["PrefillWorker"].full_name
 METHOD: Final = f"/{SERVICE}/Prefill"
-_DEFAULT_PORTS: Final = {"http": 80, "https": 443}
 
 #: One stream message: a KVBlockStream, or one serialized (inline data blocks, ``prefill_files``).
 StreamMessage = disagg_pb2.KVBlockStream | bytes
@@ -80,7 +79,7 @@ def resolve_advertise_host(settings: Settings) -> str | None:
 def engine_target(settings: Settings, host: str) -> PrefillTarget:
     """This pod's engine as the hand-off names it: ``host`` and the engine URL's port."""
     parts = urlsplit(settings.engine_url)
-    return PrefillTarget(host, parts.port or _DEFAULT_PORTS.get(parts.scheme, 80))
+    return PrefillTarget(host, url_port(parts))
 
 
 class PrefillService:
@@ -124,7 +123,7 @@ class PrefillService:
             scope.admit()
             if malformed is not None:
                 raise malformed.error()
-            rank = check_rank(context.invocation_metadata(), self._local_ranks)
+            rank = rank_from_metadata(context.invocation_metadata(), self._local_ranks)
             await self.strategy.run(PrefillCall(request, scope, context.time_remaining(), send,
                                                 rank))
             # Counted before the last write: a router may hang up as soon as it has ``done``.

@@ -20,11 +20,11 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from sidecar.http1.errors import UpstreamError
+from sidecar.protocol.hostfmt import DEFAULT_PORTS, url_port
 
 Headers = Mapping[str, str] | Iterable[tuple[str, str]]
 Body = bytes | AsyncIterable[bytes] | None
 
-_DEFAULT_PORTS = {"http": 80, "https": 443}
 #: Which pooled connections can serve a request: scheme, host, port and the TLS name the
 #: peer's certificate was verified for ("" for plain HTTP).
 PoolKey = tuple[str, str, int, str]
@@ -86,12 +86,12 @@ def parse_url(url: str, server_hostname: str | None) -> Target:
     """The whole parse of ``url`` (urlsplit); UpstreamError when it is no http(s) URL."""
     parts = urlsplit(url)
     scheme = parts.scheme.lower()
-    if scheme not in _DEFAULT_PORTS or not parts.hostname:
+    if scheme not in DEFAULT_PORTS or not parts.hostname:
         raise UpstreamError(f"unsupported upstream URL {url!r}")
     host = parts.hostname
-    port = parts.port or _DEFAULT_PORTS[scheme]
+    port = url_port(parts)
     shown = f"[{host}]" if ":" in host else host
-    host_header = shown if port == _DEFAULT_PORTS[scheme] else f"{shown}:{port}"
+    host_header = shown if port == DEFAULT_PORTS[scheme] else f"{shown}:{port}"
     path = parts.path or "/"
     if parts.query:
         path = f"{path}?{parts.query}"

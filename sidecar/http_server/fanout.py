@@ -8,8 +8,9 @@
 Each leg's usage is first told by the usage rule (its own prefill's cache figures, the
 route's API: ``Api.true_usage``), then summed.
 
-Each sub-request k carries ``X-Request-Id: <id>-<k>`` to the engines and gets its own prefill
-target choice; the client sees its own request id. A failure before the client's first byte
+Each sub-request k carries ``X-Request-Id: <id>-<k>`` to the engines and gets its own
+placement decision (each prompt judged on its own; its own prefill target); the client sees
+its own request id. A failure before the client's first byte
 is the request's error status; after it, the stream ends with one error event and no
 ``[DONE]`` (as for single requests). The caller closes the fan-out (every leg) on the way out.
 """
@@ -22,9 +23,10 @@ from dataclasses import replace
 from aiohttp import web
 
 from sidecar import jsonutil
-from sidecar.core.fanout import FanOut, start_all, sub_request_id
+from sidecar.core.exchange import PDExchange
+from sidecar.core.fanout import FanOut, StartOne, start_all, sub_request_id
 from sidecar.core.pd_request import PDRequest
-from sidecar.core.scope import FALLBACK, LOCAL_SHORT, OK, RequestScope
+from sidecar.core.scope import FALLBACK, OK, RequestScope
 from sidecar.errors import DecodeFailed, SidecarError, Stage
 from sidecar.http_server.sse_relay import SSERelay, engine_error_reported, stream_broke
 from sidecar.protocol.apis import api_of, usage_of
@@ -36,16 +38,35 @@ from sidecar.runtime import Runtime
 
 logger = logging.getLogger(__name__)
 
-def _sub_requests(
-    runtime: Runtime, client: ClientRequest, base: PDRequest
-) -> list[PDRequest]:
+def _sub_requests(client: ClientRequest, base: PDRequest) -> list[PDRequest]:
     subs = []
     for k, body in enumerate(sub_bodies(client)):
         request_id = sub_request_id(base.request_id, k)
-        target = runtime.selector.choose(base.candidates) if base.candidates else base.target
-        subs.append(replace(base, body=body, request_id=request_id, target=target,
+        subs.append(replace(base, body=body, request_id=request_id, raw=None,
                             headers={**base.headers, REQUEST_ID_HEADER: request_id}))
     return subs
+
+
+def _placed(runtime: Runtime) -> StartOne:
+    """Starts one sub-request where its own placement decision puts it."""
+
+    async def start(sub: PDRequest) -> PDExchange:
+        decision = await runtime.placer.place(sub.route, sub.body, sub.candidates,
+                                              request_id=sub.request_id,
+                                              named_prefill_rank=sub.prefill_rank)
+        if decision.error is not None:
+            raise decision.error
+        return await runtime.flow.start(sub, decision)
+
+    return start
+
+
+def _outcome(exchanges: list[PDExchange]) -> str:
+    """One outcome for the whole request: every leg's own when they agree."""
+    outcomes = {exchange.outcome for exchange in exchanges}
+    if len(outcomes) == 1:
+        return outcomes.pop()
+    return FALLBACK if FALLBACK in outcomes else OK
 
 
 async def relay_fanout(
@@ -57,11 +78,10 @@ async def relay_fanout(
 ) -> web.StreamResponse:
     """Run and answer a request that needs several PD pairs."""
     check_fanout(client, runtime.settings.max_fanout)
-    fanout = await start_all(runtime.flow.start, _sub_requests(runtime, client, base))
+    fanout = await start_all(_placed(runtime), _sub_requests(client, base))
     exchanges = fanout.exchanges
     # The relay may still turn it into broken_stream or error (an engine's error event).
-    scope.outcome = (LOCAL_SHORT if all(e.local for e in exchanges)
-                     else FALLBACK if any(e.fallback_reason for e in exchanges) else OK)
+    scope.outcome = _outcome(exchanges)
     try:
         for exchange in exchanges:
             scope.observe_timings(exchange.timings)

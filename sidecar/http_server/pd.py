@@ -1,30 +1,29 @@
 """The PD routes: ``POST`` on every ``Route`` (completions, chat, Responses, Messages, generate).
 
-    request ─admission─▶ target? ──no──▶ passthrough to the local engine
-                            │yes
-                            ▼
-                 the engine runs the route as a pair? ──local──▶ passthrough (local_route)
-                            │yes                      └unserved─▶ 404 (unserved_route)
-                            ▼
-        read body (capped) ─▶ body checks ─▶ flow.start ─▶ relay ─▶ client
-                                      │   │         (or the local engine,    JSON or SSE bytes
-                                      │   │          for a short prompt)
-                                      │   └─ state on one engine (Responses) ─▶ passthrough of
-                                      │                                  the body (local_state)
-                                      └─ n > 1 or a batch ─▶ http_server.fanout (one PD pair
-                                                             per prompt and choice, merged)
+    request ─admission─▶ candidates (x-prefiller-host-port, else the pool; allowlist)
+        ─placer.route_fate─▶ passthrough (no target) | 404 unserved_route | whole on the
+                             local engine (local_route)
+        ─read body (capped) ─▶ body checks ─▶ n > 1 or a batch ─▶ http_server.fanout (one
+                             decision and one PD pair per prompt and choice, merged)
+        ─placer.place─▶ local_state: the body to the local engine as it came
+                      │ local_short, local_cached, fallback (every breaker open): the
+                      │ client's body on the local engine alone
+                      │ a pair on (target, prefill rank, decode rank) ─▶ flow.start
+                      └ a typed refusal
+        ─▶ relay ─▶ client (JSON or SSE bytes)
 
-A router's ``x-data-parallel-rank`` (``sidecar.targets.ranks``) names the prefill leg's rank:
-checked with the other routing headers, handed to the flow, never forwarded.
+Parse, decide, run, relay: where a request runs is the placement decision's
+(``sidecar.core.placement``), never this module's. A router's ``x-data-parallel-rank``
+(``sidecar.targets.ranks``) names the prefill leg's rank: checked with the other routing
+headers, handed to the decision, never forwarded (no routing header reaches an engine).
 
-Which routes an engine runs as pairs is its dialect's (``Dialect.route_support``); a request
-that does not run as one is counted with its own outcome and logged at debug level. The
-relay writes the decode engine's bytes as they arrive (no re-encoding), but for the usage the
-client is told: a disaggregated answer's usage is the route's API's usage rule over both legs
-(``Api.answer_with_true_usage``; streams: ``stream_events``). A failure after the first byte
-ends the stream with one error event in the API's shape and an unterminated body: no second
-status, no fabricated end marker. The client's headers are the trace carrier: the request span
-continues a client's ``traceparent``; the relay runs in its own span, which counts the bytes.
+The relay writes the decode engine's bytes as they arrive (no re-encoding), but for the usage
+the client is told: a disaggregated answer's usage is the route's API's usage rule over both
+legs (``Api.answer_with_true_usage``; streams: ``stream_events``). A failure after the first
+byte ends the stream with one error event in the API's shape and an unterminated body: no
+second status, no fabricated end marker. The client's headers are the trace carrier: the
+request span continues a client's ``traceparent``; the relay runs in its own span, which
+counts the bytes.
 """
 
 from __future__ import annotations
@@ -38,27 +37,9 @@ from aiohttp import web
 from sidecar import jsonutil
 from sidecar.core.exchange import PDExchange
 from sidecar.core.pd_request import PDRequest
-from sidecar.core.scope import (
-    FALLBACK,
-    LOCAL_ROUTE,
-    LOCAL_SHORT,
-    LOCAL_STATE,
-    OK,
-    PASSTHROUGH,
-    REFUSED,
-    UNSERVED_ROUTE,
-    RequestScope,
-)
+from sidecar.core.scope import LOCAL_STATE, REFUSED, UNSERVED_ROUTE, RequestScope
 from sidecar.core.upstream import forwardable_headers
-from sidecar.dialects.base import RouteSupport
-from sidecar.errors import (
-    BodyTooLarge,
-    DecodeFailed,
-    RequestTimeout,
-    RouteNotServed,
-    SidecarError,
-    Stage,
-)
+from sidecar.errors import BodyTooLarge, DecodeFailed, RequestTimeout, SidecarError, Stage
 from sidecar.http_server.errors import error_response
 from sidecar.http_server.fanout import relay_fanout
 from sidecar.http_server.keys import RUNTIME
@@ -107,75 +88,56 @@ def _route_handler(route: Route) -> Callable[[web.Request], Awaitable[web.Stream
     return handle
 
 
-def _not_a_pair(runtime: Runtime, route: Route, request_id: str,
-                scope: RequestScope) -> bool:
-    """True when the engine serves ``route`` but not as a pair (counted, logged); raises
-    ``RouteNotServed`` when it does not serve it at all."""
-    support = runtime.dialect.route_support(route)
-    if support is RouteSupport.PD:
-        return False
-    engine = runtime.dialect.engine
-    if support is RouteSupport.UNSERVED:
-        scope.outcome = UNSERVED_ROUTE
-        logger.debug("request %s: the %s engine does not serve %s: refused", request_id,
-                     engine, route.value)
-        raise RouteNotServed(f"the {engine} engine does not serve {route.value} "
-                             "(with or without a prefill target)")
-    scope.outcome = LOCAL_ROUTE
-    logger.debug("request %s: the %s engine does not run %s as a prefill/decode pair: "
-                 "whole on the local engine", request_id, engine, route.value)
-    return True
-
-
 async def handle_pd(request: web.Request, route: Route) -> web.StreamResponse:
-    """Serve one request of a PD route, as a PD pair when it names a prefill target."""
+    """Serve one request of a PD route: parse, decide, run, relay."""
     runtime = request.app[RUNTIME]
     request_id = request_id_of(request)
     api = api_of(route)
     scope = runtime.http_scopes.open(route.value, request_id, request.headers)
     try:
         scope.admit()
-        selector = runtime.selector
-        candidates = await selector.candidates(request.headers.getall(PREFILL_TARGET_HEADER, []))
-        if not candidates:
-            scope.outcome = PASSTHROUGH
-            return await proxy_to_engine(request, runtime.calls, request_id)
-        if _not_a_pair(runtime, route, request_id, scope):
+        placer = runtime.placer
+        candidates = await runtime.selector.candidates(
+            request.headers.getall(PREFILL_TARGET_HEADER, []))
+        decision = placer.route_fate(route, bool(candidates), request_id)
+        if decision is not None:
+            scope.outcome = decision.outcome
+            if decision.error is not None:
+                raise decision.error
             return await proxy_to_engine(request, runtime.calls, request_id)
         raw = await _read_body(request, runtime.settings.max_body_bytes,
                                runtime.settings.client_body_timeout_s)
         client = runtime.body_checks.parse(raw, route,
                                            trusted_router=runtime.settings.trusted_router)
-        # The router's rank is the flow's to place (the dialect's field), never forwarded.
-        prefill_rank = parse_rank_header(request.headers.getall(RANK_HEADER, []),
-                                         runtime.flow.ranks.prefill_size)
-        headers = forwardable_headers(request.headers.items(),
-                                      drop=("accept-encoding", RANK_HEADER))
+        named_rank = parse_rank_header(request.headers.getall(RANK_HEADER, []),
+                                       runtime.flow.ranks.prefill_size)
+        headers = forwardable_headers(request.headers.items(), drop=("accept-encoding",))
         headers[REQUEST_ID_HEADER] = request_id
         pd_request = PDRequest(
             route=route,
             body=client.body,
             stream=client.stream,
-            target=selector.choose(candidates),
+            target=candidates[0],
             request_id=request_id,
             headers=headers,
             candidates=candidates,
             trace=scope.trace,
-            prefill_rank=prefill_rank,
+            prefill_rank=named_rank,
+            raw=raw,
         )
         if client.sub_requests > 1:
             return await relay_fanout(request, runtime, scope, client, pd_request)
-        state = api.runs_whole(client.body)
-        if state is not None:
+        decision = await placer.place(route, client.body, candidates, request_id=request_id,
+                                      named_prefill_rank=named_rank)
+        scope.outcome = decision.outcome
+        if decision.error is not None:
+            raise decision.error
+        if decision.outcome == LOCAL_STATE:
             # The engine that holds the state answers, as it would without a prefill target.
-            scope.outcome = LOCAL_STATE
-            logger.debug("request %s: %s names state on one engine: whole on the local "
-                         "engine", request_id, state)
             return await proxy_to_engine(request, runtime.calls, request_id, raw)
-        exchange = await runtime.flow.start(pd_request)
+        exchange = await runtime.flow.start(pd_request, decision)
         # The relay may still turn it into broken_stream or error (an engine's error event).
-        scope.outcome = (LOCAL_SHORT if exchange.local
-                         else FALLBACK if exchange.fallback_reason else OK)
+        scope.outcome = exchange.outcome
         try:
             scope.observe_timings(exchange.timings)
             if scope.trace.active:

@@ -1,6 +1,7 @@
 """Host formatting and classification: an IPv6 literal goes in brackets inside a URL or
 ``host:port`` (``http://[fd00::1]:8998``), anything else as is; ``localhost`` and loopback
-addresses are what other pods cannot reach.
+addresses are what other pods cannot reach; a URL without a port has its scheme's
+(``url_port``: the one copy of the schemes' default ports).
 
 Deliberate limits: no DNS resolution and no validation of names; an already bracketed host
 is left alone (idempotent).
@@ -9,6 +10,16 @@ is left alone (idempotent).
 from __future__ import annotations
 
 import ipaddress
+from typing import Final
+from urllib.parse import SplitResult
+
+#: The port a URL of each scheme means when it names none.
+DEFAULT_PORTS: Final = {"http": 80, "https": 443}
+
+
+def url_port(parts: SplitResult) -> int:
+    """The port a split URL names, else its scheme's default (80 for an unknown scheme)."""
+    return parts.port or DEFAULT_PORTS.get(parts.scheme.lower(), 80)
 
 
 def is_ipv6_literal(host: str) -> bool:

@@ -1,7 +1,7 @@
 """How many tokens a prompt has, without a tokenizer (pure; conditional disaggregation).
 
 - ``exact_tokens``: a prompt given as token ids (completions, ``token_ids`` of the generate
-  route) has exactly that many;
+  route) has exactly that many (``exact_token_ids``: those ids);
 - ``estimate_tokens``: a text or chat prompt is estimated from its UTF-8 bytes: bytes / 4,
   rounded up (chat, Messages, Responses items: the text of every message, plus 4 per message
   for the template's role markers; the Messages ``system`` and Responses ``instructions``
@@ -25,20 +25,26 @@ BYTES_PER_TOKEN: Final = 4
 TOKENS_PER_MESSAGE: Final = 4
 
 
-def exact_tokens(route: Route, body: Mapping[str, Any]) -> int | None:
-    """The prompt's token count when it is given as token ids, else None."""
+def exact_token_ids(route: Route, body: Mapping[str, Any]) -> list[Any] | None:
+    """The prompt's token ids when it is given as token ids (one prompt), else None."""
     if route is Route.GENERATE:
         ids = body.get("token_ids")
-        return len(ids) if isinstance(ids, list) and ids else None
+        return ids if isinstance(ids, list) and ids else None
     if route is not Route.COMPLETIONS:
         return None
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt:
         if isinstance(prompt[0], list):
-            return len(prompt[0]) if len(prompt) == 1 else None
+            return prompt[0] if len(prompt) == 1 else None
         if not isinstance(prompt[0], str):
-            return len(prompt)
+            return prompt
     return None
+
+
+def exact_tokens(route: Route, body: Mapping[str, Any]) -> int | None:
+    """The prompt's token count when it is given as token ids, else None."""
+    ids = exact_token_ids(route, body)
+    return None if ids is None else len(ids)
 
 
 def _text_bytes(content: object) -> int:

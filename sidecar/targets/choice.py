@@ -13,21 +13,12 @@
     choice.refused(target)                  its connect was refused: cool it down
     choice.answered(target)                 it answered a prefill: the cool-down ends
 
-Data-parallel ranks (an engine that holds several, ``--data-parallel-size``) are chosen the
-same way, per engine: the local one (``LOCAL``: decode legs, gRPC Prefill) or a prefill target:
-
-    choice.pick_rank(engine, size)          ─▶ the rank with the fewest legs in flight from
-                                               this sidecar (ties: the next in turn), skipping
-                                               ranks whose legs failed within the cool-down;
-                                               None when the engine has one rank
-    with choice.rank_leg(engine, rank): ... counts a leg in flight on that rank
-    choice.rank_failed(engine, rank)        its leg failed: cool the rank down
-    choice.rank_answered(engine, rank)      it answered: the cool-down ends
+Data-parallel ranks are chosen apart (``sidecar.targets.ranks``); the placement decision
+(``sidecar.core.placement``) asks both.
 
 Deliberate limits: this process's own view (each ``--workers`` worker its own); the maps
-forget a target (and a rank) with nothing in flight and no cool-down; ties between ranks go
-to the next in turn, so a sidecar whose legs never overlap still uses every rank. Why it
-picks this way, and its bounded metric labels: docs/design-notes.md#target-choice
+forget a target with nothing in flight and no cool-down. Why it picks this way, and its
+bounded metric labels: docs/design-notes.md#target-choice
 """
 
 from __future__ import annotations
@@ -36,24 +27,16 @@ import contextlib
 import random
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
-from typing import Final
 
-from sidecar.errors import PrefillBreakerOpen
+from sidecar.errors import PrefillBreakerOpen, PrefillFailed
 from sidecar.protocol.context import PrefillTarget
 from sidecar.targets.breaker import SEVERITY, Admission, BreakerState, CircuitBreakers
 
 #: Past this many candidates two random ones are compared instead of all (power of two
 #: choices: nearly as even, and O(1) per pick however long the router's list).
 _COMPARE_ALL_UP_TO = 4
-#: Engines whose rank turn is remembered (cleared whole when full: bounded memory; a router's
-#: header may name many targets).
-_MAX_TURNS = 4096
 #: The label of a target that a router named (not one of the static pool's).
 HEADER_LABEL = "header"
-#: The local engine, as the engine of a rank (a prefill target names a remote one).
-LOCAL: Final = None
-#: An engine whose ranks are chosen: a prefill target, or ``LOCAL``.
-Engine = PrefillTarget | None
 
 
 class LegVerdict:
@@ -94,9 +77,6 @@ class TargetChoice:
         self._cool_until: dict[PrefillTarget, float] = {}
         self._pool_labels = {target: str(target) for target in pool}
         self.breakers = breakers if breakers is not None and breakers.enabled else None
-        self._rank_in_flight: dict[tuple[Engine, int], int] = {}
-        self._rank_cool_until: dict[tuple[Engine, int], float] = {}
-        self._rank_turns: dict[Engine, int] = {}
 
     def in_flight(self, target: PrefillTarget) -> int:
         return self._in_flight.get(target, 0)
@@ -146,6 +126,17 @@ class TargetChoice:
         least = min(self.in_flight(t) for t in pool)
         return self._rng.choice([t for t in pool if self.in_flight(t) == least])
 
+    def all_open(self, candidates: Sequence[PrefillTarget]) -> PrefillFailed:
+        """The error of a request whose every target's breaker is open (router-named ones
+        named, pool members not: the router does not know them)."""
+        breakers = self.breakers
+        wait = min((breakers.retry_in(t) for t in candidates), default=0.0) if breakers else 0.0
+        named = [str(t) for t in candidates if self.label(t) == HEADER_LABEL]
+        which = f" ({', '.join(named)})" if named else ""
+        every = "every prefill target" if len(candidates) > 1 else "the prefill target"
+        return PrefillFailed(f"circuit breaker open for {every}{which}: its legs kept "
+                             f"failing; next trial in {wait:.0f} s")
+
     def breaker_allows(self, target: PrefillTarget) -> bool:
         return self.breakers is None or self.breakers.allows(target)
 
@@ -180,91 +171,3 @@ class TargetChoice:
         """``target`` refused a connection: skip it for the cool-down."""
         if self._cooldown_s > 0:
             self._cool_until[target] = self._clock() + self._cooldown_s
-
-    # -- data-parallel ranks ----------------------------------------------------------------
-
-    def rank_in_flight(self, engine: Engine, rank: int) -> int:
-        return self._rank_in_flight.get((engine, rank), 0)
-
-    def rank_cooling(self, engine: Engine, rank: int) -> bool:
-        if not self._rank_cool_until:
-            return False
-        key = (engine, rank)
-        until = self._rank_cool_until.get(key)
-        if until is None:
-            return False
-        if self._clock() >= until:
-            del self._rank_cool_until[key]
-            return False
-        return True
-
-    def pick_rank(self, engine: Engine, size: int) -> int | None:
-        """The rank of ``engine`` (``size`` ranks) for its next leg; None when ``size`` is 1.
-
-        Fewest legs in flight first, skipping ranks cooling down (unless all are); of equal
-        ones the first from a turn that moves on with every pick.
-        """
-        if size <= 1:
-            return None
-        start = self._turn(engine, size)
-        best = self._least_loaded(engine, size, start, skip_cooling=True)
-        if best is None:  # every rank is cooling down: one is still picked
-            best = self._least_loaded(engine, size, start, skip_cooling=False)
-        assert best is not None
-        return best
-
-    def _turn(self, engine: Engine, size: int) -> int:
-        """Where ``engine``'s next pick starts looking: one rank on from its last."""
-        turns = self._rank_turns
-        turn = turns.get(engine, 0)
-        if len(turns) >= _MAX_TURNS and engine not in turns:
-            turns.clear()
-        turns[engine] = (turn + 1) % size
-        return turn
-
-    def _least_loaded(self, engine: Engine, size: int, start: int, *,
-                      skip_cooling: bool) -> int | None:
-        best: int | None = None
-        best_load = 0
-        for offset in range(size):
-            rank = (start + offset) % size
-            if skip_cooling and self.rank_cooling(engine, rank):
-                continue
-            load = self._rank_in_flight.get((engine, rank), 0)
-            if best is None or load < best_load:
-                best, best_load = rank, load
-                if load == 0:
-                    break  # none can have fewer
-        return best
-
-    def hold_rank(self, engine: Engine, rank: int) -> None:
-        """Count one leg in flight on ``rank`` of ``engine`` (until ``release_rank``)."""
-        key = (engine, rank)
-        self._rank_in_flight[key] = self._rank_in_flight.get(key, 0) + 1
-
-    def release_rank(self, engine: Engine, rank: int) -> None:
-        key = (engine, rank)
-        left = self._rank_in_flight[key] - 1
-        if left:
-            self._rank_in_flight[key] = left
-        else:
-            del self._rank_in_flight[key]
-
-    @contextlib.contextmanager
-    def rank_leg(self, engine: Engine, rank: int) -> Iterator[None]:
-        """Count one leg in flight on ``rank`` of ``engine`` while the block runs."""
-        self.hold_rank(engine, rank)
-        try:
-            yield
-        finally:
-            self.release_rank(engine, rank)
-
-    def rank_answered(self, engine: Engine, rank: int) -> None:
-        """A leg on ``rank`` of ``engine`` succeeded: whatever failure it had is over."""
-        if self._rank_cool_until:
-            self._rank_cool_until.pop((engine, rank), None)
-
-    def rank_failed(self, engine: Engine, rank: int) -> None:
-        """A leg on ``rank`` of ``engine`` failed: skip the rank for the cool-down."""
-        if self._cooldown_s > 0:
-            self._rank_cool_until[(engine, rank)] = self._clock() + self._cooldown_s

@@ -34,7 +34,7 @@ from urllib.parse import urlsplit
 
 from sidecar.errors import InvalidRequest, PrefillFailed, TargetNotAllowed
 from sidecar.protocol.context import PrefillTarget
-from sidecar.targets.choice import HEADER_LABEL, TargetChoice
+from sidecar.targets.choice import TargetChoice
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
@@ -148,18 +148,8 @@ class TargetSelector:
             return candidates[0]
         chosen = self.choice.pick(candidates)
         if chosen is None:  # nothing excluded: only open breakers leave none
-            raise self._all_open(candidates)
+            raise self.choice.all_open(candidates)
         return chosen
-
-    def _all_open(self, candidates: Sequence[PrefillTarget]) -> PrefillFailed:
-        choice = self.choice
-        breakers = choice.breakers
-        wait = min((breakers.retry_in(t) for t in candidates), default=0.0) if breakers else 0.0
-        named = [str(t) for t in candidates if choice.label(t) == HEADER_LABEL]
-        which = f" ({', '.join(named)})" if named else ""
-        every = "every prefill target" if len(candidates) > 1 else "the prefill target"
-        return PrefillFailed(f"circuit breaker open for {every}{which}: its legs kept "
-                             f"failing; next trial in {wait:.0f} s")
 
     async def candidates(self, header_values: Sequence[str]) -> tuple[PrefillTarget, ...]:
         """Every checked target a request may use (the header's, else the pool's; may be

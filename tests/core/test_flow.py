@@ -45,7 +45,7 @@ from flow_builders import (
 from protocol_builders import FIXED_NOW_MS, completions_body, make_dialect
 
 from sidecar.config.limits import PrefillFailurePolicy
-from sidecar.core.local_prefill import LocalPrefill
+from sidecar.core.placement import Decision, Fate
 from sidecar.dialects.sglang import SGLangDialect
 from sidecar.dialects.trtllm import TRTLLMDialect, snowflake_id
 from sidecar.dialects.vllm_nixl import NixlPullDialect
@@ -523,39 +523,43 @@ async def test_the_retry_comes_before_the_local_fallback() -> None:
     assert calls.decodes[0].body == client
 
 
-# -- a short prompt on the local engine --------------------------------------------------------
+# -- a local decision on the local engine ------------------------------------------------------
 
 
-async def test_a_short_prompt_runs_whole_on_the_local_engine() -> None:
+async def test_a_local_decision_runs_whole_on_the_local_engine() -> None:
     calls = FakeCalls()
-    dialect, flow = trt_flow(calls, local_prefill=LocalPrefill(16))
+    dialect, flow = trt_flow(calls)
     decode = FakeUpstream(b"data: local\n\n", b"")
     calls.decode_answers(decode)
     client = completions_body(prompt=list(range(16)))
-    exchange = await flow.start(pd_request(client))
+    exchange = await flow.start(pd_request(client),
+                                Decision(Fate.LOCAL, "local_short", "prompt of 16 tokens"))
     assert calls.prefills == []
     assert calls.decodes[0].body == client
     assert exchange.local and exchange.owner is None and exchange.ctx.state is None
+    assert exchange.outcome == "local_short"
     assert dialect.begun == []  # no dialect state for a request without a hand-off
     assert await exchange.read_all(1024) == b"data: local\n\n"
     await exchange.aclose()
     assert decode.closed and calls.aborts == [] and dialect.ended == []
 
 
-async def test_a_longer_prompt_is_disaggregated() -> None:
-    calls = FakeCalls()
-    _, flow = trt_flow(calls, local_prefill=LocalPrefill(16))
-    calls.prefill_answers(trt_context())
+async def test_a_local_fallback_decision_is_counted_with_its_reason() -> None:
+    calls, counts = FakeCalls(), counted()
+    _, flow = trt_flow(calls, counts=counts)
     calls.decode_answers(FakeUpstream(b""))
-    exchange = await flow.start(pd_request(completions_body(prompt=list(range(17)))))
-    assert len(calls.prefills) == 1 and not exchange.local
+    exchange = await flow.start(pd_request(completions_body()), Decision(
+        Fate.LOCAL, "fallback", "every breaker open", fallback_reason="breaker_open"))
+    assert calls.prefills == [] and exchange.outcome == "fallback"
+    assert counts.fallbacks == [("http", "breaker_open")]
 
 
-async def test_a_disabled_local_prefill_decides_nothing() -> None:
+async def test_a_pair_decision_runs_on_its_target_and_ranks() -> None:
     calls = FakeCalls()
-    _, flow = trt_flow(calls, local_prefill=LocalPrefill(0))
+    _, flow = trt_flow(calls)
     calls.prefill_answers(trt_context())
     calls.decode_answers(FakeUpstream(b""))
-    exchange = await flow.start(pd_request(completions_body(prompt=[1])))
-    assert len(calls.prefills) == 1 and not exchange.local
+    exchange = await flow.start(pd_request(completions_body(), candidates=(TARGET_A, TARGET_B)),
+                                Decision(Fate.PAIR, "ok", "prefill on B", target=TARGET_B))
+    assert [leg.target for leg in calls.prefills] == [TARGET_B] and not exchange.local
 

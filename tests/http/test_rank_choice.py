@@ -1,7 +1,7 @@
 """Proves the choice of data-parallel ranks and the router's rank header (README "Data-parallel
 engines"), without engines:
 
-- ``TargetChoice.pick_rank``: None for one rank; the rank with the fewest legs in flight on
+- ``RankChoice.pick_rank``: None for one rank; the rank with the fewest legs in flight on
   that engine wins; ties go round in turn (legs that never overlap still use every rank),
   each engine (the local one, each target) with its own counts and turn; a failed rank is
   skipped for the cool-down, until it answers, and picked when every rank cools down;
@@ -18,8 +18,7 @@ import pytest
 
 from sidecar.errors import InvalidRequest
 from sidecar.protocol.context import PrefillTarget
-from sidecar.targets.choice import LOCAL, TargetChoice
-from sidecar.targets.ranks import parse_rank_header
+from sidecar.targets.ranks import LOCAL, RankChoice, parse_rank_header
 
 A = PrefillTarget("10.0.0.1", 8000)
 B = PrefillTarget("10.0.0.2", 8000)
@@ -34,19 +33,19 @@ class FakeClock:
 
 
 def test_one_rank_is_no_rank() -> None:
-    choice = TargetChoice(cooldown_s=5)
+    choice = RankChoice(cooldown_s=5)
     assert choice.pick_rank(A, 1) is None
     assert choice.pick_rank(LOCAL, 1) is None
 
 
 @pytest.mark.parametrize("size", [2, 4])
 def test_ties_go_round_every_rank(size: int) -> None:
-    choice = TargetChoice(cooldown_s=5)
+    choice = RankChoice(cooldown_s=5)
     assert [choice.pick_rank(A, size) for _ in range(2 * size)] == list(range(size)) * 2
 
 
 def test_fewest_in_flight_wins_per_engine() -> None:
-    choice = TargetChoice(cooldown_s=5)
+    choice = RankChoice(cooldown_s=5)
     with contextlib.ExitStack() as stack:
         for rank in (0, 0, 1, 3):
             stack.enter_context(choice.rank_leg(A, rank))
@@ -58,7 +57,7 @@ def test_fewest_in_flight_wins_per_engine() -> None:
 
 
 def test_held_ranks_count_until_released() -> None:
-    choice = TargetChoice(cooldown_s=5)
+    choice = RankChoice(cooldown_s=5)
     choice.hold_rank(LOCAL, 0)
     assert {choice.pick_rank(LOCAL, 2) for _ in range(4)} == {1}
     choice.release_rank(LOCAL, 0)
@@ -67,7 +66,7 @@ def test_held_ranks_count_until_released() -> None:
 
 def test_a_failed_rank_cools_down() -> None:
     clock = FakeClock()
-    choice = TargetChoice(cooldown_s=5, clock=clock)
+    choice = RankChoice(cooldown_s=5, clock=clock)
     choice.rank_failed(A, 1)
     assert {choice.pick_rank(A, 2) for _ in range(6)} == {0}
     assert [choice.pick_rank(B, 2) for _ in range(2)] == [0, 1]  # only A's rank 1 failed
@@ -78,7 +77,7 @@ def test_a_failed_rank_cools_down() -> None:
     choice.rank_failed(A, 1)
     choice.rank_answered(A, 1)
     assert {choice.pick_rank(A, 2) for _ in range(6)} == {0, 1}
-    never = TargetChoice(cooldown_s=0)
+    never = RankChoice(cooldown_s=0)
     never.rank_failed(A, 1)
     assert {never.pick_rank(A, 2) for _ in range(6)} == {0, 1}
 

@@ -1,8 +1,11 @@
-"""Proves the local-prefill decision, ``LocalPrefill`` (sidecar/core/local_prefill.py), over a
-fake tokenizer call (no sockets):
+"""Proves the prompt measure of the placement decision, ``PromptMeasure``
+(sidecar/core/prompt_measure.py), over a fake tokenizer call (no sockets):
 
-- token-id prompts are counted exactly and never tokenized; text and chat are estimated with
-  ``estimate`` (and when no tokenizer call can be made); the limit is inclusive; 0 disables;
+- token-id prompts are counted exactly (their ids given) and never tokenized; text and chat
+  are estimated with ``estimate`` (and when no tokenizer call can be made);
+- when the ids are asked for (the cache rule), text and chat are tokenized whatever the
+  source says, and the answer's ``tokens`` are the ids; a count without matching ids is
+  malformed;
 - ``tokenize``: the local engine's endpoint (the dialect's ``TokenizeEndpoint``) gets the model
   and the prompt (a one-prompt list's first prompt); chat goes there only when the endpoint
   takes chat (vLLM), with exactly the dialect's ``chat_fields`` the client sent, and is
@@ -11,8 +14,8 @@ fake tokenizer call (no sockets):
   ``timeout`` (no answer in time, or a deadline error), ``rejected`` (4xx), ``failed`` (any
   other engine error), ``malformed_answer`` (no non-negative integer ``count``).
 
-It does not prove the engine's tokenizer routes nor the HTTP door's use of the decision
-(tests/http/test_local_prefill.py over stubs).
+It does not prove the rules that read the measure (tests/core/test_placement.py) nor the
+engine's tokenizer routes (tests/http/test_local_prefill.py over stubs).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import pytest
 from protocol_builders import chat_body, completions_body
 
 from sidecar.config.limits import PromptLengthSource
-from sidecar.core.local_prefill import LocalPrefill
+from sidecar.core.prompt_measure import PromptMeasure
 from sidecar.dialects.sglang import SGLangDialect
 from sidecar.dialects.vllm_nixl import NixlPullDialect
 from sidecar.errors import DeadlineExceeded, EngineRejected, PrefillFailed
@@ -57,14 +60,28 @@ class Tokenizer:
 HANG = object()
 
 
-def local(tokenizer: Tokenizer | None = None, *, max_tokens: int = 16,
-          endpoint: Any = VLLM_TOKENIZE, timeout_s: float = 5.0,
-          source: PromptLengthSource = TOKENIZE) -> tuple[LocalPrefill, list[str]]:
+class Short:
+    """The length rule over a measure (inclusive limit), as the decision reads it."""
+
+    def __init__(self, measure: PromptMeasure, limit: int = 16) -> None:
+        self.measure = measure
+        self.limit = limit
+
+    async def is_short(self, route: Route, body: Mapping[str, Any], _: str) -> bool:
+        tokens = await self.measure.prompt_tokens(route, body)
+        return tokens is not None and tokens <= self.limit
+
+    async def prompt_tokens(self, route: Route, body: Mapping[str, Any]) -> int | None:
+        return await self.measure.prompt_tokens(route, body)
+
+
+def local(tokenizer: Tokenizer | None = None, *, endpoint: Any = VLLM_TOKENIZE,
+          timeout_s: float = 5.0,
+          source: PromptLengthSource = TOKENIZE) -> tuple[Short, list[str]]:
     failures: list[str] = []
-    decision = LocalPrefill(max_tokens, source=source, endpoint=endpoint,
-                            post_local=tokenizer, timeout_s=timeout_s,
-                            on_tokenize_failure=failures.append)
-    return decision, failures
+    measure = PromptMeasure(source=source, endpoint=endpoint, post_local=tokenizer,
+                            timeout_s=timeout_s, on_tokenize_failure=failures.append)
+    return Short(measure), failures
 
 
 async def test_token_id_prompts_are_exact_and_never_tokenized() -> None:
@@ -91,12 +108,31 @@ async def test_tokenize_without_a_call_to_make_estimates() -> None:
     assert await no_endpoint.prompt_tokens(Route.COMPLETIONS, {"prompt": "x" * 40}) == 10
 
 
-async def test_a_disabled_decision_is_never_short() -> None:
-    tokenizer = Tokenizer()
-    decision, _ = local(tokenizer, max_tokens=0)
-    assert not decision.enabled
-    assert not await decision.is_short(Route.COMPLETIONS, {"prompt": [1]}, "rq")
-    assert tokenizer.calls == []
+async def test_token_id_prompts_give_their_ids() -> None:
+    decision, _ = local(Tokenizer())
+    prompt = await decision.measure.prompt(Route.COMPLETIONS, {"prompt": [5, 6, 7]}, ids=True)
+    assert prompt == (3, [5, 6, 7])
+    generate = await decision.measure.prompt(Route.GENERATE, {"token_ids": [1, 2]}, ids=True)
+    assert generate == (2, [1, 2])
+
+
+async def test_the_ids_are_tokenized_whatever_the_source_says() -> None:
+    tokenizer = Tokenizer({"count": 3, "tokens": [7, 8, 9]})
+    decision, failures = local(tokenizer, source=PromptLengthSource.ESTIMATE)
+    prompt = await decision.measure.prompt(Route.COMPLETIONS, completions_body(), ids=True)
+    assert prompt == (3, [7, 8, 9]) and len(tokenizer.calls) == 1 and failures == []
+    # Without the ids the estimate still serves: no call.
+    assert await decision.prompt_tokens(Route.COMPLETIONS, {"prompt": "x" * 40}) == 10
+    assert len(tokenizer.calls) == 1
+
+
+@pytest.mark.parametrize("answer", [{"count": 3}, {"count": 3, "tokens": [1, 2]},
+                                    {"count": 2, "tokens": [1, "2"]},
+                                    {"count": 2, "tokens": [1, True]}])
+async def test_ids_that_do_not_match_the_count_are_malformed(answer: Any) -> None:
+    decision, failures = local(Tokenizer(answer))
+    prompt = await decision.measure.prompt(Route.COMPLETIONS, completions_body(), ids=True)
+    assert prompt == (None, None) and failures == ["malformed_answer"]
 
 
 async def test_tokenize_sends_the_model_and_the_prompt() -> None:

@@ -1,0 +1,202 @@
+"""The placement decision: where one request runs, decided once, before any leg is sent.
+
+    route_fate(route, support, has_targets)        before the body is read
+        no prefill target (header or pool)         ─▶ PASSTHROUGH  passthrough
+        the engine does not serve the route        ─▶ REFUSE       unserved_route (404)
+        it serves the route, not as a pair         ─▶ LOCAL        local_route
+        otherwise                                  ─▶ None: decide() on the request's facts
+    decide(facts, rules, targets)                  per request, and per fan-out sub-request
+        the body names state held by one engine    ─▶ LOCAL        local_state
+        the local engine is known down             ─▶ REFUSE       engine_not_ready (503)
+        prompt tokens <= max_tokens                ─▶ LOCAL        local_short
+        tokens not cached <= max_uncached          ─▶ LOCAL        local_cached
+        a target whose breaker lets a leg in       ─▶ PAIR         ok (target, prefill rank,
+                                                                   decode rank)
+        every breaker open, local fallback allowed ─▶ LOCAL        fallback (breaker_open)
+        every breaker open                         ─▶ REFUSE       prefill_failed (502)
+    retry_pair(candidates, failed, named, targets) a prefill whose engine provably did no work
+                                                   ─▶ PAIR on another candidate, or None
+
+Both functions are pure: every input is a value, but the prefill targets (``Targets``: the
+target choice, its breakers and the data-parallel ranks), which are asked only on the way to
+a pair, so no local outcome ever consults a breaker. Gathering the facts (the body's state,
+the engine's readiness, the prompt's tokens and cached tokens) is ``sidecar.core.placer``'s.
+
+A prompt whose length or cached prefix is unknown (no rule needs it, a tokenize call failed,
+the KV-event index cannot answer) is never run locally by a rule that needs it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import Final, Protocol
+
+from sidecar.core.scope import (
+    ERROR,
+    FALLBACK,
+    LOCAL_CACHED,
+    LOCAL_ROUTE,
+    LOCAL_SHORT,
+    LOCAL_STATE,
+    OK,
+    PASSTHROUGH,
+    UNSERVED_ROUTE,
+)
+from sidecar.dialects.base import RouteSupport
+from sidecar.errors import EngineNotReady, RouteNotServed, SidecarError
+from sidecar.protocol.context import PrefillTarget, Route
+
+#: The fallback reason of a request kept from every target by open breakers.
+BREAKER_OPEN: Final = "breaker_open"
+
+
+class Fate(Enum):
+    PASSTHROUGH = "passthrough"  # the local engine, the request exactly as it came
+    LOCAL = "local"  # whole on the local engine, for a reason
+    PAIR = "pair"  # a prefill leg on a target, a decode leg on the local engine
+    REFUSE = "refuse"  # a typed error; nothing is sent
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """One request's fate, with the outcome it is counted with and why, in words."""
+
+    fate: Fate
+    outcome: str
+    why: str
+    target: PrefillTarget | None = None
+    prefill_rank: int | None = None
+    decode_rank: int | None = None
+    error: SidecarError | None = None
+    #: A LOCAL fallback's reason (``disagg_prefill_fallbacks_total{reason}``).
+    fallback_reason: str | None = None
+    #: Prompt tokens the local engine holds, when the decision knew them.
+    cached_tokens: int | None = None
+
+    @property
+    def local(self) -> bool:
+        return self.fate is Fate.LOCAL
+
+
+@dataclass(frozen=True, slots=True)
+class PromptFacts:
+    """What is known of a prompt: its tokens, and how many of them the local engine holds
+    (a prefix in whole KV blocks); None: unknown."""
+
+    tokens: int | None = None
+    cached: int | None = None
+
+
+#: A prompt nothing is known of.
+UNKNOWN_PROMPT: Final = PromptFacts()
+
+
+@dataclass(frozen=True, slots=True)
+class Facts:
+    """The facts of one request (or fan-out sub-request) its fate is decided on."""
+
+    candidates: tuple[PrefillTarget, ...]
+    #: The body field naming state that lives on one engine (Responses), or None.
+    state: str | None = None
+    #: Why the local engine is known to be down (asked again already), or None.
+    engine_down: str | None = None
+    prompt: PromptFacts = UNKNOWN_PROMPT
+    #: The prefill leg's data-parallel rank as the router named it, or None.
+    named_prefill_rank: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Rules:
+    """The operator's placement settings."""
+
+    #: ``--local-prefill-max-tokens``: prompts of at most this many tokens run locally (0: off).
+    max_tokens: int = 0
+    #: ``--local-prefill-max-uncached-tokens``: prompts with at most this many tokens the local
+    #: engine does not hold run locally (0: off).
+    max_uncached: int = 0
+    #: ``--on-prefill-failure local`` on a dialect whose decode can run without its prefill.
+    local_fallback: bool = False
+
+
+class Targets(Protocol):
+    """The prefill targets as the decision sees them (asked only on the way to a pair)."""
+
+    def pick(self, candidates: Sequence[PrefillTarget],
+             exclude: Collection[PrefillTarget] = ()) -> PrefillTarget | None:
+        """The target for the next leg; None when every breaker left keeps its target out."""
+
+    def all_open(self, candidates: Sequence[PrefillTarget]) -> SidecarError:
+        """The error of a request whose every target's breaker is open."""
+
+    def prefill_rank(self, target: PrefillTarget, named: int | None) -> int | None:
+        """The prefill leg's data-parallel rank on ``target`` (None: one rank)."""
+
+    def decode_rank(self) -> int | None:
+        """The decode leg's data-parallel rank on the local engine (None: one rank)."""
+
+
+def route_fate(route: Route, support: RouteSupport, has_targets: bool,
+               engine: str) -> Decision | None:
+    """What the route alone decides, before the body is read (None: the facts decide)."""
+    if not has_targets:
+        return Decision(Fate.PASSTHROUGH, PASSTHROUGH, "no prefill target")
+    if support is RouteSupport.UNSERVED:
+        why = f"the {engine} engine does not serve {route.value}"
+        return Decision(Fate.REFUSE, UNSERVED_ROUTE, why, error=RouteNotServed(
+            f"{why} (with or without a prefill target)"))
+    if support is RouteSupport.LOCAL:
+        return Decision(Fate.LOCAL, LOCAL_ROUTE,
+                        f"the {engine} engine does not run {route.value} as a prefill/decode "
+                        "pair")
+    return None
+
+
+def decide(facts: Facts, rules: Rules, targets: Targets) -> Decision:
+    """The fate of a request the route lets run as a pair (see the module docstring)."""
+    if facts.state is not None:
+        return Decision(Fate.LOCAL, LOCAL_STATE, f"{facts.state} names state on one engine")
+    if facts.engine_down is not None:
+        return Decision(Fate.REFUSE, ERROR, "the local engine is down", error=EngineNotReady(
+            f"local engine is not ready ({facts.engine_down}); nothing was sent to a prefill "
+            "engine"))
+    prompt = facts.prompt
+    if rules.max_tokens > 0 and prompt.tokens is not None and prompt.tokens <= rules.max_tokens:
+        return Decision(Fate.LOCAL, LOCAL_SHORT,
+                        f"prompt of {prompt.tokens} tokens, limit {rules.max_tokens}",
+                        cached_tokens=prompt.cached)
+    if (rules.max_uncached > 0 and prompt.tokens is not None and prompt.cached is not None
+            and prompt.tokens - prompt.cached <= rules.max_uncached):
+        return Decision(Fate.LOCAL, LOCAL_CACHED,
+                        f"{prompt.tokens - prompt.cached} of {prompt.tokens} prompt tokens "
+                        f"not cached, limit {rules.max_uncached}", cached_tokens=prompt.cached)
+    target = targets.pick(facts.candidates)
+    if target is None:
+        if rules.local_fallback:
+            return Decision(Fate.LOCAL, FALLBACK, "every prefill target's breaker is open",
+                            fallback_reason=BREAKER_OPEN, cached_tokens=prompt.cached)
+        return Decision(Fate.REFUSE, ERROR, "every prefill target's breaker is open",
+                        error=targets.all_open(facts.candidates))
+    return pair_on(target, facts.named_prefill_rank, targets, cached_tokens=prompt.cached)
+
+
+def pair_on(target: PrefillTarget, named_prefill_rank: int | None, targets: Targets, *,
+            why: str = "", cached_tokens: int | None = None) -> Decision:
+    """A pair whose prefill runs on ``target``, with both legs' ranks."""
+    return Decision(Fate.PAIR, OK, why or f"prefill on {target}", target=target,
+                    prefill_rank=targets.prefill_rank(target, named_prefill_rank),
+                    decode_rank=targets.decode_rank(), cached_tokens=cached_tokens)
+
+
+def retry_pair(candidates: Sequence[PrefillTarget], failed: PrefillTarget,
+               named_prefill_rank: int | None, targets: Targets) -> Decision | None:
+    """Another of the request's targets for a prefill whose engine provably did no work
+    (picked now: the first pick may have cooled down meanwhile), or None."""
+    if len(candidates) < 2:
+        return None
+    target = targets.pick(candidates, exclude=(failed,))
+    if target is None:
+        return None
+    return pair_on(target, named_prefill_rank, targets,
+                   why=f"prefill moved from {failed} to {target}")

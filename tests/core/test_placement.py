@@ -1,0 +1,253 @@
+"""Proves the placement decision (sidecar/core/placement.py) as pure functions over their
+inputs, and the placer (sidecar/core/placer.py) that gathers those inputs:
+
+- every outcome is reachable: passthrough, unserved_route (404), local_route, local_state,
+  engine_not_ready (503), local_short, local_cached, a pair on (target, prefill rank, decode
+  rank), fallback with reason breaker_open, prefill_failed (every breaker open);
+- the rules' order: state before the engine's readiness before the length rule before the
+  cache rule before any target; a rule whose input is unknown never runs a request locally;
+  each limit is inclusive and 0 turns it off;
+- the prefill targets (their breakers, their ranks) are never asked for a local outcome: the
+  ``Targets`` given to those cases fails the test if it is called at all;
+- a retry moves to another candidate, never the failed one, and there is none with one
+  candidate or when every other breaker is open;
+- the placer gathers only what the decision reads: no tokenize call and no cache look-up for
+  a request its state decides, nor when no rule needs the prompt; the cache rule asks the
+  index with the prompt's ids (from the tokenizer for text) and records what it found; an
+  index that cannot answer leaves the length rule in charge.
+
+It does not prove the HTTP door's use of the decision (tests/http/test_placement_door.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any
+
+import pytest
+
+from sidecar.core.placement import (
+    BREAKER_OPEN,
+    Decision,
+    Facts,
+    Fate,
+    PromptFacts,
+    Rules,
+    decide,
+    retry_pair,
+    route_fate,
+)
+from sidecar.core.placer import Placer
+from sidecar.core.prompt_measure import PromptMeasure
+from sidecar.dialects.base import RouteSupport, TokenizeEndpoint
+from sidecar.errors import EngineNotReady, PrefillFailed, RouteNotServed, SidecarError
+from sidecar.protocol.context import PrefillTarget, Route
+
+A, B, C = (PrefillTarget(f"10.0.0.{n}", 8000) for n in (1, 2, 3))
+
+
+class Untouchable:
+    """Targets that must not be asked: a local outcome never consults a breaker."""
+
+    def pick(self, candidates: Sequence[PrefillTarget],
+             exclude: Collection[PrefillTarget] = ()) -> PrefillTarget | None:
+        raise AssertionError("the targets were consulted for a local decision")
+
+    def all_open(self, candidates: Sequence[PrefillTarget]) -> SidecarError:
+        raise AssertionError("the targets were consulted for a local decision")
+
+    def prefill_rank(self, target: PrefillTarget, named: int | None) -> int | None:
+        raise AssertionError("the targets were consulted for a local decision")
+
+    def decode_rank(self) -> int | None:
+        raise AssertionError("the targets were consulted for a local decision")
+
+
+class Breakers:
+    """Targets whose breakers are open for ``open_``; ranks 0..n-1 round in turn."""
+
+    def __init__(self, *open_: PrefillTarget, ranks: int = 1) -> None:
+        self.open = set(open_)
+        self.ranks = ranks
+        self.turn = 0
+        self.asked = 0
+
+    def pick(self, candidates: Sequence[PrefillTarget],
+             exclude: Collection[PrefillTarget] = ()) -> PrefillTarget | None:
+        self.asked += 1
+        left = [t for t in candidates if t not in exclude and t not in self.open]
+        return left[0] if left else None
+
+    def all_open(self, candidates: Sequence[PrefillTarget]) -> SidecarError:
+        return PrefillFailed("circuit breaker open for every prefill target")
+
+    def _rank(self) -> int | None:
+        if self.ranks <= 1:
+            return None
+        self.turn += 1
+        return (self.turn - 1) % self.ranks
+
+    def prefill_rank(self, target: PrefillTarget, named: int | None) -> int | None:
+        return named if named is not None else self._rank()
+
+    def decode_rank(self) -> int | None:
+        return self._rank()
+
+
+def facts(**overrides: Any) -> Facts:
+    return Facts(**{"candidates": (A, B), **overrides})
+
+
+# -- before the body ---------------------------------------------------------------------
+
+
+def test_the_route_alone_decides_passthrough_refusal_and_local_route() -> None:
+    passthrough = route_fate(Route.CHAT, RouteSupport.PD, False, "vllm")
+    assert passthrough is not None and passthrough.fate is Fate.PASSTHROUGH
+    assert passthrough.outcome == "passthrough"
+    unserved = route_fate(Route.GENERATE, RouteSupport.UNSERVED, True, "sglang")
+    assert unserved is not None and unserved.fate is Fate.REFUSE
+    assert unserved.outcome == "unserved_route" and isinstance(unserved.error, RouteNotServed)
+    assert "sglang" in unserved.error.message and "/inference/v1/generate" in unserved.error.message
+    local = route_fate(Route.RESPONSES, RouteSupport.LOCAL, True, "trtllm")
+    assert local is not None and local.fate is Fate.LOCAL and local.outcome == "local_route"
+    assert route_fate(Route.CHAT, RouteSupport.PD, True, "vllm") is None
+    # Without a target even an unserved route is the engine's to answer.
+    assert route_fate(Route.GENERATE, RouteSupport.UNSERVED, False, "sglang") == passthrough
+
+
+# -- the request's facts -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("given", "rules", "outcome"), [
+    (facts(state="previous_response_id"), Rules(), "local_state"),
+    (facts(state="previous_response_id", engine_down="refused"), Rules(), "local_state"),
+    (facts(prompt=PromptFacts(8)), Rules(max_tokens=8), "local_short"),
+    (facts(prompt=PromptFacts(300, 256)), Rules(max_uncached=44), "local_cached"),
+    (facts(prompt=PromptFacts(8, 0)), Rules(max_uncached=8), "local_cached"),
+    (facts(prompt=PromptFacts(8, 0)), Rules(max_tokens=8, max_uncached=8), "local_short"),
+], ids=["state", "state-before-engine", "short", "cached", "all-uncached", "short-first"])
+def test_local_outcomes_never_consult_the_targets(given: Facts, rules: Rules,
+                                                   outcome: str) -> None:
+    decision = decide(given, rules, Untouchable())
+    assert decision.fate is Fate.LOCAL and decision.outcome == outcome, decision
+    assert decision.target is None and decision.error is None
+
+
+def test_a_known_down_engine_refuses_before_any_target() -> None:
+    decision = decide(facts(engine_down="connection refused"), Rules(max_tokens=8),
+                      Untouchable())
+    assert decision.fate is Fate.REFUSE and isinstance(decision.error, EngineNotReady)
+    assert "connection refused" in decision.error.message
+
+
+@pytest.mark.parametrize(("prompt", "rules"), [
+    (PromptFacts(9), Rules(max_tokens=8)),  # one token over
+    (PromptFacts(8), Rules()),  # the rule is off
+    (PromptFacts(None), Rules(max_tokens=8)),  # length unknown
+    (PromptFacts(300, 255), Rules(max_uncached=44)),  # one uncached token over
+    (PromptFacts(300, None), Rules(max_uncached=1000)),  # the index cannot answer
+    (PromptFacts(None, 256), Rules(max_uncached=1000)),  # length unknown
+    (PromptFacts(300, 300), Rules(max_tokens=8)),  # cached, but that rule is off
+], ids=["over", "off", "unknown", "uncached-over", "cache-unknown", "length-unknown",
+        "cache-rule-off"])
+def test_otherwise_a_pair_on_a_target_with_ranks(prompt: PromptFacts, rules: Rules) -> None:
+    targets = Breakers(A, ranks=2)
+    decision = decide(facts(prompt=prompt, named_prefill_rank=1), rules, targets)
+    assert decision.fate is Fate.PAIR and decision.outcome == "ok"
+    assert (decision.target, decision.prefill_rank, decision.decode_rank) == (B, 1, 0)
+    assert decision.cached_tokens == prompt.cached
+
+
+def test_every_breaker_open_falls_back_under_the_local_policy_else_refuses() -> None:
+    targets = Breakers(A, B)
+    fallback = decide(facts(), Rules(local_fallback=True), targets)
+    assert fallback.fate is Fate.LOCAL and fallback.outcome == "fallback"
+    assert fallback.fallback_reason == BREAKER_OPEN
+    refused = decide(facts(), Rules(), targets)
+    assert refused.fate is Fate.REFUSE and refused.outcome == "error"
+    assert isinstance(refused.error, PrefillFailed)
+
+
+def test_a_retry_moves_to_another_candidate_or_nowhere() -> None:
+    targets = Breakers()
+    retry = retry_pair((A, B, C), A, None, targets)
+    assert retry is not None and retry.fate is Fate.PAIR and retry.target == B
+    assert retry_pair((A,), A, None, targets) is None
+    assert retry_pair((A, B), A, None, Breakers(B)) is None
+
+
+# -- the placer: what it gathers ------------------------------------------------------------
+
+
+class Index:
+    """A ``CachedPrefix`` answering from a fixed count (None: cannot answer)."""
+
+    def __init__(self, cached: int | None) -> None:
+        self.cached = cached
+        self.asked: list[list[int]] = []
+
+    def cached_tokens(self, token_ids: Sequence[int]) -> int | None:
+        self.asked.append(list(token_ids))
+        return self.cached
+
+
+class Tokenizer:
+    def __init__(self, ids: list[int]) -> None:
+        self.ids = ids
+        self.calls = 0
+
+    async def __call__(self, path: str, body: Mapping[str, Any], headers: Mapping[str, str],
+                       *, max_bytes: int) -> dict[str, Any]:
+        self.calls += 1
+        return {"count": len(self.ids), "tokens": self.ids}
+
+
+def placer(rules: Rules, *, index: Index | None = None, tokenizer: Tokenizer | None = None,
+           found: list[int] | None = None) -> Placer:
+    measure = PromptMeasure(endpoint=TokenizeEndpoint("/tokenize", chat=True),
+                            post_local=tokenizer)
+    return Placer(route_support=lambda route: RouteSupport.PD, engine="vllm", rules=rules,
+                  targets=Breakers(), measure=measure, cache=index,
+                  on_cached_tokens=None if found is None else found.append)
+
+
+async def _place(p: Placer, route: Route, body: dict[str, Any]) -> Decision:
+    return await p.place(route, body, (A,), request_id="rq")
+
+
+async def test_state_decides_without_a_tokenize_call_or_a_look_up() -> None:
+    tokenizer, index = Tokenizer(list(range(300))), Index(300)
+    p = placer(Rules(max_tokens=8, max_uncached=10), index=index, tokenizer=tokenizer)
+    decision = await _place(p, Route.RESPONSES, {"input": "hi",
+                                                 "previous_response_id": "resp_1"})
+    assert decision.outcome == "local_state"
+    assert tokenizer.calls == 0 and index.asked == []
+
+
+async def test_no_rule_no_measure() -> None:
+    tokenizer, index = Tokenizer([1, 2]), Index(2)
+    decision = await _place(placer(Rules(), index=index, tokenizer=tokenizer),
+                            Route.COMPLETIONS, {"prompt": "hello"})
+    assert decision.outcome == "ok" and tokenizer.calls == 0 and index.asked == []
+
+
+async def test_the_cache_rule_asks_the_index_with_the_tokenized_ids() -> None:
+    ids = list(range(300))
+    tokenizer, index, found = Tokenizer(ids), Index(256), []
+    p = placer(Rules(max_uncached=44), index=index, tokenizer=tokenizer, found=found)
+    decision = await _place(p, Route.COMPLETIONS, {"prompt": "a long conversation"})
+    assert decision.outcome == "local_cached" and decision.cached_tokens == 256
+    assert index.asked == [ids] and tokenizer.calls == 1 and found == [256]
+    # Token ids in the body are the ids: no call.
+    decision = await _place(p, Route.COMPLETIONS, {"prompt": list(range(400))})
+    assert decision.outcome == "ok" and tokenizer.calls == 1 and found == [256, 256]
+
+
+async def test_an_index_that_cannot_answer_leaves_the_length_rule_in_charge() -> None:
+    p = placer(Rules(max_tokens=8, max_uncached=1000), index=Index(None),
+               tokenizer=Tokenizer([1, 2, 3]))
+    assert (await _place(p, Route.COMPLETIONS, {"prompt": "hi"})).outcome == "local_short"
+    long = placer(Rules(max_tokens=8, max_uncached=1000), index=Index(None),
+                  tokenizer=Tokenizer(list(range(20))))
+    assert (await _place(long, Route.COMPLETIONS, {"prompt": "hi"})).outcome == "ok"
