@@ -30,7 +30,7 @@ from sidecar.core.engine_health import EngineHealth
 from sidecar.core.flow import PDFlow
 from sidecar.core.pd_request import FlowCounters
 from sidecar.core.placement import Rules
-from sidecar.core.placer import CachedPrefix, Placer
+from sidecar.core.placer import Placer
 from sidecar.core.prompt_measure import PromptMeasure
 from sidecar.core.scope import Scopes
 from sidecar.core.upstream import make_session
@@ -163,8 +163,9 @@ def _flows(settings: Settings, metrics: Metrics, calls: EngineCalls,
 
 
 def _placer(settings: Settings, metrics: Metrics, calls: EngineCalls, flow: PDFlow,
-            health: EngineHealth, cache: CachedPrefix | None) -> Placer:
-    """The placement decision of the HTTP door's requests, over the flow's targets."""
+            health: EngineHealth, cache: EngineKVCache | None) -> Placer:
+    """The placement decision of the HTTP door's requests, over the flow's targets; ``cache``:
+    the local engine's prefix cache, from its KV events."""
     dialect = flow.dialect
     measure = PromptMeasure(
         source=settings.prompt_length_source,
@@ -178,7 +179,8 @@ def _placer(settings: Settings, metrics: Metrics, calls: EngineCalls, flow: PDFl
                   max_uncached=settings.local_prefill_max_uncached_tokens,
                   local_fallback=flow.local_fallback)
     return Placer(route_support=dialect.route_support, engine=dialect.engine, rules=rules,
-                  targets=flow.targets, measure=measure, cache=cache, health=health)
+                  targets=flow.targets, measure=measure, cache=cache, health=health,
+                  on_cached_tokens=None if cache is None else cache.observe_cached_tokens)
 
 
 @contextlib.asynccontextmanager
@@ -256,7 +258,7 @@ async def open_runtime(
             http_scopes=scopes(FrontDoor.HTTP),
             grpc_scopes=scopes(FrontDoor.GRPC),
             selector=selector,
-            placer=_placer(settings, metrics, calls, http_flow, health, None),
+            placer=_placer(settings, metrics, calls, http_flow, health, kv_cache),
             admission=admission,
             health=health,
             worker=worker,

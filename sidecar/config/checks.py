@@ -5,7 +5,8 @@
     check_connector_engine a connector given by flag or env serves the engine
     check_prompt_length_source  ``tokenize`` only for an engine with a tokenizer endpoint
     check_tracing          an OTLP endpoint only with the tracing extra installed
-    check_kv_events        KV-event endpoints on loopback unless allowed, one worker, one rank
+    check_kv_events        KV-event endpoints on loopback unless allowed, one worker, one rank;
+                           the replay endpoint and the cache rule only with an endpoint
     data_parallel_warning  data-parallel sizes for an engine that places ranks itself (a
                            warning, not a refusal: the engine still serves)
 
@@ -143,10 +144,11 @@ def check_kv_events(settings: Settings, sources: Sources) -> None:
         except ValueError as exc:
             raise ConfigError(f"{name} {value!r} (from {sources.source_of(name)}): {exc}") from None
     if endpoint is None:
-        if settings.kv_events_replay_endpoint is not None:
-            raise ConfigError(
-                f"kv_events_replay_endpoint (from {sources.source_of('kv_events_replay_endpoint')})"
-                " needs --kv-events-endpoint")
+        for name in ("kv_events_replay_endpoint", "local_prefill_max_uncached_tokens"):
+            if getattr(settings, name):
+                raise ConfigError(
+                    f"{name} (from {sources.source_of(name)}) needs --kv-events-endpoint: the "
+                    "local engine's cached blocks are known from its KV events only")
         return
     where = f"kv_events_endpoint (from {sources.source_of('kv_events_endpoint')})"
     if settings.workers > 1:

@@ -7,7 +7,8 @@ through the real loader:
   refused with a message naming the value, its source and the opt-in flag, and accepted with
   ``--kv-events-allow-remote``; wildcard, host names, other schemes and bad ports are refused
   whatever the opt-in;
-- refused combinations: a replay endpoint without an endpoint, more than one worker, a
+- refused combinations: a replay endpoint or the cache rule
+  (``--local-prefill-max-uncached-tokens``) without an endpoint, more than one worker, a
   data-parallel local engine.
 
 It does not prove the sockets (tests/kv_events/test_subscriber.py).
@@ -105,6 +106,11 @@ def test_malformed_endpoints(endpoint: str, complaint: str) -> None:
 def test_refused_combinations() -> None:
     assert "needs --kv-events-endpoint" in refused(
         ["--kv-events-replay-endpoint", "tcp://127.0.0.1:5558"])
+    message = refused(["--local-prefill-max-uncached-tokens", "256"])
+    assert "local_prefill_max_uncached_tokens (from flag --local-prefill-max-uncached-tokens)" \
+        in message and "needs --kv-events-endpoint" in message
+    assert load(["--local-prefill-max-uncached-tokens", "256", "--kv-events-endpoint",
+                 "tcp://127.0.0.1:5557"]).settings.local_prefill_max_uncached_tokens == 256
     message = refused(["--kv-events-endpoint", "tcp://127.0.0.1:5557", "--workers", "2"])
     assert "needs --workers 1" in message and "flag --workers" in message
     message = refused(["--kv-events-endpoint", "tcp://127.0.0.1:5557", "--engine", "vllm",
