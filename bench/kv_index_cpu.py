@@ -59,7 +59,7 @@ class Publisher(threading.Thread):
         self._prompts = prompts
         self._rate = rate
         self._sequence = 0
-        self._stop = threading.Event()
+        self._stopping = threading.Event()
         self.sent = 0
 
     def send(self, events: list[dict[str, Any]]) -> None:
@@ -82,7 +82,7 @@ class Publisher(threading.Thread):
         rng = random.Random(7)
         period = 1.0 / self._rate
         count = 0
-        while not self._stop.wait(period):
+        while not self._stopping.wait(period):
             hashes = [f"c{count}-{i}".encode() for i in range(4)]
             tokens = [rng.randrange(100_000) for _ in range(4 * BLOCK)]
             self.send([_stored(hashes, None, tokens),
@@ -90,7 +90,7 @@ class Publisher(threading.Thread):
             count += 1
 
     def close(self) -> None:
-        self._stop.set()
+        self._stopping.set()
         self.join(timeout=5)
         self._pub.close(linger=0)
         self._context.term()
@@ -147,18 +147,20 @@ async def measure(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
                     for prompt in prompts[:10]:
                         await _one(session, url, prompt, target)
                 cpu = {"off": 0.0, "on": 0.0}
+                wall = {"off": 0.0, "on": 0.0}
                 for index in range(args.requests):
                     prompt = prompts[index % len(prompts)]
                     for name, proc in (("off", off), ("on", on)):
-                        before = procs.cpu_seconds(proc.pid)
+                        before, start = procs.cpu_seconds(proc.pid), time.perf_counter()
                         await _one(session, proc.url, prompt, target)
+                        wall[name] += time.perf_counter() - start
                         cpu[name] += procs.cpu_seconds(proc.pid) - before
                 found = await _metric(session, on.url, "disagg_cached_prompt_tokens_sum")
                 judged = await _metric(session, on.url, "disagg_cached_prompt_tokens_count")
-                idle_before = procs.cpu_seconds(on.pid)
+                idle_before = {p.pid: procs.cpu_seconds(p.pid) for p in (off, on)}
                 sent_before = publisher.sent
                 await asyncio.sleep(args.idle_s)
-                idle = procs.cpu_seconds(on.pid) - idle_before
+                idle = {p.pid: procs.cpu_seconds(p.pid) - idle_before[p.pid] for p in (off, on)}
                 idle_batches = publisher.sent - sent_before
                 blocks = await _metric(session, on.url, "disagg_kv_index_blocks")
         finally:
@@ -173,9 +175,15 @@ async def measure(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
         "event_rate_per_s": args.event_rate,
         "off_cpu_us_per_req": round(cpu["off"] / args.requests * 1e6, 1),
         "on_cpu_us_per_req": round(cpu["on"] / args.requests * 1e6, 1),
+        # The events the "on" sidecar applied while a request ran count in its window: their
+        # share is its idle rate over the request's wall time.
+        "on_events_share_us_per_req": round(
+            (idle[on.pid] - idle[off.pid]) / args.idle_s * wall["on"] / args.requests * 1e6, 1),
+        "wall_ms_per_req": {name: round(w / args.requests * 1e3, 2) for name, w in wall.items()},
         "on_mean_cached_tokens": round(found / judged, 1) if judged else None,
-        "on_idle_cpu_ms_per_s": round(idle / args.idle_s * 1e3, 2),
-        "on_idle_batches_per_s": round(idle_batches / args.idle_s, 1),
+        "idle_cpu_ms_per_s": {"off": round(idle[off.pid] / args.idle_s * 1e3, 2),
+                              "on": round(idle[on.pid] / args.idle_s * 1e3, 2)},
+        "event_batches_per_s": round(idle_batches / args.idle_s, 1),
         "cpu_model": _cpu_model(), "cores": os.cpu_count(),
     }
 

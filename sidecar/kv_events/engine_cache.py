@@ -23,11 +23,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Final
 
 from sidecar.kv_events.index import PrefixIndex
 from sidecar.kv_events.sequence import SequenceCheck, Verdict
-from sidecar.kv_events.wire import AllBlocksCleared, BlockRemoved, BlockStored, Message
+from sidecar.kv_events.wire import AllBlocksCleared, BlockRemoved, BlockStored, Event, Message
 from sidecar.observability.metrics import Metrics
+from sidecar.observability.prometheus_private import CounterValue, GaugeValue, HistogramValues
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +44,33 @@ CAUSE_MISSED = "missed"
 CAUSE_RESTARTED = "restarted"
 CAUSE_DISCONNECTED = "disconnected"
 CAUSE_MALFORMED = "malformed"
+
+
+_KINDS: Final = ((BlockStored, "block_stored"), (BlockRemoved, "block_removed"),
+                 (AllBlocksCleared, "all_blocks_cleared"))
+
+
+class _Counts:
+    """The metrics' hot-path handles (made once: a batch costs no ``labels()`` call)."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.events = {kind: metrics.counter(metrics.kv_events, name) for kind, name in _KINDS}
+        self._metrics = metrics
+        self._batches: dict[str, CounterValue] = {}
+        self.blocks = GaugeValue(metrics.kv_index_blocks)
+        self.evictions = CounterValue(metrics.kv_index_evictions)
+        self.cached = HistogramValues(metrics.cached_prompt_tokens)
+
+    def batch(self, outcome: str) -> None:
+        handle = self._batches.get(outcome)
+        if handle is None:
+            handle = self._batches[outcome] = self._metrics.counter(
+                self._metrics.kv_event_batches, outcome)
+        handle.inc()
+
+    def applied(self, events: list[Event]) -> None:
+        for event in events:
+            self.events[type(event)].inc()
 
 
 @dataclass(frozen=True)
@@ -60,6 +89,7 @@ class EngineKVCache:
 
     def __init__(self, max_blocks: int, topic: bytes = b"", metrics: Metrics | None = None) -> None:
         self._metrics = metrics
+        self._counts = None if metrics is None else _Counts(metrics)
         self.index = PrefixIndex(max_blocks, on_evict=self._evicted)
         self.topic = topic
         self._sequence = SequenceCheck()
@@ -88,8 +118,8 @@ class EngineKVCache:
 
     def observe_cached_tokens(self, tokens: int) -> None:
         """Count what one request found (``disagg_cached_prompt_tokens``)."""
-        if self._metrics is not None:
-            self._metrics.cached_prompt_tokens.observe(tokens)
+        if self._counts is not None:
+            self._counts.cached.observe(tokens)
 
     # What the subscriber feeds.
 
@@ -131,16 +161,9 @@ class EngineKVCache:
         """Apply ``message`` (next in order, or a replayed one) and expect the one after it."""
         self.index.apply(message.batch.events)
         self._sequence.accept(message.sequence)
-        self._batch(APPLIED)
-        if self._metrics is not None:
-            events = self._metrics.kv_events
-            for event in message.batch.events:
-                if isinstance(event, BlockStored):
-                    events.labels("block_stored").inc()
-                elif isinstance(event, BlockRemoved):
-                    events.labels("block_removed").inc()
-                elif isinstance(event, AllBlocksCleared):
-                    events.labels("all_blocks_cleared").inc()
+        if self._counts is not None:
+            self._counts.batch(APPLIED)
+            self._counts.applied(message.batch.events)
         self._size()
 
     def forget(self, cause: str) -> None:
@@ -173,13 +196,13 @@ class EngineKVCache:
             self._metrics.kv_events_replays.labels(outcome).inc()
 
     def _batch(self, outcome: str) -> None:
-        if self._metrics is not None:
-            self._metrics.kv_event_batches.labels(outcome).inc()
+        if self._counts is not None:
+            self._counts.batch(outcome)
 
     def _evicted(self) -> None:
-        if self._metrics is not None:
-            self._metrics.kv_index_evictions.inc()
+        if self._counts is not None:
+            self._counts.evictions.inc()
 
     def _size(self) -> None:
-        if self._metrics is not None:
-            self._metrics.kv_index_blocks.set(len(self.index))
+        if self._counts is not None:
+            self._counts.blocks.set(len(self.index))

@@ -6,8 +6,9 @@
 
 A block is found by what the engine hashed: its parent's hash and its own token ids. So the
 sidecar never computes the engine's hash: it walks the prompt block by block, looking up
-``(parent hash, this block's token ids)``; each hit gives the next parent. The walk costs one
-dict lookup per block and one pass over the prompt to pack its ids (8 bytes each).
+``(parent hash, this block's token ids)``; each hit gives the next parent. The walk costs, per
+block, one encoding of its ids into bytes (msgpack, in C) and one dict lookup, and stops at the
+first block not held.
 
 Truthful or nothing: ``cached_tokens`` answers None (unknown) until a first batch arrived,
 after ``forget()`` (a gap in the sequence, a dropped connection, a batch it could not read),
@@ -34,16 +35,19 @@ last, as the engine's own prefix lookup does.
 
 from __future__ import annotations
 
-from array import array
 from collections.abc import Callable, Sequence
 from typing import Final
+
+import msgspec
 
 from sidecar.kv_events.wire import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, Event
 
 #: The media that are the engine's own cache (None: the publisher does not say).
 _OWN_MEDIA: Final = frozenset({None, "GPU"})
-#: How token ids are packed into a block's key (signed 64-bit, native order).
-_PACK: Final = "q"
+#: A block's token ids as its key's bytes: msgpack's encoding of an int list is canonical (the
+#: shortest form of each id: 1 to 5 bytes for a vocabulary's ids) and made in C, several times
+#: faster than packing into an array (measured: bench/RESULTS.md, "Cache-aware").
+_PACK: Final = msgspec.msgpack.Encoder().encode
 
 _Key = tuple[BlockHash | None, bytes]
 
@@ -107,22 +111,18 @@ class PrefixIndex:
         if size is None or not self._by_key:
             return 0
         blocks = (len(token_ids) - 1) // size
-        if blocks <= 0:
-            return 0
-        try:
-            packed = array(_PACK, token_ids[: blocks * size]).tobytes()
-        except (OverflowError, TypeError):
-            return 0  # an id no engine block can hold: nothing of it is cached
-        step = size * array(_PACK).itemsize
-        by_key = self._by_key
+        by_key, pack = self._by_key, _PACK
         parent: BlockHash | None = None
         found = 0
-        for start in range(0, blocks * step, step):
-            block = by_key.get((parent, packed[start:start + step]))
-            if block is None:
-                break
-            parent = block
-            found += 1
+        try:
+            for start in range(0, blocks * size, size):
+                block = by_key.get((parent, pack(token_ids[start:start + size])))
+                if block is None:
+                    break
+                parent = block
+                found += 1
+        except (TypeError, OverflowError):
+            pass  # an id no block can hold: the blocks before it are what is cached
         return found * size
 
     def _store(self, event: BlockStored) -> None:
@@ -141,16 +141,10 @@ class PrefixIndex:
             self.block_size = size
         elif size != self.block_size:
             return
-        try:
-            packed = array(_PACK, event.token_ids).tobytes()
-        except OverflowError:
-            return
-        step = size * array(_PACK).itemsize
-        parent = event.parent_block_hash
+        tokens, parent = event.token_ids, event.parent_block_hash
         for position, block in enumerate(event.block_hashes):
-            tokens = packed[position * step:(position + 1) * step]
             if _plain_extra(event.extra_keys, position):
-                self._put(block, (parent, tokens))
+                self._put(block, (parent, _PACK(tokens[position * size:(position + 1) * size])))
             parent = block
 
     def _put(self, block: BlockHash, key: _Key) -> None:
