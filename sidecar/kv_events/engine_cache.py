@@ -70,7 +70,10 @@ class _Counts:
 
     def applied(self, events: list[Event]) -> None:
         for event in events:
-            self.events[type(event)].inc()
+            for kind, handle in self.events.items():
+                if isinstance(event, kind):  # the array encoding's events are subclasses
+                    handle.inc()
+                    break
 
 
 @dataclass(frozen=True)

@@ -141,20 +141,26 @@ class KVEventsSubscriber:
     async def _read(self) -> None:
         while True:
             frames = await self._sub.recv_multipart()
-            if frames and not self.cache.wants(frames[0]):
-                self._handled.set()
-                continue
             try:
-                message = decode_message(frames)
-            except MalformedMessage as exc:
-                logger.warning("kv events: dropped a message: %s", exc)
+                await self._handle(frames)
+            except Exception:
+                # A bug must not leave the index answering from a state it stopped following.
+                logger.exception("kv events: a message could not be handled; index forgotten")
                 self.cache.malformed()
-                self._handled.set()
-                continue
-            gap = self.cache.receive(message)
-            if gap is not None:
-                await self._close_gap(gap)
             self._handled.set()
+
+    async def _handle(self, frames: list[bytes]) -> None:
+        if frames and not self.cache.wants(frames[0]):
+            return
+        try:
+            message = decode_message(frames)
+        except MalformedMessage as exc:
+            logger.warning("kv events: dropped a message: %s", exc)
+            self.cache.malformed()
+            return
+        gap = self.cache.receive(message)
+        if gap is not None:
+            await self._close_gap(gap)
 
     async def _close_gap(self, gap: Gap) -> None:
         if gap.restarted or self._replay_endpoint is None:

@@ -9,8 +9,8 @@
   leftover (dropped), a batch with another number starts the new publisher;
 - ``catching_up`` answers None; a malformed batch forgets;
 - another topic and another data-parallel rank are dropped without touching the sequence;
-- the metrics: index size, events by kind, batches by outcome, gaps by cause, evictions, and
-  the cached-token histogram ``observe_cached_tokens`` feeds.
+- the metrics: index size, events by kind (both encodings), batches by outcome, gaps by
+  cause, evictions, and the cached-token histogram ``observe_cached_tokens`` feeds.
 
 It does not prove the sockets or the replay exchange (test_subscriber.py).
 """
@@ -19,7 +19,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from kv_event_builders import TOKENS, chain, map_cleared, map_removed, payload
+from kv_event_builders import (
+    TOKENS,
+    array_cleared,
+    array_removed,
+    array_stored,
+    chain,
+    map_cleared,
+    map_removed,
+    payload,
+)
 
 from sidecar.kv_events.engine_cache import EngineKVCache
 from sidecar.kv_events.wire import Message, decode_batch
@@ -124,6 +133,16 @@ def test_other_topics_and_ranks_are_dropped() -> None:
     every = EngineKVCache(100, topic=b"")
     every.receive(message(0, chain(TOKENS[:8], BS), topic=b"anything"))
     assert every.cached_tokens(TOKENS) == 8
+
+
+def test_sglang_array_events_are_counted_by_kind() -> None:
+    metrics = Metrics()
+    cache = EngineKVCache(100, topic=b"kv", metrics=metrics)
+    batch = decode_batch(payload([array_stored([1, 2], None, TOKENS[:8], BS),
+                                  array_removed([2]), array_cleared()], rank=None))
+    assert cache.receive(Message(b"kv", 0, batch)) is None
+    for kind in ("block_stored", "block_removed", "all_blocks_cleared"):
+        assert sample(metrics, "disagg_kv_events_total", kind=kind) == 1
 
 
 def test_metrics() -> None:
