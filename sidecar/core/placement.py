@@ -75,10 +75,6 @@ class Decision:
     #: Prompt tokens the local engine holds, when the decision knew them.
     cached_tokens: int | None = None
 
-    @property
-    def local(self) -> bool:
-        return self.fate is Fate.LOCAL
-
 
 @dataclass(frozen=True, slots=True)
 class PromptFacts:

@@ -23,7 +23,6 @@ from sidecar.core.placement import (
     UNKNOWN_PROMPT,
     Decision,
     Facts,
-    Fate,
     PromptFacts,
     Rules,
     Targets,
@@ -90,7 +89,7 @@ class Placer:
     def route_fate(self, route: Route, has_targets: bool, request_id: str) -> Decision | None:
         """What the route alone decides (None: ``place`` decides on the body)."""
         decision = route_fate(route, self._route_support(route), has_targets, self._engine)
-        if decision is not None and decision.fate is not Fate.PASSTHROUGH:
+        if decision is not None:
             _log(request_id, decision)
         return decision
 
@@ -131,4 +130,6 @@ class Placer:
 
 def _log(request_id: str, decision: Decision) -> None:
     if logger.isEnabledFor(logging.DEBUG):
-        logger.debug("request %s: %s: %s", request_id, decision.outcome, decision.why)
+        cached = decision.cached_tokens
+        logger.debug("request %s: %s: %s%s", request_id, decision.outcome, decision.why,
+                     "" if cached is None else f" (cached prompt tokens: {cached})")
