@@ -4,13 +4,15 @@
         local engine known down ─▶ EngineNotReady at once (asked again first; no prefill)
         short prompt (--local-prefill-max-tokens) ─▶ the local engine alone
         SEQUENTIAL: prefill ─▶ hand-off ─▶ open decode
-        CONCURRENT: prefill ║ open decode (prefill watched)
+        CONCURRENT: prefill ║ open decode (prefill watched); a decode refused on a hand-off
+                    the prefill's answer shows stale is opened again from that answer
     prefill_only(...) ─▶ Handoff              gRPC Prefill: the prefill half
         SEQUENTIAL: the prefill, then its hand-off
         CONCURRENT: the hand-off at once; the engine call runs on in the background, watched
     open_decode(...)  ─▶ UpstreamResponse     gRPC Decode: the decode half
 
-The dialect says what the bodies hold and how the legs run; ``EngineCalls`` makes the calls;
+The dialect says what the bodies hold and how the legs run (per request: ``legs_for``, after
+its look-up); ``EngineCalls`` makes the calls;
 the flow orders them, keeps the deadlines, begins and ends the dialect's per-request state and
 hands abort and release to the ``PDExchange``. A client gone cancels every upstream call.
 
@@ -45,6 +47,7 @@ from sidecar.core.upstream import with_headers
 from sidecar.dialects import Dialect, Legs
 from sidecar.errors import (
     DeadlineExceeded,
+    DecodeFailed,
     EngineNotReady,
     InvalidHandoff,
     PrefillFailed,
@@ -86,7 +89,6 @@ class PDFlow:
         self.dialect = dialect
         self.calls = calls
         self.ranks = LegRanks(calls.choice, local_size=local_ranks, prefill_size=prefill_ranks)
-        self.concurrent = dialect.legs is Legs.CONCURRENT
         self._prefill_timeout_s = prefill_timeout_s
         self._local_fallback = on_prefill_failure is PrefillFailurePolicy.LOCAL
         self._local = local_prefill if local_prefill is not None and local_prefill.enabled else None
@@ -217,10 +219,12 @@ class PDFlow:
                                                                request.prefill_rank),
                                decode_rank=self.ranks.local())
         try:
-            if self.concurrent:
+            if self.dialect.legs_for(ctx) is Legs.CONCURRENT:
                 return await self._start_concurrent(request, ctx)
             return await self._start_sequential(request, ctx, may_retry=may_retry)
-        except BaseException:
+        except BaseException as error:
+            if self.dialect.learns and isinstance(error, Exception):
+                self.dialect.leg_failed(error, ctx)
             self.abort(ctx)
             self.end(ctx)
             raise
@@ -304,6 +308,11 @@ class PDFlow:
                     if error is not None:
                         raise as_prefill_error(error)
             decode = decode_task.result()
+        except DecodeFailed as refused:
+            if not self.dialect.learns:
+                await cancel_and_wait(prefill_task)
+                raise
+            return await self._decode_again(request, ctx, prefill_task, refused, timings)
         except BaseException:
             await cancel_and_wait(decode_task)
             await cancel_and_wait(prefill_task)
@@ -314,10 +323,43 @@ class PDFlow:
         timings.decode_first_byte = time.perf_counter() - started
         if prefill_task.done():
             timings.prefill = time.perf_counter() - started
+        if self.dialect.learns:
+            prefill_task.add_done_callback(lambda task: self._learn(task, ctx))
         exchange = PDExchange(ctx=ctx, decode=decode, timings=timings, prefill_task=prefill_task,
                               owner=self)
         exchange.watch_prefill()
         return exchange
+
+    def _learn(self, task: asyncio.Future[dict[str, Any]], ctx: HandoffContext) -> None:
+        """Show a learning dialect a concurrent prefill's answer (its news kept for later
+        requests; this one's decode is already on its way)."""
+        if not task.cancelled() and task.exception() is None:
+            self.dialect.answered_stale(task.result(), ctx)
+
+    async def _decode_again(
+        self, request: PDRequest, ctx: HandoffContext,
+        prefill_task: asyncio.Task[dict[str, Any]], refused: DecodeFailed, timings: Timings,
+    ) -> PDExchange:
+        """A concurrent decode the engine refused: when the prefill's answer shows the
+        hand-off was stale (a prefill engine restarted under a new identity), the decode goes
+        again, built from that answer (the refused one wrote nothing); else ``refused``.
+        The wait for the answer is the prefill leg's own deadline."""
+        try:
+            response = await prefill_task
+        except BaseException:
+            await cancel_and_wait(prefill_task)
+            raise
+        if not self.dialect.answered_stale(response, ctx):
+            raise refused
+        logger.info("request %s: the decode refused a stale hand-off (%s); sent again from "
+                    "the prefill's answer", request.request_id, refused.message)
+        decode_body = self.dialect.decode_body(
+            request.body, self._handoff(response, ctx, request.trace), ctx.decode_rank)
+        decode_started = time.perf_counter()
+        decode = await self._open_decode(request, ctx, decode_body)
+        timings.decode_first_byte = time.perf_counter() - decode_started
+        return PDExchange(ctx=ctx, decode=decode, timings=timings, owner=self,
+                          prefill_response=response)
 
     # -- one leg: the gRPC services ---------------------------------------------------------
 
@@ -347,7 +389,7 @@ class PDFlow:
                 trace=scope.trace,
                 rank=ctx.prefill_rank,
             )
-            if self.concurrent:
+            if self.dialect.legs_for(ctx) is Legs.CONCURRENT:
                 fields = self._handoff(None, ctx, scope.trace)
                 # The engine call outlives this RPC: its own deadline, not the caller's.
                 background = replace(leg, timeout_s=self.prefill_timeout())
@@ -357,8 +399,8 @@ class PDFlow:
                     self.end(ctx)
                     release_admission()
 
-                self.background.run(self.calls.post_prefill(background), request_id, scopes,
-                                    done)
+                self.background.run(self._background_prefill(background, ctx), request_id,
+                                    scopes, done)
                 handed_off = True
                 return Handoff(fields)
             timings = Timings()
@@ -374,6 +416,19 @@ class PDFlow:
         finally:
             if not handed_off:
                 self.end(ctx)
+
+    async def _background_prefill(self, leg: PrefillLeg, ctx: HandoffContext) -> None:
+        """A gRPC Prefill's engine call after its hand-off; a learning dialect sees how it
+        ended."""
+        if not self.dialect.learns:
+            await self.calls.post_prefill(leg)
+            return
+        try:
+            response = await self.calls.post_prefill(leg)
+        except Exception as error:
+            self.dialect.leg_failed(error, ctx)
+            raise
+        self.dialect.answered_stale(response, ctx)
 
     def decode_body(self, client_body: Mapping[str, Any],
                     fields: Mapping[str, Any], rank: int | None = None) -> dict[str, Any]:

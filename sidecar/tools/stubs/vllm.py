@@ -48,7 +48,7 @@ from sidecar.tools.stubs.ranks import VLLM_RANK_HEADER
 from sidecar.tools.stubs.replies import JsonReply, Reply, StreamReply
 from sidecar.tools.stubs.server import request_fault, request_json
 from sidecar.tools.stubs.textgen import PrefillKind
-from sidecar.tools.stubs.vllm_connectors import make_connector
+from sidecar.tools.stubs.vllm_connectors import INTERNAL_ID, make_connector
 
 if TYPE_CHECKING:
     from sidecar.tools.stubs.server import Stub
@@ -160,7 +160,7 @@ class VllmEngine:
         params = gen.body.get("kv_transfer_params")
         if (isinstance(params, dict) and params.get("do_remote_prefill")
                 and verdict.kind is PrefillKind.REMOTE):
-            if self.config.kv_connector == "mooncake":
+            if self.config.kv_connector in ("mooncake", "nixl-push"):
                 return CacheFigures(cached=len(gen.prompt_ids))
             cached = params.get("remote_prefill_cached_tokens")
             return CacheFigures(cached=cached if isinstance(cached, int) else 0)
@@ -178,6 +178,7 @@ class VllmEngine:
         base = base_request_id(request)
         response_id = f"{_ID_PREFIXES[kind]}{base}"
         internal_id = f"{response_id}-0-{self.stub.next_id():08x}"
+        gen.extra[INTERNAL_ID] = internal_id
         verdict = await self._decode_side(request, gen, internal_id)
         tokens, finish = textgen.generate(
             gen.digest,
