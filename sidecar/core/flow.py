@@ -53,13 +53,17 @@ from sidecar.errors import (
     PrefillFailed,
     PrefillNotRun,
     SidecarError,
+    Stage,
 )
-from sidecar.http1 import UpstreamResponse
+from sidecar.http1 import UpstreamError, UpstreamResponse
 from sidecar.observability.logs import LogEvery
 from sidecar.observability.tracing import HANDOFF_SPAN, NOOP_TRACE, RequestTrace
 from sidecar.protocol.context import FrontDoor, HandoffContext, PrefillTarget, Route
 
 logger = logging.getLogger(__name__)
+
+#: The media type of a streamed answer (a learning dialect's decode is checked at its start).
+EVENT_STREAM = "text/event-stream"
 
 #: Prefill failures a local-prefill fallback may cover (never a client's own bad request).
 _FALLBACK_ERRORS = (PrefillFailed, InvalidHandoff, DeadlineExceeded)
@@ -296,7 +300,10 @@ class PDFlow:
         )
         started = time.perf_counter()
         prefill_task = asyncio.ensure_future(self.calls.post_prefill(leg))
-        decode_task = asyncio.ensure_future(self._open_decode(request, ctx, decode_body))
+        opening = self._open_decode(request, ctx, decode_body)
+        if self.dialect.learns:
+            opening = self._opened_unrefused(ctx, opening)
+        decode_task = asyncio.ensure_future(opening)
         try:
             while not decode_task.done():
                 waiting: set[asyncio.Future[Any]] = {decode_task}
@@ -329,6 +336,31 @@ class PDFlow:
                               owner=self)
         exchange.watch_prefill()
         return exchange
+
+    async def _opened_unrefused(self, ctx: HandoffContext,
+                                opening: Awaitable[UpstreamResponse]) -> UpstreamResponse:
+        """A learning dialect's concurrent decode, once it is known not refused: an event
+        stream's first bytes are awaited (left for the relay, whose head waits for them
+        anyway), and an engine's error event there is a ``DecodeFailed`` like a refused head
+        (vLLM fails a stream after its 200 head), so the flow may send the decode again."""
+        decode = await opening
+        content_type = decode.header("content-type") or ""
+        if not content_type.startswith(EVENT_STREAM):
+            return decode
+        error_event = self.dialect.stream_markers(ctx.route).error_event
+        try:
+            first = await decode.peek()
+        except (UpstreamError, TimeoutError):
+            decode.close()
+            raise DecodeFailed("decode engine broke its stream", stage=Stage.DECODE) from None
+        except BaseException:
+            decode.close()
+            raise
+        if error_event is not None and first.startswith(error_event):
+            decode.close()
+            raise DecodeFailed("decode engine failed the request in its stream's first event",
+                               stage=Stage.DECODE)
+        return decode
 
     def _learn(self, task: asyncio.Future[dict[str, Any]], ctx: HandoffContext) -> None:
         """Show a learning dialect a concurrent prefill's answer (its news kept for later

@@ -5,9 +5,10 @@ waits for its KV, either order) behind the real sidecar: the first request to a 
 its legs one after the other and learns the prefill's identity; later ones send the decode
 while the prefill still runs (a delayed prefill: the decode is seen before it answers); both
 legs carry the same X-Request-Id; concurrent first requests learn once; a prefill engine
-"restarted" under a new engine id fails nothing on JSON (the refused decode goes again from
-the prefill's answer) and is learned; a failed concurrent prefill fails the request with the
-prefill's error; an operator-given identity makes the first request concurrent.
+"restarted" under a new engine id fails nothing, JSON or streamed (the refused decode, a 500
+head or a first error event, goes again from the prefill's answer) and is learned; a failed
+concurrent prefill fails the request with the prefill's error; an operator-given identity
+makes the first request concurrent.
 
 Does not prove: real vLLM (tests/real_vllm/test_nixl_push.py), the gRPC door
 (tests/grpc_server/test_nixl_push_grpc.py).
@@ -18,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 
-from pd_builders import PDPair, pd_pair
+from pd_builders import PDPair, pd_pair, streamed_text
 from sidecar_builders import decode_sidecar_settings, running_sidecar, stub_pair
 
 from sidecar.protocol.context import Route
@@ -93,17 +94,19 @@ async def test_a_restarted_prefill_engine_is_learned_again_without_a_failed_requ
         assert len(pair.prefill.recorder.on_path("/v1/completions")) == 3
 
 
-async def test_a_stale_identity_on_a_stream_fails_that_request_only() -> None:
+async def test_a_stale_identity_on_a_stream_is_sent_again_before_its_first_byte() -> None:
     async with pd_pair("vllm", "nixl-push") as pair:
         await run_ok(pair)
         pair.prefill.engine_id = "restarted-under-a-new-id"
+        # vLLM fails a stream after its 200 head: an error event first. The sidecar reads
+        # that first event before its own head leaves, and sends the decode again.
         status, _, body = await pair.send(stream=True)
-        # The stub answers the refused decode 500 before its head, as JSON; this request
-        # then goes again like a JSON one.
         assert status == 200, body
-        await run_ok(pair, stream=True)
-        params = pair.decode.recorder.on_path("/v1/completions")[-1].json["kv_transfer_params"]
-        assert params["remote_engine_id"] == "restarted-under-a-new-id"
+        assert is_remote_text(streamed_text(body)) and '"error"' not in body
+        decodes = pair.decode.recorder.on_path("/v1/completions")
+        assert len(decodes) == 3 and len(pair.prefill.recorder.on_path("/v1/completions")) == 2
+        assert decodes[-1].json["kv_transfer_params"]["remote_engine_id"] == (
+            "restarted-under-a-new-id")
 
 
 async def test_a_failed_concurrent_prefill_fails_the_request() -> None:

@@ -27,8 +27,9 @@ internal id without the last ``-<8 hex>``, as vLLM's ``get_base_request_id``) an
 push params (``transfer_mode: "push"``, ``remote_port``: the stub's HTTP port as its "side
 channel"); D with {remote_engine_id, remote_host, remote_port, tp_size, remote_request_id}
 "registers" at ``GET http://remote_host:remote_port/_stub/nixl-push/<base id>?engine_id=E``,
-which answers 409 at once when E is none of P's engine ids (D then fails the request with
-HTTP 500, as vLLM's handshake does: "Remote NIXL agent engine ID mismatch") and otherwise
+which answers 409 at once when E is none of P's engine ids (D then fails the request as vLLM
+does after its handshake's "Remote NIXL agent engine ID mismatch": JSON HTTP 500, a stream
+HTTP 200 with an error event first, ``EngineFailed``) and otherwise
 waits (bounded) for P's KV of that base id; a KV of another prompt recomputes locally.
 
 Any missing key or mismatch makes D recompute locally, as vLLM does: the output differs
@@ -68,7 +69,7 @@ from sidecar.tools.stubs.handoff import (
     nixl_pull_target,
     wants_nixl_prefill,
 )
-from sidecar.tools.stubs.openai import BadRequest, GenRequest
+from sidecar.tools.stubs.openai import GenRequest
 from sidecar.tools.stubs.replies import json_response
 from sidecar.tools.stubs.textgen import PrefillKind, decode_tokens, token_at
 
@@ -356,6 +357,15 @@ INTERNAL_ID: Final = "internal_id"
 NIXL_PUSH_MISMATCH: Final = "Internal server error"
 
 
+class EngineFailed(Exception):
+    """A request the engine fails as vLLM fails a KV load (``kv_load_failure_policy: fail``):
+    JSON: HTTP 500; streamed: HTTP 200, then an error event and ``[DONE]``."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
 def base_request_id(internal_id: str) -> str:
     """The id both legs share: an internal id without its ``-<8 hex>`` suffix."""
     head, sep, tail = internal_id.rpartition("-")
@@ -470,7 +480,7 @@ class NixlPushConnector:
         except (aiohttp.ClientError, TimeoutError, ValueError):
             return local("pull_failed")
         if status == 409:
-            raise BadRequest(NIXL_PUSH_MISMATCH, status=500)
+            raise EngineFailed(NIXL_PUSH_MISMATCH)
         if status == 408:
             return local("transfer_timeout")
         if status != 200 or not isinstance(data, dict):
