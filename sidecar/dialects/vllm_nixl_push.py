@@ -28,9 +28,9 @@ Data-parallel prefill engines (vLLM 0.32 ``EngineCore``: ``engine_id`` becomes
 identity per rank, learned from that rank's answers; an operator-given one is made per rank
 the same way.
 
-Deliberate limits: a streamed decode that vLLM fails after its head (200, then an error
-event) cannot be sent again: that request fails, the next one uses the corrected identity;
-the gRPC door's Decode cannot resend (the prefill's answer is on the other sidecar).
+Deliberate limits: a refused decode is sent again only where the flow sees the refusal before
+the client saw a byte (a 5xx head; a completions or chat stream whose first event is an
+error); the gRPC door's Decode cannot resend (the prefill's answer is on the other sidecar).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from pydantic import Field
 from sidecar import jsonutil
 from sidecar.dialects.base import DialectOptions, DialectSetup, Legs, PodSource
 from sidecar.dialects.vllm import KV_TRANSFER_PARAMS, VLLMDialect
-from sidecar.errors import EngineNotReady, InvalidHandoff, PrefillUnreachable, SidecarError
+from sidecar.errors import InvalidHandoff, PrefillUnreachable, SidecarError
 from sidecar.protocol.context import FrontDoor, HandoffContext, PrefillTarget, Route
 
 REMOTE_ENGINE_ID: Final = "remote_engine_id"
@@ -297,7 +297,7 @@ class NixlPushDialect(VLLMDialect):
 
     def leg_failed(self, error: Exception, ctx: HandoffContext) -> None:
         # A target that refuses connections is restarting, likely under a new engine id.
-        if isinstance(error, (PrefillUnreachable, EngineNotReady)) and ctx.state is not None:
+        if isinstance(error, PrefillUnreachable) and ctx.state is not None:
             state = _state(ctx)
             self.identities.drop(state.key, state.identity)
 

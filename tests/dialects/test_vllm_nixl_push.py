@@ -26,7 +26,7 @@ from sidecar.dialects.vllm_nixl_push import (
     PushState,
     identity_from_answer,
 )
-from sidecar.errors import InvalidHandoff, PrefillFailed, PrefillUnreachable
+from sidecar.errors import EngineNotReady, InvalidHandoff, PrefillFailed, PrefillUnreachable
 from sidecar.protocol.context import FrontDoor, HandoffContext, Route
 
 
@@ -169,6 +169,7 @@ def test_a_refused_prefill_connect_forgets_the_identity() -> None:
     dialect.end(learner)
     ctx = looked_up(dialect, make_ctx())
     dialect.leg_failed(PrefillFailed("prefill engine answered HTTP 500"), ctx)
+    dialect.leg_failed(EngineNotReady("local engine refused the connection"), ctx)
     assert dialect.legs_for(looked_up(dialect, make_ctx())) is Legs.CONCURRENT
     dialect.leg_failed(PrefillUnreachable("prefill engine refused the connection"), ctx)
     assert dialect.legs_for(looked_up(dialect, make_ctx())) is Legs.SEQUENTIAL

@@ -135,3 +135,15 @@ async def test_an_operator_given_identity_makes_the_first_request_concurrent() -
             assert decode_seen.json["kv_transfer_params"]["remote_engine_id"] == "op-given"
             await first
             assert [d.reason for d in decode.recorder.decisions] == ["ok"]
+
+
+async def test_a_decode_refusal_the_prefill_answer_does_not_explain_is_relayed() -> None:
+    async with pd_pair("vllm", "nixl-push") as pair:
+        await run_ok(pair)
+        pair.decode.faults.add("status", path="/v1/completions", status=500, times=1)
+        status, _, body = await pair.send()
+        assert status == 502, body
+        assert json.loads(body)["error"]["code"] == "decode_failed"
+        # Sent once: the identity the prefill's answer showed was the one the decode had.
+        assert len(pair.decode.recorder.on_path("/v1/completions")) == 2
+        await run_ok(pair, stream=True)
