@@ -27,7 +27,6 @@ only (a concurrent dialect's decode cannot run without its prefill).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Mapping
@@ -35,10 +34,11 @@ from dataclasses import replace
 from typing import Any
 
 from sidecar.config.limits import PrefillFailurePolicy
+from sidecar.core import concurrent_legs
 from sidecar.core.background import BackgroundPrefills
 from sidecar.core.engine_calls import EngineCalls, PrefillLeg
 from sidecar.core.engine_health import EngineHealth
-from sidecar.core.exchange import PDExchange, as_prefill_error, cancel_and_wait
+from sidecar.core.exchange import PDExchange
 from sidecar.core.local_prefill import LocalPrefill
 from sidecar.core.pd_request import FlowCounters, Handoff, PDRequest
 from sidecar.core.ranks import LegRanks
@@ -47,23 +47,18 @@ from sidecar.core.upstream import with_headers
 from sidecar.dialects import Dialect, Legs
 from sidecar.errors import (
     DeadlineExceeded,
-    DecodeFailed,
     EngineNotReady,
     InvalidHandoff,
     PrefillFailed,
     PrefillNotRun,
     SidecarError,
-    Stage,
 )
-from sidecar.http1 import UpstreamError, UpstreamResponse
+from sidecar.http1 import UpstreamResponse
 from sidecar.observability.logs import LogEvery
 from sidecar.observability.tracing import HANDOFF_SPAN, NOOP_TRACE, RequestTrace
 from sidecar.protocol.context import FrontDoor, HandoffContext, PrefillTarget, Route
 
 logger = logging.getLogger(__name__)
-
-#: The media type of a streamed answer (a learning dialect's decode is checked at its start).
-EVENT_STREAM = "text/event-stream"
 
 #: Prefill failures a local-prefill fallback may cover (never a client's own bad request).
 _FALLBACK_ERRORS = (PrefillFailed, InvalidHandoff, DeadlineExceeded)
@@ -293,105 +288,7 @@ class PDFlow:
                        error.message, more)
 
     async def _start_concurrent(self, request: PDRequest, ctx: HandoffContext) -> PDExchange:
-        timings = Timings()
-        leg = self._leg(request, ctx)
-        decode_body = self.dialect.decode_body(
-            request.body, self._handoff(None, ctx, request.trace), ctx.decode_rank
-        )
-        started = time.perf_counter()
-        prefill_task = asyncio.ensure_future(self.calls.post_prefill(leg))
-        opening = self._open_decode(request, ctx, decode_body)
-        if self.dialect.learns:
-            opening = self._opened_unrefused(ctx, opening)
-        decode_task = asyncio.ensure_future(opening)
-        try:
-            while not decode_task.done():
-                waiting: set[asyncio.Future[Any]] = {decode_task}
-                if not prefill_task.done():
-                    waiting.add(prefill_task)
-                await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-                if prefill_task.done() and not prefill_task.cancelled():
-                    error = prefill_task.exception()
-                    if error is not None:
-                        raise as_prefill_error(error)
-            decode = decode_task.result()
-        except DecodeFailed as refused:
-            if not self.dialect.learns:
-                await cancel_and_wait(prefill_task)
-                raise
-            return await self._decode_again(request, ctx, prefill_task, refused, timings)
-        except BaseException:
-            await cancel_and_wait(decode_task)
-            await cancel_and_wait(prefill_task)
-            if decode_task.done() and not decode_task.cancelled() and (
-                    decode_task.exception() is None):
-                decode_task.result().close()  # its head came in the turn the prefill failed
-            raise
-        timings.decode_first_byte = time.perf_counter() - started
-        if prefill_task.done():
-            timings.prefill = time.perf_counter() - started
-        if self.dialect.learns:
-            prefill_task.add_done_callback(lambda task: self._learn(task, ctx))
-        exchange = PDExchange(ctx=ctx, decode=decode, timings=timings, prefill_task=prefill_task,
-                              owner=self)
-        exchange.watch_prefill()
-        return exchange
-
-    async def _opened_unrefused(self, ctx: HandoffContext,
-                                opening: Awaitable[UpstreamResponse]) -> UpstreamResponse:
-        """A learning dialect's concurrent decode, once it is known not refused: an event
-        stream's first bytes are awaited (left for the relay, whose head waits for them
-        anyway), and an engine's error event there is a ``DecodeFailed`` like a refused head
-        (vLLM fails a stream after its 200 head), so the flow may send the decode again."""
-        decode = await opening
-        content_type = decode.header("content-type") or ""
-        if not content_type.startswith(EVENT_STREAM):
-            return decode
-        error_event = self.dialect.stream_markers(ctx.route).error_event
-        try:
-            first = await decode.peek()
-        except (UpstreamError, TimeoutError):
-            decode.close()
-            raise DecodeFailed("decode engine broke its stream", stage=Stage.DECODE) from None
-        except BaseException:
-            decode.close()
-            raise
-        if error_event is not None and first.startswith(error_event):
-            decode.close()
-            raise DecodeFailed("decode engine failed the request in its stream's first event",
-                               stage=Stage.DECODE)
-        return decode
-
-    def _learn(self, task: asyncio.Future[dict[str, Any]], ctx: HandoffContext) -> None:
-        """Show a learning dialect a concurrent prefill's answer (its news kept for later
-        requests; this one's decode is already on its way)."""
-        if not task.cancelled() and task.exception() is None:
-            self.dialect.answered_stale(task.result(), ctx)
-
-    async def _decode_again(
-        self, request: PDRequest, ctx: HandoffContext,
-        prefill_task: asyncio.Task[dict[str, Any]], refused: DecodeFailed, timings: Timings,
-    ) -> PDExchange:
-        """A concurrent decode the engine refused: when the prefill's answer shows the
-        hand-off was stale (a prefill engine restarted under a new identity), the decode goes
-        again, built from that answer (the refused one wrote nothing); else ``refused``.
-        The wait for the answer is the prefill leg's own deadline."""
-        try:
-            response = await prefill_task
-        except BaseException:
-            await cancel_and_wait(prefill_task)
-            raise
-        if not self.dialect.answered_stale(response, ctx):
-            raise refused
-        logger.info("request %s: the decode refused a stale hand-off (%s); sent again from "
-                    "the prefill's answer", request.request_id, refused.message)
-        decode_body = self.dialect.decode_body(
-            request.body, self._handoff(response, ctx, request.trace), ctx.decode_rank)
-        decode_started = time.perf_counter()
-        decode = await self._open_decode(request, ctx, decode_body)
-        timings.decode_first_byte = time.perf_counter() - decode_started
-        return PDExchange(ctx=ctx, decode=decode, timings=timings, owner=self,
-                          prefill_response=response)
+        return await concurrent_legs.start(self, request, ctx)
 
     # -- one leg: the gRPC services ---------------------------------------------------------
 
@@ -431,8 +328,9 @@ class PDFlow:
                     self.end(ctx)
                     release_admission()
 
-                self.background.run(self._background_prefill(background, ctx), request_id,
-                                    scopes, done)
+                self.background.run(
+                    concurrent_legs.background_prefill(self.dialect, self.calls, background, ctx),
+                    request_id, scopes, done)
                 handed_off = True
                 return Handoff(fields)
             timings = Timings()
@@ -448,19 +346,6 @@ class PDFlow:
         finally:
             if not handed_off:
                 self.end(ctx)
-
-    async def _background_prefill(self, leg: PrefillLeg, ctx: HandoffContext) -> None:
-        """A gRPC Prefill's engine call after its hand-off; a learning dialect sees how it
-        ended."""
-        if not self.dialect.learns:
-            await self.calls.post_prefill(leg)
-            return
-        try:
-            response = await self.calls.post_prefill(leg)
-        except Exception as error:
-            self.dialect.leg_failed(error, ctx)
-            raise
-        self.dialect.answered_stale(response, ctx)
 
     def decode_body(self, client_body: Mapping[str, Any],
                     fields: Mapping[str, Any], rank: int | None = None) -> dict[str, Any]:
