@@ -4,7 +4,8 @@
         LOCAL (short, cached prompt; every breaker open under the local policy) ─▶ the
                                                client's own body on the local engine alone
         PAIR, SEQUENTIAL: prefill ─▶ hand-off ─▶ open decode
-        PAIR, CONCURRENT: prefill ║ open decode (prefill watched)
+        PAIR, CONCURRENT: prefill ║ open decode (prefill watched); a decode refused on a
+                          hand-off the prefill's answer shows stale is opened again from it
     prefill_only(...) ─▶ Handoff              gRPC Prefill: the prefill half
         SEQUENTIAL: the prefill, then its hand-off
         CONCURRENT: the hand-off at once; the engine call runs on in the background, watched
@@ -12,10 +13,11 @@
 
 Where a request runs (local, a pair on which target and ranks, or a refusal) is the placement
 decision's (``sidecar.core.placement``), taken before the flow starts; the flow runs what it
-was given. The dialect says what the bodies hold and how the legs run; ``EngineCalls`` makes
-the calls; the flow orders them, keeps the deadlines, begins and ends the dialect's
-per-request state and hands abort and release to the ``PDExchange``. A client gone cancels
-every upstream call. The decode leg's data-parallel rank stays busy until the request ends.
+was given. The dialect says what the bodies hold and how the legs run (per request:
+``legs_for``, after its look-up); ``EngineCalls`` makes the calls; the flow orders them, keeps
+the deadlines, begins and ends the dialect's per-request state and hands abort and release to
+the ``PDExchange``. A client gone cancels every upstream call. The decode leg's data-parallel
+rank stays busy until the request ends.
 
 Deliberate limits: one retry, only of a prefill whose engine provably did no work (a refused
 or unreachable connect, a 503 or 429 answer, a target whose breaker let no leg through), on
@@ -26,7 +28,6 @@ run without its prefill).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Mapping
@@ -34,9 +35,10 @@ from dataclasses import replace
 from typing import Any
 
 from sidecar.config.limits import PrefillFailurePolicy
+from sidecar.core import concurrent_legs
 from sidecar.core.background import BackgroundPrefills
 from sidecar.core.engine_calls import EngineCalls, PrefillLeg
-from sidecar.core.exchange import PDExchange, as_prefill_error, cancel_legs
+from sidecar.core.exchange import PDExchange
 from sidecar.core.pd_request import FlowCounters, Handoff, PDRequest
 from sidecar.core.placement import Decision, Fate, Targets, pair_on, retry_pair
 from sidecar.core.placer import PrefillTargets
@@ -85,7 +87,6 @@ class PDFlow:
         self.ranks = LegRanks(calls.ranks, local_size=local_ranks, prefill_size=prefill_ranks)
         #: The prefill targets and ranks as the placement decision sees them.
         self.targets: Targets = PrefillTargets(calls.choice, self.ranks)
-        self.concurrent = dialect.legs is Legs.CONCURRENT
         self._prefill_timeout_s = prefill_timeout_s
         self._local_fallback = on_prefill_failure is PrefillFailurePolicy.LOCAL
         self._counters = counters or FlowCounters()
@@ -96,7 +97,7 @@ class PDFlow:
     def local_fallback(self) -> bool:
         """``--on-prefill-failure local`` holds for this flow's requests: its decode can run
         without its prefill (sequential dialects)."""
-        return self._local_fallback and not self.concurrent
+        return self._local_fallback and self.dialect.legs is not Legs.CONCURRENT
 
     # -- per-request state: what the exchange calls back ------------------------------------
 
@@ -224,10 +225,12 @@ class PDFlow:
                                prefill_rank=decision.prefill_rank,
                                decode_rank=decision.decode_rank)
         try:
-            if self.concurrent:
+            if self.dialect.legs_for(ctx) is Legs.CONCURRENT:
                 return await self._start_concurrent(request, ctx)
             return await self._start_sequential(request, ctx, may_retry=may_retry)
-        except BaseException:
+        except BaseException as error:
+            if self.dialect.learns and isinstance(error, Exception):
+                self.dialect.leg_failed(error, ctx)
             self.abort(ctx)
             self.end(ctx)
             raise
@@ -292,35 +295,7 @@ class PDFlow:
                        "(--on-prefill-failure local)%s", request.request_id, reason, why, more)
 
     async def _start_concurrent(self, request: PDRequest, ctx: HandoffContext) -> PDExchange:
-        timings = Timings()
-        leg = self._leg(request, ctx)
-        decode_body = self.dialect.decode_body(
-            request.body, self._handoff(None, ctx, request.trace), ctx.decode_rank
-        )
-        started = time.perf_counter()
-        prefill_task = asyncio.ensure_future(self.calls.post_prefill(leg))
-        decode_task = asyncio.ensure_future(self._open_decode(request, ctx, decode_body))
-        try:
-            while not decode_task.done():
-                waiting: set[asyncio.Future[Any]] = {decode_task}
-                if not prefill_task.done():
-                    waiting.add(prefill_task)
-                await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-                if prefill_task.done() and not prefill_task.cancelled():
-                    error = prefill_task.exception()
-                    if error is not None:
-                        raise as_prefill_error(error)
-            decode = decode_task.result()
-        except BaseException:
-            await cancel_legs(decode_task, prefill_task)
-            raise
-        timings.decode_first_byte = time.perf_counter() - started
-        if prefill_task.done():
-            timings.prefill = time.perf_counter() - started
-        exchange = PDExchange(ctx=ctx, decode=decode, timings=timings, prefill_task=prefill_task,
-                              owner=self)
-        exchange.watch_prefill()
-        return exchange
+        return await concurrent_legs.start(self, request, ctx)
 
     # -- one leg: the gRPC services ---------------------------------------------------------
 
@@ -350,7 +325,7 @@ class PDFlow:
                 trace=scope.trace,
                 rank=ctx.prefill_rank,
             )
-            if self.concurrent:
+            if self.dialect.legs_for(ctx) is Legs.CONCURRENT:
                 fields = self._handoff(None, ctx, scope.trace)
                 # The engine call outlives this RPC: its own deadline, not the caller's.
                 background = replace(leg, timeout_s=self.prefill_timeout())
@@ -360,8 +335,9 @@ class PDFlow:
                     self.end(ctx)
                     release_admission()
 
-                self.background.run(self.calls.post_prefill(background), request_id, scopes,
-                                    done)
+                self.background.run(
+                    concurrent_legs.background_prefill(self.dialect, self.calls, background, ctx),
+                    request_id, scopes, done)
                 handed_off = True
                 return Handoff(fields)
             timings = Timings()

@@ -30,6 +30,7 @@ DIALECTS.register("sglang", "sidecar.dialects.sglang:SGLangDialect")
 DIALECTS.register("trtllm", "sidecar.dialects.trtllm:TRTLLMDialect")
 DIALECTS.register("vllm.mooncake", "sidecar.dialects.vllm_mooncake:MooncakeDialect")
 DIALECTS.register("vllm.nixl", "sidecar.dialects.vllm_neuron:NeuronNixlDialect")
+DIALECTS.register("vllm.nixl-push", "sidecar.dialects.vllm_nixl_push:NixlPushDialect")
 DIALECTS.register("vllm.shfs", "sidecar.dialects.vllm_nixl:NixlPullDialect")
 
 

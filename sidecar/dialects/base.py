@@ -15,10 +15,14 @@ none (its engine places requests on its ranks itself).
 
 ``legs`` says whether the decode waits for the prefill's answer (``SEQUENTIAL``) or both go
 at once (``CONCURRENT``: the hand-off is known before the prefill answers, and the core
-watches the prefill). Everything else a dialect declares is data: the body keys it owns
-(``handoff_keys``: clients may not send them), the request keys that make a streamed
-completion carry token ids (``token_id_fields``), its abort call, its tokenizer endpoint,
-the settings it adds (``Options``). The core never names an engine: it asks the dialect.
+watches the prefill); ``legs_for(ctx)`` may decide it per request (a dialect that learns
+what the hand-off needs from a target's first answer runs that one's legs in turn). A
+dialect that ``learns`` is also shown each concurrent prefill's answer (``answered_stale``:
+was the hand-off the decode got out of date?) and each failed leg (``leg_failed``).
+Everything else a dialect declares is data: the body keys it owns (``handoff_keys``: clients
+may not send them), the request keys that make a streamed completion carry token ids
+(``token_id_fields``), its abort call, its tokenizer endpoint, the settings it adds
+(``Options``). The core never names an engine: it asks the dialect.
 
 Dialects do no I/O of their own. The one lookup a hand-off may need (an engine id that only
 the prefill's side channel tells) goes through the ``EngineLookup`` the core hands in.
@@ -141,11 +145,17 @@ class Dialect(ABC):
     engine: ClassVar[str]
     #: The KV connector's wire name (the connector label's value), or None.
     connector: ClassVar[str | None] = None
+    #: Other names of the connector (vLLM's class name, e.g. "NixlPushConnector"); resolving
+    #: them to ``connector`` is the registry's and the settings' job (issue #29).
+    aliases: ClassVar[tuple[str, ...]] = ()
     #: The engine versions whose wire format this dialect was checked against.
     checked_against: ClassVar[str] = ""
     legs: ClassVar[Legs] = Legs.SEQUENTIAL
     #: True when ``look_up`` must run before the hand-off can be built.
     looks_up: ClassVar[bool] = False
+    #: True when the dialect keeps what prefill answers and failed legs tell it
+    #: (``answered_stale``, ``leg_failed`` are called only then).
+    learns: ClassVar[bool] = False
     #: Top-level body keys of this dialect's hand-off (only the sidecar may set them).
     handoff_keys: ClassVar[frozenset[str]] = frozenset()
     #: Top-level request fields that make a streamed completion carry token ids.
@@ -194,6 +204,18 @@ class Dialect(ABC):
 
     async def close(self) -> None:  # noqa: B027 (optional: most run nothing of their own)
         """Stop what the dialect runs of its own (a look-up in flight) at shutdown."""
+
+    def legs_for(self, ctx: HandoffContext) -> Legs:
+        """How this request's legs run (after ``look_up``); default: ``legs``."""
+        return self.legs
+
+    def answered_stale(self, prefill_response: Mapping[str, Any], ctx: HandoffContext) -> bool:
+        """A concurrent prefill's answer (``learns`` dialects only): True when it shows that
+        the hand-off the decode got was out of date (the dialect keeps the answer's news)."""
+        return False
+
+    def leg_failed(self, error: Exception, ctx: HandoffContext) -> None:  # noqa: B027
+        """A leg of this request failed (``learns`` dialects only): forget what it disproves."""
 
     # -- bodies -----------------------------------------------------------------------------
 

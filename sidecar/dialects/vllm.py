@@ -6,6 +6,8 @@ pods run; one dialect per connector (chosen by the connector pod label) subclass
     vllm_nixl.py      NixlConnector, pull (label ``shfs``): prefill first, decode reads the blocks
     vllm_neuron.py    NIXL on AWS Neuron (label ``nixl``): the whole prefill answer rides along
     vllm_mooncake.py  MooncakeConnector, push (label ``mooncake``): both legs at once
+    vllm_nixl_push.py NixlPushConnector (label ``nixl-push``): both legs at once once the
+                      prefill target's identity is learned
     vllm_inline.py    this project's own connector (``--kv-transport inline``, gRPC only)
 
 Data parallelism: vLLM's API server places a request on the rank its ``X-data-parallel-rank``

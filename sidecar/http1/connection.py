@@ -248,6 +248,11 @@ class Connection(Deadlines, asyncio.Protocol):
             self.transport.resume_reading()
         return data
 
+    def peek_body(self) -> bytes:
+        """Every queued body byte, left queued (the next ``take_body`` returns them too)."""
+        chunks = self._chunks
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
     @property
     def has_body(self) -> bool:
         return bool(self._chunks)

@@ -76,6 +76,20 @@ class UpstreamResponse:
                 raise conn.error
             await conn.wait_body()
 
+    async def peek(self) -> bytes:
+        """The body bytes that have arrived (waiting for some), left for the next read;
+        b"" once the body ended without any. Raises as ``readany()`` does."""
+        conn = self._conn
+        if conn is None:
+            return b""
+        while not conn.has_body:
+            if conn.complete:
+                return b""
+            if conn.error is not None:
+                raise conn.error
+            await conn.wait_body()
+        return conn.peek_body()
+
     async def pipe(
         self, sink: Callable[[bytes], bool], catch_up: Callable[[], Awaitable[None]]
     ) -> None:

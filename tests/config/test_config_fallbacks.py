@@ -68,7 +68,7 @@ def test_unknown_connector_label_falls_back_to_configured_default(tmp_path: Path
     assert loaded.sources["kv_connector"] == "default_kv_connector (flag --default-kv-connector)"
     assert len(loaded.warnings) == 1
     warning = loaded.warnings[0]
-    assert "'lmcache'" in warning and "mooncake, nixl, shfs" in warning
+    assert "'lmcache'" in warning and "mooncake, nixl, nixl-push, shfs" in warning
 
 
 def test_connector_label_case_insensitive(tmp_path: Path) -> None:

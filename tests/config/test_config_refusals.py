@@ -71,7 +71,7 @@ def test_unknown_connector_by_flag_or_env(argv: list[str], env: dict[str, str],
                                           source: str) -> None:
     message = refused(argv, env)
     assert "'lmcache'" in message and source in message
-    assert "mooncake, nixl, shfs" in message
+    assert "mooncake, nixl, nixl-push, shfs" in message
 
 
 @pytest.mark.parametrize("engine_source", ["flag", "label"])

@@ -26,7 +26,7 @@ from typing import Any
 import yaml
 
 DEPLOY_DIR = Path(__file__).resolve().parents[2] / "deploy"
-OVERLAYS = ("vllm", "sglang", "trtllm")
+OVERLAYS = ("vllm", "sglang", "trtllm", "vllm-nixl-push")
 
 _KNOWN_KEYS = frozenset({"apiVersion", "kind", "resources", "patches", "configMapGenerator"})
 _GENERATOR_KEYS = frozenset({"name", "files", "options"})

@@ -49,6 +49,12 @@ PORT_LABEL = "model.aibrix.ai/port"
 ROLE_LABEL = "role-name"
 BOOTSTRAP_ANNOTATION = "model.aibrix.ai/sglang-bootstrap-port"
 ENGINE_PORTS = {"vllm": 8000, "sglang": 30000, "trtllm": 8000}
+#: Each overlay's engine label value (an overlay named engine-connector runs that engine).
+VLLM_OVERLAYS = ("vllm", "vllm-nixl-push")
+
+
+def engine_of(overlay: str) -> str:
+    return "vllm" if overlay in VLLM_OVERLAYS else overlay
 DOCKERFILE = DEPLOY_DIR.parent / "Dockerfile"
 
 
@@ -147,11 +153,11 @@ def test_pods_pair_engine_and_sidecar(overlay: str) -> None:
         template = dep["spec"]["template"]
         labels = template["metadata"]["labels"]
         assert dep["spec"]["selector"]["matchLabels"].items() <= labels.items(), name
-        assert labels[ENGINE_LABEL] == overlay, name
+        assert labels[ENGINE_LABEL] == engine_of(overlay), name
         assert labels[ROLE_LABEL] == name.removeprefix("pd-"), name
-        assert labels[PORT_LABEL] == str(ENGINE_PORTS[overlay]), name
+        assert labels[PORT_LABEL] == str(ENGINE_PORTS[engine_of(overlay)]), name
         # Connectors are a vLLM notion: only vLLM pods carry the label.
-        assert (CONNECTOR_LABEL in labels) == (overlay == "vllm"), name
+        assert (CONNECTOR_LABEL in labels) == (overlay in VLLM_OVERLAYS), name
 
         engine = container(dep, "engine")
         sidecar = container(dep, "sidecar")
@@ -185,9 +191,10 @@ def test_pods_pair_engine_and_sidecar(overlay: str) -> None:
         assert env_value(sidecar, "POD_IP") == {"fieldRef": {"fieldPath": "status.podIP"}}
 
 
-def test_vllm_engines_serve_every_pd_route() -> None:
+@pytest.mark.parametrize("overlay", VLLM_OVERLAYS)
+def test_vllm_engines_serve_every_pd_route(overlay: str) -> None:
     # /inference/v1/generate exists in vLLM 0.32 only with --enable-scale-out (else 403).
-    for name, dep in deployments(render_overlay("vllm")).items():
+    for name, dep in deployments(render_overlay(overlay)).items():
         engine = container(dep, "engine")
         assert "--enable-scale-out" in engine["args"], name
         version = engine["image"].rsplit(":v", 1)[1]
@@ -211,6 +218,31 @@ def test_vllm_decode_engine_publishes_kv_events_to_its_sidecar() -> None:
     prefill = deps["pd-prefill"]
     for ctr in prefill["spec"]["template"]["spec"]["containers"]:
         assert not any("kv-events" in str(arg) for arg in ctr.get("args", [])), ctr["name"]
+
+
+def test_nixl_push_engines_and_sidecars_agree() -> None:
+    deps = deployments(render_overlay("vllm-nixl-push"))
+    pod_name = {"fieldRef": {"fieldPath": "metadata.name"}}
+    for name, dep in deps.items():
+        labels = dep["spec"]["template"]["metadata"]["labels"]
+        assert labels[CONNECTOR_LABEL] == "nixl-push", name
+        engine = container(dep, "engine")
+        config = json.loads(engine_flag(engine, "--kv-transfer-config") or "{}")
+        assert config["kv_connector"] == "NixlPushConnector", name
+        role = labels[ROLE_LABEL]
+        assert config["kv_role"] == {"prefill": "kv_producer", "decode": "kv_consumer"}[role]
+        # Both engines need their NIXL side channel: the prefill connects back to the decode.
+        assert env_value(engine, "VLLM_NIXL_SIDE_CHANNEL_HOST") == {
+            "fieldRef": {"fieldPath": "status.podIP"}}
+        sidecar = container(dep, "sidecar")
+        if role == "prefill":
+            # A unique engine id per pod, which its sidecar knows (gRPC Prefill at once).
+            assert config["engine_id"] == "$(POD_NAME)"
+            assert env_value(engine, "POD_NAME") == pod_name
+            assert env_value(sidecar, "DISAGG_NIXL_PUSH_ENGINE_ID") == pod_name
+        else:
+            assert "engine_id" not in config
+            assert env_value(sidecar, "DISAGG_NIXL_PUSH_ENGINE_ID") is None
 
 
 def test_sglang_roles_and_bootstrap_port_agree() -> None:
@@ -319,7 +351,13 @@ def test_network_policies(overlay: str) -> None:
         for p in rule_from(prefill_policy, "app.kubernetes.io/component", "router")["ports"]
     } == {50051}
     from_decode = rule_from(prefill_policy, ROLE_LABEL, "decode")
-    if overlay == "vllm":
+    if overlay == "vllm-nixl-push":
+        # Push: the prefill engine reaches the decode engine's side channel, and only that.
+        from_prefill = rule_from(decode_policy, ROLE_LABEL, "prefill")
+        engine = container(deps["pd-decode"], "engine")
+        assert {p["port"] for p in from_prefill["ports"]} == {
+            int(env_value(engine, "VLLM_NIXL_SIDE_CHANNEL_PORT"))}
+    if overlay in VLLM_OVERLAYS:
         # Only the prefill leg (engine HTTP) and the NIXL side channel.
         engine = container(deps["pd-prefill"], "engine")
         assert {p["port"] for p in from_decode["ports"]} == {

@@ -37,7 +37,10 @@ INTENDED: dict[str, tuple[str, str, int, int | None]] = {
     "vllm": ("vllm", "shfs", 8000, None),
     "sglang": ("sglang", "shfs", 30000, 8998),
     "trtllm": ("trtllm", "shfs", 8000, None),
+    "vllm-nixl-push": ("vllm", "nixl-push", 8000, None),
 }
+#: What the kubelet gives a ``metadata.name`` field reference (the pod's name).
+POD_NAME = "pd-prefill-7d9f8-abcde"
 
 
 def go_quote(value: str) -> str:
@@ -65,6 +68,8 @@ def container_env(ctr: Obj) -> dict[str, str]:
             env[entry["name"]] = str(entry["value"])
         elif entry["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}:
             env[entry["name"]] = POD_IP
+        elif entry["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}:
+            env[entry["name"]] = POD_NAME
         else:
             raise AssertionError(f"unmodelled env source {entry!r}")
     return env
@@ -133,8 +138,14 @@ def test_manifest_labels_resolve_intended_settings(overlay: str, role: str, tmp_
     assert settings["engine_url"] == f"http://127.0.0.1:{port}"
     assert sources["engine_url"] == "label model.aibrix.ai/port"
     assert settings["kv_connector"] == connector
-    if overlay == "vllm":
+    if overlay in ("vllm", "vllm-nixl-push"):
         assert sources["kv_connector"] == "label model.aibrix.ai/kv-connector-type"
+    if overlay == "vllm-nixl-push" and role == "prefill":
+        # Its own engine's identity: gRPC Prefill hands off at once.
+        assert settings["nixl_push_engine_id"] == POD_NAME
+        assert sources["nixl_push_engine_id"] == "env DISAGG_NIXL_PUSH_ENGINE_ID"
+    else:
+        assert settings.get("nixl_push_engine_id") is None
     if bootstrap is not None:
         assert settings["sglang_bootstrap_port"] == bootstrap
         assert (

@@ -20,7 +20,7 @@ from sidecar.dialects.registry import DialectLoadError, DialectRegistry, Unknown
 
 def test_engine_and_connector_names() -> None:
     assert DIALECTS.engines() == ["default", "sglang", "trtllm", "vllm"]
-    assert DIALECTS.connectors() == ["mooncake", "nixl", "shfs"]
+    assert DIALECTS.connectors() == ["mooncake", "nixl", "nixl-push", "shfs"]
     assert DIALECTS.engines_of("mooncake") == ["vllm"]
 
 
@@ -46,8 +46,9 @@ def test_lookup_is_case_insensitive_and_cached() -> None:
 def test_unknown_connector_lists_sorted_valid_names() -> None:
     with pytest.raises(UnknownName) as info:
         dialect_class("vllm", "lmcache")
-    assert str(info.value) == "unknown kv connector 'lmcache'; valid: mooncake, nixl, shfs"
-    assert info.value.known == ["mooncake", "nixl", "shfs"]
+    assert str(info.value) == (
+        "unknown kv connector 'lmcache'; valid: mooncake, nixl, nixl-push, shfs")
+    assert info.value.known == ["mooncake", "nixl", "nixl-push", "shfs"]
 
 
 def test_duplicate_registration_raises() -> None:

@@ -33,7 +33,7 @@ def test_each_connector_has_its_dialect(connector: str, legs: Legs) -> None:
 
 
 def test_connectors_and_the_default() -> None:
-    assert DIALECTS.connectors("vllm") == ["mooncake", "nixl", "shfs"]
+    assert DIALECTS.connectors("vllm") == ["mooncake", "nixl", "nixl-push", "shfs"]
     assert dialect_class("vllm", None) is dialect_class("vllm", DEFAULT_CONNECTOR)
     assert InlineDialect.engine == "vllm" and InlineDialect.connector == "inline"
     assert "kv_transfer_params" in InlineDialect.handoff_keys

@@ -31,6 +31,7 @@ PAIRS: list[tuple[str, str]] = [
     ("vllm", "shfs"),
     ("vllm", "nixl"),
     ("vllm", "mooncake"),
+    ("vllm", "nixl-push"),
     ("sglang", "shfs"),
     ("trtllm", "shfs"),
 ]

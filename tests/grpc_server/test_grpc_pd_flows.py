@@ -1,6 +1,6 @@
 """Proves the gRPC front door's native hand-off end to end: Prefill on a prefill-role sidecar,
 Decode on a decode-role sidecar, over real gRPC sockets, in front of stub engines for vLLM
-(shfs, nixl, mooncake), SGLang and TensorRT-LLM.
+(shfs, nixl, mooncake, nixl-push), SGLang and TensorRT-LLM.
 
 For each pair: the tokens streamed back are exactly those the decode stub generated from a
 valid hand-off (the stubs' REMOTE tokens), the finish reason is ``length``, each stub saw the
@@ -45,6 +45,9 @@ def _check_prefill_body(pd: GrpcPD, seen: dict[str, Any]) -> None:
             assert seen["kv_transfer_params"]["do_remote_decode"] is True
         elif connector == "nixl":
             assert "kv_transfer_params" not in seen
+        elif connector == "nixl-push":
+            assert seen["kv_transfer_params"] == {"do_remote_decode": True,
+                                                  "do_remote_prefill": False}
         else:
             assert seen["kv_transfer_params"]["transfer_id"].startswith("xfer-")
     elif engine == "sglang":
@@ -73,6 +76,11 @@ def _check_decode_body(pd: GrpcPD, prefill: dict[str, Any], seen: dict[str, Any]
             assert params["remote_port"] == pd.prefill_stub.port
         elif connector == "nixl":
             assert isinstance(seen["disagg_prefill_resp"], dict)
+        elif connector == "nixl-push":
+            params = seen["kv_transfer_params"]
+            assert params["remote_engine_id"] == pd.prefill_stub.engine_id
+            assert params["remote_host"] == "127.0.0.1"
+            assert params["remote_port"] == pd.prefill_stub.port
         else:
             params = seen["kv_transfer_params"]
             assert params["transfer_id"] == prefill["kv_transfer_params"]["transfer_id"]

@@ -29,6 +29,9 @@ def _check_prefill_leg(engine: str, connector: str, seen: dict[str, Any], pair: 
         assert seen["kv_transfer_params"] == nixl_prefill_skeleton()
     elif engine == "vllm" and connector == "nixl":
         assert "kv_transfer_params" not in seen
+    elif engine == "vllm" and connector == "nixl-push":
+        assert seen["kv_transfer_params"] == {"do_remote_decode": True,
+                                              "do_remote_prefill": False}
     elif engine == "vllm" and connector == "mooncake":
         params = seen["kv_transfer_params"]
         assert params["do_remote_decode"] is True and params["do_remote_prefill"] is False
@@ -59,6 +62,15 @@ def _check_decode_leg(
         assert isinstance(decode["disagg_prefill_resp"], dict)
         assert "choices" in decode["disagg_prefill_resp"]
         assert "kv_transfer_params" not in decode
+    elif engine == "vllm" and connector == "nixl-push":
+        params = decode["kv_transfer_params"]
+        assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
+        assert params["remote_engine_id"] == pair.prefill.engine_id
+        assert params["remote_host"] == "127.0.0.1"  # the target's, not the engine's "localhost"
+        assert params["remote_port"] == pair.prefill.port
+        assert set(params) == {"do_remote_prefill", "do_remote_decode", "remote_engine_id",
+                               "remote_host", "remote_port", "tp_size", "pp_size", "dcp_size",
+                               "remote_request_id"}
     elif engine == "vllm" and connector == "mooncake":
         params = decode["kv_transfer_params"]
         assert params == {

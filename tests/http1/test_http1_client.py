@@ -569,3 +569,27 @@ async def test_a_sink_that_raises_is_reported_as_itself_not_as_the_engine(
         with pytest.raises(RewriteFailed, match="usage rewrite"):
             await response.pipe(sink, no_catch_up)
     assert not [r for r in caplog.records if "Fatal error" in r.getMessage()]
+
+
+async def test_peek_leaves_the_first_bytes_for_the_next_read() -> None:
+    release = asyncio.Event()
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                     b"Transfer-Encoding: chunked\r\n\r\n6\r\ndata: \r\n")
+        await writer.drain()
+        await release.wait()
+        writer.write(b"3\r\n1\n\n\r\n0\r\n\r\n")
+        await writer.drain()
+
+    async with scripted(serve) as (url, _):
+        http = client()
+        response = await http.request("GET", url + "/s")
+        assert await response.peek() == b"data: "
+        assert await response.peek() == b"data: "  # still there
+        release.set()
+        assert await response.read() == b"data: 1\n\n"
+        assert await response.peek() == b""  # ended
+        response.release()
+        await http.close()

@@ -51,7 +51,8 @@ def add_stub_arguments(parser: argparse.ArgumentParser) -> None:
     add("--role", choices=ROLES, default=d.role,
         help="prefill, decode or both (serves either leg) (default: %(default)s)")
     add("--kv-connector", choices=VLLM_CONNECTORS, default=d.kv_connector,
-        help="vLLM only: shfs (NIXL pull), nixl (Neuron), mooncake (default: %(default)s)")
+        help="vLLM only: shfs (NIXL pull), nixl (Neuron), mooncake, nixl-push (default: "
+        "%(default)s)")
     add("--host", default=d.host, help="address to listen on (default: %(default)s)")
     add("--port", type=int, default=d.port,
         help="engine port, 0: OS-chosen (default: %(default)s)")

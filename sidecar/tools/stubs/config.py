@@ -20,7 +20,7 @@ from sidecar.tools.stubs.faults import Fault
 
 ENGINES: Final = ("vllm", "sglang", "trtllm")
 ROLES: Final = ("prefill", "decode", "both")
-VLLM_CONNECTORS: Final = ("shfs", "nixl", "mooncake")
+VLLM_CONNECTORS: Final = ("shfs", "nixl", "mooncake", "nixl-push")
 MOONCAKE_QUERY_SHAPES: Final = ("dp_rank", "engine_id")
 TRANSPORTS: Final = ("aiohttp", "lean")
 # The one dispatch by engine name, for both transports: (transport, engine) -> "module:Class",
@@ -39,7 +39,8 @@ class StubConfig:
     """What one stub engine is and how it behaves.
 
     ``kv_connector`` applies to vLLM only: ``shfs`` (NixlConnector, pull), ``nixl`` (the
-    Neuron fork: ``disagg_prefill_resp``), ``mooncake`` (MooncakeConnector, push).
+    Neuron fork: ``disagg_prefill_resp``), ``mooncake`` (MooncakeConnector, push),
+    ``nixl-push`` (NixlPushConnector).
     ``port``/``bootstrap_port`` 0 means OS-chosen. Timeouts are in seconds.
     """
 

@@ -45,10 +45,10 @@ from sidecar.tools.stubs.faults import FaultKind
 from sidecar.tools.stubs.handoff import Verdict
 from sidecar.tools.stubs.openai import BadRequest, GenRequest
 from sidecar.tools.stubs.ranks import VLLM_RANK_HEADER
-from sidecar.tools.stubs.replies import JsonReply, Reply, StreamReply
+from sidecar.tools.stubs.replies import SSE_DONE, JsonReply, Reply, StreamReply, sse
 from sidecar.tools.stubs.server import request_fault, request_json
 from sidecar.tools.stubs.textgen import PrefillKind
-from sidecar.tools.stubs.vllm_connectors import make_connector
+from sidecar.tools.stubs.vllm_connectors import INTERNAL_ID, EngineFailed, make_connector
 
 if TYPE_CHECKING:
     from sidecar.tools.stubs.server import Stub
@@ -66,6 +66,16 @@ _ERROR_TYPES: Final = {
     500: "InternalServerError",
     503: "ServiceUnavailableError",
 }
+
+
+def failed_event(message: str) -> bytes:
+    """vLLM's in-stream error event of a failed generation (``GenerationError``)."""
+    return sse({"error": {"message": message, "type": "InternalServerError", "param": None,
+                          "code": 500}})
+
+
+async def _one(payload: bytes) -> AsyncIterator[bytes]:
+    yield payload
 
 
 def error_type(status: int) -> str:
@@ -160,7 +170,7 @@ class VllmEngine:
         params = gen.body.get("kv_transfer_params")
         if (isinstance(params, dict) and params.get("do_remote_prefill")
                 and verdict.kind is PrefillKind.REMOTE):
-            if self.config.kv_connector == "mooncake":
+            if self.config.kv_connector in ("mooncake", "nixl-push"):
                 return CacheFigures(cached=len(gen.prompt_ids))
             cached = params.get("remote_prefill_cached_tokens")
             return CacheFigures(cached=cached if isinstance(cached, int) else 0)
@@ -178,7 +188,13 @@ class VllmEngine:
         base = base_request_id(request)
         response_id = f"{_ID_PREFIXES[kind]}{base}"
         internal_id = f"{response_id}-0-{self.stub.next_id():08x}"
-        verdict = await self._decode_side(request, gen, internal_id)
+        gen.extra[INTERNAL_ID] = internal_id
+        try:
+            verdict = await self._decode_side(request, gen, internal_id)
+        except EngineFailed as failed:
+            if not gen.stream:
+                raise BadRequest(failed.message, status=500) from None
+            return StreamReply(_one(failed_event(failed.message) + SSE_DONE))
         tokens, finish = textgen.generate(
             gen.digest,
             gen.max_tokens,

@@ -21,6 +21,17 @@ bootstrap port and, after prefilling a request with ``transfer_id`` T, "pushes" 
 {transfer_id, remote_bootstrap_addr, remote_engine_id} checks the engine id against
 ``/query`` and waits (bounded) for the push of T, in either arrival order.
 
+``nixl-push`` (NixlPushConnector, push, P and D in either order, paired by the request id):
+P, after prefilling with ``do_remote_decode``, holds the KV under the request's base id (its
+internal id without the last ``-<8 hex>``, as vLLM's ``get_base_request_id``) and answers the
+push params (``transfer_mode: "push"``, ``remote_port``: the stub's HTTP port as its "side
+channel"); D with {remote_engine_id, remote_host, remote_port, tp_size, remote_request_id}
+"registers" at ``GET http://remote_host:remote_port/_stub/nixl-push/<base id>?engine_id=E``,
+which answers 409 at once when E is none of P's engine ids (D then fails the request as vLLM
+does after its handshake's "Remote NIXL agent engine ID mismatch": JSON HTTP 500, a stream
+HTTP 200 with an error event first, ``EngineFailed``) and otherwise
+waits (bounded) for P's KV of that base id; a KV of another prompt recomputes locally.
+
 Any missing key or mismatch makes D recompute locally, as vLLM does: the output differs
 (``textgen.PrefillKind.LOCAL``) and the verdict is recorded, never sent to the client.
 
@@ -336,10 +347,164 @@ class MooncakeConnector:
         self.slots.clear()
 
 
+#: What a push decode's ``kv_transfer_params`` must hold (vLLM 0.32 reads each of them).
+NIXL_PUSH_REQUIRED: Final = ("remote_engine_id", "remote_host", "remote_port", "tp_size",
+                             "remote_request_id")
+NIXL_PUSH_PREFIX: Final = "/_stub/nixl-push/"
+#: Where ``VllmEngine`` puts a request's internal id for its connector (``gen.extra``).
+INTERNAL_ID: Final = "internal_id"
+#: vLLM's answer to a decode whose push registration handshake failed (policy "fail").
+NIXL_PUSH_MISMATCH: Final = "Internal server error"
+
+
+class EngineFailed(Exception):
+    """A request the engine fails as vLLM fails a KV load (``kv_load_failure_policy: fail``):
+    JSON: HTTP 500; streamed: HTTP 200, then an error event and ``[DONE]``."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+def base_request_id(internal_id: str) -> str:
+    """The id both legs share: an internal id without its ``-<8 hex>`` suffix."""
+    head, sep, tail = internal_id.rpartition("-")
+    if sep and len(tail) == 8 and all(c in "0123456789abcdefABCDEF" for c in tail):
+        return head
+    return internal_id
+
+
+class NixlPushConnector:
+    """vLLM NixlPushConnector (label ``nixl-push``, docs/nixl-push.md): P holds the KV
+    under the request's base id, D registers for it by the prefill's engine id."""
+
+    def __init__(self, stub: Stub) -> None:
+        self.stub = stub
+        self.slots: dict[str, _Slot] = {}
+        self.blocks = BlockAllocator(stub.config.block_size)
+        self.pushed = 0
+        self.registrations = 0
+
+    def _slot(self, base_id: str) -> _Slot:
+        slot = self.slots.get(base_id)
+        if slot is None:
+            slot = self.slots[base_id] = _Slot(asyncio.Event())
+        return slot
+
+    def add_routes(self, app: web.Application) -> None:
+        app.router.add_get(NIXL_PUSH_PREFIX + "{base_id}", self._register)
+
+    def add_bootstrap_routes(self, app: web.Application) -> None:
+        return None
+
+    def _engine_ids(self) -> set[str]:
+        ranks = self.stub.ranks
+        return {ranks.engine_id(self.stub.engine_id, rank) for rank in range(ranks.size)}
+
+    async def _register(self, request: web.Request) -> web.StreamResponse:
+        base_id = request.match_info["base_id"]
+        if request.query.get("engine_id") not in self._engine_ids():
+            return json_response({"error": "Remote NIXL agent engine ID mismatch"}, 409)
+        self.registrations += 1
+        try:
+            timeout = float(request.query.get("timeout", self.stub.config.waiting_timeout_s))
+        except ValueError:
+            return json_response({"error": "bad timeout"}, 400)
+        slot = self._slot(base_id)
+        try:
+            async with asyncio.timeout(timeout):
+                await slot.event.wait()
+        except TimeoutError:
+            if self.slots.get(base_id) is slot and slot.held is None:
+                del self.slots[base_id]
+            return json_response({"error": f"request {base_id} not prefilled in time"}, 408)
+        self.slots.pop(base_id, None)
+        if slot.held is None:  # the slot was cleared (stub stopping)
+            return json_response({"error": "gone"}, 410)
+        return json_response(slot.held.payload(self.stub.engine_id))
+
+    def after_prefill(
+        self, gen: GenRequest, request_id: str, finish: str, fault: Fault | None, rank: int
+    ) -> dict[str, Any] | None:
+        if not wants_nixl_prefill(_params(gen)):
+            return None
+        if finish != "length" or (fault is not None and fault.kind is FaultKind.NO_HANDOFF):
+            return None
+        self._expire()
+        engine_id = self.stub.ranks.engine_id(self.stub.engine_id, rank)
+        blocks = [self.blocks.allocate(len(gen.prompt_ids))]
+        slot = self._slot(base_request_id(request_id))
+        slot.held = HeldKV(gen.digest, blocks, len(gen.prompt_ids),
+                           time.monotonic() + self.stub.config.kv_lease_s, engine_id)
+        slot.event.set()
+        self.pushed += 1
+        # The keys and order of vLLM 0.32's push answer (NixlPushConnectorScheduler).
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": blocks,
+            "remote_engine_id": engine_id,
+            "remote_request_id": request_id,
+            "remote_host": "localhost",
+            "remote_port": self.stub.port,
+            "tp_size": 1,
+            "dcp_size": 1,
+            "pp_size": 1,
+            "remote_num_tokens": len(gen.prompt_ids),
+            "transfer_mode": "push",
+            "remote_prefill_cached_tokens": int(gen.extra.get("cached_tokens", 0)),
+        }
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        stale = [t for t, s in self.slots.items() if s.held is not None and s.held.expires <= now]
+        for base_id in stale:
+            del self.slots[base_id]
+
+    async def check_handoff(self, gen: GenRequest) -> Verdict | None:
+        params = _params(gen)
+        if params is None or not params.get("do_remote_prefill"):
+            return None
+        if any(params.get(key) is None for key in NIXL_PUSH_REQUIRED):
+            return local("missing_params")
+        cfg = self.stub.config
+        engine_id = str(params["remote_engine_id"])
+        url = (
+            f"http://{params['remote_host']}:{params['remote_port']}{NIXL_PUSH_PREFIX}"
+            f"{quote(base_request_id(str(gen.extra.get(INTERNAL_ID, ''))), safe='')}"
+            f"?engine_id={quote(engine_id, safe='')}&timeout={cfg.waiting_timeout_s}"
+        )
+        try:
+            status, data = await _get_json(self.stub, url, cfg.waiting_timeout_s
+                                           + cfg.pull_timeout_s)
+        except (aiohttp.ClientError, TimeoutError, ValueError):
+            return local("pull_failed")
+        if status == 409:
+            raise EngineFailed(NIXL_PUSH_MISMATCH)
+        if status == 408:
+            return local("transfer_timeout")
+        if status != 200 or not isinstance(data, dict):
+            return local("pull_failed")
+        if data.get("engine_id") != engine_id:
+            return local("engine_mismatch")
+        if data.get("prompt_digest") != f"{gen.digest:016x}":
+            return local("prompt_mismatch")
+        return REMOTE_OK
+
+    def held(self) -> int:
+        self._expire()
+        return sum(1 for s in self.slots.values() if s.held is not None)
+
+    def close(self) -> None:
+        self.slots.clear()
+
+
 def make_connector(stub: Stub) -> Connector:
     name = stub.config.kv_connector
     if name == "shfs":
         return NixlConnector(stub)
     if name == "nixl":
         return NeuronConnector(stub)
+    if name == "nixl-push":
+        return NixlPushConnector(stub)
     return MooncakeConnector(stub)
