@@ -180,7 +180,7 @@ async def run_server(
 
 def freeze_startup_objects(ports: dict[str, int]) -> None:
     """Keep what starting up allocated (it lives as long as the process) out of the garbage
-    collector's scans: docs/design-notes.md#gc-freeze."""
+    collector's scans: docs/extending/design-notes.md#gc-freeze."""
     gc.freeze()
 
 

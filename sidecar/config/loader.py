@@ -7,7 +7,8 @@ Every field gets one flag (``--`` + the field name with dashes; ``--grpc/--no-gr
 exception, and list flags are singular and repeatable: ``--prefill-url``) and one variable
 ``DISAGG_<FIELD>``. Lists are comma-separated; booleans read true/false/1/0/yes/no; an empty
 variable counts as unset.
-The label rules are those of docs/handoffs.md#pod-labels: a missing engine label means the default
+The label rules are those of docs/driving/handoffs.md#pod-labels: a missing engine label means the
+default
 engine; a missing or
 unknown connector label falls back to ``default_kv_connector`` with one warning (only for an
 engine that has connectors); the port label gives ``http://127.0.0.1:<port>``; a role other

@@ -14,7 +14,7 @@
 
 This module knows no engine: bodies, paths and abort calls come from the dialect. A traced
 call runs in its leg span, the ``traceparent`` the engine receives; an untraced one is the
-plain call, with no extra coroutine layer (docs/design-notes.md#untraced-calls).
+plain call, with no extra coroutine layer (docs/extending/design-notes.md#untraced-calls).
 """
 
 from __future__ import annotations

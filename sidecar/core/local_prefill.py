@@ -9,7 +9,7 @@ Prompt length:
 
 - token-id prompts: exact (the array's length; the generate route's ``token_ids``);
 - text and chat, ``--prompt-length-source estimate``: ``sidecar.protocol.prompt_length``
-  (UTF-8 bytes / 4; README states its measured error);
+  (UTF-8 bytes / 4; docs/driving/request-shapes.md states its measured error);
 - ``tokenize``: the local engine's tokenizer endpoint, as its dialect declares it
   (``Dialect.tokenize``: a path, and whether it takes chat ``messages``; chat prompts of an
   engine whose endpoint does not are estimated, and so are Responses and Messages prompts).

@@ -1,5 +1,5 @@
 """The data-parallel ranks the PD flow gives its legs (``--data-parallel-size``,
-``--prefill-data-parallel-size``; README "Data-parallel engines").
+``--prefill-data-parallel-size``; docs/operating/data-parallel.md).
 
     ranks.prefill(target, named)   the prefill leg's rank on ``target``'s engine
     ranks.local(named)             a leg's rank on the local engine (decode, gRPC Prefill)

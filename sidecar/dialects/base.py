@@ -87,7 +87,8 @@ class PodSource(NamedTuple):
 
 class DialectOptions(BaseModel):
     """The settings a dialect adds to the sidecar's (flags, env, pod labels, docs): every
-    field needs a ``description`` (the flag's help and a row of README's reference);
+    field needs a ``description`` (the flag's help and a row of the generated reference
+    (docs/operating/configuration.md));
     ``pod_sources`` names fields a pod label or annotation can set."""
 
     model_config = ConfigDict(frozen=True, extra="ignore")
@@ -155,7 +156,8 @@ class Dialect(ABC):
     #: The engine's tokenizer endpoint, if it has one.
     tokenize: ClassVar[TokenizeEndpoint | None] = None
     #: The routes this engine serves as prefill/decode pairs with its hand-off fields
-    #: (README's routes table); the others run whole on the local engine, or are refused.
+    #: (the routes table of docs/driving/routes.md); the others run whole on the local engine, or
+    #: are refused.
     pd_routes: ClassVar[frozenset[Route]] = OPENAI_ROUTES
     #: The routes this engine does not serve at all (refused with 404, not passed through).
     unserved_routes: ClassVar[frozenset[Route]] = frozenset()

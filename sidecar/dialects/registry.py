@@ -1,8 +1,9 @@
 """The dialect registry: (engine, connector) -> "module:Class", imported on first use.
 
 Built-in dialects are registered by one line each (``sidecar.dialects``); an installed
-package adds its own through the entry point group ``disagg_sidecar.dialects`` (README,
-"Writing a dialect"), as vLLM loads out-of-tree connectors by module path: the entry point
+package adds its own through the entry point group ``disagg_sidecar.dialects``
+(docs/extending/writing-a-dialect.md), as vLLM loads out-of-tree connectors by module path: the
+entry point
 ``acme`` names engine label "acme", ``vllm.lmcache`` engine vllm with connector "lmcache".
 
 A name registered twice raises (a plug-in cannot silently replace a built-in); an entry

@@ -1,6 +1,7 @@
 """vLLM MooncakeConnector (pod label ``mooncake``): push model, prefill and decode at once.
 
-docs/handoffs.md#vllm-mooncake, confirmed against vLLM's ``MooncakeConnectorMetadata.add_new_req``
+docs/driving/handoffs.md#vllm-mooncake, confirmed against vLLM's
+``MooncakeConnectorMetadata.add_new_req``
 (what the decode reads) and its Mooncake proxy example:
 
     begin:   transfer id T := "xfer-<uuid>"

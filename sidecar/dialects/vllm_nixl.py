@@ -1,6 +1,6 @@
 """vLLM NixlConnector, pull flow (pod label ``shfs``): prefill first, decode reads the blocks.
 
-docs/handoffs.md#vllm-nixl-pull:
+docs/driving/handoffs.md#vllm-nixl-pull:
 
     prefill kv_transfer_params = {do_remote_decode: true, do_remote_prefill: false,
                                   remote_engine_id: null, remote_block_ids: null,

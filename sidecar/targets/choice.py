@@ -27,7 +27,7 @@ same way, per engine: the local one (``LOCAL``: decode legs, gRPC Prefill) or a 
 Deliberate limits: this process's own view (each ``--workers`` worker its own); the maps
 forget a target (and a rank) with nothing in flight and no cool-down; ties between ranks go
 to the next in turn, so a sidecar whose legs never overlap still uses every rank. Why it
-picks this way, and its bounded metric labels: docs/design-notes.md#target-choice
+picks this way, and its bounded metric labels: docs/extending/design-notes.md#target-choice
 """
 
 from __future__ import annotations

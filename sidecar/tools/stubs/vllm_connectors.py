@@ -102,7 +102,7 @@ async def _get_json(stub: Stub, url: str, timeout_s: float) -> tuple[int, Any]:
 
 
 class NixlConnector:
-    """vLLM NixlConnector (label ``shfs``, docs/handoffs.md#vllm-nixl-pull): pull model
+    """vLLM NixlConnector (label ``shfs``, docs/driving/handoffs.md#vllm-nixl-pull): pull model
     (``handoff.NixlHolder``)."""
 
     def __init__(self, stub: Stub) -> None:
@@ -152,7 +152,8 @@ class NixlConnector:
 
 
 class NeuronConnector:
-    """vLLM on AWS Neuron (label ``nixl``, docs/handoffs.md#neuron-nixl): the decode gets the whole
+    """vLLM on AWS Neuron (label ``nixl``, docs/driving/handoffs.md#neuron-nixl): the decode gets
+    the whole
     prefill answer."""
 
     def __init__(self, stub: Stub) -> None:
