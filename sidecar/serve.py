@@ -36,7 +36,7 @@ from sidecar.config.loader import flag_for
 from sidecar.config.settings import Settings
 from sidecar.grpc_server.server import start_grpc_server
 from sidecar.http_server.aiohttp_private import HeadTimeoutAppRunner
-from sidecar.http_server.app import build_http_app
+from sidecar.http_server.app import build_http_app, drop_server_header
 from sidecar.http_server.keys import RUNTIME
 from sidecar.http_server.ops import metrics as metrics_endpoint
 from sidecar.runtime import open_runtime
@@ -139,6 +139,7 @@ async def run_server(
         metrics_runner: web.AppRunner | None = None
         if settings.metrics_port is not None:
             metrics_app = web.Application()
+            metrics_app.on_response_prepare.append(drop_server_header)
             metrics_app[RUNTIME] = runtime
             metrics_app.router.add_get("/metrics", metrics_endpoint)
             metrics_runner = await _start_site(metrics_app, settings.host, settings.metrics_port,

@@ -142,6 +142,10 @@ class Dialect(ABC):
     engine: ClassVar[str]
     #: The KV connector's wire name (the connector label's value), or None.
     connector: ClassVar[str | None] = None
+    #: Other names of the connector (its engine's own class name, e.g. vLLM's
+    #: ``"NixlConnector"`` for the label value ``shfs``), accepted case-insensitively wherever
+    #: the connector is named: flags, environment, pod labels.
+    aliases: ClassVar[tuple[str, ...]] = ()
     #: The engine versions whose wire format this dialect was checked against.
     checked_against: ClassVar[str] = ""
     legs: ClassVar[Legs] = Legs.SEQUENTIAL

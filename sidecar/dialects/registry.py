@@ -92,6 +92,34 @@ class DialectRegistry:
         return sorted({connector for name, connector in self.keys()
                        if connector is not None and engine in (None, name)})
 
+    def connector_aliases(self) -> dict[str, str]:
+        """Every declared connector alias, as its dialect spells it, -> its connector name
+        (loads each connector dialect). An alias that is also another connector's name or
+        alias raises ``DialectLoadError``."""
+        aliases: dict[str, str] = {}
+        seen: dict[str, str] = {name: name for name in self.connectors()}
+        for engine, connector in self.keys():
+            if connector is None:
+                continue
+            for alias in self.get(engine, connector).aliases:
+                key = alias.strip().lower()
+                if seen.setdefault(key, connector) != connector:
+                    raise DialectLoadError(
+                        f"connector alias {alias!r} of dialect '{engine}.{connector}' already "
+                        f"names connector {seen[key]!r}"
+                    )
+                aliases[alias] = connector
+        return aliases
+
+    def connector_name(self, name: str) -> str:
+        """``name`` as a registered connector name: lower-cased, an alias replaced by its
+        connector (``NixlConnector`` -> ``shfs``); an unknown name is returned lower-cased."""
+        key = name.strip().lower()
+        if key in self.connectors():
+            return key
+        by_key = {alias.lower(): connector for alias, connector in self.connector_aliases().items()}
+        return by_key.get(key, key)
+
     def engines_of(self, connector: str) -> list[str]:
         """The engines a connector name is registered for, sorted."""
         return sorted({engine for engine, name in self.keys() if name == connector})

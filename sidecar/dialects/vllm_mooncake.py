@@ -183,6 +183,7 @@ class MooncakeDialect(VLLMDialect):
     """Concurrent legs paired by a router-chosen ``transfer_id``."""
 
     connector = "mooncake"
+    aliases = ("MooncakeConnector",)
     legs = Legs.CONCURRENT
     pd_routes = frozenset(Route)
     looks_up = True

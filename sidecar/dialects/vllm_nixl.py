@@ -47,6 +47,8 @@ class NixlPullDialect(VLLMDialect):
     """Sequential NIXL hand-off: a skeleton on prefill, the engine's params on decode."""
 
     connector = "shfs"
+    #: vLLM's ``kv_connector`` class for this flow (AIBrix's label value is ``shfs``).
+    aliases = ("NixlConnector",)
     pd_routes = frozenset(Route)
     checked_against = (
         "vLLM main (2026 snapshot) NixlConnector.request_finished "
