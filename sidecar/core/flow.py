@@ -45,6 +45,7 @@ from sidecar.core.upstream import with_headers
 from sidecar.dialects import Dialect, Legs
 from sidecar.errors import (
     DeadlineExceeded,
+    DecodeFailed,
     EngineNotReady,
     InvalidHandoff,
     PrefillFailed,
@@ -116,6 +117,9 @@ class PDFlow:
         if dialect.looks_up:
             try:
                 ctx = await dialect.look_up(ctx)
+            except SidecarError as error:
+                self.end(ctx)
+                raise self.calls.for_client(error, target, request_id) from None
             except BaseException:
                 self.end(ctx)
                 raise
@@ -220,9 +224,12 @@ class PDFlow:
             if self.concurrent:
                 return await self._start_concurrent(request, ctx)
             return await self._start_sequential(request, ctx, may_retry=may_retry)
-        except BaseException:
+        except BaseException as error:
             self.abort(ctx)
             self.end(ctx)
+            if isinstance(error, DecodeFailed) and (  # the dialect's setting to check
+                    hint := self.dialect.decode_failure_hint(ctx)) is not None:
+                raise DecodeFailed(f"{error.message}; {hint}", stage=error.stage) from None
             raise
 
     def _leg(self, request: PDRequest, ctx: HandoffContext) -> PrefillLeg:

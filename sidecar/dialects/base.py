@@ -256,6 +256,11 @@ class Dialect(ABC):
         """The engine's abort endpoint and body for this request's legs, if it has one."""
         return None
 
+    def decode_failure_hint(self, ctx: HandoffContext) -> str | None:
+        """What to check when the decode engine failed a pair's decode leg (5xx, broken): for
+        engines that rendezvous, the setting both sides must agree on; None: no hint."""
+        return None
+
     def stream_markers(self, route: Route) -> StreamMarkers:
         """How this engine's stream on ``route`` ends, and how an error event in it starts
         (the API's markers, unless the engine's differ)."""

@@ -146,9 +146,12 @@ class EngineIdCache:
     """``(host:port, rank) -> engine id`` for ``ttl_s`` seconds, asked through an
     ``EngineLookup``."""
 
-    def __init__(self, lookup: EngineLookup, *, ttl_s: float = ENGINE_ID_TTL_S) -> None:
+    def __init__(self, lookup: EngineLookup, *, ttl_s: float = ENGINE_ID_TTL_S,
+                 port_hint: str = "") -> None:
         self._lookup = lookup
         self._ttl_s = ttl_s
+        #: What set the port asked (said when the bootstrap server cannot be reached).
+        self._port_hint = port_hint
         self._entries: dict[tuple[str, int], tuple[float, str]] = {}
 
     async def get(self, bootstrap_addr: str, dp_rank: int = 0) -> str:
@@ -166,11 +169,13 @@ class EngineIdCache:
             status, raw = await self._lookup.get(url, max_bytes=_MAX_QUERY_BYTES)
         except LookupFailed:
             raise InvalidHandoff(
-                "prefill bootstrap /query unreachable", stage=Stage.PREFILL
+                f"prefill bootstrap /query unreachable at {url}{self._port_hint}",
+                stage=Stage.PREFILL, address=url,
             ) from None
         if status != 200:
             raise InvalidHandoff(
-                f"prefill bootstrap /query answered HTTP {status}", stage=Stage.PREFILL
+                f"prefill bootstrap /query at {url} answered HTTP {status}{self._port_hint}",
+                stage=Stage.PREFILL, address=url,
             )
         try:
             payload = jsonutil.loads(raw)
@@ -197,7 +202,12 @@ class MooncakeDialect(VLLMDialect):
     def __init__(self, setup: DialectSetup) -> None:
         super().__init__(setup)
         self.bootstrap_port = MooncakeOptions.of(setup.settings).mooncake_bootstrap_port
-        self.engine_ids = None if setup.lookup is None else EngineIdCache(setup.lookup)
+        hint = (f": check that the prefill engine's VLLM_MOONCAKE_BOOTSTRAP_PORT is "
+                f"{self.bootstrap_port}, the port this sidecar asks (--mooncake-bootstrap-port "
+                "or DISAGG_MOONCAKE_BOOTSTRAP_PORT), and that vLLM's bootstrap server runs "
+                "there (MooncakeConnector, kv_role kv_producer or kv_both)")
+        self.engine_ids = (None if setup.lookup is None
+                           else EngineIdCache(setup.lookup, port_hint=hint))
         self.new_transfer_id = new_transfer_id
 
     def begin(self, ctx: HandoffContext) -> HandoffContext:

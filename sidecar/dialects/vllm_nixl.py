@@ -74,8 +74,8 @@ class NixlPullDialect(VLLMDialect):
             raise InvalidHandoff("NIXL hand-off needs the prefill response")
         params = prefill_response.get(KV_TRANSFER_PARAMS)
         if params is None:
-            # vLLM omits them when the prefill did not end at the length cap (e.g. aborted).
-            raise InvalidHandoff("prefill response has no kv_transfer_params")
+            # Another connector's engines, or a prefill that did not end at the length cap.
+            raise self.no_handoff("prefill response has no kv_transfer_params")
         if not isinstance(params, Mapping):
             raise InvalidHandoff(
                 f"prefill response kv_transfer_params is a {jsonutil.type_name(params)}, "
