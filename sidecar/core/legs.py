@@ -267,4 +267,4 @@ def for_client(error: SidecarError, router_named: bool, request_id: str) -> Side
     if error.address is None or router_named:
         return error
     logger.warning("request %s: %s", request_id, error.message)
-    return error.without_address("the prefill engine's bootstrap server")
+    return error.without_address("the prefill engine (its address is in the sidecar's log)")
