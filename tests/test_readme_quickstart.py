@@ -7,6 +7,8 @@ namespace of its own where the machine allows one (its fixed ports, 8080, 8100, 
 of those ports is taken. Checked: an answer per route (completions, chat, Responses,
 Messages, generate, a stream ending ``[DONE]``), six requests counted ``outcome="ok"``, and
 no warning in what the documented commands log (issue #29: a documented example is quiet).
+The gRPC page's "Try it" block (two sidecars, HTTP and ``route``) is run the same way, for
+each engine it names.
 """
 
 from __future__ import annotations
@@ -58,16 +60,18 @@ def _venv_dir(tmp_path: Path) -> Path:
     return tmp_path
 
 
-def test_quickstart_block_runs_verbatim(tmp_path: Path) -> None:
+def _run(tmp_path: Path, text: str, ports: tuple[int, ...]) -> tuple[str, str]:
+    """Run ``text`` with bash as the docs say (from a directory with ``.venv``); its stdout
+    and stderr, once it exited 0."""
     if shutil.which("curl") is None:
-        pytest.skip("the quick start uses curl, which is not installed")
-    script = tmp_path / "quickstart.sh"
-    script.write_text(quickstart_script(), encoding="utf-8")
+        pytest.skip("the documented commands use curl, which is not installed")
+    script = tmp_path / "commands.sh"
+    script.write_text(text, encoding="utf-8")
     cwd = _venv_dir(tmp_path / "work")
     if _can_unshare():
         command = ["unshare", "--net", "bash", "-c", f"ip link set lo up && bash {script}"]
     else:
-        taken = [port for port in PORTS if _port_taken(port)]
+        taken = [port for port in ports if _port_taken(port)]
         if taken:
             pytest.skip(f"no network namespace here and ports {taken} are taken")
         command = ["bash", str(script)]
@@ -81,7 +85,11 @@ def test_quickstart_block_runs_verbatim(tmp_path: Path) -> None:
         stdout, stderr = process.communicate()
         pytest.fail(f"the quick start did not finish:\n{stdout[-2000:]}\n{stderr[-4000:]}")
     assert process.returncode == 0, stderr[-4000:]
+    return stdout, stderr
 
+
+def test_quickstart_block_runs_verbatim(tmp_path: Path) -> None:
+    stdout, stderr = _run(tmp_path, quickstart_script(), PORTS)
     answers = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
     answers = [a for a in answers if a.get("event") != "listening"]
     assert [a.get("object") or a.get("type") for a in answers[:4]] == [
@@ -95,5 +103,25 @@ def test_quickstart_block_runs_verbatim(tmp_path: Path) -> None:
     ok = [line for line in stdout.splitlines()
           if line.startswith("disagg_requests_total{") and 'outcome="ok"' in line]
     assert sum(float(line.rsplit(" ", 1)[1]) for line in ok) == 6, ok
+    warnings = [line for line in stderr.splitlines() if " WARNING " in line or "Traceback" in line]
+    assert not warnings, warnings
+
+
+def grpc_try_it_script() -> str:
+    text = (ROOT / "docs" / "driving" / "grpc.md").read_text(encoding="utf-8")
+    block = text.split("## Try it", 1)[1].split("```sh\n", 1)[1].split("\n```", 1)[0]
+    return block + "\n"
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang", "trtllm"])
+def test_the_grpc_pages_try_it_block_runs(tmp_path: Path, engine: str) -> None:
+    script = grpc_try_it_script()
+    assert script.startswith("E=vllm\n")
+    stdout, stderr = _run(tmp_path, script.replace("E=vllm", f"E={engine}", 1),
+                          (8081, 8082, 8100, 8200, 8998, 50061, 50062))
+    answers = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+    (completion,) = [a for a in answers if a.get("object") == "text_completion"]
+    assert completion["choices"][0]["text"]
+    assert "finish_reason: length" in stdout  # route's Decode ended at --max-new-tokens
     warnings = [line for line in stderr.splitlines() if " WARNING " in line or "Traceback" in line]
     assert not warnings, warnings
