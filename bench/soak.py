@@ -11,7 +11,8 @@ report compares the first and the last minute (mean of their samples): a leak of
 connections or tasks shows as growth. Errors are any answer other than a complete 200 (a
 stream must end with ``[DONE]``).
 
-Output: a summary table on stdout (paste into README) and JSON with every sample in
+Output: a summary table on stdout (paste into docs/operating/reliability.md) and JSON with every
+sample in
 ``bench/results/soak-<time>.json``.
 
 Deliberate limits: loopback only, stubs in zero-latency mode; the load generator is Python

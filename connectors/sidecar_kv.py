@@ -2,8 +2,9 @@
 
 Load it with ``--kv-transfer-config '{"kv_connector": "SidecarKVConnector",
 "kv_connector_module_path": "connectors.sidecar_kv", "kv_role": "kv_both",
-"kv_connector_extra_config": {"staging_dir": "/dev/shm/disagg-kv"}}'`` (the repository on
-the engine's ``PYTHONPATH``). A request opts in through its ``kv_transfer_params``:
+"kv_connector_extra_config": {"staging_dir": "/dev/shm/disagg-kv"}}'`` (installed into the
+engine's environment on its own: ``pip install ./connectors``, connectors/pyproject.toml). A
+request opts in through its ``kv_transfer_params``:
 
 - ``{"disagg_inline": {"action": "save", "key": K}}`` (prefill engine): in the step that
   completes the prompt, each attention layer's blocks of the request are written, layer by

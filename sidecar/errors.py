@@ -34,10 +34,24 @@ class SidecarError(Exception):
     http_status: ClassVar[int] = 500
     default_stage: ClassVar[Stage] = Stage.SIDECAR
 
-    def __init__(self, message: str, *, stage: Stage | None = None) -> None:
+    def __init__(self, message: str, *, stage: Stage | None = None,
+                 address: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.stage = stage or self.default_stage
+        #: An address of a prefill target the message names: the log always shows it, a
+        #: client's answer only when the router named that target (``without_address``).
+        self.address = address
+
+    def without_address(self, instead: str) -> SidecarError:
+        """The same error with its address replaced by ``instead`` (for a client's answer
+        about a target the router did not name)."""
+        if self.address is None:
+            return self
+        hidden = type(self)(self.message.replace(self.address, instead), stage=self.stage)
+        hidden.__dict__.update({k: v for k, v in self.__dict__.items()
+                                if k not in ("message", "address", "args")})
+        return hidden
 
     @property
     def error_type(self) -> str:

@@ -35,7 +35,7 @@ from sidecar.config.loader import flag_for
 from sidecar.config.settings import Settings
 from sidecar.grpc_server.server import start_grpc_server
 from sidecar.http_server.aiohttp_private import HeadTimeoutAppRunner
-from sidecar.http_server.app import build_http_app
+from sidecar.http_server.app import build_http_app, drop_server_header
 from sidecar.http_server.keys import RUNTIME
 from sidecar.http_server.ops import metrics as metrics_endpoint
 from sidecar.runtime import open_runtime
@@ -138,6 +138,7 @@ async def run_server(
         metrics_runner: web.AppRunner | None = None
         if settings.metrics_port is not None:
             metrics_app = web.Application()
+            metrics_app.on_response_prepare.append(drop_server_header)
             metrics_app[RUNTIME] = runtime
             metrics_app.router.add_get("/metrics", metrics_endpoint)
             metrics_runner = await _start_site(metrics_app, settings.host, settings.metrics_port,
@@ -175,7 +176,7 @@ async def run_server(
 
 def freeze_startup_objects(ports: dict[str, int]) -> None:
     """Keep what starting up allocated (it lives as long as the process) out of the garbage
-    collector's scans: docs/design-notes.md#gc-freeze."""
+    collector's scans: docs/extending/design-notes.md#gc-freeze."""
     gc.freeze()
 
 

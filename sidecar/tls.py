@@ -7,9 +7,9 @@ the upstream client's context (engine CA, client certificate).
         .check_now()                     files changed? a fresh context serves new handshakes
     engine_ca_file, engine_client_cert_file + engine_client_key_file ─▶ client_ssl_context()
 
-Deliberate limits (README, "Reliability and security"): no insecure modes; the metrics port
+Deliberate limits (docs/operating/reliability.md): no insecure modes; the metrics port
 stays plaintext; TLS 1.2 is the floor; the outbound client certificate is read at start.
-How a rotation is seen and switched in: docs/design-notes.md#tls-reload
+How a rotation is seen and switched in: docs/extending/design-notes.md#tls-reload
 """
 
 from __future__ import annotations
@@ -61,7 +61,8 @@ def _stamp(path: str) -> _Stamp:
 @contextlib.contextmanager
 def _as_paths(cert: bytes, key: bytes) -> Iterator[tuple[str, str]]:
     """Paths to the exact bytes we checked (``load_cert_chain`` takes paths only): memory
-    files where the OS has them, else a private temp directory (docs/design-notes.md#tls-reload)."""
+    files where the OS has them, else a private temp directory
+    (docs/extending/design-notes.md#tls-reload)."""
     if hasattr(os, "memfd_create"):
         fds = [os.memfd_create("disagg-tls-cert"), os.memfd_create("disagg-tls-key")]
         try:

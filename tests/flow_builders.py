@@ -166,6 +166,9 @@ class FakeCalls:
         self.cancelled: list[str] = []
         self._called = asyncio.Event()
 
+    # The real one: it only reads the choice's labels.
+    for_client = EngineCalls.for_client
+
     async def until(self, *, prefills: int = 0, decodes: int = 0) -> None:
         """Wait until the core has made at least this many calls of each kind."""
         while len(self.prefills) < prefills or len(self.decodes) < decodes:

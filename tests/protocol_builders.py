@@ -3,7 +3,8 @@
 ``make_dialect(cls, **options)`` builds a dialect from settings with those options;
 ``begin(dialect, ctx, ids)`` starts a request's state from ``ids`` (fixed clock, fixed transfer
 id, a small room range). ``nixl_prefill_skeleton()`` is the one copy, for every suite, of the
-``kv_transfer_params`` a vLLM NixlConnector prefill leg carries (docs/handoffs.md): the golden
+``kv_transfer_params`` a vLLM NixlConnector prefill leg carries (docs/driving/handoffs.md): the
+golden
 tests compare against it, the stub and real-engine tests send it.
 """
 
@@ -31,7 +32,7 @@ HANDOFF_FIELDS = BODY_CHECKS.handoff_fields
 OPENAI_ROUTE_LIST = [Route.COMPLETIONS, Route.CHAT]
 parse_client_body = BODY_CHECKS.parse
 
-#: 2026-01-01T00:00:00Z: the instant of the vectors in docs/handoffs.md#trtllm-snowflake.
+#: 2026-01-01T00:00:00Z: the instant of the vectors in docs/driving/handoffs.md#trtllm-snowflake.
 FIXED_NOW_MS = 1_767_225_600_000
 
 

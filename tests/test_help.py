@@ -2,7 +2,8 @@
 ``stub-engine --fault`` lists the fault kinds, defaults print as values (never ``None`` or
 nothing), ``--on-prefill-failure`` names its values, settings are named by their flags in
 every help text (a setting's name, e.g. ``tls_key_file``, appears only next to its flag in
-README's reference), and the allowlist's refusal lists every accepted form.
+the generated reference (docs/operating/configuration.md)), and the allowlist's refusal lists every
+accepted form.
 """
 
 from __future__ import annotations

@@ -3,5 +3,5 @@
     settings.py   the fields, each checked on its own
     loader.py     flags > env ``DISAGG_*`` > pod labels/annotations > defaults, with sources
     podinfo.py    the pod's labels and annotations (downward-API files)
-    docs.py       the configuration reference in README.md, generated from the fields
+    docs.py       the configuration reference (docs/operating/configuration.md), generated
 """

@@ -9,6 +9,8 @@
                            the replay endpoint and the cache rule only with an endpoint
     data_parallel_warning  data-parallel sizes for an engine that places ranks itself (a
                            warning, not a refusal: the engine still serves)
+    empty_allowlist_warning  a decode sidecar without a static pool whose allowlist admits no
+                           router-named target (a warning: every such request gets 403)
 
 Each raises ``ConfigError``; the loader runs them after ``Settings`` checked each value alone.
 """
@@ -18,7 +20,7 @@ from __future__ import annotations
 from typing import Protocol
 from urllib.parse import urlsplit
 
-from sidecar.config.settings import PromptLengthSource, Settings
+from sidecar.config.settings import PromptLengthSource, Role, Settings
 from sidecar.dialects import DIALECTS, dialect_class
 from sidecar.kv_events.endpoint import check_endpoint
 from sidecar.observability.otlp import TRACING_EXTRA, missing_modules
@@ -172,3 +174,18 @@ def data_parallel_warning(settings: Settings, sources: Sources) -> str | None:
     given = ", ".join(f"{name} (from {sources.source_of(name)})" for name in sizes)
     return (f"{given} set for engine {settings.engine!r}, which places requests on its "
             "data-parallel ranks itself: the sidecar names no rank")
+
+
+def empty_allowlist_warning(settings: Settings, sources: Sources) -> str | None:
+    """A warning when routers can only name prefill targets (no static pool) and nothing may
+    be named: every PD request would be refused with 403 ``prefill_target_not_allowed``."""
+    if (settings.role is Role.PREFILL or settings.prefill_allowlist
+            or settings.prefill_pod_selector or settings.prefill_urls):
+        return None
+    return (
+        f"the prefill allowlist is empty (--prefill-allowlist, from "
+        f"{sources.source_of('prefill_allowlist')}) and no --prefill-pod-selector or "
+        "--prefill-url is set: every prefill target a router names in x-prefiller-host-port "
+        "is refused (403 prefill_target_not_allowed); allow the prefill engines, e.g. "
+        "--prefill-allowlist 10.0.0.0/8:8000, or --role prefill on prefill pods"
+    )

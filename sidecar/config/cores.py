@@ -4,7 +4,7 @@
 
 Deliberate limits: reads this process's cgroup at ``/sys/fs/cgroup`` (v2 ``cpu.max`` or v1
 ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``); a nested cgroup's parents are not walked.
-Why the quota: docs/design-notes.md#worker-count
+Why the quota: docs/extending/design-notes.md#worker-count
 """
 
 from __future__ import annotations

@@ -44,8 +44,8 @@ class DataParallelSettings(BaseModel):
         ge=1,
         le=MAX_DATA_PARALLEL_SIZE,
         description="Data-parallel ranks of the local engine (its data-parallel size, one "
-        "API server for all ranks); above 1 each leg on it is given a rank (see README "
-        "\"Data-parallel engines\"). 1: no rank is ever named.",
+        "API server for all ranks); above 1 each leg on it is given a rank (see "
+        "docs/operating/data-parallel.md). 1: no rank is ever named.",
     )
     prefill_data_parallel_size: int | None = Field(
         default=None,

@@ -2,8 +2,9 @@
 
     Settings fields + descriptions + config_loader naming  ->  Markdown table
 
-``python -m sidecar.config.docs`` prints it (``--write README.md`` refreshes README's block
-between the markers); a test fails when the two differ or a field has no description.
+``python -m sidecar.config.docs`` prints it; ``python -m sidecar.config.docs --write`` refreshes
+the block between the markers of ``REFERENCE_PAGE`` (docs/operating/configuration.md), and a
+test fails when the two differ or a field has no description.
 Deliberate limits: Markdown only; ``--help`` renders the same descriptions through argparse.
 """
 
@@ -26,6 +27,8 @@ from sidecar.config.settings import EXTRA_ENV, POD_SOURCES, Settings
 
 START_MARKER = "<!-- config-reference:start -->"
 END_MARKER = "<!-- config-reference:end -->"
+#: The docs page holding the generated reference, relative to the repository root.
+REFERENCE_PAGE = Path("docs/operating/configuration.md")
 
 PRECEDENCE = (
     "Precedence, highest first: command-line flag > environment variable `DISAGG_*` > the pod's "
@@ -99,19 +102,20 @@ def configuration_reference_markdown() -> str:
     return "\n".join(rows) + "\n"
 
 
-def write_into(readme: Path) -> None:
-    """Replace the block between the markers of ``readme`` with the generated reference."""
-    text = readme.read_text(encoding="utf-8")
+def write_into(page: Path) -> None:
+    """Replace the block between the markers of ``page`` with the generated reference."""
+    text = page.read_text(encoding="utf-8")
     start = text.index(START_MARKER) + len(START_MARKER)
     end = text.index(END_MARKER)
     generated = "\n" + configuration_reference_markdown()
-    readme.write_text(text[:start] + generated + text[end:], encoding="utf-8")
+    page.write_text(text[:start] + generated + text[end:], encoding="utf-8")
 
 
 def main() -> None:
-    """Print the reference; ``--write README.md`` refreshes that file's block instead."""
-    if len(sys.argv) == 3 and sys.argv[1] == "--write":
-        write_into(Path(sys.argv[2]))
+    """Print the reference; ``--write [PAGE]`` refreshes that page's block instead (default:
+    ``REFERENCE_PAGE``, from the repository root)."""
+    if len(sys.argv) in (2, 3) and sys.argv[1] == "--write":
+        write_into(Path(sys.argv[2]) if len(sys.argv) == 3 else REFERENCE_PAGE)
         return
     print(configuration_reference_markdown(), end="")
 

@@ -4,7 +4,7 @@ Part of ``sidecar.config.settings.Settings``. Unset ``kv_events_endpoint`` (the 
 socket, no index, the placement decision never learns what is cached. Each value is checked
 alone here (an endpoint's shape); whether a TCP address off loopback is allowed, and which
 other settings it cannot go with, the loader's ``checks.check_kv_events`` decides (it knows
-each value's source). How it works: docs/cache-aware.md.
+each value's source). How it works: docs/operating/cache-aware.md.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from sidecar.dialects.base import PodSource
 from sidecar.kv_events.endpoint import check_endpoint
 
 #: The default cap of the index, in blocks (about 45 MB at 16 tokens a block, 160 MB at 128: see
-#: docs/cache-aware.md#the-cap).
+#: docs/operating/cache-aware.md#the-cap).
 DEFAULT_MAX_BLOCKS: Final = 131_072
 
 #: The pod annotations that can set the endpoints.
@@ -40,7 +40,8 @@ class KVEventsSettings(BaseModel):
         description="Where the local engine publishes its KV cache events (ZMQ): "
         "tcp://IP:PORT (the sidecar binds it and the engine's publisher connects; loopback "
         "unless --kv-events-allow-remote) or ipc://PATH (the engine binds, the sidecar "
-        "connects). Feeds the index of the engine's cached prompt blocks (docs/cache-aware.md). "
+        "connects). Feeds the index of the engine's cached prompt blocks "
+        "(docs/operating/cache-aware.md). "
         "Unset: no index. One worker only.",
     )
     kv_events_replay_endpoint: str | None = Field(

@@ -64,8 +64,9 @@ class LimitsSettings(BaseModel):
     prompt_length_source: PromptLengthSource = Field(
         default=PromptLengthSource.ESTIMATE,
         description="How a text or chat prompt's length is known for "
-        "--local-prefill-max-tokens: estimate (UTF-8 bytes / 4, see README) or tokenize (the "
-        "local engine's tokenizer endpoint, for engines that have one). Token-id prompts are "
+        "--local-prefill-max-tokens: estimate (UTF-8 bytes / 4, see "
+        "docs/driving/request-shapes.md) or tokenize (the local engine's tokenizer endpoint, "
+        "for engines that have one). Token-id prompts are "
         "counted exactly.",
     )
     prefill_cooldown_s: float = Field(

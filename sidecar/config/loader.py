@@ -7,7 +7,8 @@ Every field gets one flag (``--`` + the field name with dashes; ``--grpc/--no-gr
 exception, and list flags are singular and repeatable: ``--prefill-url``) and one variable
 ``DISAGG_<FIELD>``. Lists are comma-separated; booleans read true/false/1/0/yes/no; an empty
 variable counts as unset.
-The label rules are those of docs/handoffs.md#pod-labels: a missing engine label means the default
+The label rules are those of docs/driving/handoffs.md#pod-labels: a missing engine label means the
+default
 engine; a missing or
 unknown connector label falls back to ``default_kv_connector`` with one warning (only for an
 engine that has connectors); the port label gives ``http://127.0.0.1:<port>``; a role other
@@ -19,22 +20,20 @@ A bad value raises ``ConfigError`` naming the field, the value and where it came
 operator can fix the right layer; ``run_config_command`` prints the resolved settings with
 their sources as JSON (``disagg-sidecar config``).
 
-Deliberate limits: the loader only reads (it never logs; ``log_effective_settings`` does,
+Deliberate limits: the loader only reads (it never logs; ``sidecar.config.report`` does,
 once, when the caller is ready), and reads the pod's metadata once, at start.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import logging
+import difflib
 import os
-import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
 from types import MappingProxyType
-from typing import Any, TextIO
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -48,6 +47,7 @@ from sidecar.config.checks import (
     check_tracing,
     data_parallel_warning,
 )
+from sidecar.config.groups import grouped
 from sidecar.config.podinfo import PodInfo, PodInfoError, read_podinfo
 from sidecar.config.settings import (
     CORE_POD_SOURCES,
@@ -71,6 +71,23 @@ REPEATABLE_FIELDS = frozenset({"prefill_urls", "prefill_allowlist"})
 _TRUE = frozenset({"true", "1", "yes"})
 _FALSE = frozenset({"false", "0", "no"})
 _LABEL_ROLES = frozenset({"prefill", "decode"})
+
+
+def _closest_hint(name: str, known: list[str]) -> str:
+    """``" (did you mean 'x'?)"`` for the registered name closest to ``name``, or nothing."""
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def unknown_engine_warning(engine: str, source: str) -> str:
+    """The start-up warning for an engine no dialect is registered for: the seed's rule lets
+    the default dialect serve it, so both engines run every request whole."""
+    hint = _closest_hint(engine, DIALECTS.engines())
+    return (
+        f"engine {engine!r} (from {source}) is not registered{hint}: the default dialect "
+        "serves it, so no hand-off is made (each prefill leg and each decode leg computes the "
+        f"whole prompt); registered: {', '.join(DIALECTS.engines())}"
+    )
 
 
 @dataclass(frozen=True)
@@ -102,34 +119,40 @@ def is_bool_field(name: str) -> bool:
 
 
 def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add one flag per Settings field; every default is None so unset flags defer to env."""
-    group = parser.add_argument_group(
-        "settings", "precedence: flag > env DISAGG_* > pod label/annotation > default"
-    )
-    for name, info in Settings.model_fields.items():
-        flag = flag_for(name)
-        default = info.get_default(call_default_factory=True)
-        text = f"{info.description or ''} [env {env_for(name)}; default: {shown_default(default)}]"
-        help_text = text.replace("%", "%%")
-        annotation = info.annotation
-        choices = ([member.value for member in annotation]
-                   if isinstance(annotation, type) and issubclass(annotation, Enum) else None)
-        metavar = "{" + ",".join(choices) + "}" if choices else name.upper()
-        if is_bool_field(name):
-            group.add_argument(
-                flag,
-                dest=name,
-                action=argparse.BooleanOptionalAction,
-                default=None,
-                help=help_text,
-            )
-        elif name in REPEATABLE_FIELDS:
-            group.add_argument(
-                flag, dest=name, action="append", default=None, metavar=name.upper(),
-                help=help_text,
-            )
-        else:
-            group.add_argument(flag, dest=name, default=None, metavar=metavar, help=help_text)
+    """Add one flag per Settings field, in argument groups by topic (``sidecar.config.groups``);
+    every default is None so unset flags defer to env."""
+    for topic, names in grouped(field_names()):
+        group = parser.add_argument_group(topic.title, topic.description)
+        for name in names:
+            _add_setting(group, name)
+
+
+def _add_setting(group: argparse._ArgumentGroup, name: str) -> None:
+    """One field's flag, with its description, variable and default as its help."""
+    info = Settings.model_fields[name]
+    flag = flag_for(name)
+    default = info.get_default(call_default_factory=True)
+    text = f"{info.description or ''} [env {env_for(name)}; default: {shown_default(default)}]"
+    help_text = text.replace("%", "%%")
+    annotation = info.annotation
+    choices = ([member.value for member in annotation]
+               if isinstance(annotation, type) and issubclass(annotation, Enum) else None)
+    metavar = "{" + ",".join(choices) + "}" if choices else name.upper()
+    if is_bool_field(name):
+        group.add_argument(
+            flag,
+            dest=name,
+            action=argparse.BooleanOptionalAction,
+            default=None,
+            help=help_text,
+        )
+    elif name in REPEATABLE_FIELDS:
+        group.add_argument(
+            flag, dest=name, action="append", default=None, metavar=name.upper(),
+            help=help_text,
+        )
+    else:
+        group.add_argument(flag, dest=name, default=None, metavar=metavar, help=help_text)
 
 
 def shown_default(value: Any) -> str:
@@ -245,11 +268,7 @@ class _Resolver:
                 self.set("engine", label.strip().lower(), source)
         engine = str(self.get("engine")).strip().lower()
         if engine and engine not in DIALECTS.engines():
-            self.warnings.append(
-                f"engine {engine!r} (from {self.source_of('engine')}) is not registered; the "
-                f"default dialect (plain prefill then decode) serves it; registered: "
-                f"{', '.join(DIALECTS.engines())}"
-            )
+            self.warnings.append(unknown_engine_warning(engine, self.source_of("engine")))
 
         if "kv_connector" not in self.values:
             self._connector_from_label(pod, engine)
@@ -265,6 +284,13 @@ class _Resolver:
             if label is not None:
                 role = label.strip().lower()
                 self.set("role", role if role in _LABEL_ROLES else "both", source)
+                valid = sorted({*_LABEL_ROLES, "both"})
+                if role and role not in valid:
+                    self.warnings.append(
+                        f"{source}={label!r} is neither prefill nor decode, so this sidecar "
+                        f"serves both roles; valid values: {', '.join(valid)}"
+                        f"{_closest_hint(role, valid)}"
+                    )
 
         for name, pod_source in POD_SOURCES.items():
             if name in CORE_POD_SOURCES or name in self.values:
@@ -277,7 +303,7 @@ class _Resolver:
     def _connector_from_label(self, pod: PodInfo, engine: str) -> None:
         label, source = self.pod_value(pod, "kv_connector")
         fallback = str(self.get("default_kv_connector")).strip().lower()
-        name = label.strip().lower() if label is not None else None
+        name = DIALECTS.connector_name(label) if label is not None else None
         if name is not None and name in DIALECTS.connectors():
             self.set("kv_connector", name, source)
             return
@@ -293,7 +319,7 @@ class _Resolver:
         if label is None:
             why = f"no {source}"
         else:
-            known = ", ".join(DIALECTS.connectors())
+            known = ", ".join([*DIALECTS.connectors(), *sorted(DIALECTS.connector_aliases())])
             why = f"{source}={label!r} is not a known connector ({known})"
         self.warnings.append(f"{why}; using default_kv_connector {fallback!r}")
 
@@ -359,41 +385,3 @@ def load_settings(args: argparse.Namespace, environ: Mapping[str, str]) -> Loade
         res.warnings.append(warning)
     all_sources = {name: res.source_of(name) for name in field_names()}
     return LoadedSettings(settings, MappingProxyType(all_sources), tuple(res.warnings))
-
-
-def settings_report(loaded: LoadedSettings) -> dict[str, Any]:
-    """JSON-able: each field's value and source, and the warnings."""
-    dumped = loaded.settings.model_dump(mode="json")
-    return {
-        "settings": {
-            name: {"value": dumped[name], "source": loaded.sources.get(name, SOURCE_DEFAULT)}
-            for name in field_names()
-        },
-        "warnings": list(loaded.warnings),
-    }
-
-
-def log_effective_settings(loaded: LoadedSettings, logger: logging.Logger) -> None:
-    """Log the warnings, then the effective settings with sources as one JSON line."""
-    for warning in loaded.warnings:
-        logger.warning("config: %s", warning)
-    report = settings_report(loaded)["settings"]
-    logger.info("effective settings: %s", json.dumps(report, separators=(",", ":")))
-
-
-def run_config_command(
-    args: argparse.Namespace,
-    environ: Mapping[str, str] | None = None,
-    stdout: TextIO | None = None,
-    stderr: TextIO | None = None,
-) -> int:
-    """``disagg-sidecar config``: print the report as JSON and return 0; 2 on a bad config."""
-    out = stdout if stdout is not None else sys.stdout
-    err = stderr if stderr is not None else sys.stderr
-    try:
-        loaded = load_settings(args, os.environ if environ is None else environ)
-    except ConfigError as exc:
-        print(f"disagg-sidecar: invalid configuration: {exc}", file=err)
-        return 2
-    print(json.dumps(settings_report(loaded), indent=2), file=out)
-    return 0

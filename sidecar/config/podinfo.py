@@ -6,7 +6,7 @@
 Deliberate limits: read once at start (the loader's job), never watched; a missing directory
 or file means no labels or annotations; a malformed line is an error naming the file and line.
 
-The kubelet's file format, escape by escape: docs/design-notes.md#downward-api-files
+The kubelet's file format, escape by escape: docs/extending/design-notes.md#downward-api-files
 """
 
 from __future__ import annotations

@@ -96,9 +96,12 @@ class ServingSettings(BaseModel):
     kv_connector: str = Field(
         default=DEFAULT_CONNECTOR,
         description=f"The KV connector type of engines that have several "
-        f"({', '.join(DIALECTS.connectors())}; case-insensitive). An unknown or missing label "
-        "value falls back to --default-kv-connector with a warning; an unknown value given by "
-        "flag or env refuses to start.",
+        f"({', '.join(DIALECTS.connectors())}: AIBrix's label values; the engine's own "
+        "connector class names are accepted too: "
+        f"{', '.join(f'{a} = {c}' for a, c in sorted(DIALECTS.connector_aliases().items()))}; "
+        "case-insensitive). An unknown or missing label value falls back to "
+        "--default-kv-connector with a warning; an unknown value given by flag or env refuses "
+        "to start.",
     )
     default_kv_connector: str = Field(
         default=DEFAULT_CONNECTOR,
@@ -265,10 +268,13 @@ class ServingSettings(BaseModel):
     @field_validator("kv_connector", "default_kv_connector")
     @classmethod
     def _connector_name(cls, value: str) -> str:
-        name = value.strip().lower()
+        name = DIALECTS.connector_name(value)
         valid = DIALECTS.connectors()
         if name not in valid:
-            raise ValueError(f"unknown kv connector {value!r}; valid: {', '.join(valid)}")
+            aliases = ", ".join(sorted(DIALECTS.connector_aliases()))
+            raise ValueError(
+                f"unknown kv connector {value!r}; valid: {', '.join(valid)} (or {aliases})"
+            )
         return name
 
     @field_validator("engine_url")

@@ -14,7 +14,7 @@
 
 This module knows no engine: bodies, paths and abort calls come from the dialect. A traced
 call runs in its leg span, the ``traceparent`` the engine receives; an untraced one is the
-plain call, with no extra coroutine layer (docs/design-notes.md#untraced-calls).
+plain call, with no extra coroutine layer (docs/extending/design-notes.md#untraced-calls).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from sidecar.core.legs import (
     LOCAL_ENGINE,
     broken_connection,
     connect_failure,
+    for_client,
     open_decode,
     post_prefill,
 )
@@ -152,6 +153,12 @@ class EngineCalls:
 
     def local_url(self, route: Route | str) -> str:
         return self.engine_url + str(route)
+
+    def for_client(self, error: SidecarError, target: PrefillTarget,
+                   request_id: str) -> SidecarError:
+        """``error`` as ``target``'s client may see it (``legs.for_client``: an address only
+        for a target the router named)."""
+        return for_client(error, self.choice.label(target) == HEADER_LABEL, request_id)
 
     def prefill_url(self, target: PrefillTarget, route: Route) -> str:
         """The prefill leg's URL (remembered: formatting it parses the host each time)."""

@@ -101,7 +101,13 @@ class EngineHealth:
             if first or not self.ready:
                 down_for = "" if first else f" after {now - self._down_since:.0f} s down"
                 logger.info("local engine %s ready%s", self._engine_url, down_for)
-        elif first or self.ready:
+        elif first:
+            # An engine still loading its model when the sidecar starts is the normal start
+            # of a pod: said once at INFO; only a still-missing engine is a warning (below).
+            self._down_since = self._down_logged_at = now
+            logger.info("waiting for the local engine %s (not ready yet: %s)",
+                        self._engine_url, cause)
+        elif self.ready:
             self._down_since = self._down_logged_at = now
             logger.warning("local engine %s not ready: %s", self._engine_url, cause)
         elif now - self._down_logged_at >= self._down_log_interval_s:

@@ -4,7 +4,7 @@
 
 Cached for the life of the process. Deliberate limits: a failed lookup is not cached, and
 fails as ``EngineNotReady`` (gRPC UNAVAILABLE: a router retries elsewhere).
-Why a lookup, and why the first entry: docs/design-notes.md#engine-model
+Why a lookup, and why the first entry: docs/extending/design-notes.md#engine-model
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@
 
 Each sub-request is an ordinary single request of the core (``PDFlow.start``), with its own
 hand-off context and request id; the first to fail cancels the others and its error is the
-request's (README, "Request shapes"). Deliberate limits: decode streams are read into a
+request's (docs/driving/request-shapes.md). Deliberate limits: decode streams are read into a
 bounded queue, so a slow client slows every leg alike; the interleaving follows arrival.
 """
 

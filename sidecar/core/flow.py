@@ -47,9 +47,11 @@ from sidecar.core.upstream import with_headers
 from sidecar.dialects import Dialect, Legs
 from sidecar.errors import (
     DeadlineExceeded,
+    DecodeFailed,
     InvalidHandoff,
     PrefillFailed,
     PrefillNotRun,
+    SidecarError,
 )
 from sidecar.http1 import UpstreamResponse
 from sidecar.observability.logs import LogEvery
@@ -120,6 +122,9 @@ class PDFlow:
         if dialect.looks_up:
             try:
                 ctx = await dialect.look_up(ctx)
+            except SidecarError as error:
+                self.end(ctx)
+                raise self.calls.for_client(error, target, request_id) from None
             except BaseException:
                 self.end(ctx)
                 raise
@@ -233,6 +238,9 @@ class PDFlow:
                 self.dialect.leg_failed(error, ctx)
             self.abort(ctx)
             self.end(ctx)
+            if isinstance(error, DecodeFailed) and (  # the dialect's setting to check
+                    hint := self.dialect.decode_failure_hint(ctx)) is not None:
+                raise DecodeFailed(f"{error.message}; {hint}", stage=error.stage) from None
             raise
 
     def _leg(self, request: PDRequest, ctx: HandoffContext) -> PrefillLeg:

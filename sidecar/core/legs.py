@@ -258,3 +258,13 @@ async def _drain_error_body(response: UpstreamResponse) -> bytes:
     except (UpstreamError, TimeoutError):
         response.close()
         return b""
+
+
+def for_client(error: SidecarError, router_named: bool, request_id: str) -> SidecarError:
+    """An error that names a prefill target's address (a failed look-up): as it is for a
+    target the router named; else logged whole and answered without the address (a static
+    pool's addresses stay in the log)."""
+    if error.address is None or router_named:
+        return error
+    logger.warning("request %s: %s", request_id, error.message)
+    return error.without_address("the prefill engine (its address is in the sidecar's log)")

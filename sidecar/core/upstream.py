@@ -3,7 +3,7 @@
     settings ─make_session()─▶ EngineClient (pooled, keep-alive < engines' 5 s)
 
 Deliberate limits: one session serves every upstream; its connection limit is global.
-Why these knobs: docs/design-notes.md#upstream-client
+Why these knobs: docs/extending/design-notes.md#upstream-client
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 One line per dialect (``DIALECTS.register``); installed packages add theirs through the
 ``disagg_sidecar.dialects`` entry points (``sidecar.dialects.registry``). Resolution
-(docs/handoffs.md#resolution): no engine label -> ``DEFAULT_ENGINE``; an engine nobody
+(docs/driving/handoffs.md#resolution): no engine label -> ``DEFAULT_ENGINE``; an engine nobody
 registered -> the "default" dialect; an engine with connectors (vLLM) -> its connector
 label's dialect (a missing or unknown label: the configured default, in the loader);
 ``--kv-transport inline`` -> ``InlineDialect``, for the gRPC door only. ``handoff_keys()`` is

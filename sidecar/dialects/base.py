@@ -91,7 +91,8 @@ class PodSource(NamedTuple):
 
 class DialectOptions(BaseModel):
     """The settings a dialect adds to the sidecar's (flags, env, pod labels, docs): every
-    field needs a ``description`` (the flag's help and a row of README's reference);
+    field needs a ``description`` (the flag's help and a row of the generated reference
+    (docs/operating/configuration.md));
     ``pod_sources`` names fields a pod label or annotation can set."""
 
     model_config = ConfigDict(frozen=True, extra="ignore")
@@ -145,8 +146,9 @@ class Dialect(ABC):
     engine: ClassVar[str]
     #: The KV connector's wire name (the connector label's value), or None.
     connector: ClassVar[str | None] = None
-    #: Other names of the connector (vLLM's class name, e.g. "NixlPushConnector"); resolving
-    #: them to ``connector`` is the registry's and the settings' job (issue #29).
+    #: Other names of the connector (its engine's own class name, e.g. vLLM's
+    #: ``"NixlConnector"`` for the label value ``shfs``), accepted case-insensitively wherever
+    #: the connector is named: flags, environment, pod labels.
     aliases: ClassVar[tuple[str, ...]] = ()
     #: The engine versions whose wire format this dialect was checked against.
     checked_against: ClassVar[str] = ""
@@ -165,7 +167,8 @@ class Dialect(ABC):
     #: The engine's tokenizer endpoint, if it has one.
     tokenize: ClassVar[TokenizeEndpoint | None] = None
     #: The routes this engine serves as prefill/decode pairs with its hand-off fields
-    #: (README's routes table); the others run whole on the local engine, or are refused.
+    #: (the routes table of docs/driving/routes.md); the others run whole on the local engine, or
+    #: are refused.
     pd_routes: ClassVar[frozenset[Route]] = OPENAI_ROUTES
     #: The routes this engine does not serve at all (refused with 404, not passed through).
     unserved_routes: ClassVar[frozenset[Route]] = frozenset()
@@ -273,6 +276,11 @@ class Dialect(ABC):
 
     def abort_call(self, ctx: HandoffContext) -> tuple[str, dict[str, Any]] | None:
         """The engine's abort endpoint and body for this request's legs, if it has one."""
+        return None
+
+    def decode_failure_hint(self, ctx: HandoffContext) -> str | None:
+        """What to check when the decode engine failed a pair's decode leg (5xx, broken): for
+        engines that rendezvous, the setting both sides must agree on; None: no hint."""
         return None
 
     def stream_markers(self, route: Route) -> StreamMarkers:

@@ -1,4 +1,4 @@
-"""The rules common to every prefill leg (docs/handoffs.md#common-rules), in one place.
+"""The rules common to every prefill leg (docs/driving/handoffs.md#common-rules), in one place.
 
     client body ──api_of(route).prefill_base()──▶ prefill body (+ the dialect's fields)
     client body ──merge_top_level(handoff)──▶ decode body

@@ -1,6 +1,7 @@
 """The default dialect: a plain prefill-then-decode flow with no hand-off fields.
 
-Used for engines the registry does not know (docs/handoffs.md#default-engine: an unknown engine
+Used for engines the registry does not know (docs/driving/handoffs.md#default-engine: an unknown
+engine
 resolves
 here), so a new engine still gets the common prefill rules (one token, not streamed) and a
 decode leg built from the original client body.

@@ -1,8 +1,9 @@
 """The dialect registry: (engine, connector) -> "module:Class", imported on first use.
 
 Built-in dialects are registered by one line each (``sidecar.dialects``); an installed
-package adds its own through the entry point group ``disagg_sidecar.dialects`` (README,
-"Writing a dialect"), as vLLM loads out-of-tree connectors by module path: the entry point
+package adds its own through the entry point group ``disagg_sidecar.dialects``
+(docs/extending/writing-a-dialect.md), as vLLM loads out-of-tree connectors by module path: the
+entry point
 ``acme`` names engine label "acme", ``vllm.lmcache`` engine vllm with connector "lmcache".
 
 A name registered twice raises (a plug-in cannot silently replace a built-in); an entry
@@ -90,6 +91,34 @@ class DialectRegistry:
         """Connector names (of ``engine``, or of every engine), sorted."""
         return sorted({connector for name, connector in self.keys()
                        if connector is not None and engine in (None, name)})
+
+    def connector_aliases(self) -> dict[str, str]:
+        """Every declared connector alias, as its dialect spells it, -> its connector name
+        (loads each connector dialect). An alias that is also another connector's name or
+        alias raises ``DialectLoadError``."""
+        aliases: dict[str, str] = {}
+        seen: dict[str, str] = {name: name for name in self.connectors()}
+        for engine, connector in self.keys():
+            if connector is None:
+                continue
+            for alias in self.get(engine, connector).aliases:
+                key = alias.strip().lower()
+                if seen.setdefault(key, connector) != connector:
+                    raise DialectLoadError(
+                        f"connector alias {alias!r} of dialect '{engine}.{connector}' already "
+                        f"names connector {seen[key]!r}"
+                    )
+                aliases[alias] = connector
+        return aliases
+
+    def connector_name(self, name: str) -> str:
+        """``name`` as a registered connector name: lower-cased, an alias replaced by its
+        connector (``NixlConnector`` -> ``shfs``); an unknown name is returned lower-cased."""
+        key = name.strip().lower()
+        if key in self.connectors():
+            return key
+        by_key = {alias.lower(): connector for alias, connector in self.connector_aliases().items()}
+        return by_key.get(key, key)
 
     def engines_of(self, connector: str) -> list[str]:
         """The engines a connector name is registered for, sorted."""

@@ -235,6 +235,17 @@ class SGLangDialect(Dialect):
             body[ROUTED_DP_RANK] = rank
         return body
 
+    def decode_failure_hint(self, ctx: HandoffContext) -> str | None:
+        # A decode that cannot reach the prefill's bootstrap server fails its request with a
+        # 5xx: the usual cause is a port the two sides do not agree on.
+        return (
+            f"an SGLang decode that fails at once usually could not meet its prefill: check "
+            f"the bootstrap port, {self.bootstrap_port} sent (bootstrap_port, from this "
+            "sidecar's --sglang-bootstrap-port or the pod annotation named by "
+            "--sglang-bootstrap-port-annotation), against the prefill engine's "
+            f"--disaggregation-bootstrap-port on {ctx.advertise_host}"
+        )
+
     def _bootstrap_fields(self, ctx: HandoffContext) -> dict[str, Any]:
         room = ctx.state
         if not isinstance(room, int):

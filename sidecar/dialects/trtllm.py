@@ -28,7 +28,7 @@ server's attention-DP balancer places a request, and the context server names it
 the answer (``disaggregated_params.ctx_dp_rank``), which the copy above carries to the
 generation server. So the dialect is not ``ranked``: the sidecar names no rank.
 
-The ``disagg_request_id`` (``SnowflakeIds``, docs/handoffs.md#trtllm-snowflake):
+The ``disagg_request_id`` (``SnowflakeIds``, docs/driving/handoffs.md#trtllm-snowflake):
 ``[timestamp 41b][machine 10b][counter 12b]``, folded into ``[2**42, 2**63-1)`` so TRT-LLM
 treats it as a global (cross-worker) id. In a pool of workers the 12-bit counter runs
 ``lane, lane + N, lane + 2N, ...`` below ``N * (4096 // N)``: no two workers of one pod can

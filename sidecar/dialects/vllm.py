@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from typing import Final
 
 from sidecar.dialects.base import NO_HEADERS, Dialect, TokenizeEndpoint
+from sidecar.errors import InvalidHandoff
 from sidecar.protocol.context import HandoffContext
 
 KV_TRANSFER_PARAMS: Final = "kv_transfer_params"
@@ -47,6 +48,21 @@ class VLLMDialect(Dialect):
 
     def prefill_headers(self, ctx: HandoffContext) -> Mapping[str, str]:
         return rank_header(ctx.prefill_rank)
+
+    @classmethod
+    def no_handoff(cls, what: str) -> InvalidHandoff:
+        """A prefill answer without this connector's hand-off: names the connector the
+        sidecar expected and how to check the one the engines run (a connector mismatch is
+        the usual cause)."""
+        runs = cls.aliases[0] if cls.aliases else f"the {cls.connector!r} connector"
+        return InvalidHandoff(
+            f"{what}: this sidecar expects vLLM's {runs} (kv connector {cls.connector!r}, "
+            "from --kv-connector, DISAGG_KV_CONNECTOR or the connector pod label); check the "
+            "connector in the engines' "
+            "--kv-transfer-config (vLLM logs the one it loads at start) and set this "
+            "sidecar's to match (vLLM also leaves the hand-off out of a prefill that did not "
+            "end at its one-token limit)"
+        )
 
     def decode_headers(self, rank: int | None) -> Mapping[str, str]:
         return rank_header(rank)

@@ -1,7 +1,7 @@
 """The inline KV transport's dialect (``--kv-transport inline``): KV bytes ride the gRPC stream.
 
 This project's vLLM connector (``connectors.sidecar_kv``) reads one key inside
-``kv_transfer_params`` (``connectors.inline_layout``; docs/handoffs.md#inline):
+``kv_transfer_params`` (``connectors.inline_layout``; docs/driving/handoffs.md#inline):
 
     prefill kv_transfer_params = {"disagg_inline": {"action": "save", "key": K}}
     decode kv_transfer_params  = {"disagg_inline": {"action": "load", "key": K}}

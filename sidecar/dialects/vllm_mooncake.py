@@ -1,6 +1,7 @@
 """vLLM MooncakeConnector (pod label ``mooncake``): push model, prefill and decode at once.
 
-docs/handoffs.md#vllm-mooncake, confirmed against vLLM's ``MooncakeConnectorMetadata.add_new_req``
+docs/driving/handoffs.md#vllm-mooncake, confirmed against vLLM's
+``MooncakeConnectorMetadata.add_new_req``
 (what the decode reads) and its Mooncake proxy example:
 
     begin:   transfer id T := "xfer-<uuid>"
@@ -147,9 +148,12 @@ class EngineIdCache:
     """``(host:port, rank) -> engine id`` for ``ttl_s`` seconds, asked through an
     ``EngineLookup``, one ``/query`` at a time per key."""
 
-    def __init__(self, lookup: EngineLookup, *, ttl_s: float = ENGINE_ID_TTL_S) -> None:
+    def __init__(self, lookup: EngineLookup, *, ttl_s: float = ENGINE_ID_TTL_S,
+                 port_hint: str = "") -> None:
         self._lookup = lookup
         self._ids: SingleFlightTTLCache[tuple[str, int], str] = SingleFlightTTLCache(ttl_s)
+        #: What set the port asked (said when the bootstrap server cannot be reached).
+        self._port_hint = port_hint
 
     async def get(self, bootstrap_addr: str, dp_rank: int = 0) -> str:
         return await self._ids.get((bootstrap_addr, dp_rank),
@@ -163,11 +167,13 @@ class EngineIdCache:
             status, raw = await self._lookup.get(url, max_bytes=_MAX_QUERY_BYTES)
         except LookupFailed:
             raise InvalidHandoff(
-                "prefill bootstrap /query unreachable", stage=Stage.PREFILL
+                f"prefill bootstrap /query unreachable at {url}{self._port_hint}",
+                stage=Stage.PREFILL, address=url,
             ) from None
         if status != 200:
             raise InvalidHandoff(
-                f"prefill bootstrap /query answered HTTP {status}", stage=Stage.PREFILL
+                f"prefill bootstrap /query at {url} answered HTTP {status}{self._port_hint}",
+                stage=Stage.PREFILL, address=url,
             )
         try:
             payload = jsonutil.loads(raw)
@@ -180,6 +186,7 @@ class MooncakeDialect(VLLMDialect):
     """Concurrent legs paired by a router-chosen ``transfer_id``."""
 
     connector = "mooncake"
+    aliases = ("MooncakeConnector",)
     legs = Legs.CONCURRENT
     pd_routes = frozenset(Route)
     looks_up = True
@@ -193,7 +200,12 @@ class MooncakeDialect(VLLMDialect):
     def __init__(self, setup: DialectSetup) -> None:
         super().__init__(setup)
         self.bootstrap_port = MooncakeOptions.of(setup.settings).mooncake_bootstrap_port
-        self.engine_ids = None if setup.lookup is None else EngineIdCache(setup.lookup)
+        hint = (f": check that the prefill engine's VLLM_MOONCAKE_BOOTSTRAP_PORT is "
+                f"{self.bootstrap_port}, the port this sidecar asks (--mooncake-bootstrap-port "
+                "or DISAGG_MOONCAKE_BOOTSTRAP_PORT), and that vLLM's bootstrap server runs "
+                "there (MooncakeConnector, kv_role kv_producer or kv_both)")
+        self.engine_ids = (None if setup.lookup is None
+                           else EngineIdCache(setup.lookup, port_hint=hint))
         self.new_transfer_id = new_transfer_id
 
     def begin(self, ctx: HandoffContext) -> HandoffContext:

@@ -1,6 +1,6 @@
 """NIXL on AWS Neuron (pod label ``nixl``): the whole prefill response rides to decode.
 
-docs/handoffs.md#neuron-nixl: the prefill body gets nothing; the decode body gets
+docs/driving/handoffs.md#neuron-nixl: the prefill body gets nothing; the decode body gets
 ``"disagg_prefill_resp": <the entire prefill response JSON>``, always, with no top-level
 ``kv_transfer_params`` and no ``remote_host`` rewrite: Neuron's connector finds what it needs
 inside that object.

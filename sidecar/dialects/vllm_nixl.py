@@ -1,6 +1,6 @@
 """vLLM NixlConnector, pull flow (pod label ``shfs``): prefill first, decode reads the blocks.
 
-docs/handoffs.md#vllm-nixl-pull:
+docs/driving/handoffs.md#vllm-nixl-pull:
 
     prefill kv_transfer_params = {do_remote_decode: true, do_remote_prefill: false,
                                   remote_engine_id: null, remote_block_ids: null,
@@ -47,6 +47,8 @@ class NixlPullDialect(VLLMDialect):
     """Sequential NIXL hand-off: a skeleton on prefill, the engine's params on decode."""
 
     connector = "shfs"
+    #: vLLM's ``kv_connector`` class for this flow (AIBrix's label value is ``shfs``).
+    aliases = ("NixlConnector",)
     pd_routes = frozenset(Route)
     checked_against = (
         "vLLM main (2026 snapshot) NixlConnector.request_finished "
@@ -72,8 +74,8 @@ class NixlPullDialect(VLLMDialect):
             raise InvalidHandoff("NIXL hand-off needs the prefill response")
         params = prefill_response.get(KV_TRANSFER_PARAMS)
         if params is None:
-            # vLLM omits them when the prefill did not end at the length cap (e.g. aborted).
-            raise InvalidHandoff("prefill response has no kv_transfer_params")
+            # Another connector's engines, or a prefill that did not end at the length cap.
+            raise self.no_handoff("prefill response has no kv_transfer_params")
         if not isinstance(params, Mapping):
             raise InvalidHandoff(
                 f"prefill response kv_transfer_params is a {jsonutil.type_name(params)}, "

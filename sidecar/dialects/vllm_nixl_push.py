@@ -1,6 +1,6 @@
 """vLLM NixlPushConnector (pod label ``nixl-push``): the decode registers while the prefill runs.
 
-docs/nixl-push.md (the keys, with vLLM 0.32's file and line for each):
+docs/driving/nixl-push.md (the keys, with vLLM 0.32's file and line for each):
 
     look_up:  identity I of (prefill target, its data-parallel rank) := the cache's entry, the
               operator's (--nixl-push-engine-id), or none yet; none: this request learns it

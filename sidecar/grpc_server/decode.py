@@ -10,9 +10,10 @@
 The engine's stream is parsed as it arrives (nothing buffered beyond one event); the call's
 metadata is the trace carrier. What a strategy sets up (inline: the staged KV) lives in the
 request's exit stack and ends with the RPC, however it ends. A break after tokens were sent
-ends the RPC with the error's status, no fabricated ``done`` (docs/grpc.md#finish-reasons); a
+ends the RPC with the error's status, no fabricated ``done``
+(docs/driving/grpc-contract.md#finish-reasons); a
 client that cancels, or whose deadline passes, closes the engine connection (the engine
-aborts); after ``done`` the answer's rest is read (docs/design-notes.md#decode-tail).
+aborts); after ``done`` the answer's rest is read (docs/extending/design-notes.md#decode-tail).
 Deliberate limits: one sequence per request (the contract's ``TokenStream`` has one).
 """
 

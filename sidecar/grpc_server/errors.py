@@ -42,7 +42,7 @@ from sidecar.errors import (
 ERROR_CODE_KEY: Final = "disagg-error-code"
 ERROR_STAGE_KEY: Final = "disagg-error-stage"
 
-#: The gRPC status of each kind of error (README's error table).
+#: The gRPC status of each kind of error (the error table of docs/operating/errors.md).
 GRPC_STATUSES: Final[Mapping[type[SidecarError], grpc.StatusCode]] = MappingProxyType({
     SidecarError: grpc.StatusCode.INTERNAL,
     InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,

@@ -5,7 +5,7 @@
     NativeDecode:  DecodeRequest ─checks─▶ decode_handoff(kv_blocks) ─engine/connector
         match─▶ fields ─flow.decode_body(body, fields)─▶ the decode leg
 
-The bodies (docs/grpc.md#sidecar-services) come from the same dialect as HTTP, on
+The bodies (docs/driving/grpc-contract.md#sidecar-services) come from the same dialect as HTTP, on
 ``/v1/completions``; the decode body is built from the request and the hand-off's fields only.
 
 Deliberate limits: a failed background prefill cannot abort the decode on another sidecar

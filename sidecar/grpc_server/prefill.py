@@ -6,7 +6,7 @@
       ─▶ KVBlockStream{block} ... ─▶ KVBlockStream{done: true}
 
 A coroutine handler writing with ``context.write``: a cancelled RPC cancels the engine call in
-its frame (docs/design-notes.md#grpc-prefill-handler). The hand-off names this pod by
+its frame (docs/extending/design-notes.md#grpc-prefill-handler). The hand-off names this pod by
 ``resolve_advertise_host``, which decode engines dial (NIXL side channel, bootstrap servers).
 """
 

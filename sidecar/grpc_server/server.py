@@ -103,7 +103,7 @@ class _HealthMirror:
 
 
 #: How often the staging root is swept, and the age past the prefill deadline that makes an
-#: orphan (docs/design-notes.md#orphan-sweep).
+#: orphan (docs/extending/design-notes.md#orphan-sweep).
 _SWEEP_INTERVAL_S = 60.0
 _ORPHAN_MARGIN_S = 60.0
 

@@ -3,7 +3,8 @@
     engine SSE bytes ─TokenStreamParser.feed()─▶ [token ids] ... ─finish()─▶ "stop"|"length"|"abort"
 
 The ids arrive in ``choices[0].token_ids`` once the dialect's ``token_id_fields`` asked for
-them; finish reasons collapse to three (docs/grpc.md#finish-reasons). Deliberate limits: one
+them; finish reasons collapse to three (docs/driving/grpc-contract.md#finish-reasons). Deliberate
+limits: one
 choice per stream (the contract has one sequence); only ``data:`` lines are read; an
 ``error`` object mid-stream is a ``DecodeFailed`` whose text is not relayed (it may quote the
 prompt).

@@ -26,7 +26,8 @@
 
 Deliberate limits (the head deadline): bytes pipelined while a request is being answered are
 not timed; an idle kept-alive connection is left to aiohttp's keep-alive timeout; the TLS
-handshake has asyncio's own timeout (60 s). Why each touch: docs/design-notes.md#aiohttp-private
+handshake has asyncio's own timeout (60 s). Why each touch:
+docs/extending/design-notes.md#aiohttp-private
 """
 
 from __future__ import annotations

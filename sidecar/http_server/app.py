@@ -8,11 +8,15 @@
                                                        without --metrics-port (there, it is
                                                        the engine's, passed through)
         anything else                               -> local engine passthrough (proxy.py)
+
+No answer carries a ``Server`` header (aiohttp's names the Python and aiohttp versions, which
+tells a scanner what to try): ``drop_server_header`` removes it before the head is written,
+on this app and the metrics port's.
 """
 
 from __future__ import annotations
 
-from aiohttp import web
+from aiohttp import hdrs, web
 
 from sidecar.errors import SidecarError
 from sidecar.http_server import ops
@@ -36,9 +40,16 @@ async def _passthrough(request: web.Request) -> web.StreamResponse:
         runtime.admission.leave()
 
 
+async def drop_server_header(_: web.Request, response: web.StreamResponse) -> None:
+    """``on_response_prepare``: the head goes out without a ``Server`` header (aiohttp adds
+    its own, with versions, when the headers are prepared, just before this signal)."""
+    response.headers.popall(hdrs.SERVER, None)
+
+
 def build_http_app(runtime: Runtime) -> web.Application:
     """The HTTP front door over ``runtime`` (which the caller opens and closes)."""
     app = web.Application(client_max_size=runtime.settings.max_body_bytes)
+    app.on_response_prepare.append(drop_server_header)
     app[RUNTIME] = runtime
     app.router.add_get("/health", ops.health)
     app.router.add_get("/ready", ops.ready)

@@ -7,7 +7,7 @@
 One concept per module: ``wire`` (the message format), ``index`` (blocks by parent and token
 ids), ``sequence`` (in order, missed, restarted), ``engine_cache`` (the index kept honest and
 counted), ``endpoint`` (which addresses, which socket side), ``subscriber`` (the sockets, the
-replay, the task). How it works and how to set up the engines: docs/cache-aware.md.
+replay, the task). How it works and how to set up the engines: docs/operating/cache-aware.md.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """Prometheus metrics of one sidecar (one registry, shared by both front doors).
 
-Names and labels are the public contract of README's Metrics table (``front_door`` is http
+Names and labels are the public contract of the metrics table of docs/operating/metrics.md
+(``front_door`` is http
 or grpc); tests read them through the real exposition. With ``--workers N`` every worker's
-``/metrics`` reads the whole pool's values (``pool_dir``; how each family combines: README,
-"Workers"; docs/design-notes.md#pool-metrics).
+``/metrics`` reads the whole pool's values (``pool_dir``; how each family combines:
+docs/operating/workers.md; docs/extending/design-notes.md#pool-metrics).
 
 Deliberate limits: label values come from closed sets (data-parallel ranks: below the
 configured size), never from client input, so cardinality stays bounded (and so does

@@ -4,7 +4,7 @@
          (unset) ──────────────────────────────▶ NO_TRACING: no SDK import, no thread
 
 The endpoint's scheme picks the transport (OTLP/HTTP is protobuf), and the SDK reads the
-standard ``OTEL_*`` variables over this module's defaults (README, "Tracing"; also
+standard ``OTEL_*`` variables over this module's defaults (docs/operating/tracing.md; also
 ``OTEL_EXPORTER_OTLP_COMPRESSION``).
 
 The SDK and the exporters are the ``tracing`` extra (``pip install

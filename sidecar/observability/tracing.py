@@ -12,7 +12,7 @@
       └─ trace.end(outcome, error)
 
 Off, every request gets ``NOOP_TRACE`` (``active`` False) and a client's own ``traceparent``
-reaches the engines untouched (docs/design-notes.md#untraced-calls); on, each leg span
+reaches the engines untouched (docs/extending/design-notes.md#untraced-calls); on, each leg span
 replaces the client's ``traceparent``/``tracestate`` on its engine request, so an engine
 started with tracing puts its spans under the sidecar's.
 

@@ -9,7 +9,7 @@
 A sub-body is the client's with ``prompt`` := prompt i, ``n`` := 1 (when sent) and ``seed`` :=
 ``seed + j``; usage is summed as the engine counts it (prompt tokens once per prompt; each leg's
 ``prompt_tokens_details`` told by the usage rule first, added up once per prompt too). Every
-shape, what is refused and why: README, "Request shapes".
+shape, what is refused and why: docs/driving/request-shapes.md.
 """
 
 from __future__ import annotations

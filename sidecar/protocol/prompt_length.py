@@ -7,7 +7,7 @@
   for the template's role markers; the Messages ``system`` and Responses ``instructions``
   text counts too). Multimodal parts are not counted.
 
-The estimate's measured error: README, "Request shapes". Imports only the standard library
+The estimate's measured error: docs/driving/request-shapes.md. Imports only the standard library
 and ``sidecar.protocol.context``, so it runs in an engine's environment too.
 """
 

@@ -82,9 +82,43 @@ def _check_hostname(host: str, entry: str) -> str:
     return name
 
 
+def _refuse_url_parts(entry: str, text: str) -> None:
+    """An entry written as a URL or with a URL's parts: each form its own message, naming the
+    entry as it should be written."""
+    if not entry:
+        raise ValueError(f"allowlist entry {text!r} is empty: remove the extra comma")
+    scheme, sep, rest = entry.partition("://")
+    if sep:
+        hint = rest.split("/", 1)[0].rpartition("@")[2]
+        raise ValueError(
+            f"allowlist entry {text!r}: no scheme ({scheme}://): the allowlist names hosts "
+            f"and ports, e.g. {hint or 'HOST:PORT'}"
+        )
+    if "@" in entry:
+        raise ValueError(
+            f"allowlist entry {text!r}: no user info (before '@'): write "
+            f"{entry.rpartition('@')[2]}"
+        )
+    head, slash, tail = entry.partition("/")
+    if slash and not entry.startswith("[") and ":" in head and not head.endswith(":"):
+        # HOST:PORT/PATH: a network's prefix length comes before the port (10.0.0.0/8:*).
+        raise ValueError(
+            f"allowlist entry {text!r}: no path (/{tail}): write {head}; a network is "
+            "CIDR:PORT, e.g. 10.0.0.0/8:8000"
+        )
+    for mark, name in (("?", "query"), ("#", "fragment")):
+        if mark in entry:
+            raise ValueError(f"allowlist entry {text!r}: no {name} ('{mark}...')")
+    if any(ch.isspace() or not ch.isprintable() for ch in entry):
+        raise ValueError(f"allowlist entry {text!r}: spaces or control characters")
+
+
 def parse_entry(text: str) -> AllowEntry:
-    """Parse one entry; ValueError with the entry quoted when it is malformed."""
+    """Parse one entry; ValueError with the entry quoted when it is malformed, each malformed
+    form with its own message (a URL, user info, a path, a missing port, IPv6 without
+    brackets, ...)."""
     entry = text.strip()
+    _refuse_url_parts(entry, text)
     if entry.startswith("["):
         inner, sep, rest = entry[1:].partition("]")
         if not sep or not rest.startswith(":"):
@@ -94,17 +128,41 @@ def parse_entry(text: str) -> AllowEntry:
             raise ValueError(f"allowlist entry {text!r}: brackets are for IPv6 only")
         return AllowEntry(entry, None, network, _parse_port(rest[1:], text))
     host, sep, port_text = entry.rpartition(":")
-    if not sep or not host:
+    if not sep:
         raise ValueError(
-            f"allowlist entry {text!r}: expected HOST:PORT, HOST:*, CIDR:PORT or CIDR:* "
-            "(IPv6 in brackets: [fd00::/8]:*)"
+            f"allowlist entry {text!r} names no port: expected HOST:PORT, HOST:*, CIDR:PORT "
+            f"or CIDR:* (e.g. {entry}:8000, or {entry}:* for any port; IPv6 in brackets: "
+            "[fd00::/8]:*)"
+        )
+    if not host:
+        raise ValueError(
+            f"allowlist entry {text!r} names no host: expected HOST:PORT, HOST:*, CIDR:PORT "
+            "or CIDR:* (IPv6 in brackets: [fd00::/8]:*)"
         )
     if ":" in host:
-        raise ValueError(f"allowlist entry {text!r}: write IPv6 in brackets, e.g. [fd00::/8]:*")
+        if _is_ipv6(host):
+            raise ValueError(
+                f"allowlist entry {text!r}: write IPv6 in brackets, e.g. [{host}]:{port_text}"
+            )
+        if _is_ipv6(entry):
+            raise ValueError(
+                f"allowlist entry {text!r} names no port: write [{entry}]:PORT or [{entry}]:*"
+            )
+        raise ValueError(
+            f"allowlist entry {text!r}: one colon, before the port (HOST:PORT); IPv6 in "
+            "brackets: [fd00::1]:8000"
+        )
     port = _parse_port(port_text, text)
     if "/" in host or host.replace(".", "").isdigit():
         return AllowEntry(entry, None, _parse_network(host, text), port)
     return AllowEntry(entry, _check_hostname(host, text), None, port)
+
+
+def _is_ipv6(text: str) -> bool:
+    try:
+        return ipaddress.ip_network(text, strict=False).version == 6
+    except ValueError:
+        return False
 
 
 def _forms(address: IPAddress) -> tuple[IPAddress, ...]:

@@ -24,7 +24,7 @@ why)`` (the caller exports it).
 
 Why the cool-down doubles: a target that keeps failing its trials would otherwise get a leg
 every cool-down for ever; doubling bounds the legs it gets however long the requests around
-it take (README, Reliability: at most 10 of 40 sequential requests with the defaults).
+it take (docs/operating/reliability.md: at most 10 of 40 sequential requests with the defaults).
 
 Deliberate limits: this process's view only (each ``--workers`` process keeps its own); at
 most ``_MAX_TRACKED`` targets are tracked (a router may name any address a CIDR allowlist

@@ -19,7 +19,7 @@ Data-parallel ranks are chosen apart (``sidecar.targets.ranks``); the placement 
 Deliberate limits: this process's own view (each ``--workers`` worker its own); the maps
 forget a target with nothing in flight and no cool-down, and hold at most 4,096 cooling
 targets (``cooling``). Why it picks this way, and its
-bounded metric labels: docs/design-notes.md#target-choice
+bounded metric labels: docs/extending/design-notes.md#target-choice
 """
 
 from __future__ import annotations

@@ -5,11 +5,11 @@
                         allows(host, addresses, port)   (the same interface as Allowlist)
 
 A target is a Running pod with an IP, not being deleted, at its port label's value
-(docs/handoffs.md#pod-labels); every resolved address must be one, unless the static
+(docs/driving/handoffs.md#pod-labels); every resolved address must be one, unless the static
 allowlist passes the target. Before the first list, pods are refused. RBAC: get, list and
 watch on pods (deploy/base/rbac.yaml). Deliberate limits: one namespace and one selector;
 readiness gates and container ports are not read; pods sharing an IP differ by port only.
-How the watch converges: docs/design-notes.md#pod-watch
+How the watch converges: docs/extending/design-notes.md#pod-watch
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ from sidecar.tasks import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 
-#: The port of a selected pod without the port label (the default of docs/handoffs.md#pod-labels).
+#: The port of a selected pod without the port label (the default of
+#: docs/driving/handoffs.md#pod-labels).
 DEFAULT_POD_PORT = 8000
 #: The namespace file a pod's service account mounts.
 NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")

@@ -20,7 +20,7 @@ from typing import Any, TextIO
 import aiohttp
 
 from sidecar.config.settings import Settings
-from sidecar.dialects import DIALECTS, handoff_keys
+from sidecar.dialects import DEFAULT_CONNECTOR, DIALECTS, handoff_keys, uses_connectors
 from sidecar.serve import run_server
 from sidecar.tools.stubs.config import StubConfig
 from sidecar.tools.stubs.server import run_stub
@@ -33,8 +33,10 @@ _CONNECTORS = tuple(DIALECTS.connectors("vllm"))
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine", choices=("vllm", "sglang", "trtllm"), default="vllm",
                         help="engine family of the stub pair (default: vllm)")
-    parser.add_argument("--kv-connector", choices=_CONNECTORS, default="shfs",
-                        help="vLLM KV connector of the stub pair (default: shfs = NixlConnector)")
+    parser.add_argument("--kv-connector", default=None, metavar="CONNECTOR",
+                        help="vLLM only: the KV connector of the stub pair, "
+                        f"{', '.join(_CONNECTORS)} or vLLM's class name (NixlConnector = shfs, "
+                        "MooncakeConnector = mooncake); default: shfs")
     parser.add_argument("--prompt", default="The quick brown fox jumps over the lazy dog.",
                         help="the prompt to send")
     parser.add_argument("--max-tokens", type=int, default=8, help="tokens to generate")
@@ -45,10 +47,39 @@ def _show(out: TextIO, title: str, payload: Any) -> None:
     out.write(f"\n== {title}\n{text}\n")
 
 
-async def run_demo(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
-    """Run the demo; 0 when the answer streamed and the decode used the remote KV."""
+class DemoUsageError(ValueError):
+    """A demo command line that names something the chosen engine does not use."""
+
+
+def demo_connector(engine: str, given: str | None) -> str:
+    """The connector of the stub pair: ``given`` (an alias resolved) for vLLM, refused for an
+    engine without connectors, which would silently ignore it."""
+    if not uses_connectors(engine):
+        if given is not None:
+            raise DemoUsageError(
+                f"--kv-connector {given} is a vLLM KV connector; engine {engine} uses none "
+                f"(its hand-off is its own): leave --kv-connector out, or use --engine vllm"
+            )
+        return DEFAULT_CONNECTOR
+    connector = DIALECTS.connector_name(given) if given is not None else DEFAULT_CONNECTOR
+    if connector not in _CONNECTORS:
+        raise DemoUsageError(
+            f"--kv-connector {given}: not a connector of engine {engine}; valid: "
+            f"{', '.join(_CONNECTORS)} (or {', '.join(sorted(DIALECTS.connector_aliases()))})"
+        )
+    return connector
+
+
+async def run_demo(args: argparse.Namespace, out: TextIO = sys.stdout,
+                   err: TextIO = sys.stderr) -> int:
+    """Run the demo; 0 when the answer streamed and the decode used the remote KV, 2 when the
+    command line names a connector the engine does not use."""
     engine: str = args.engine
-    connector: str = args.kv_connector
+    try:
+        connector = demo_connector(engine, args.kv_connector)
+    except DemoUsageError as exc:
+        err.write(f"disagg-sidecar demo: {exc}\n")
+        return 2
     async with (
         run_stub(StubConfig(engine=engine, role="prefill", kv_connector=connector)) as prefill,
         run_stub(StubConfig(engine=engine, role="decode", kv_connector=connector)) as decode,

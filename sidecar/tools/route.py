@@ -1,4 +1,5 @@
-"""``disagg-sidecar route``: the gRPC contract's router (docs/grpc.md), for humans and tests.
+"""``disagg-sidecar route``: the gRPC contract's router (docs/driving/grpc-contract.md), for humans
+and tests.
 
     disagg-sidecar route --prefill 10.0.0.7:50051 --decode 10.0.0.8:50051 \\
         --tokens 1,2,3 --max-new-tokens 16 [--temperature 0] [--json]

@@ -4,7 +4,7 @@ refusing a port another program holds.
     reserve(host, port) -> socket   bound with SO_REUSEPORT, never listening
     check_free(host, port, flag)    PortInUse when anything else is bound there
 
-Why the supervisor holds them: docs/design-notes.md#pool-ports
+Why the supervisor holds them: docs/extending/design-notes.md#pool-ports
 """
 
 from __future__ import annotations

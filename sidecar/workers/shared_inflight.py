@@ -6,7 +6,8 @@ bound on the whole pool, not on each worker.
     slots.others()  the sum of the other workers' slots;   slots.publish(n)  this worker's
 
 Deliberate limits: no lock, so workers admitting at the same instant can pass the bound by at
-most ``count - 1`` requests. Why slots and not one counter: docs/design-notes.md#pool-slots
+most ``count - 1`` requests. Why slots and not one counter:
+docs/extending/design-notes.md#pool-slots
 """
 
 from __future__ import annotations

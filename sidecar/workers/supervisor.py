@@ -12,7 +12,7 @@ A port another program holds stops the pool before any worker starts (``PortInUs
 line, exit 2; the check binds without SO_REUSEPORT). A lifeline pipe's end-of-file (the
 supervisor gone, even by SIGKILL) makes a worker drain and exit. Deliberate limit: a worker
 that dies before it first listened stops the pool (exit 1).
-What operators see: README, "Workers".
+What operators see: docs/operating/workers.md.
 """
 
 from __future__ import annotations

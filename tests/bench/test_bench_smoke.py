@@ -3,7 +3,7 @@
 Proves: the stubs and the sidecar start as separate processes, every phase of both flows
 (vLLM NIXL sequential, SGLang or vLLM Mooncake concurrent) completes without errors through
 the sidecar and directly, the decode stubs used the prefill's hand-off, and the JSON and the
-table carry the figures the README shows; by default with the lean stubs and load client,
+table carry the figures the docs show; by default with the lean stubs and load client,
 and still with the aiohttp ones kept for comparison. Does not prove anything about speed:
 the run is a few requests per phase on a shared machine.
 """

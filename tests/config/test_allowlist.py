@@ -116,3 +116,38 @@ def test_malformed_entries_are_refused(entry: str, why: str) -> None:
     with pytest.raises(ValueError, match=why) as info:
         parse_entry(entry)
     assert repr(entry) in str(info.value)
+
+
+#: Each malformed form and the words of its own message (issue #29: ``http://10.0.0.1:8000``
+#: was told to write IPv6 in brackets).
+FORMS = {
+    "http://10.0.0.1:8000": "no scheme \\(http://\\).*e.g. 10.0.0.1:8000",
+    "https://prefill.svc:8443": "no scheme \\(https://\\).*e.g. prefill.svc:8443",
+    "user@10.0.0.1:8000": "no user info.*write 10.0.0.1:8000",
+    "10.0.0.1:8000/v1": "no path \\(/v1\\): write 10.0.0.1:8000",
+    "prefill.svc:8000?x=1": "no query",
+    "prefill.svc:8000#top": "no fragment",
+    "10.0.0.7": "names no port.*10.0.0.7:8000",
+    "fd00::1": "names no port: write \\[fd00::1\\]:PORT",
+    "fd00::1:8000": "write IPv6 in brackets, e.g. \\[fd00::1\\]:8000",
+    "prefill.svc:8000:9000": "one colon, before the port",
+    ":8000": "names no host",
+    "prefill svc:8000": "spaces or control characters",
+    "": "is empty",
+}
+
+
+@pytest.mark.parametrize(("entry", "why"), FORMS.items())
+def test_each_malformed_form_gets_its_own_message(entry: str, why: str) -> None:
+    with pytest.raises(ValueError, match=why) as info:
+        parse_entry(entry)
+    assert repr(entry) in str(info.value)
+
+
+def test_the_messages_differ_by_form() -> None:
+    messages = set()
+    for entry in FORMS:
+        with pytest.raises(ValueError) as info:
+            parse_entry(entry)
+        messages.add(str(info.value).replace(repr(entry), "ENTRY").split(":")[1][:12])
+    assert len(messages) >= 10, messages

@@ -16,12 +16,8 @@ from pathlib import Path
 import pytest
 from config_builders import FIXTURES, args, load, parser
 
-from sidecar.config.loader import (
-    flag_for,
-    log_effective_settings,
-    run_config_command,
-    settings_report,
-)
+from sidecar.config.loader import flag_for
+from sidecar.config.report import log_effective_settings, run_config_command, settings_report
 from sidecar.config.settings import Settings
 
 
@@ -82,15 +78,44 @@ def test_report_is_json_for_every_field() -> None:
 
 
 def test_log_effective_settings_once(caplog: pytest.LogCaptureFixture) -> None:
-    loaded = load(["--podinfo-dir", str(FIXTURES / "absent")])
+    # INFO: one short line (engine, connector, role, ports, sources); the full report as JSON
+    # only at debug level (issue #29: a quiet start); every warning at WARNING.
+    loaded = load(["--podinfo-dir", str(FIXTURES / "absent"), "--prefill-allowlist", "h:1"])
     logger = logging.getLogger("test.config")
     with caplog.at_level(logging.INFO, logger="test.config"):
         log_effective_settings(loaded, logger)
     infos = [r for r in caplog.records if r.levelno == logging.INFO]
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(infos) == 1 and len(warnings) == 1
-    logged = json.loads(infos[0].getMessage().split(": ", 1)[1])
+    line = infos[0].getMessage()
+    assert len(line) < 300 and "{" not in line, line
+    assert "engine vllm, connector shfs, role both" in line and "http :8080" in line
+    assert "2 from flag" in line, line
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger="test.config"):
+        log_effective_settings(loaded, logger)
+    (debug,) = [r for r in caplog.records if r.levelno == logging.DEBUG]
+    logged = json.loads(debug.getMessage().split(": ", 1)[1])
     assert logged == settings_report(loaded)["settings"]
+
+
+def test_an_empty_allowlist_warns_at_start_up(caplog: pytest.LogCaptureFixture) -> None:
+    logger = logging.getLogger("test.config")
+    for argv, warned in ((["--role", "decode"], True), ([], True),
+                         (["--role", "prefill"], False),
+                         (["--prefill-allowlist", "10.0.0.0/8:8000"], False),
+                         (["--prefill-url", "http://10.0.0.7:8000"], False),
+                         (["--prefill-pod-selector", "role-name=prefill"], False)):
+        caplog.clear()
+        loaded = load(argv)
+        with caplog.at_level(logging.INFO, logger="test.config"):
+            log_effective_settings(loaded, logger)
+        warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert loaded.warnings == ()  # a start-up warning; `config` reports the load's own
+        assert bool(warnings) is warned, (argv, warnings)
+        if warned:
+            assert "allowlist is empty" in warnings[0] and "403" in warnings[0]
+            assert "--prefill-allowlist" in warnings[0]
 
 
 def test_one_flag_per_field_all_defaults_none() -> None:

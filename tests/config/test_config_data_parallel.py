@@ -1,4 +1,4 @@
-"""Proves the data-parallel sizes load like every other setting (README "Data-parallel engines").
+"""Proves the data-parallel sizes load like every other setting (docs/operating/data-parallel.md).
 
 Both default to 1; each comes from its flag, env or pod label, with its source; an unset
 prefill size follows the local one, and its source names that; bad values (not a number,

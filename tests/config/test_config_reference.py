@@ -3,8 +3,8 @@
 Covered: every Settings field has a description (adding one without documentation fails
 here), every field has a row naming its flag, env variable and default, every label and
 annotation key appears, the precedence line is present, an undocumented field is refused by
-the generator, and ``python -m sidecar.config.docs`` prints the same text. The README copy is
-checked in test_reference_in_readme.
+the generator, and ``python -m sidecar.config.docs`` prints the same text. The docs page's copy
+is checked in test_reference_in_docs.
 """
 
 from __future__ import annotations

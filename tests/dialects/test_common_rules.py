@@ -1,4 +1,5 @@
-"""Proves the rules common to every prefill leg (docs/handoffs.md#common-rules) for every dialect.
+"""Proves the rules common to every prefill leg (docs/driving/handoffs.md#common-rules) for every
+dialect.
 
 For vLLM (each KV connector), SGLang, TensorRT-LLM and the default dialect, on completions and
 chat: the prefill body caps tokens at one, drops lower token bounds, is not streamed and has

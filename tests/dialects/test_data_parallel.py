@@ -1,4 +1,4 @@
-"""Proves where each dialect puts the legs' data-parallel ranks (README "Data-parallel engines"):
+"""Proves where each dialect puts the legs' data-parallel ranks (docs/operating/data-parallel.md):
 
 - with no rank (an engine of one rank) every dialect adds no header and no field: bodies are
   the golden ones of the other modules of this directory, byte for byte;

@@ -1,7 +1,7 @@
 """Proves the dialects' per-request id sources: TRT-LLM snowflakes, SGLang rooms, Mooncake
 transfer ids.
 
-Snowflake vectors from docs/handoffs.md#trtllm-snowflake, the clamping and counter wrap,
+Snowflake vectors from docs/driving/handoffs.md#trtllm-snowflake, the clamping and counter wrap,
 thread safety (many threads, all ids unique) and machine-id validation; rooms non-negative,
 within the configured range (int32 option), unique among those in flight and reusable once
 released.

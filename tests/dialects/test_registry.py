@@ -1,4 +1,5 @@
-"""Proves the dialect registry follows the resolution rules (docs/handoffs.md#resolution) and loads
+"""Proves the dialect registry follows the resolution rules (docs/driving/handoffs.md#resolution)
+and loads
 what it lists.
 
 Every registered (engine, connector) loads a ``Dialect`` declaring exactly that engine and

@@ -6,7 +6,7 @@ tests/real_vllm/record_routes.py):
   Responses, Messages, generate; JSON and streamed) is the recorded prefill request, and its
   decode body built from the recorded prefill answer is the recorded decode request;
 - Mooncake: the same on Responses, Messages and generate, with the recorded transfer id;
-- the engines and routes of README's routes table (``Dialect.route_support``).
+- the engines and routes of the routes table of docs/driving/routes.md (``Dialect.route_support``).
 
 Does not run an engine; tests/real_vllm/test_routes.py proves the flows live.
 """
@@ -81,7 +81,8 @@ def test_mooncake_bodies_equal_the_recorded_ones(path: Path) -> None:
 
 
 TABLE = {
-    # engine, connector: completions, chat, responses, messages, generate (README's table)
+    # engine, connector: completions, chat, responses, messages, generate (the table of
+    # docs/driving/routes.md)
     ("vllm", "shfs"): "pd pd pd pd pd",
     ("vllm", "mooncake"): "pd pd pd pd pd",
     ("vllm", "nixl"): "pd pd local local local",

@@ -1,4 +1,4 @@
-"""Proves the SGLang dialect's wire format (docs/handoffs.md#sglang), completions and chat.
+"""Proves the SGLang dialect's wire format (docs/driving/handoffs.md#sglang), completions and chat.
 
 Both legs carry the same bootstrap_host/port/room, the room comes from the allocator, the
 legs are concurrent, and client-supplied bootstrap values are overwritten on both legs.

@@ -1,4 +1,5 @@
-"""Proves the TensorRT-LLM dialect's wire format (docs/handoffs.md#trtllm), completions and chat.
+"""Proves the TensorRT-LLM dialect's wire format (docs/driving/handoffs.md#trtllm), completions and
+chat.
 
 context_only prefill with the snowflake id and no max_completion_tokens; generation_only
 decode from disaggregated_params found at the top level or in choices[0], every other key
@@ -30,7 +31,7 @@ from sidecar.errors import InvalidHandoff
 from sidecar.protocol.context import Route
 
 HANDLER = make_dialect(TRTLLMDialect)
-#: snowflake(2026-01-01T00:00Z, machine 0, counter 0): docs/handoffs.md#trtllm-snowflake.
+#: snowflake(2026-01-01T00:00Z, machine 0, counter 0): docs/driving/handoffs.md#trtllm-snowflake.
 FIRST_ID = 397181498744111104
 BIG_ID = 2**62 + 12345  # far above 2**53: a float would lose the low bits
 

@@ -1,4 +1,5 @@
-"""Proves the Mooncake dialect (docs/handoffs.md#vllm-mooncake), completions and chat, and /query
+"""Proves the Mooncake dialect (docs/driving/handoffs.md#vllm-mooncake), completions and chat, and
+/query
 parsing.
 
 One transfer_id per request on both legs; prefill and decode kv_transfer_params exactly as

@@ -1,4 +1,5 @@
-"""Proves the Neuron NIXL dialect (label ``nixl``, docs/handoffs.md#neuron-nixl), completions and
+"""Proves the Neuron NIXL dialect (label ``nixl``, docs/driving/handoffs.md#neuron-nixl),
+completions and
 chat.
 
 Prefill gets nothing; decode gets ``disagg_prefill_resp``: the entire prefill response,

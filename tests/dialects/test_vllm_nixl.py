@@ -1,4 +1,5 @@
-"""Proves the NIXL pull dialect (label ``shfs``, docs/handoffs.md#vllm-nixl-pull), completions and
+"""Proves the NIXL pull dialect (label ``shfs``, docs/driving/handoffs.md#vllm-nixl-pull),
+completions and
 chat.
 
 Prefill gets exactly the six-key skeleton; decode gets the prefill response's

@@ -1,4 +1,5 @@
-"""Proves the NIXL push dialect (docs/nixl-push.md) without engines: the bodies, the identity.
+"""Proves the NIXL push dialect (docs/driving/nixl-push.md) without engines: the bodies, the
+identity.
 
 The prefill body gets exactly the two keys vLLM 0.32's push prefill reads; the decode body
 exactly the keys its push decode reads, from a prefill answer (a learning request) or from a

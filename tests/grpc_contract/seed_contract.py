@@ -1,4 +1,5 @@
-"""A second, independent copy of the gRPC contract (docs/grpc.md#origin: zerfoo's ``disaggpb``),
+"""A second, independent copy of the gRPC contract (docs/driving/grpc-contract.md#origin: zerfoo's
+``disaggpb``),
 written from the Go struct tags.
 
 The seed (shared/seeds/000_*.txt, package ``disaggpb``) gives each field as a struct tag, e.g.

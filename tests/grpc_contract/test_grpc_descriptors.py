@@ -1,4 +1,4 @@
-"""Our generated code describes exactly the gRPC contract (docs/grpc.md#messages).
+"""Our generated code describes exactly the gRPC contract (docs/driving/grpc-contract.md#messages).
 
 Proves: package ``disagg``; the two services with their server-streaming methods and the full
 method names ``/disagg.PrefillWorker/Prefill`` and ``/disagg.DecodeWorker/Decode`` (both in the

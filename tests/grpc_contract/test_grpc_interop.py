@@ -1,7 +1,8 @@
 """A client and a server that do not use our generated code interoperate with ours.
 
 The independent side's message classes come from ``seed_contract`` (built by hand from the
-origin's struct tags (docs/grpc.md#messages) in a private descriptor pool) and it calls / serves
+origin's struct tags (docs/driving/grpc-contract.md#messages) in a private descriptor pool) and it
+calls / serves
 the methods by their
 full names with grpc's generic API: no ``sidecar.grpc_gen`` import, no protoc output.
 

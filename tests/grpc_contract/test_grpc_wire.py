@@ -1,4 +1,5 @@
-"""Our messages put exactly the contract's bytes (docs/grpc.md#messages) on the wire, checked
+"""Our messages put exactly the contract's bytes (docs/driving/grpc-contract.md#messages) on the
+wire, checked
 against hand-encoded protobuf.
 
 The expected bytes are written here from the origin's struct tags with a few lines of protobuf

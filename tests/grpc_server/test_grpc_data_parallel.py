@@ -1,4 +1,4 @@
-"""Proves data-parallel ranks through the gRPC front door (README "Data-parallel engines"):
+"""Proves data-parallel ranks through the gRPC front door (docs/operating/data-parallel.md):
 Prefill on a prefill-role sidecar whose engine has P ranks, Decode on a decode-role sidecar
 whose engine has D, in front of stub engines that honour and record ranks:
 

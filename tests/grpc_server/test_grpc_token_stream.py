@@ -1,5 +1,6 @@
 """Proves ``TokenStreamParser`` reads each engine's streamed completion as token ids plus the
-contract's finish reason (docs/grpc.md#finish-reasons): the chunk shapes of vLLM, SGLang and
+contract's finish reason (docs/driving/grpc-contract.md#finish-reasons): the chunk shapes of vLLM,
+SGLang and
 TensorRT-LLM (token ids per chunk,
 usage-only chunks, ``[DONE]``), events split at any byte, and every way a stream can break
 (cut event, no finish reason, mid-stream error object, ids outside int32) as DecodeFailed.

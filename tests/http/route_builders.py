@@ -4,7 +4,8 @@
     answer_text(route, text, stream)          the generated text (generate: the token ids'
                                               text) of a JSON answer or an SSE body
     named_events(text)                        [(event name or None, data text), ...]
-    ROUTE_CASES / LOCAL_CASES / UNSERVED_CASES  (route, engine, connector) per README's table
+    ROUTE_CASES / LOCAL_CASES / UNSERVED_CASES  (route, engine, connector) per the table of
+    docs/driving/routes.md
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ PROMPT = "Disaggregated serving splits prefill and decode across engines, block 
 #: Token ids of a prompt (the stubs' tokenizer is byte level: any ids above 2 will do).
 TOKEN_IDS = [3 + (i * 7) % 250 for i in range(70)]
 
-#: The pairs that run each new route as PD (README's routes table).
+#: The pairs that run each new route as PD (the routes table of docs/driving/routes.md).
 ROUTE_CASES: list[tuple[Route, str, str]] = [
     (Route.RESPONSES, "vllm", "shfs"),
     (Route.RESPONSES, "vllm", "mooncake"),

@@ -1,5 +1,5 @@
 """Proves data-parallel ranks through the HTTP door, per dialect, on stub engines that honour
-and record ranks as the engines do (README "Data-parallel engines"):
+and record ranks as the engines do (docs/operating/data-parallel.md):
 
 - every engine and connector, with 1, 2 or 4 ranks on either side: each leg carries its rank
   in the engine's own field (vLLM: ``X-data-parallel-rank`` on both legs; SGLang:

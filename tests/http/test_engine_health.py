@@ -1,6 +1,7 @@
 """Proves the local engine's readiness is logged from the first check, not only on changes:
 an engine down from start-up is logged at once with the cause (refused, an HTTP status, no
-answer), again at a bounded rate while it stays down, and once when it comes up.
+answer; at INFO, since a pod's engine loads its model while the sidecar starts), again at a
+bounded rate while it stays down (a warning), and once when it comes up.
 
 Runs ``EngineHealth`` against real sockets (a refusing port, a stub engine) with a fake
 clock, so the rate bound is checked without waiting for it.
@@ -46,12 +47,15 @@ async def test_an_engine_down_from_the_start_is_logged_with_its_cause_at_a_bound
         await health.check()
         first = _lines(caplog)
         assert len(first) == 1 and url in first[0] and "connection refused" in first[0], first
+        # An engine still loading when the sidecar starts is the normal start of a pod: INFO.
+        assert caplog.records[-1].levelno == logging.INFO
         assert health.known_down is True
         for _ in range(5):  # 10 s apart: within the bound, silent
             clock.now += 10
             await health.check()
         assert len(_lines(caplog)) == 2  # one more at 30 s
         assert "still not ready" in _lines(caplog)[-1] and "30 s" in _lines(caplog)[-1]
+        assert caplog.records[-1].levelno == logging.WARNING
     finally:
         sock.close()
         await session.close()

@@ -2,7 +2,8 @@
 message never names a Python class, names a router-named prefill target (the router's own)
 as ``host:port``, and the log names every failed target, static-pool members included.
 
-Does not prove every wording (the error table in README lists the codes, which are the
+Does not prove every wording (the error table in docs/operating/errors.md lists the codes, which are
+the
 contract); only that each class of failure says what happened and where.
 """
 

@@ -1,4 +1,5 @@
-"""Proves the NIXL push flow through the HTTP front door, on stub engines (docs/nixl-push.md).
+"""Proves the NIXL push flow through the HTTP front door, on stub engines
+(docs/driving/nixl-push.md).
 
 A vLLM stub pair with the ``nixl-push`` connector (the decode "registers" at the prefill and
 waits for its KV, either order) behind the real sidecar: the first request to a target runs

@@ -1,5 +1,6 @@
 """Proves the Responses, Messages and token-in generate routes through the HTTP front door,
-per route x engine/connector as README's routes table says, over real sockets and stub
+per route x engine/connector as the routes table of docs/driving/routes.md says, over real sockets
+and stub
 engines that serve those routes as the engines do:
 
 - PD pairs: each leg's body (the API's prefill rules, the dialect's hand-off; the decode is

@@ -1,5 +1,5 @@
-"""Proves the choice of data-parallel ranks and the router's rank header (README "Data-parallel
-engines"), without engines:
+"""Proves the choice of data-parallel ranks and the router's rank header
+(docs/operating/data-parallel.md), without engines:
 
 - ``RankChoice.pick_rank``: None for one rank; the rank with the fewest legs in flight on
   that engine wins; ties go round in turn (legs that never overlap still use every rank),

@@ -111,7 +111,8 @@ class EngineEnv:
         default = Path.home() / ".cache" / "disagg-sidecar" / f"vllm-{VLLM_VERSION}"
         root = Path(os.environ.get("DISAGG_VLLM_ENV", str(default)))
         env = cls(root=root, python=root / "venv" / "bin" / "python", model_dir=root / "model-tiny")
-        ready = [root / ".venv-ready", root / ".model-ready", env.python, env.model_dir]
+        ready = [root / ".venv-ready", root / ".model-ready", root / ".connector-ready",
+                 env.python, env.model_dir]
         missing = [str(p) for p in ready if not p.exists()]
         if missing:
             raise EngineEnvMissing(

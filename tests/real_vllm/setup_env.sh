@@ -4,7 +4,9 @@
 # NIXL, the NIXL start-up hook (nixl_hook.py, loaded through a .pth file in that venv only),
 # Mooncake's transfer engine (CPU build, TCP) with vLLM's MooncakeConnector patched for CPU
 # (mooncake_cpu_patch.py; the system library libibverbs1 it links against comes from apt),
-# and a tiny random-weight model with a locally trained tokenizer (no hub).
+# this project's engine-side KV connector as its own package (connectors/pyproject.toml:
+# `connectors` only, never `sidecar` or its dependencies), and a tiny random-weight model
+# with a locally trained tokenizer (no hub).
 #
 # Idempotent: marker files keyed by the pinned versions and by the contents of the files
 # that shape the environment make a second run a no-op. The sidecar's own venv is never
@@ -38,6 +40,8 @@ VENV_KEY="$(
   } | sha256sum | cut -d' ' -f1
 )"
 MODEL_KEY="$(sha256sum "$HERE/build_model.py" | cut -d' ' -f1)"
+CONNECTORS="$(cd "$HERE/../../connectors" && pwd)"
+CONNECTOR_KEY="$(cat "$CONNECTORS"/pyproject.toml "$CONNECTORS"/*.py | sha256sum | cut -d' ' -f1)"
 MOONCAKE_KEY="$(
   {
     echo "$MOONCAKE_PIN"
@@ -47,6 +51,7 @@ MOONCAKE_KEY="$(
 VENV_MARKER="$ENV_DIR/.venv-ready"
 MOONCAKE_MARKER="$ENV_DIR/.mooncake-ready"
 MODEL_MARKER="$ENV_DIR/.model-ready"
+CONNECTOR_MARKER="$ENV_DIR/.connector-ready"
 
 start=$SECONDS
 did=""
@@ -71,7 +76,7 @@ step() {
 if [[ ! -f "$VENV_MARKER" || "$(cat "$VENV_MARKER")" != "$VENV_KEY" || ! -x "$VENV/bin/python" ]]; then
   : >"$LOG"
   did="$did venv"
-  rm -f "$VENV_MARKER" "$MODEL_MARKER" "$MOONCAKE_MARKER"
+  rm -f "$VENV_MARKER" "$MODEL_MARKER" "$MOONCAKE_MARKER" "$CONNECTOR_MARKER"
   rm -rf "$VENV" "$VLLM_CACHE"
   step "venv" "$PYTHON" -m venv "$VENV"
   PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
@@ -126,6 +131,28 @@ if [[ ! -f "$MOONCAKE_MARKER" || "$(cat "$MOONCAKE_MARKER")" != "$MOONCAKE_KEY" 
   step "mooncake check" env HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 \
     "$VENV/bin/python" "$HERE/mooncake_cpu_patch.py" verify
   echo "$MOONCAKE_KEY" >"$MOONCAKE_MARKER"
+fi
+
+# The connector's own distribution, built from a copy (nothing is written into the
+# repository) with the venv's setuptools; reinstalled whenever its files change.
+install_connector() {
+  local build
+  build="$(mktemp -d)"
+  cp -r "$CONNECTORS" "$build/connectors"
+  "$VENV/bin/python" -m pip --disable-pip-version-check install --no-deps \
+    --no-build-isolation --force-reinstall "$build/connectors"
+  local status=$?
+  rm -rf "$build"
+  return $status
+}
+
+if [[ ! -f "$CONNECTOR_MARKER" || "$(cat "$CONNECTOR_MARKER")" != "$CONNECTOR_KEY" ]]; then
+  did="$did connector"
+  rm -f "$CONNECTOR_MARKER"
+  step "connector" install_connector
+  step "connector check" env -u PYTHONPATH -C / "$VENV/bin/python" -c \
+    'import connectors.inline_layout, importlib.util as u; assert u.find_spec("sidecar") is None'
+  echo "$CONNECTOR_KEY" >"$CONNECTOR_MARKER"
 fi
 
 if [[ ! -f "$MODEL_MARKER" || "$(cat "$MODEL_MARKER")" != "$MODEL_KEY" || ! -d "$MODEL_DIR" ]]; then

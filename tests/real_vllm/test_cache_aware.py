@@ -17,7 +17,7 @@ process with ``--kv-events-endpoint`` and ``--local-prefill-max-uncached-tokens`
   what the old one held (a ``disconnected`` gap): the turn-2 request that ran locally before
   is not judged cached again; it runs as a pair, with the baseline's output.
 
-Does not prove SGLang's or TensorRT-LLM's events (none run here; see docs/cache-aware.md).
+Does not prove SGLang's or TensorRT-LLM's events (none run here; see docs/operating/cache-aware.md).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Real vLLM engines (CPU) with two data-parallel ranks behind the sidecar (README
-"Data-parallel engines").
+"""Real vLLM engines (CPU) with two data-parallel ranks behind the sidecar
+(docs/operating/data-parallel.md).
 
 A prefill engine runs ``--data-parallel-size 2`` (one API server, internal load balancing,
 each rank its own engine core and KV cache, pinned to its own core: ``VLLM_CPU_OMP_THREADS_BIND
@@ -21,7 +21,7 @@ Runs the two connectors one after the other (class-scoped engines): on two cores
 engine and its decode are three engine cores already, and the decode runs unpinned
 (``UNPINNED``). Does not prove: the external load-balancing shape (one API server per
 rank; vLLM refuses it for dense models and its CPU build cannot serve MoE data parallelism,
-see README), SGLang or TensorRT-LLM ranks.
+see docs/operating/data-parallel.md), SGLang or TensorRT-LLM ranks.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 Proves: a prefill-role sidecar before the NIXL prefill engine and a decode-role sidecar
 before the NIXL decode engine (both in this process, real gRPC sockets on loopback), called
-as the contract's router calls them (docs/grpc.md#origin-behaviour) (Prefill, collect blocks,
+as the contract's router calls them (docs/driving/grpc-contract.md#origin-behaviour) (Prefill,
+collect blocks,
 Decode), stream exactly the baseline
 engine's greedy token ids and finish reason for the same token-id prompt; the KV really moved
 (the decode engine's NIXL transfer metric grew). The route client's CLI path gives the same.

@@ -14,9 +14,11 @@ no staged KV is left on either side. The layers stream while the engine computes
 engine's answer held back by a proxy until the router has a KV block, the router still gets
 blocks (sent on the real connector's layer notices) and the decode still equals the baseline.
 
-The engines are this module's own pair (the repository on their PYTHONPATH, so vLLM can load
-``connectors.sidecar_kv``); the reference output comes from the prefill engine itself, asked
-without any KV parameters. Does not prove: another real model (the foreign configuration is
+The engines are this module's own pair; vLLM loads ``connectors.sidecar_kv`` from the
+connector's own package, installed into the engine environment by setup_env.sh (no
+PYTHONPATH, no ``sidecar`` importable there: ``test_the_engines_load_the_connector_package``);
+the reference output comes from the prefill engine itself, asked without any KV parameters.
+Does not prove: another real model (the foreign configuration is
 a forged metadata block), GPU attention layouts.
 """
 
@@ -25,7 +27,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import struct
+import subprocess
 import tempfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -76,19 +80,16 @@ def inline_pair(engine_env: EngineEnv) -> Iterator[InlinePair]:
     shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
     with tempfile.TemporaryDirectory(prefix="inline-kv-", dir=shm) as tmp:
         prefill_dir, decode_dir = Path(tmp) / "prefill", Path(tmp) / "decode"
-        repo_env = {"PYTHONPATH": str(REPO)}  # vLLM imports connectors.sidecar_kv
+        # No PYTHONPATH: vLLM imports connectors.sidecar_kv from the connector's package.
         with EngineGroup(engine_env) as group:
             group.start(
                 [
-                    EngineSpec(
-                        "inline-prefill", connector_config(prefill_dir), cpu=0, extra_env=repo_env
-                    ),
+                    EngineSpec("inline-prefill", connector_config(prefill_dir), cpu=0),
                     EngineSpec(
                         "inline-decode",
                         connector_config(decode_dir),
                         cpu=1,
                         prefix_caching=False,
-                        extra_env=repo_env,
                     ),
                 ]
             )
@@ -98,6 +99,34 @@ def inline_pair(engine_env: EngineEnv) -> Iterator[InlinePair]:
                 prefill_dir,
                 decode_dir,
             )
+
+
+def test_the_engines_load_the_connector_package(engine_env: EngineEnv, tmp_path: Path) -> None:
+    """The engine environment has the connector's own distribution (connectors/pyproject.toml)
+    and not the sidecar: ``connectors.sidecar_kv`` resolves to its site-packages, as the
+    engines (started without PYTHONPATH, outside the repository) import it, with the files of
+    this checkout; ``sidecar`` and the sidecar's pinned dependencies are not importable."""
+    probe = (
+        "import importlib.util as u, importlib.metadata as m, json\n"
+        "spec = u.find_spec('connectors.sidecar_kv')\n"
+        "print(json.dumps({'origin': spec.origin,"
+        " 'sidecar': u.find_spec('sidecar') is not None,"
+        " 'dists': sorted(d.metadata['Name'].lower() for d in m.distributions())}))\n"
+    )
+    answer = subprocess.run([str(engine_env.python), "-c", probe], cwd=tmp_path, env={
+        "PATH": os.environ.get("PATH", ""), "HOME": str(tmp_path)},
+        capture_output=True, text=True, check=True, timeout=60)
+    found = json.loads(answer.stdout)
+    origin = Path(found["origin"])
+    assert origin.is_relative_to(engine_env.root), origin
+    assert "site-packages" in origin.parts
+    assert found["sidecar"] is False
+    assert "disagg-sidecar-connectors" in found["dists"]
+    assert "disagg-sidecar" not in found["dists"]
+    for module in ("sidecar_kv.py", "inline_layout.py", "__init__.py"):
+        installed = (origin.parent / module).read_bytes()
+        assert installed == (REPO / "connectors" / module).read_bytes(), (
+            f"the engine environment's {module} is stale: run tests/real_vllm/setup_env.sh")
 
 
 @contextlib.asynccontextmanager

@@ -88,7 +88,7 @@ def test_lean_transport_refuses_what_it_does_not_serve(argv: list[str]) -> None:
     (["--engine", "vllm", "--role", "prefill"], 0),
 ])
 def test_the_bootstrap_port_defaults_to_the_sidecars(argv: list[str], port: int) -> None:
-    # A stub engine and a sidecar started with their defaults meet (README's snippet).
+    # A stub engine and a sidecar started with their defaults meet (the quick start's snippet).
     assert parse(argv).bootstrap_port == port
 
 

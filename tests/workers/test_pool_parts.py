@@ -2,7 +2,7 @@
 
 - id lanes: each worker's snowflake counters and SGLang rooms (int64 and the int32 gRPC view)
   lie in its own lane, so two workers drawing in the same millisecond never collide; one
-  lane is the plain counter of docs/handoffs.md#trtllm-snowflake exactly;
+  lane is the plain counter of docs/driving/handoffs.md#trtllm-snowflake exactly;
 - the pool-wide in-flight bound over the shared slot file, and a dead worker's slot cleared;
 - ``--workers auto`` from the CPU affinity and the cgroup quota (v1 and v2 files), and the
   setting's range;

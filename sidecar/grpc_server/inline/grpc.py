@@ -13,7 +13,7 @@
 The order, timing and every error of both directions are the contract's: protos/README.md
 ("layer_idx -2"). A notice only wakes the stream, which sends the next layer in order if its
 file is complete (lost notices delay layers to the engine's answer); the decode walks the wire
-bytes to hold the KV once (docs/design-notes.md#layer-notices, #decode-wire-walk).
+bytes to hold the KV once (docs/extending/design-notes.md#layer-notices, #decode-wire-walk).
 
 Deliberate limits: one layer's blocks are in memory at a time on the prefill side; an engine
 already saving when the RPC is cancelled writes its files after their removal (a forward pass

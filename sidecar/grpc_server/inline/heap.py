@@ -7,7 +7,7 @@
 
 Deliberate limits: process-wide and one-way (at gRPC server start, before its threads
 exist); other allocators are left alone. Why, the cost, the measurements:
-docs/design-notes.md#retained-heap
+docs/extending/design-notes.md#retained-heap
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@
 
 Deliberate limits: a path too long for ``sun_path`` (about 107 bytes) disables the notices
 (the layers then stream once the engine answers); the socket is mode 0660. Why a datagram
-socket, and why a lost notice is harmless: docs/design-notes.md#layer-notices
+socket, and why a lost notice is harmless: docs/extending/design-notes.md#layer-notices
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ An orphan is an entry named like a request key (``p-<32 hex>``, ``d-<32 hex>``, 
 ``.p-<32 hex>.notify``) that no in-flight request of this process owns and that has not changed
 for ``older_than_s``; nothing else in the root is touched. Deliberate limits: age is the
 entry's own mtime; one sidecar (one pool) per staging root. Why a sweep, and how a pool of
-workers shares it: docs/design-notes.md#orphan-sweep
+workers shares it: docs/extending/design-notes.md#orphan-sweep
 """
 
 from __future__ import annotations

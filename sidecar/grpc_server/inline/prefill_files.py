@@ -7,7 +7,7 @@
     ready_layer_messages(...)              ─▶ the same, or None while the file is not there
 
 The caller compares announced and written metadata once the engine has answered
-(docs/design-notes.md#announced-meta). Deliberate limits: one layer's messages
+(docs/extending/design-notes.md#announced-meta). Deliberate limits: one layer's messages
 are built in memory at once (the layer's size, read into them in place); a layer file of the
 wrong size is FAILED_PRECONDITION.
 """

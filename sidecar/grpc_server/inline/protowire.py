@@ -9,7 +9,7 @@
 
 Malformed wire raises ``WireError``; groups (wire types 3 and 4, proto2 only) count as
 malformed. Why, and what it reads exactly as protobuf's parser does:
-docs/design-notes.md#decode-wire-walk
+docs/extending/design-notes.md#decode-wire-walk
 """
 
 from __future__ import annotations

@@ -8,12 +8,14 @@
     api.runs_whole(body)                  why the request must run whole on the local engine
                                           (state that lives on one engine), or None
     api.markers                           its stream's markers (``StreamMarkers``)
-    api.true_usage(decode, prefill)       the usage rule: what the client is told (README)
+    api.true_usage(decode, prefill)       the usage rule: what the client is told
+    (docs/driving/routes.md)
     api.answer_with_true_usage(...)       the same, on a JSON answer / on a stream event
     api.error_body(error)                 its error shape, before the first byte
     api.stream_error(error, last_event)   its error event, after the first byte
 
-The usage rule (README, "Usage"): counts of prompt tokens and of output from the decode leg;
+The usage rule (docs/driving/routes.md, "Usage"): counts of prompt tokens and of output from the
+decode leg;
 what the prompt's cache did (read and written tokens) from the prefill leg's own answer,
 since the decode engine counts the transferred KV as cached (or not at all) and never saw
 the client's cache; details the prefill did not report are not reported.

@@ -1,6 +1,6 @@
 """The OpenAI completions and chat completions APIs (``/v1/completions``,
 ``/v1/chat/completions``): the rules every engine's prefill leg on them follows
-(docs/handoffs.md#common-rules), their body checks, usage and error shapes.
+(docs/driving/handoffs.md#common-rules), their body checks, usage and error shapes.
 
     prefill leg = the client body with max_tokens 1 (max_completion_tokens 1 when sent, or
                   deleted where the engine rejects it), no min_tokens / min_completion_tokens,

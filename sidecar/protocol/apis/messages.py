@@ -11,7 +11,8 @@ usage rule and error shapes.
     errors      = {"type": "error", "error": {"type", "message"}}, the sidecar's ``code`` and
                   ``stage`` added; after the first byte an ``error`` event of that shape
 
-The usage rule (README, "Usage"): the read and written cache figures are the prefill leg's
+The usage rule (docs/driving/routes.md, "Usage"): the read and written cache figures are the prefill
+leg's
 own; input_tokens := the prompt (decode: input + read + creation) less those two; a prefill
 that reported no cache figures makes none reported. ``message_start``'s usage (the whole
 prompt, before any detail is known) is left as the engine wrote it.

@@ -14,7 +14,7 @@ markers, usage and error event.
     usage       = {input_tokens, input_tokens_details: {cached_tokens, cache_write_tokens,
                    ...}, output_tokens, output_tokens_details, total_tokens}, in the answer
                   and in the last event's ``response``; ``input_tokens_details`` is the
-                  prefill's (README, "Usage")
+                  prefill's (docs/driving/routes.md, "Usage")
     error event = event: error / data: {"type": "error", "code", "message", "param",
                   "sequence_number"} (the Responses API's own ``ResponseErrorEvent``)
 """

@@ -7,7 +7,7 @@
     ranks.served[(path, rank)]         requests each rank served, by path (what tests read)
     ranks.metric_lines()               per-rank counters, as vLLM's ``engine="<rank>"`` ones
 
-How the engines read a named rank (docs in README "Data-parallel engines"):
+How the engines read a named rank (docs in docs/operating/data-parallel.md):
 
 - vLLM 0.32.0 (``entrypoints/generate/base/serving.py``, ``v1/engine/input_processor.py``):
   header ``X-data-parallel-rank``, ``int(value)``; a malformed value is ignored (balanced);

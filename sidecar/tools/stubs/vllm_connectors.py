@@ -113,7 +113,7 @@ async def _get_json(stub: Stub, url: str, timeout_s: float) -> tuple[int, Any]:
 
 
 class NixlConnector:
-    """vLLM NixlConnector (label ``shfs``, docs/handoffs.md#vllm-nixl-pull): pull model
+    """vLLM NixlConnector (label ``shfs``, docs/driving/handoffs.md#vllm-nixl-pull): pull model
     (``handoff.NixlHolder``)."""
 
     def __init__(self, stub: Stub) -> None:
@@ -163,7 +163,8 @@ class NixlConnector:
 
 
 class NeuronConnector:
-    """vLLM on AWS Neuron (label ``nixl``, docs/handoffs.md#neuron-nixl): the decode gets the whole
+    """vLLM on AWS Neuron (label ``nixl``, docs/driving/handoffs.md#neuron-nixl): the decode gets
+    the whole
     prefill answer."""
 
     def __init__(self, stub: Stub) -> None:
@@ -375,7 +376,7 @@ def base_request_id(internal_id: str) -> str:
 
 
 class NixlPushConnector:
-    """vLLM NixlPushConnector (label ``nixl-push``, docs/nixl-push.md): P holds the KV
+    """vLLM NixlPushConnector (label ``nixl-push``, docs/driving/nixl-push.md): P holds the KV
     under the request's base id, D registers for it by the prefill's engine id."""
 
     def __init__(self, stub: Stub) -> None:
