@@ -67,6 +67,7 @@ class EngineHealth:
     async def check(self) -> bool:
         """Ask the engine now; update and return the state."""
         cause: str | None = None
+        misconfigured = False
         try:
             async with asyncio.timeout(self._timeout_s):
                 async with await self._session.get(self._url) as response:
@@ -77,9 +78,10 @@ class EngineHealth:
             cause = f"no answer to GET /health within {self._timeout_s:g} s"
         except UpstreamTLSError as exc:
             cause = f"TLS handshake failed: {exc.reason}"
+            misconfigured = True  # no engine start explains it: said as a warning at once
         except UpstreamError as exc:
             cause = exc.reason
-        self._note(cause is None, cause)
+        self._note(cause is None, cause, misconfigured)
         return self.ready
 
     async def recheck(self) -> bool:
@@ -92,7 +94,7 @@ class EngineHealth:
     def _recheck_done(self, _: asyncio.Future[bool]) -> None:
         self._recheck = None
 
-    def _note(self, ready: bool, cause: str | None) -> None:
+    def _note(self, ready: bool, cause: str | None, misconfigured: bool = False) -> None:
         now = self._clock()
         first = not self._checked
         self._checked = True
@@ -101,13 +103,13 @@ class EngineHealth:
             if first or not self.ready:
                 down_for = "" if first else f" after {now - self._down_since:.0f} s down"
                 logger.info("local engine %s ready%s", self._engine_url, down_for)
-        elif first:
+        elif first and not misconfigured:
             # An engine still loading its model when the sidecar starts is the normal start
             # of a pod: said once at INFO; only a still-missing engine is a warning (below).
             self._down_since = self._down_logged_at = now
             logger.info("waiting for the local engine %s (not ready yet: %s)",
                         self._engine_url, cause)
-        elif self.ready:
+        elif first or self.ready:
             self._down_since = self._down_logged_at = now
             logger.warning("local engine %s not ready: %s", self._engine_url, cause)
         elif now - self._down_logged_at >= self._down_log_interval_s:
