@@ -393,10 +393,6 @@ def engine_fault(error: SidecarError) -> bool:
 def _target(url: str) -> dict[str, AttributeValue]:
     """The prefill engine's address as leg span attributes (the URL's host and port)."""
     parts = urlsplit(url)
-    host = parts.hostname or ""
-    port = url_port(parts)
-    return {
-        SERVER_ADDRESS: host,
-        SERVER_PORT: port,
-        PREFILL_TARGET: f"[{host}]:{port}" if ":" in host else f"{host}:{port}",
-    }
+    host, port = parts.hostname or "", url_port(parts)
+    return {SERVER_ADDRESS: host, SERVER_PORT: port,
+            PREFILL_TARGET: f"[{host}]:{port}" if ":" in host else f"{host}:{port}"}

@@ -109,7 +109,7 @@ def test_entry_fields() -> None:
         ("bad_host:80", "not a host name"),
         ("host.123:80", "not a valid IP"),
         ("-lead.svc:80", "not a host name"),
-        ("prefill\n.svc:80", "not a host name"),  # a label's pattern matches whole labels
+        ("prefill\n.svc:80", "control characters"),  # refused before a label is read
     ],
 )
 def test_malformed_entries_are_refused(entry: str, why: str) -> None:

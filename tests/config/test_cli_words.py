@@ -87,6 +87,7 @@ def test_main_answers_an_unknown_flag_with_exit_2(capsys: pytest.CaptureFixture[
 @pytest.mark.parametrize(("given", "resolved"), [
     ("NixlConnector", "shfs"), ("nixlconnector", "shfs"), ("NIXLCONNECTOR", "shfs"),
     ("MooncakeConnector", "mooncake"), ("mooncakeconnector", "mooncake"),
+    ("NixlPushConnector", "nixl-push"), ("nixlpushconnector", "nixl-push"),
     ("shfs", "shfs"), ("Mooncake", "mooncake"), ("nixl", "nixl"),
 ])
 def test_connector_aliases_in_flags_env_and_labels(tmp_path: Path, given: str,
@@ -104,7 +105,8 @@ def test_connector_aliases_in_flags_env_and_labels(tmp_path: Path, given: str,
 
 def test_aliases_come_from_the_dialects() -> None:
     aliases = DIALECTS.connector_aliases()
-    assert aliases == {"NixlConnector": "shfs", "MooncakeConnector": "mooncake"}
+    assert aliases == {"NixlConnector": "shfs", "MooncakeConnector": "mooncake",
+                       "NixlPushConnector": "nixl-push"}
     for alias, connector in aliases.items():
         (engine,) = DIALECTS.engines_of(connector)
         assert alias in DIALECTS.get(engine, connector).aliases
