@@ -31,12 +31,14 @@ from sidecar.core.engine_health import EngineHealth
 from sidecar.core.flow import PDFlow
 from sidecar.core.pd_request import FlowCounters
 from sidecar.core.placement import Rules
-from sidecar.core.placer import CachedPrefix, Placer
+from sidecar.core.placer import Placer
 from sidecar.core.prompt_measure import PromptMeasure
 from sidecar.core.scope import Scopes
 from sidecar.core.upstream import make_session
 from sidecar.dialects import Dialect, DialectSetup, InlineDialect, dialect_class, handoff_keys
 from sidecar.http1 import EngineClient
+from sidecar.kv_events.engine_cache import EngineKVCache
+from sidecar.kv_events.subscriber import EndpointUnavailable, open_kv_events
 from sidecar.observability.metrics import Metrics, pool_metrics_dir
 from sidecar.observability.otlp import start_tracing
 from sidecar.observability.tracing import NoTracing, Tracing
@@ -48,6 +50,7 @@ from sidecar.targets.choice import HEADER_LABEL, TargetChoice
 from sidecar.targets.ranks import RankChoice
 from sidecar.targets.selector import AllowlistLike, TargetSelector, parse_prefill_url
 from sidecar.workers.identity import INFLIGHT_FILE, SOLO, WorkerIdentity
+from sidecar.workers.ports import PortInUse
 from sidecar.workers.shared_inflight import InflightSlots
 
 logger = logging.getLogger(__name__)
@@ -77,6 +80,8 @@ class Runtime:
     #: The client-body checks (the hand-off keys every dialect owns are refused).
     body_checks: BodyChecks
     worker: WorkerIdentity = SOLO
+    #: The local engine's prefix cache from its KV events (``--kv-events-endpoint``), or None.
+    kv_cache: EngineKVCache | None = None
     _closed: bool = False
 
     @property
@@ -125,6 +130,22 @@ def _admission(settings: Settings, worker: WorkerIdentity,
     return Admission(settings.max_inflight, slots)
 
 
+async def _kv_cache(settings: Settings, metrics: Metrics,
+                    resources: contextlib.AsyncExitStack) -> EngineKVCache | None:
+    """The index fed by the local engine's KV events, its subscriber closed with ``resources``;
+    None without ``--kv-events-endpoint``."""
+    if settings.kv_events_endpoint is None:
+        return None
+    try:
+        subscriber = await resources.enter_async_context(open_kv_events(
+            settings.kv_events_endpoint, settings.kv_events_replay_endpoint,
+            topic=settings.kv_events_topic or "", max_blocks=settings.kv_events_max_blocks,
+            metrics=metrics))
+    except EndpointUnavailable as exc:
+        raise PortInUse(str(exc)) from None
+    return subscriber.cache
+
+
 def data_parallel_ranks(settings: Settings, ranked: bool) -> tuple[int, int]:
     """The data-parallel sizes the flow chooses ranks from (local, prefill): the configured
     ones, or one each for a dialect whose engine places requests on its ranks itself."""
@@ -157,8 +178,9 @@ def _flows(settings: Settings, metrics: Metrics, calls: EngineCalls,
 
 
 def _placer(settings: Settings, metrics: Metrics, calls: EngineCalls, flow: PDFlow,
-            health: EngineHealth, cache: CachedPrefix | None) -> Placer:
-    """The placement decision of the HTTP door's requests, over the flow's targets."""
+            health: EngineHealth, cache: EngineKVCache | None) -> Placer:
+    """The placement decision of the HTTP door's requests, over the flow's targets; ``cache``:
+    the local engine's prefix cache, from its KV events."""
     dialect = flow.dialect
     measure = PromptMeasure(
         source=settings.prompt_length_source,
@@ -172,7 +194,8 @@ def _placer(settings: Settings, metrics: Metrics, calls: EngineCalls, flow: PDFl
                   max_uncached=settings.local_prefill_max_uncached_tokens,
                   local_fallback=flow.local_fallback)
     return Placer(route_support=dialect.route_support, engine=dialect.engine, rules=rules,
-                  targets=flow.targets, measure=measure, cache=cache, health=health)
+                  targets=flow.targets, measure=measure, cache=cache, health=health,
+                  on_cached_tokens=None if cache is None else cache.observe_cached_tokens)
 
 
 @contextlib.asynccontextmanager
@@ -188,6 +211,7 @@ async def open_runtime(
     runtime: Runtime | None = None
     try:
         admission = _admission(settings, worker, resources)
+        kv_cache = await _kv_cache(settings, metrics, resources)
         pool = [parse_prefill_url(url) for url in settings.prefill_urls]
         # One view of the prefill targets for the whole process: both front doors' legs count.
         breaker_states = metrics.prefill_breaker_state
@@ -257,12 +281,13 @@ async def open_runtime(
             http_scopes=scopes(FrontDoor.HTTP),
             grpc_scopes=scopes(FrontDoor.GRPC),
             selector=selector,
-            placer=_placer(settings, metrics, calls, http_flow, health, None),
+            placer=_placer(settings, metrics, calls, http_flow, health, kv_cache),
             admission=admission,
             health=health,
             worker=worker,
             tracing=tracing,
             body_checks=BodyChecks(handoff_keys()),
+            kv_cache=kv_cache,
         )
         runtime.health.on_change(lambda ready: metrics.engine_ready.set(1 if ready else 0))
         yield runtime

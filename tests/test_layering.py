@@ -47,7 +47,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
      "sidecar.ttl_cache", "sidecar.tls", "sidecar.grpc_gen", "sidecar.http1",
      "sidecar.protocol"),
     ("sidecar.dialects", "sidecar.observability", "sidecar.kv_wire"),
-    ("sidecar.targets",),
+    ("sidecar.targets", "sidecar.kv_events"),
     ("sidecar.config",),
     ("sidecar.workers",),
     ("sidecar.core",),

@@ -5,6 +5,8 @@
     check_connector_engine a connector given by flag or env serves the engine
     check_prompt_length_source  ``tokenize`` only for an engine with a tokenizer endpoint
     check_tracing          an OTLP endpoint only with the tracing extra installed
+    check_kv_events        KV-event endpoints on loopback unless allowed, one worker, one rank;
+                           the replay endpoint and the cache rule only with an endpoint
     data_parallel_warning  data-parallel sizes for an engine that places ranks itself (a
                            warning, not a refusal: the engine still serves)
 
@@ -18,6 +20,7 @@ from urllib.parse import urlsplit
 
 from sidecar.config.settings import PromptLengthSource, Settings
 from sidecar.dialects import DIALECTS, dialect_class
+from sidecar.kv_events.endpoint import check_endpoint
 from sidecar.observability.otlp import TRACING_EXTRA, missing_modules
 from sidecar.protocol.hostfmt import is_loopback_host, url_port
 from sidecar.tls import ReloadingServerTLS, TLSFileError, client_ssl_context
@@ -126,6 +129,37 @@ def check_tracing(settings: Settings, sources: Sources) -> None:
             f"exporters, not installed here ({', '.join(missing)}): pip install "
             f"'{TRACING_EXTRA}' (the container image has them), or leave tracing off"
         )
+
+
+def check_kv_events(settings: Settings, sources: Sources) -> None:
+    """KV-event endpoints stay on the machine unless allowed; the index lives in one process
+    and follows one data-parallel rank."""
+    endpoint = settings.kv_events_endpoint
+    for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+        value = getattr(settings, name)
+        if value is None:
+            continue
+        try:
+            check_endpoint(value, allow_remote=settings.kv_events_allow_remote)
+        except ValueError as exc:
+            raise ConfigError(f"{name} {value!r} (from {sources.source_of(name)}): {exc}") from None
+    if endpoint is None:
+        for name in ("kv_events_replay_endpoint", "local_prefill_max_uncached_tokens"):
+            if getattr(settings, name):
+                raise ConfigError(
+                    f"{name} (from {sources.source_of(name)}) needs --kv-events-endpoint: the "
+                    "local engine's cached blocks are known from its KV events only")
+        return
+    where = f"kv_events_endpoint (from {sources.source_of('kv_events_endpoint')})"
+    if settings.workers > 1:
+        raise ConfigError(
+            f"{where} needs --workers 1 (from {sources.source_of('workers')}: "
+            f"{settings.workers}): one process binds the endpoint and holds the index")
+    if settings.data_parallel_size > 1:
+        raise ConfigError(
+            f"{where} needs --data-parallel-size 1 (from "
+            f"{sources.source_of('data_parallel_size')}: {settings.data_parallel_size}): each "
+            "rank has its own cache, and the engine chooses a local request's rank")
 
 
 def data_parallel_warning(settings: Settings, sources: Sources) -> str | None:

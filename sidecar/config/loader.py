@@ -41,6 +41,7 @@ from pydantic import ValidationError
 from sidecar.config.checks import (
     ConfigError,
     check_connector_engine,
+    check_kv_events,
     check_ports,
     check_prompt_length_source,
     check_tls,
@@ -352,6 +353,7 @@ def load_settings(args: argparse.Namespace, environ: Mapping[str, str]) -> Loade
     check_tls(settings, res)
     check_prompt_length_source(settings, res)
     check_tracing(settings, res)
+    check_kv_events(settings, res)
     warning = data_parallel_warning(settings, res)
     if warning is not None:
         res.warnings.append(warning)

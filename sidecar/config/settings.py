@@ -11,7 +11,7 @@ configuration reference (``sidecar.config.docs``), so a field without one fails 
 key; ``EXTRA_ENV`` names environment variables read besides ``DISAGG_<FIELD>``.
 
 The fields are the sidecar's own (``ServingSettings``, ``LimitsSettings``,
-``DataParallelSettings``, ``TLSSettings``)
+``DataParallelSettings``, ``TLSSettings``, ``KVEventsSettings``)
 plus each dialect's ``Options`` (``sidecar.dialects``: an engine's bootstrap port, id machine,
 ...): ``Settings`` is composed from them once, at import, so a dialect's settings get flags,
 environment variables, pod sources and reference rows like every other, and no engine is
@@ -35,6 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from sidecar.config.cores import available_cores
 from sidecar.config.data_parallel import DATA_PARALLEL_POD_SOURCES, DataParallelSettings
+from sidecar.config.kv_events_settings import KV_EVENTS_POD_SOURCES, KVEventsSettings
 from sidecar.config.limits import LimitsSettings, PrefillFailurePolicy, PromptLengthSource
 from sidecar.config.tls_settings import TLSSettings
 from sidecar.config.urls import check_engine_url, check_prefill_url
@@ -311,7 +312,8 @@ class ServingSettings(BaseModel):
         return fmt
 
 
-class _Settings(TLSSettings, DataParallelSettings, LimitsSettings, ServingSettings):
+class _Settings(KVEventsSettings, TLSSettings, DataParallelSettings, LimitsSettings,
+                ServingSettings):
     """Every setting of one sidecar process that is not a dialect's; immutable once built."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -345,6 +347,7 @@ else:
 POD_SOURCES: Final[Mapping[str, PodSource]] = MappingProxyType({
     **CORE_POD_SOURCES,
     **DATA_PARALLEL_POD_SOURCES,
+    **KV_EVENTS_POD_SOURCES,
     **{name: source for model in DIALECTS.option_models()
        for name, source in model.pod_sources.items()},
 })

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Collection, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 from sidecar.core.engine_health import EngineHealth
 from sidecar.core.placement import (
@@ -32,20 +32,13 @@ from sidecar.core.placement import (
 from sidecar.core.prompt_measure import PromptMeasure
 from sidecar.dialects.base import RouteSupport
 from sidecar.errors import SidecarError
+from sidecar.kv_events import CachedPrefix
 from sidecar.protocol.apis import api_of
 from sidecar.protocol.context import PrefillTarget, Route
 from sidecar.targets.choice import TargetChoice
 from sidecar.targets.ranks import LegRanks
 
 logger = logging.getLogger(__name__)
-
-
-class CachedPrefix(Protocol):
-    """What the local engine holds in its KV cache, as its KV events tell it."""
-
-    def cached_tokens(self, token_ids: Sequence[int]) -> int | None:
-        """The longest cached prefix of ``token_ids`` in whole blocks, in tokens; None when
-        the index cannot answer truthfully (no events yet, or forgotten after a gap)."""
 
 
 class PrefillTargets:

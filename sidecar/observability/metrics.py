@@ -27,6 +27,9 @@ _M = TypeVar("_M", bound=MetricWrapperBase)
 _LATENCY_BUCKETS = (
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
     60.0, 120.0, 300.0)
+#: Prompt tokens found in the local engine's cache: block multiples (16 .. 128 tokens) and up.
+_CACHED_TOKEN_BUCKETS = (
+    0, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 #: Read by prometheus-client when it is first imported: set by the supervisor for its workers.
@@ -123,6 +126,37 @@ class Metrics:
         self.engine_ready = Gauge(
             "disagg_engine_ready", "1 when the local engine answered its health check, else 0.",
             registry=r, multiprocess_mode="livemax")
+        # The local engine's KV events (--kv-events-endpoint) and the index they feed.
+        self.kv_events = Counter(
+            "disagg_kv_events",
+            "KV events applied to the index, by kind (block_stored, block_removed, "
+            "all_blocks_cleared).",
+            ["kind"], registry=r)
+        self.kv_event_batches = Counter(
+            "disagg_kv_event_batches",
+            "KV event batches received, by outcome (applied, malformed, other_topic, "
+            "other_rank, leftover).",
+            ["outcome"], registry=r)
+        self.kv_events_gaps = Counter(
+            "disagg_kv_events_gaps",
+            "Times the index forgot everything, by cause (missed: batches missing and not "
+            "replayed, restarted: the numbering went back, disconnected, malformed).",
+            ["cause"], registry=r)
+        self.kv_events_replays = Counter(
+            "disagg_kv_events_replays",
+            "Replays of missed KV event batches, by outcome (complete, incomplete, failed).",
+            ["outcome"], registry=r)
+        self.kv_index_blocks = Gauge(
+            "disagg_kv_index_blocks", "Blocks of the local engine's cache the index holds.",
+            registry=r, multiprocess_mode="livesum")
+        self.kv_index_evictions = Counter(
+            "disagg_kv_index_evictions",
+            "Blocks the index forgot to stay within --kv-events-max-blocks.", registry=r)
+        self.cached_prompt_tokens = Histogram(
+            "disagg_cached_prompt_tokens",
+            "Prompt tokens found in the local engine's prefix cache, per request the placement "
+            "decision judged from the KV events.",
+            buckets=_CACHED_TOKEN_BUCKETS, registry=r)
 
     def labelled(self, metric: _M, *values: str) -> _M:
         """``metric.labels(*values)``, remembered (``labels()`` validates and locks per call);

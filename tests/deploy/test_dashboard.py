@@ -7,7 +7,8 @@ parses as PromQL (promql-parser, the Rust parser's Python binding), names only s
 sidecar's registry really exposes, and uses only labels those series have (plus Prometheus'
 ``job``/``instance``), through aggregations and binary operators; legends name labels the
 query's result keeps; the panels cover what the issue asks for (requests by outcome, stage
-quantiles, in flight, errors by stage and code, relayed and KV bytes, engine readiness); every
+quantiles, in flight, errors by stage and code, relayed and KV bytes, engine readiness, the prefix
+cache's cached tokens, index size, events and gaps); every
 overlay renders it as a ConfigMap labelled for Grafana's dashboard sidecar with the file's
 exact text. The checker itself rejects an unknown series, an unknown label and a grouping by a
 label that is gone.
@@ -160,6 +161,10 @@ def test_panels_cover_the_issue(dashboard: dict[str, Any]) -> None:
         ("disagg_relayed_bytes_total", frozenset({"front_door"})),
         ("disagg_kv_bytes_total", frozenset({"direction"})),
         ("disagg_engine_ready", frozenset({"instance"})),
+        ("disagg_cached_prompt_tokens_bucket", frozenset({"le"})),
+        ("disagg_kv_index_blocks", frozenset({"instance"})),
+        ("disagg_kv_events_total", frozenset({"kind"})),
+        ("disagg_kv_events_gaps_total", frozenset({"cause"})),
     }
     assert wanted <= groupings, sorted(wanted - groupings)
     quantiles = {

@@ -15,6 +15,7 @@ start real engines (no GPUs here).
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -191,6 +192,25 @@ def test_vllm_engines_serve_every_pd_route() -> None:
         assert "--enable-scale-out" in engine["args"], name
         version = engine["image"].rsplit(":v", 1)[1]
         assert tuple(int(p) for p in version.split(".")[:2]) >= (0, 32), name
+
+
+def test_vllm_decode_engine_publishes_kv_events_to_its_sidecar() -> None:
+    """The decode engine's --kv-events-config names the sidecar's --kv-events-endpoint and
+    topic (a non-wildcard TCP address: the engine connects, the sidecar binds), with prefix
+    caching on; the prefill side has neither."""
+    deps = deployments(render_overlay("vllm"))
+    decode = deps["pd-decode"]
+    engine = container(decode, "engine")
+    config = json.loads(engine_flag(engine, "--kv-events-config"))
+    assert config["enable_kv_cache_events"] is True and config["publisher"] == "zmq"
+    assert "--enable-prefix-caching" in engine["args"]
+    sidecar = container(decode, "sidecar")
+    assert engine_flag(sidecar, "--kv-events-endpoint") == config["endpoint"]
+    assert engine_flag(sidecar, "--kv-events-topic") == config["topic"]
+    assert config["endpoint"].startswith("tcp://127.0.0.1:")
+    prefill = deps["pd-prefill"]
+    for ctr in prefill["spec"]["template"]["spec"]["containers"]:
+        assert not any("kv-events" in str(arg) for arg in ctr.get("args", [])), ctr["name"]
 
 
 def test_sglang_roles_and_bootstrap_port_agree() -> None:

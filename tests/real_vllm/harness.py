@@ -373,14 +373,19 @@ class EngineGroup:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def spawn(self, spec: EngineSpec) -> Engine:
+    def spawn(self, spec: EngineSpec, *, reuse: Engine | None = None) -> Engine:
+        """Start ``spec``; ``reuse``: a stopped engine whose ports it takes (a restart)."""
         if spec.name in self.engines:
             raise ValueError(f"engine {spec.name!r} already started in this group")
         _LIVE_GROUPS.add(self)
         workdir = self.root / spec.name
+        if reuse is not None:
+            workdir = self.root / f"{spec.name}.{len(list(self.root.glob(spec.name + '*')))}"
         workdir.mkdir(parents=True)
-        port = free_port()
+        port = free_port() if reuse is None else reuse.port
         side_port = free_port() if spec.uses_nixl else None
+        if reuse is not None:
+            side_port = reuse.side_channel_port
         bootstrap_port = free_port() if spec.serves_mooncake_bootstrap else None
         log = (workdir / "engine.log").open("wb")
         try:
@@ -436,6 +441,15 @@ class EngineGroup:
                 )
             # Readiness is only observable by asking; this bounds how often we ask.
             time.sleep(HEALTH_POLL_S)
+
+    def restart(self, name: str, deadline_s: float = START_DEADLINE_S) -> Engine:
+        """Stop engine ``name`` and start it again on the same ports (its clients see the same
+        engine restarted, with an empty cache), then wait until it is healthy."""
+        old = self.engines.pop(name)
+        stop_process_group(old.process)
+        engine = self.spawn(old.spec, reuse=old)
+        self.wait_ready([name], deadline_s)
+        return engine
 
     def start(
         self, specs: Iterable[EngineSpec], deadline_s: float = START_DEADLINE_S

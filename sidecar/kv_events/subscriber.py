@@ -1,0 +1,246 @@
+"""The sockets that hear the local engine's KV events, and the task that reads them.
+
+    open_kv_events(endpoint, ...) ─▶ SUB bound (or connected) at the endpoint, topic filter
+                                     + its connection monitor (+ DEALER to the replay endpoint)
+        task: frames ─decode─▶ EngineKVCache.receive ─▶ Gap? ─replay─▶ apply missed, then it
+                                                              └─ no replay / incomplete: forget
+              monitor: connection closed ─▶ EngineKVCache.disconnected (forget)
+    exit ─▶ the task cancelled, every socket closed (linger 0), the context's sockets gone
+
+Gaps: with a replay endpoint the missed batches are asked for (DEALER ``[b"", first
+sequence]``; the engine's ROUTER answers each buffered batch from that number as ``[b"",
+topic, sequence, payload]`` (SGLang: without the topic) and ends with sequence -1); applied in
+order when they reach back to the gap, else (the engine's buffer no longer holds them, no
+answer within ``replay_timeout_s``) the index forgets and restarts from the waiting batch.
+Without a replay endpoint a gap forgets. A numbering that went back (an engine restart) always
+forgets.
+
+Deliberate limits: one process binds the endpoint, so a pool of workers is refused at start
+(``sidecar.config.checks``); a batch is applied on the event loop (microseconds per block).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Final
+
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from sidecar.kv_events.endpoint import is_ipv6, sidecar_binds
+from sidecar.kv_events.engine_cache import (
+    CAUSE_MISSED,
+    CAUSE_RESTARTED,
+    EngineKVCache,
+    Gap,
+)
+from sidecar.kv_events.wire import (
+    END_OF_REPLAY,
+    MalformedMessage,
+    Message,
+    decode_batch,
+    decode_message,
+    decode_sequence,
+)
+from sidecar.observability.metrics import Metrics
+
+logger = logging.getLogger(__name__)
+
+#: Batches the SUB socket queues before ZMQ drops (the publishers' own default).
+RECEIVE_HWM: Final = 100_000
+REPLAY_TIMEOUT_S: Final = 2.0
+#: Replay outcomes (``disagg_kv_events_replays_total{outcome}``).
+REPLAY_COMPLETE = "complete"
+REPLAY_INCOMPLETE = "incomplete"
+REPLAY_FAILED = "failed"
+
+
+class EndpointUnavailable(Exception):
+    """The events endpoint cannot be bound or connected (one line: the flag and why)."""
+
+
+def _socket(context: zmq.asyncio.Context, kind: int, endpoint: str) -> zmq.asyncio.Socket:
+    sock = context.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    if is_ipv6(endpoint):
+        sock.setsockopt(zmq.IPV6, 1)
+    return sock
+
+
+class KVEventsSubscriber:
+    """The SUB socket at the events endpoint, its monitor, the replay DEALER, the reading task."""
+
+    def __init__(self, cache: EngineKVCache, endpoint: str, replay_endpoint: str | None,
+                 replay_timeout_s: float = REPLAY_TIMEOUT_S) -> None:
+        self.cache = cache
+        self._context = zmq.asyncio.Context()
+        self._replay_endpoint = replay_endpoint
+        self._replay_timeout_s = replay_timeout_s
+        self._replay: zmq.asyncio.Socket | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        #: Set after each message or connection event handled (``wait_until``).
+        self._handled = asyncio.Event()
+        self._sub = _socket(self._context, zmq.SUB, endpoint)
+        try:
+            self._sub.setsockopt(zmq.RCVHWM, RECEIVE_HWM)
+            self._sub.setsockopt(zmq.SUBSCRIBE, cache.topic)
+            self._monitor: zmq.asyncio.Socket | None = self._sub.get_monitor_socket(
+                zmq.EVENT_DISCONNECTED)
+            try:
+                if sidecar_binds(endpoint):
+                    self._sub.bind(endpoint)
+                else:
+                    self._sub.connect(endpoint)
+            except zmq.ZMQError as exc:
+                raise EndpointUnavailable(
+                    f"--kv-events-endpoint {endpoint}: {exc.strerror}") from None
+            #: The endpoint as bound (port 0: the port the OS chose) or connected.
+            self.endpoint = self._sub.getsockopt_string(zmq.LAST_ENDPOINT) or endpoint
+        except BaseException:
+            self.close()
+            raise
+
+    def start(self) -> None:
+        self._tasks = [asyncio.ensure_future(self._read()),
+                       asyncio.ensure_future(self._watch_connections())]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks = []
+        self.close()
+
+    async def wait_until(self, predicate: Callable[[], bool]) -> None:
+        """Return once ``predicate()`` holds, checked after each message or connection event
+        handled (tests and tools; the caller bounds the wait)."""
+        while not predicate():
+            self._handled.clear()
+            await self._handled.wait()
+
+    def close(self) -> None:
+        """Close every socket and the context (idempotent)."""
+        if self._replay is not None:
+            self._replay.close(linger=0)
+            self._replay = None
+        monitor = getattr(self, "_monitor", None)
+        if monitor is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                self._sub.disable_monitor()
+            monitor.close(linger=0)
+            self._monitor = None
+        self._sub.close(linger=0)
+        self._context.term()
+
+    async def _read(self) -> None:
+        while True:
+            frames = await self._sub.recv_multipart()
+            try:
+                await self._handle(frames)
+            except Exception:
+                # A bug must not leave the index answering from a state it stopped following.
+                logger.exception("kv events: a message could not be handled; index forgotten")
+                self.cache.malformed()
+            self._handled.set()
+
+    async def _handle(self, frames: list[bytes]) -> None:
+        if frames and not self.cache.wants(frames[0]):
+            return
+        try:
+            message = decode_message(frames)
+        except MalformedMessage as exc:
+            logger.warning("kv events: dropped a message: %s", exc)
+            self.cache.malformed()
+            return
+        gap = self.cache.receive(message)
+        if gap is not None:
+            await self._close_gap(gap)
+
+    async def _close_gap(self, gap: Gap) -> None:
+        if gap.restarted or self._replay_endpoint is None:
+            self.cache.forget(CAUSE_RESTARTED if gap.restarted else CAUSE_MISSED)
+            self.cache.apply(gap.message)
+            return
+        self.cache.catching_up = True
+        try:
+            missed = await self._ask_replay(gap.first)
+        finally:
+            self.cache.catching_up = False
+        wanted = [m for m in missed or () if gap.first <= m.sequence < gap.upto]
+        if missed is None or [m.sequence for m in wanted] != list(range(gap.first, gap.upto)):
+            self.cache.replayed(REPLAY_FAILED if missed is None else REPLAY_INCOMPLETE)
+            self.cache.forget(CAUSE_MISSED)
+            self.cache.apply(gap.message)
+            return
+        for message in wanted:
+            self.cache.apply(message)
+        self.cache.replayed(REPLAY_COMPLETE)
+        self.cache.apply(gap.message)
+
+    async def _ask_replay(self, first: int) -> list[Message] | None:
+        """The batches the engine still buffers from ``first`` on; None when it did not
+        answer in time or answered something unreadable."""
+        if self._replay is None:
+            assert self._replay_endpoint is not None
+            self._replay = _socket(self._context, zmq.DEALER, self._replay_endpoint)
+            self._replay.connect(self._replay_endpoint)
+        try:
+            async with asyncio.timeout(self._replay_timeout_s):
+                await self._replay.send_multipart([b"", first.to_bytes(8, "big")])
+                return await self._replay_answers(self._replay)
+        except (TimeoutError, MalformedMessage, zmq.ZMQError) as exc:
+            logger.warning("kv events: replay from %d failed: %s", first, exc or "timed out")
+            # A late answer must not be read as the next replay's: a fresh socket.
+            self._replay.close(linger=0)
+            self._replay = None
+            return None
+
+    async def _replay_answers(self, replay: zmq.asyncio.Socket) -> list[Message]:
+        answers: list[Message] = []
+        while True:
+            frames = await replay.recv_multipart()
+            if frames and frames[0] == b"":
+                frames = frames[1:]
+            if len(frames) == 3:  # topic, sequence, payload
+                topic, sequence, payload = frames
+            elif len(frames) == 2:  # sequence, payload
+                topic, (sequence, payload) = self.cache.topic, frames
+            else:
+                raise MalformedMessage(f"replay answer of {len(frames)} frames")
+            if sequence == END_OF_REPLAY:
+                return answers
+            answers.append(Message(topic, decode_sequence(sequence), decode_batch(payload)))
+
+    async def _watch_connections(self) -> None:
+        monitor = self._monitor
+        assert monitor is not None
+        while True:
+            event = parse_monitor_message(await monitor.recv_multipart())
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                logger.info("kv events: the publisher's connection closed")
+                self.cache.disconnected()
+            self._handled.set()
+
+
+@contextlib.asynccontextmanager
+async def open_kv_events(endpoint: str, replay_endpoint: str | None, *, topic: str,
+                         max_blocks: int, metrics: Metrics | None = None,
+                         replay_timeout_s: float = REPLAY_TIMEOUT_S,
+                         ) -> AsyncIterator[KVEventsSubscriber]:
+    """The subscriber, reading; on exit its task is cancelled and its sockets closed."""
+    cache = EngineKVCache(max_blocks, topic=topic.encode(), metrics=metrics)
+    subscriber = KVEventsSubscriber(cache, endpoint, replay_endpoint, replay_timeout_s)
+    subscriber.start()
+    logger.info("kv events: %s %s%s", "bound" if sidecar_binds(endpoint) else "connected to",
+                subscriber.endpoint,
+                f", replay from {replay_endpoint}" if replay_endpoint else "")
+    try:
+        yield subscriber
+    finally:
+        await subscriber.stop()

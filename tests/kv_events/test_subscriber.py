@@ -1,0 +1,212 @@
+"""Proves the KV-events subscriber (sidecar/kv_events/subscriber.py) on real ZMQ sockets on
+loopback and ipc, against a fake engine publisher speaking vLLM's wire format
+(tests/kv_event_builders.py):
+
+- TCP: the sidecar binds (port 0 here), the publisher connects; its batches fill the index; a
+  message of another topic, and a malformed message, do not stop the loop (the malformed one
+  forgets, the next batch answers again);
+- ipc: the publisher binds, the sidecar connects;
+- a gap without a replay endpoint forgets and restarts from the waiting batch;
+- a gap with a replay endpoint asks from the first missed number and applies the answers in
+  order (vLLM's four-frame answers and SGLang's three-frame ones); answers that do not reach
+  back to the gap, or no answer in time, forget (counted by outcome);
+- the publisher's connection closing (an engine stopping) forgets at once;
+- on exit the tasks end and the sockets close: the port can be bound again; a port already
+  bound stops start-up with one line naming the flag, also through ``open_runtime``.
+
+It does not prove real vLLM's publisher (tests/real_vllm/test_kv_events_format.py for the
+format; the cache-aware suite for the engine).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import pytest
+import zmq
+import zmq.asyncio
+from kv_event_builders import TOKENS, FakePublisher, FakeReplay, chain, map_removed
+
+from sidecar.kv_events.subscriber import (
+    EndpointUnavailable,
+    KVEventsSubscriber,
+    open_kv_events,
+)
+from sidecar.observability.metrics import Metrics
+
+BS = 4
+WAIT_S = 10.0
+
+
+@pytest.fixture
+async def context() -> AsyncIterator[zmq.asyncio.Context]:
+    ctx = zmq.asyncio.Context()
+    yield ctx
+    ctx.destroy(linger=0)
+
+
+async def wait(subscriber: KVEventsSubscriber, predicate: Callable[[], bool]) -> None:
+    async with asyncio.timeout(WAIT_S):
+        await subscriber.wait_until(predicate)
+
+
+def sample(metrics: Metrics, name: str, **labels: str) -> float:
+    return metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+async def connected(context: zmq.asyncio.Context, subscriber: KVEventsSubscriber,
+                    topic: bytes = b"kv") -> FakePublisher:
+    publisher = FakePublisher(context, subscriber.endpoint, topic=topic)
+    async with asyncio.timeout(WAIT_S):
+        assert await publisher.subscribed() == b"\x01" + topic
+    return publisher
+
+
+async def test_tcp_batches_fill_the_index(context: zmq.asyncio.Context) -> None:
+    metrics = Metrics()
+    async with open_kv_events("tcp://127.0.0.1:0", None, topic="kv", max_blocks=100,
+                              metrics=metrics) as subscriber:
+        cache = subscriber.cache
+        assert subscriber.endpoint.startswith("tcp://127.0.0.1:")
+        publisher = await connected(context, subscriber)
+        await publisher.send(12, [chain(TOKENS[:12], BS)])
+        await wait(subscriber, lambda: cache.cached_tokens(TOKENS) == 12)
+        await publisher.send_raw([b"kv-other", (13).to_bytes(8, "big"), b"x"])
+        await publisher.send_raw([b"kv", b"bad"])
+        await wait(subscriber, lambda: cache.cached_tokens(TOKENS) is None)
+        await publisher.send(40, [chain(TOKENS[:8], BS)])
+        await wait(subscriber, lambda: cache.cached_tokens(TOKENS) == 8)
+        assert sample(metrics, "disagg_kv_event_batches_total", outcome="other_topic") == 1
+        assert sample(metrics, "disagg_kv_event_batches_total", outcome="malformed") == 1
+        assert sample(metrics, "disagg_kv_index_blocks") == 2
+        publisher.close()
+
+
+async def test_ipc_the_publisher_binds(context: zmq.asyncio.Context, tmp_path: Path) -> None:
+    endpoint = f"ipc://{tmp_path}/kv-events"
+    publisher = FakePublisher(context, endpoint, bind=True, topic=b"")
+    async with open_kv_events(endpoint, None, topic="", max_blocks=100) as subscriber:
+        async with asyncio.timeout(WAIT_S):
+            assert await publisher.subscribed() == b"\x01"
+        await publisher.send(0, [chain(TOKENS[:8], BS)])
+        await wait(subscriber, lambda: subscriber.cache.cached_tokens(TOKENS) == 8)
+    publisher.close()
+
+
+async def test_a_gap_without_replay_forgets(context: zmq.asyncio.Context) -> None:
+    metrics = Metrics()
+    async with open_kv_events("tcp://127.0.0.1:0", None, topic="kv", max_blocks=100,
+                              metrics=metrics) as subscriber:
+        cache = subscriber.cache
+        publisher = await connected(context, subscriber)
+        await publisher.send(0, [chain(TOKENS[:12], BS)])
+        await wait(subscriber, lambda: cache.cached_tokens(TOKENS) == 12)
+        # Batch 1 (which removed block 1) was lost: the index must not answer 12 any more.
+        await publisher.send(2, [chain(TOKENS[:4], BS, first_hash=50)])
+        await wait(subscriber, lambda: sample(metrics, "disagg_kv_events_gaps_total",
+                                              cause="missed") == 1)
+        assert cache.cached_tokens(TOKENS) == 4  # only what came after the gap
+        publisher.close()
+
+
+@pytest.mark.parametrize("with_topic", [True, False], ids=["vllm-answers", "sglang-answers"])
+async def test_a_gap_is_replayed(context: zmq.asyncio.Context, with_topic: bool) -> None:
+    metrics = Metrics()
+    replay = FakeReplay(context, "tcp://127.0.0.1:0", with_topic=with_topic)
+    replay.keep(0, [chain(TOKENS[:4], BS)])
+    replay.keep(1, [map_stored_after_first()])
+    replay.keep(2, [map_removed([1])])  # past the gap: the waiting batch is 2, not applied twice
+    async with open_kv_events("tcp://127.0.0.1:0", replay.endpoint, topic="kv", max_blocks=100,
+                              metrics=metrics) as subscriber:
+        cache = subscriber.cache
+        publisher = await connected(context, subscriber)
+        await publisher.send(0, [chain(TOKENS[:4], BS)])
+        await wait(subscriber, lambda: cache.cached_tokens(TOKENS) == 4)
+        server = asyncio.ensure_future(replay.serve_one())
+        await publisher.send(2, [chain(TOKENS[8:12], BS, first_hash=3, parent=2)])
+        await wait(subscriber, lambda: sample(metrics, "disagg_kv_events_replays_total",
+                                              outcome="complete") == 1)
+        await server
+        assert replay.requests == [1]
+        assert cache.cached_tokens(TOKENS) == 12  # 0, the replayed 1, then the waiting 2
+        assert sample(metrics, "disagg_kv_events_gaps_total", cause="missed") == 0
+        publisher.close()
+    replay.close()
+
+
+def map_stored_after_first() -> dict[str, object]:
+    return chain(TOKENS[4:8], BS, first_hash=2, parent=1)
+
+
+async def test_an_incomplete_replay_forgets(context: zmq.asyncio.Context) -> None:
+    metrics = Metrics()
+    replay = FakeReplay(context, "tcp://127.0.0.1:0")
+    replay.keep(2, [map_stored_after_first()])  # the engine's buffer no longer has 1
+    async with open_kv_events("tcp://127.0.0.1:0", replay.endpoint, topic="kv", max_blocks=100,
+                              metrics=metrics) as subscriber:
+        cache = subscriber.cache
+        publisher = await connected(context, subscriber)
+        await publisher.send(0, [chain(TOKENS[:8], BS)])
+        await wait(subscriber, lambda: cache.cached_tokens(TOKENS) == 8)
+        server = asyncio.ensure_future(replay.serve_one())
+        await publisher.send(3, [])
+        await wait(subscriber, lambda: sample(metrics, "disagg_kv_events_replays_total",
+                                              outcome="incomplete") == 1)
+        await server
+        assert cache.cached_tokens(TOKENS) == 0  # forgotten, then the (empty) waiting batch
+        publisher.close()
+    replay.close()
+
+
+async def test_no_replay_answer_in_time_forgets(context: zmq.asyncio.Context) -> None:
+    metrics = Metrics()
+    silent = context.socket(zmq.ROUTER)  # bound, never answers
+    silent.bind("tcp://127.0.0.1:0")
+    async with open_kv_events("tcp://127.0.0.1:0", silent.getsockopt_string(zmq.LAST_ENDPOINT),
+                              topic="kv", max_blocks=100, metrics=metrics,
+                              replay_timeout_s=0.2) as subscriber:
+        cache = subscriber.cache
+        publisher = await connected(context, subscriber)
+        await publisher.send(0, [chain(TOKENS[:8], BS)])
+        await wait(subscriber, lambda: cache.cached_tokens(TOKENS) == 8)
+        await publisher.send(5, [])
+        await wait(subscriber, lambda: sample(metrics, "disagg_kv_events_replays_total",
+                                              outcome="failed") == 1)
+        assert cache.cached_tokens(TOKENS) == 0
+        publisher.close()
+    silent.close(linger=0)
+
+
+async def test_the_publisher_going_away_forgets(context: zmq.asyncio.Context) -> None:
+    metrics = Metrics()
+    async with open_kv_events("tcp://127.0.0.1:0", None, topic="kv", max_blocks=100,
+                              metrics=metrics) as subscriber:
+        cache = subscriber.cache
+        publisher = await connected(context, subscriber)
+        await publisher.send(0, [chain(TOKENS[:8], BS)])
+        await wait(subscriber, lambda: cache.cached_tokens(TOKENS) == 8)
+        publisher.close()
+        await wait(subscriber, lambda: cache.cached_tokens(TOKENS) is None)
+        assert sample(metrics, "disagg_kv_events_gaps_total", cause="disconnected") == 1
+        # The restarted engine connects again and counts from 0.
+        publisher = await connected(context, subscriber)
+        await publisher.send(0, [chain(TOKENS[:4], BS)])
+        await wait(subscriber, lambda: cache.cached_tokens(TOKENS) == 4)
+        publisher.close()
+
+
+async def test_exit_closes_the_socket_and_a_held_port_is_one_line(
+    context: zmq.asyncio.Context,
+) -> None:
+    async with open_kv_events("tcp://127.0.0.1:0", None, topic="", max_blocks=10) as subscriber:
+        endpoint = subscriber.endpoint
+        tasks = list(subscriber._tasks)
+        with pytest.raises(EndpointUnavailable, match=r"^--kv-events-endpoint tcp://127\.0\.0\.1"):
+            async with open_kv_events(endpoint, None, topic="", max_blocks=10):
+                pass
+    assert all(task.done() for task in tasks)
+    again = context.socket(zmq.SUB)
+    again.bind(endpoint)  # free again
+    again.close(linger=0)
