@@ -7,8 +7,11 @@
           the decode counts as open once it is known not refused: a stream's first bytes
             are awaited (the relay's head leaves with them anyway) and an engine's error
             event there is a refusal, like a refused head
-          a refused decode whose prefill answer shows the hand-off stale (``answered_stale``)
-            is opened again from that answer (``decode_again``: the refused one wrote nothing)
+          a prefill answer that shows the hand-off stale (``answered_stale``) while the decode
+            has not answered stops that decode (a decode engine that knew the old identity
+            may wait on it for minutes)
+          a refused or stopped decode whose prefill answer shows the hand-off stale is
+            opened again from that answer (``decode_again``: the refused one wrote nothing)
           every later prefill answer is shown to the dialect (``learn``)
     background_prefill(...)     a gRPC Prefill's engine call after its hand-off, shown to a
                                 learning dialect when it ends
@@ -85,6 +88,13 @@ async def start(flow: PDFlow, request: PDRequest, ctx: HandoffContext) -> PDExch
                 error = prefill_task.exception()
                 if error is not None:
                     raise as_prefill_error(error)
+                if (dialect.learns and not decode_task.done()
+                        and dialect.answered_stale(prefill_task.result(), ctx)):
+                    # The answer disproves the decode's hand-off before the decode answered
+                    # (an engine that knew the old identity may wait on it for minutes).
+                    await _drop(decode_task)
+                    raise DecodeFailed("decode sent with a hand-off the prefill's answer "
+                                       "disproves", stage=Stage.DECODE)
         decode = decode_task.result()
     except DecodeFailed as refused:
         if not dialect.learns:
@@ -103,6 +113,13 @@ async def start(flow: PDFlow, request: PDRequest, ctx: HandoffContext) -> PDExch
                           owner=flow)
     exchange.watch_prefill()
     return exchange
+
+
+async def _drop(decode_task: asyncio.Task[UpstreamResponse]) -> None:
+    """Stop a decode leg (closing its connection tells the engine), its head if it came."""
+    await cancel_and_wait(decode_task)
+    if not decode_task.cancelled() and decode_task.exception() is None:
+        decode_task.result().close()
 
 
 async def opened_unrefused(dialect: Dialect, ctx: HandoffContext,

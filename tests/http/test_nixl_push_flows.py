@@ -83,11 +83,12 @@ async def test_a_restarted_prefill_engine_is_learned_again_without_a_failed_requ
     async with pd_pair("vllm", "nixl-push") as pair:
         await run_ok(pair)  # learns
         pair.prefill.engine_id = "restarted-under-a-new-id"
-        # JSON: the decode refused the stale identity (HTTP 500 as vLLM), went again from
-        # the prefill's answer; the prefill ran once.
+        # The decode knew the old id, so it waits on it (as vLLM does, for minutes); the
+        # prefill's answer shows the new one: that decode is stopped and sent again from it.
         again = await run_ok(pair)
         assert is_remote_text(text_of(again))
         assert len(pair.prefill.recorder.on_path("/v1/completions")) == 2
+        assert len(pair.decode.recorder.on_path("/v1/completions")) == 3
         # Learned: the next one goes at once with the new identity.
         await run_ok(pair, stream=True)
         last = pair.decode.recorder.on_path("/v1/completions")[-1].json
@@ -95,19 +96,28 @@ async def test_a_restarted_prefill_engine_is_learned_again_without_a_failed_requ
         assert len(pair.prefill.recorder.on_path("/v1/completions")) == 3
 
 
-async def test_a_stale_identity_on_a_stream_is_sent_again_before_its_first_byte() -> None:
-    async with pd_pair("vllm", "nixl-push") as pair:
-        await run_ok(pair)
-        pair.prefill.engine_id = "restarted-under-a-new-id"
-        # vLLM fails a stream after its 200 head: an error event first. The sidecar reads
-        # that first event before its own head leaves, and sends the decode again.
-        status, _, body = await pair.send(stream=True)
-        assert status == 200, body
-        assert is_remote_text(streamed_text(body)) and '"error"' not in body
-        decodes = pair.decode.recorder.on_path("/v1/completions")
-        assert len(decodes) == 3 and len(pair.prefill.recorder.on_path("/v1/completions")) == 2
-        assert decodes[-1].json["kv_transfer_params"]["remote_engine_id"] == (
-            "restarted-under-a-new-id")
+async def test_a_refused_stream_is_sent_again_before_its_first_byte() -> None:
+    async with stub_pair("vllm", "nixl-push") as (prefill, decode):
+        # An identity the decode never registered with: refused at once (vLLM: "Remote NIXL
+        # agent engine ID mismatch").
+        settings = decode_sidecar_settings(
+            "vllm", "nixl-push", prefill, decode, nixl_push_engine_id="operator-typo",
+            nixl_push_side_channel_port=prefill.port)
+        async with running_sidecar(**settings) as sidecar:
+            await _refused_stream_sent_again(PDPair("vllm", "nixl-push", prefill, decode,
+                                                    sidecar))
+
+
+async def _refused_stream_sent_again(pair: PDPair) -> None:
+    # vLLM fails a stream after its 200 head: an error event first. The sidecar reads that
+    # first event before its own head leaves, and sends the decode again.
+    status, _, body = await pair.send(stream=True)
+    assert status == 200, body
+    assert is_remote_text(streamed_text(body)) and '"error"' not in body
+    decodes = pair.decode.recorder.on_path("/v1/completions")
+    assert len(decodes) == 2 and len(pair.prefill.recorder.on_path("/v1/completions")) == 1
+    assert decodes[-1].json["kv_transfer_params"]["remote_engine_id"] == (
+        pair.prefill.engine_id)
 
 
 async def test_a_failed_concurrent_prefill_fails_the_request() -> None:

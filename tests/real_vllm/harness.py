@@ -55,6 +55,8 @@ KV_CACHE_BYTES = 64 * 1024 * 1024
 ROUTE_FLAGS: tuple[str, ...] = ("--enable-scale-out", "--enable-prompt-tokens-details")
 # Poll delay of NIXL's progress thread, in microseconds (see nixl_hook.py).
 NIXL_PTHR_DELAY_US = 100_000
+#: The NIXL connectors (each engine gets a side-channel port of its own).
+NIXL_CONNECTORS = frozenset({"NixlConnector", "NixlPushConnector"})
 START_DEADLINE_S = 240.0
 STOP_GRACE_S = 20.0
 HEALTH_POLL_S = 0.25
@@ -136,11 +138,15 @@ class EngineSpec:
     prefix_caching: bool = True
     extra_args: tuple[str, ...] = ()
     extra_env: Mapping[str, str] = field(default_factory=dict)
+    #: Fixed HTTP and NIXL side-channel ports (None: free ones), e.g. to restart an engine
+    #: where its peers know it.
+    port: int | None = None
+    side_channel_port: int | None = None
 
     @property
     def uses_nixl(self) -> bool:
         cfg = self.kv_transfer_config
-        return cfg is not None and cfg.get("kv_connector") == "NixlConnector"
+        return cfg is not None and cfg.get("kv_connector") in NIXL_CONNECTORS
 
     @property
     def serves_mooncake_bootstrap(self) -> bool:
@@ -210,6 +216,15 @@ def free_port_run(count: int) -> int:
 
 def nixl_config(role: str) -> dict[str, Any]:
     return {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu"}
+
+
+def nixl_push_config(role: str, engine_id: str | None = None) -> dict[str, Any]:
+    """NixlPushConnector (vLLM 0.32); ``engine_id`` fixes the id (a random one otherwise)."""
+    config: dict[str, Any] = {"kv_connector": "NixlPushConnector", "kv_role": role,
+                              "kv_buffer_device": "cpu"}
+    if engine_id is not None:
+        config["engine_id"] = engine_id
+    return config
 
 
 def mooncake_config(role: str, engine_id: str | None = None) -> dict[str, Any]:
@@ -382,9 +397,11 @@ class EngineGroup:
         workdir = self.root / spec.name
         if reuse is not None:
             workdir = self.root / f"{spec.name}.{len(list(self.root.glob(spec.name + '*')))}"
+        elif workdir.exists():  # a restarted engine: the old one's files go
+            shutil.rmtree(workdir)
         workdir.mkdir(parents=True)
-        port = free_port() if reuse is None else reuse.port
-        side_port = free_port() if spec.uses_nixl else None
+        port = reuse.port if reuse is not None else (spec.port or free_port())
+        side_port = (spec.side_channel_port or free_port()) if spec.uses_nixl else None
         if reuse is not None:
             side_port = reuse.side_channel_port
         bootstrap_port = free_port() if spec.serves_mooncake_bootstrap else None
@@ -459,6 +476,12 @@ class EngineGroup:
         started = [self.spawn(spec) for spec in specs]
         self.wait_ready([e.spec.name for e in started], deadline_s)
         return {e.spec.name: e for e in started}
+
+    def stop(self, name: str) -> Engine:
+        """Stop one engine (its ports are free again) and forget it; the engine it was."""
+        engine = self.engines.pop(name)
+        stop_process_group(engine.process)
+        return engine
 
     def close(self) -> None:
         """Stop every engine (all at once, then wait) and remove the group's temp dir."""

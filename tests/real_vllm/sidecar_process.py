@@ -72,7 +72,7 @@ def _copy_lines(source: IO[str], sink: IO[str]) -> None:
 
 
 def through(sidecar: Sidecar, path: str, body: dict[str, Any], target: str,
-            headers: dict[str, str] | None = None) -> str:
+            headers: dict[str, str] | None = None, timeout: float = 120.0) -> str:
     """POST ``body`` to the sidecar's ``path`` with prefill target ``target`` (and any other
     routing ``headers``); the text."""
     request = urllib.request.Request(
@@ -80,7 +80,7 @@ def through(sidecar: Sidecar, path: str, body: dict[str, Any], target: str,
         headers={"Content-Type": "application/json", PREFILL_HEADER: target, **(headers or {})},
         method="POST",
     )
-    with urllib.request.urlopen(request, timeout=120) as response:
+    with urllib.request.urlopen(request, timeout=timeout) as response:
         raw = response.read().decode()
     if body.get("stream"):
         events = [json.loads(line[6:]) for line in raw.splitlines()

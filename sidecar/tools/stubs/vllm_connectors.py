@@ -29,7 +29,8 @@ channel"); D with {remote_engine_id, remote_host, remote_port, tp_size, remote_r
 "registers" at ``GET http://remote_host:remote_port/_stub/nixl-push/<base id>?engine_id=E``,
 which answers 409 at once when E is none of P's engine ids (D then fails the request as vLLM
 does after its handshake's "Remote NIXL agent engine ID mismatch": JSON HTTP 500, a stream
-HTTP 200 with an error event first, ``EngineFailed``) and otherwise
+HTTP 200 with an error event first, ``EngineFailed``; but an id D registered with before
+makes it wait out its timeout, as vLLM notifies the gone agent it keeps) and otherwise
 waits (bounded) for P's KV of that base id; a KV of another prompt recomputes locally.
 
 Any missing key or mismatch makes D recompute locally, as vLLM does: the output differs
@@ -385,6 +386,8 @@ class NixlPushConnector:
         self.blocks = BlockAllocator(stub.config.block_size)
         self.pushed = 0
         self.registrations = 0
+        #: Decode side: the prefill engine ids it registered with before (vLLM's agents).
+        self.known_prefills: set[str] = set()
 
     def _slot(self, base_id: str) -> _Slot:
         slot = self.slots.get(base_id)
@@ -481,6 +484,12 @@ class NixlPushConnector:
         except (aiohttp.ClientError, TimeoutError, ValueError):
             return local("pull_failed")
         if status == 409:
+            if engine_id in self.known_prefills:
+                # vLLM keeps a prefill engine's agent by its id: a decode naming an id it
+                # handshook before notifies that (gone) agent and waits for a push that
+                # never comes, instead of failing at once.
+                await asyncio.sleep(cfg.waiting_timeout_s)
+                return local("transfer_timeout")
             raise EngineFailed(NIXL_PUSH_MISMATCH)
         if status == 408:
             return local("transfer_timeout")
@@ -490,6 +499,7 @@ class NixlPushConnector:
             return local("engine_mismatch")
         if data.get("prompt_digest") != f"{gen.digest:016x}":
             return local("prompt_mismatch")
+        self.known_prefills.add(engine_id)
         return REMOTE_OK
 
     def held(self) -> int:

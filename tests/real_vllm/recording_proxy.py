@@ -1,0 +1,125 @@
+"""A loopback HTTP proxy in front of a real engine that records when each request came and went.
+
+    with recording_proxy(engine.url) as proxy:       proxy.url: where the sidecar sends legs
+        ...                                           proxy.seen(): [Passage(...), ...]
+
+Each ``Passage`` holds the request's path, its ``X-Request-Id``, its status, when the proxy
+received the request's head (``arrived``) and when the engine's answer was complete at the
+proxy (``answered``), both on this process's monotonic clock, so passages through two
+proxies compare. The answer goes through as the engine writes it (a stream stays a stream),
+except its last bytes, which wait until the passage is recorded: a caller holding the whole
+answer finds its passage in ``seen()``, and never had it before ``answered``.
+
+Used to observe, from outside the sidecar, that a decode leg reached the decode engine
+before the prefill leg's answer left the prefill engine.
+
+Deliberate limits: POST and GET only, one upstream, no TLS; the proxy's own hop adds well
+under a millisecond on loopback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import aiohttp
+from aiohttp import web
+
+_HOP_HEADERS = frozenset({"host", "content-length", "transfer-encoding", "connection"})
+
+
+@dataclass(frozen=True)
+class Passage:
+    path: str
+    request_id: str
+    arrived: float
+    answered: float
+    status: int
+
+
+class RecordingProxy:
+    def __init__(self, upstream: str) -> None:
+        self.upstream = upstream.rstrip("/")
+        self.url = ""
+        self._passages: list[Passage] = []
+        self._lock = threading.Lock()
+
+    def seen(self, path: str | None = None) -> list[Passage]:
+        with self._lock:
+            return [p for p in self._passages if path is None or p.path == path]
+
+    async def _forward(self, request: web.Request) -> web.StreamResponse:
+        arrived = time.monotonic()
+        body = await request.read()
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
+        session: aiohttp.ClientSession = request.app["session"]
+        async with session.request(request.method, self.upstream + request.path_qs,
+                                   data=body, headers=headers) as upstream:
+            response = web.StreamResponse(status=upstream.status)
+            for name, value in upstream.headers.items():
+                if name.lower() not in _HOP_HEADERS:
+                    response.headers[name] = value
+            await response.prepare(request)
+            # The last bytes are held back until the passage is recorded: whoever reads the
+            # answer cannot have it whole before ``answered``, nor before ``seen()`` has it.
+            last = b""
+            if upstream.headers.get("Content-Type", "").startswith("text/event-stream"):
+                async for chunk in upstream.content.iter_any():
+                    if last:
+                        await response.write(last)
+                    last = chunk
+            else:
+                last = await upstream.read()
+            passage = Passage(request.path, request.headers.get("X-Request-Id", ""), arrived,
+                              time.monotonic(), upstream.status)
+            with self._lock:
+                self._passages.append(passage)
+            if last:
+                await response.write(last)
+            await response.write_eof()
+        return response
+
+
+@contextlib.contextmanager
+def recording_proxy(upstream: str) -> Iterator[RecordingProxy]:
+    """Run a ``RecordingProxy`` to ``upstream`` on a free loopback port, in its own thread."""
+    proxy = RecordingProxy(upstream)
+    loop = asyncio.new_event_loop()
+    started = threading.Event()
+    stop: asyncio.Event | None = None
+
+    async def serve() -> None:
+        nonlocal stop
+        stop = asyncio.Event()
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app["session"] = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
+        app.router.add_route("*", "/{tail:.*}", proxy._forward)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = runner.addresses[0][1]
+        proxy.url = f"http://127.0.0.1:{port}"
+        started.set()
+        try:
+            await stop.wait()
+        finally:
+            await app["session"].close()
+            await runner.cleanup()
+
+    thread = threading.Thread(target=loop.run_until_complete, args=(serve(),), daemon=True)
+    thread.start()
+    if not started.wait(30):
+        raise RuntimeError("recording proxy did not start")
+    try:
+        yield proxy
+    finally:
+        assert stop is not None
+        loop.call_soon_threadsafe(stop.set)
+        thread.join(30)
+        if not thread.is_alive():  # else a leg still waits on its engine: the thread is a daemon
+            loop.close()
