@@ -22,7 +22,7 @@ CHECKED = {"vllm": "v0.32.0", "sglang": "v0.5.23"}
 
 
 def documented_images() -> dict[str, str]:
-    rows = re.findall(r"^\| `deploy/overlays/(\w+)`[^|]*\| `([^`]+)` \|", PAGE.read_text(),
+    rows = re.findall(r"^\| `deploy/overlays/([\w-]+)`[^|]*\| `([^`]+)` \|", PAGE.read_text(),
                       re.MULTILINE)
     return dict(rows)
 
