@@ -121,7 +121,9 @@ def test_quick_paced_run_measures_every_way(tmp_path: Path, flows: str) -> None:
     assert list(row) == ["direct", "bare", "before", "sidecar", "sidecar-w2"]
     for way, side in row.items():
         assert side["errors"] == 0 and side["requests"] > 0 and side["tokens"] > 0, way
-        assert side["itl_p50_ms"] > 0 and side["ttft_p50_ms"] > 0
+        # A loaded machine can read several paced tokens in one chunk, so the median gap
+        # may be 0: measured, never negative; only the first token always takes time.
+        assert side["itl_p50_ms"] >= 0 and side["ttft_p50_ms"] > 0
         if way != "direct":
             assert side["relay_cpu_us_per_token"] > 0
             assert side["relay_reads_per_token"] > 0 and side["relay_writes_per_token"] > 0
