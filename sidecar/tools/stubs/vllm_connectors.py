@@ -214,20 +214,70 @@ class _Slot:
     held: HeldKV | None = None
 
 
+class HeldSlots:
+    """KV a push-model prefill holds for a decode that waits on it, by the pairing key
+    (Mooncake's transfer id, NIXL push's base request id), each until its lease ends."""
+
+    def __init__(self) -> None:
+        self._slots: dict[str, _Slot] = {}
+
+    def _slot(self, key: str) -> _Slot:
+        slot = self._slots.get(key)
+        if slot is None:
+            slot = self._slots[key] = _Slot(asyncio.Event())
+        return slot
+
+    def hold(self, key: str, held: HeldKV) -> None:
+        """The prefill ended: ``held`` waits for its decode (which may already wait)."""
+        self.expire()
+        slot = self._slot(key)
+        slot.held = held
+        slot.event.set()
+
+    async def wait(self, key: str, request: web.Request, *, default_timeout_s: float,
+                   engine_id: str, late_error: str) -> web.StreamResponse:
+        """A decode's wait for ``key`` (its ``?timeout=`` or ``default_timeout_s``): the
+        held KV's payload, 408 ``late_error`` when no prefill held it in time, 410 when the
+        stub stops."""
+        try:
+            timeout = float(request.query.get("timeout", default_timeout_s))
+        except ValueError:
+            return json_response({"error": "bad timeout"}, 400)
+        slot = self._slot(key)
+        try:
+            async with asyncio.timeout(timeout):
+                await slot.event.wait()
+        except TimeoutError:
+            if self._slots.get(key) is slot and slot.held is None:
+                del self._slots[key]
+            return json_response({"error": late_error}, 408)
+        self._slots.pop(key, None)
+        if slot.held is None:  # the slot was cleared (stub stopping)
+            return json_response({"error": "gone"}, 410)
+        return json_response(slot.held.payload(engine_id))
+
+    def expire(self) -> None:
+        now = time.monotonic()
+        for key in [k for k, s in self._slots.items()
+                    if s.held is not None and s.held.expires <= now]:
+            del self._slots[key]
+
+    def held(self) -> int:
+        self.expire()
+        return sum(1 for s in self._slots.values() if s.held is not None)
+
+    def clear(self) -> None:
+        self._slots.clear()
+
+
 class MooncakeConnector:
     """vLLM MooncakeConnector: push model, P and D concurrent, paired by transfer_id."""
 
     def __init__(self, stub: Stub) -> None:
         self.stub = stub
-        self.slots: dict[str, _Slot] = {}
+        self.slots = HeldSlots()
         self.blocks = BlockAllocator(stub.config.block_size)
         self.pushed = 0
-
-    def _slot(self, transfer_id: str) -> _Slot:
-        slot = self.slots.get(transfer_id)
-        if slot is None:
-            slot = self.slots[transfer_id] = _Slot(asyncio.Event())
-        return slot
 
     def add_routes(self, app: web.Application) -> None:
         return None
@@ -256,22 +306,9 @@ class MooncakeConnector:
 
     async def _wait_push(self, request: web.Request) -> web.StreamResponse:
         transfer_id = request.match_info["transfer_id"]
-        try:
-            timeout = float(request.query.get("timeout", self.stub.config.waiting_timeout_s))
-        except ValueError:
-            return json_response({"error": "bad timeout"}, 400)
-        slot = self._slot(transfer_id)
-        try:
-            async with asyncio.timeout(timeout):
-                await slot.event.wait()
-        except TimeoutError:
-            if self.slots.get(transfer_id) is slot and slot.held is None:
-                del self.slots[transfer_id]
-            return json_response({"error": f"transfer {transfer_id} not pushed in time"}, 408)
-        self.slots.pop(transfer_id, None)
-        if slot.held is None:  # the slot was cleared (stub stopping)
-            return json_response({"error": "gone"}, 410)
-        return json_response(slot.held.payload(self.stub.engine_id))
+        return await self.slots.wait(
+            transfer_id, request, default_timeout_s=self.stub.config.waiting_timeout_s,
+            engine_id=self.stub.engine_id, late_error=f"transfer {transfer_id} not pushed in time")
 
     def after_prefill(
         self, gen: GenRequest, request_id: str, finish: str, fault: Fault | None, rank: int
@@ -284,22 +321,13 @@ class MooncakeConnector:
             return None
         if fault is not None and fault.kind is FaultKind.NO_HANDOFF:
             return None
-        self._expire()
-        slot = self._slot(str(transfer_id))
         expires = time.monotonic() + self.stub.config.kv_lease_s
-        slot.held = HeldKV(
+        self.slots.hold(str(transfer_id), HeldKV(
             gen.digest, [self.blocks.allocate(len(gen.prompt_ids))], len(gen.prompt_ids), expires,
             self.stub.ranks.engine_id(self.stub.engine_id, rank),
-        )
-        slot.event.set()
+        ))
         self.pushed += 1
         return None  # MooncakeConnector.request_finished returns no params
-
-    def _expire(self) -> None:
-        now = time.monotonic()
-        stale = [t for t, s in self.slots.items() if s.held is not None and s.held.expires <= now]
-        for transfer_id in stale:
-            del self.slots[transfer_id]
 
     async def check_handoff(self, gen: GenRequest) -> Verdict | None:
         params = _params(gen)
@@ -342,8 +370,7 @@ class MooncakeConnector:
         return REMOTE_OK
 
     def held(self) -> int:
-        self._expire()
-        return sum(1 for s in self.slots.values() if s.held is not None)
+        return self.slots.held()
 
     def close(self) -> None:
         self.slots.clear()
@@ -382,18 +409,12 @@ class NixlPushConnector:
 
     def __init__(self, stub: Stub) -> None:
         self.stub = stub
-        self.slots: dict[str, _Slot] = {}
+        self.slots = HeldSlots()
         self.blocks = BlockAllocator(stub.config.block_size)
         self.pushed = 0
         self.registrations = 0
         #: Decode side: the prefill engine ids it registered with before (vLLM's agents).
         self.known_prefills: set[str] = set()
-
-    def _slot(self, base_id: str) -> _Slot:
-        slot = self.slots.get(base_id)
-        if slot is None:
-            slot = self.slots[base_id] = _Slot(asyncio.Event())
-        return slot
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_get(NIXL_PUSH_PREFIX + "{base_id}", self._register)
@@ -410,22 +431,9 @@ class NixlPushConnector:
         if request.query.get("engine_id") not in self._engine_ids():
             return json_response({"error": "Remote NIXL agent engine ID mismatch"}, 409)
         self.registrations += 1
-        try:
-            timeout = float(request.query.get("timeout", self.stub.config.waiting_timeout_s))
-        except ValueError:
-            return json_response({"error": "bad timeout"}, 400)
-        slot = self._slot(base_id)
-        try:
-            async with asyncio.timeout(timeout):
-                await slot.event.wait()
-        except TimeoutError:
-            if self.slots.get(base_id) is slot and slot.held is None:
-                del self.slots[base_id]
-            return json_response({"error": f"request {base_id} not prefilled in time"}, 408)
-        self.slots.pop(base_id, None)
-        if slot.held is None:  # the slot was cleared (stub stopping)
-            return json_response({"error": "gone"}, 410)
-        return json_response(slot.held.payload(self.stub.engine_id))
+        return await self.slots.wait(
+            base_id, request, default_timeout_s=self.stub.config.waiting_timeout_s,
+            engine_id=self.stub.engine_id, late_error=f"request {base_id} not prefilled in time")
 
     def after_prefill(
         self, gen: GenRequest, request_id: str, finish: str, fault: Fault | None, rank: int
@@ -434,13 +442,11 @@ class NixlPushConnector:
             return None
         if finish != "length" or (fault is not None and fault.kind is FaultKind.NO_HANDOFF):
             return None
-        self._expire()
         engine_id = self.stub.ranks.engine_id(self.stub.engine_id, rank)
         blocks = [self.blocks.allocate(len(gen.prompt_ids))]
-        slot = self._slot(base_request_id(request_id))
-        slot.held = HeldKV(gen.digest, blocks, len(gen.prompt_ids),
-                           time.monotonic() + self.stub.config.kv_lease_s, engine_id)
-        slot.event.set()
+        self.slots.hold(base_request_id(request_id), HeldKV(
+            gen.digest, blocks, len(gen.prompt_ids),
+            time.monotonic() + self.stub.config.kv_lease_s, engine_id))
         self.pushed += 1
         # The keys and order of vLLM 0.32's push answer (NixlPushConnectorScheduler).
         return {
@@ -458,12 +464,6 @@ class NixlPushConnector:
             "transfer_mode": "push",
             "remote_prefill_cached_tokens": int(gen.extra.get("cached_tokens", 0)),
         }
-
-    def _expire(self) -> None:
-        now = time.monotonic()
-        stale = [t for t, s in self.slots.items() if s.held is not None and s.held.expires <= now]
-        for base_id in stale:
-            del self.slots[base_id]
 
     async def check_handoff(self, gen: GenRequest) -> Verdict | None:
         params = _params(gen)
@@ -503,8 +503,7 @@ class NixlPushConnector:
         return REMOTE_OK
 
     def held(self) -> int:
-        self._expire()
-        return sum(1 for s in self.slots.values() if s.held is not None)
+        return self.slots.held()
 
     def close(self) -> None:
         self.slots.clear()
