@@ -17,7 +17,8 @@ no core pinning, decode without prefix caching):
 Each request is a streamed completion of a prompt of its own (about 150 tokens, so the
 prefill engine's prefix cache never helps), one at a time; TTFT is the client's time from
 sending to the first content byte through the sidecar. A warm-up request per sidecar is not
-counted (it learns the identity, opens connections). Prints p50 and p90 per way, in ms.
+counted (it learns the identity, opens connections). Prints p50 and p90 per way, in ms, as
+soon as each phase ends; a request past ``REQUEST_TIMEOUT_S`` is counted as timed out, apart.
 
 Deliberate limits: CPU engines and a tiny model: a prefill takes tens of milliseconds and the
 hop the push saves is a loopback round trip plus the decode's own scheduling, so the figure
@@ -33,6 +34,7 @@ import json
 import statistics
 import tempfile
 import time
+import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Iterator
@@ -53,21 +55,34 @@ ENGINE_ENV = {"DISAGG_NIXL_PTHR_DELAY_US": "", "VLLM_CPU_OMP_THREADS_BIND": "nob
 SLOW_PREFILL = ("--prefill-timeout-s", "120")
 
 
-def ttft_ms(sidecar: Sidecar, target: str, tag: str) -> float:
+#: A request's bound: past it the request is counted as timed out (push engines on a
+#: 2-core CPU machine stall for minutes now and then; see probe_push_cpu.py).
+REQUEST_TIMEOUT_S = 120.0
+
+
+def ttft_ms(sidecar: Sidecar, target: str, tag: str) -> float | None:
+    """The client's TTFT in ms; None when the request passed ``REQUEST_TIMEOUT_S``."""
     body = completion_body(block_prompt(tag), max_tokens=8, stream=True)
     request = urllib.request.Request(
         sidecar.url + "/v1/completions", data=json.dumps(body).encode(), method="POST",
         headers={"Content-Type": "application/json", PREFILL_HEADER: target,
                  "X-Request-Id": f"bench-{uuid.uuid4().hex[:12]}"})
     started = time.perf_counter()
-    with urllib.request.urlopen(request, timeout=120) as response:
-        for line in response:
-            if line.startswith(b"data: {") and b'"text"' in line:
-                first = time.perf_counter()
-                break
-        else:
-            raise RuntimeError("stream without content")
-        response.read()
+    try:
+        with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as response:
+            for line in response:
+                if line.startswith(b"data: {") and b'"text"' in line:
+                    first = time.perf_counter()
+                    break
+            else:
+                raise RuntimeError("stream without content")
+            response.read()
+    except TimeoutError:
+        return None
+    except urllib.error.URLError as error:
+        if isinstance(error.reason, TimeoutError):
+            return None
+        raise
     return (first - started) * 1000.0
 
 
@@ -90,13 +105,23 @@ def pair(group: EngineGroup, config: str) -> Iterator[tuple[str, str]]:
             group.stop(name)
 
 
-def percentiles(values: list[float]) -> str:
-    cuts = statistics.quantiles(values, n=10, method="inclusive")
-    return f"p50 {statistics.median(values):7.1f}  p90 {cuts[8]:7.1f}  (n={len(values)})"
+def percentiles(values: list[float | None]) -> str:
+    answered = [value for value in values if value is not None]
+    timed_out = len(values) - len(answered)
+    if len(answered) < 2:
+        return f"too few answers ({len(answered)}; {timed_out} timed out)"
+    cuts = statistics.quantiles(answered, n=10, method="inclusive")
+    return (f"p50 {statistics.median(answered):7.1f}  p90 {cuts[8]:7.1f}  "
+            f"(n={len(answered)}, {timed_out} timed out at {REQUEST_TIMEOUT_S:.0f} s)")
 
 
-def run(requests: int) -> dict[str, list[float]]:
-    results: dict[str, list[float]] = {}
+def report(name: str, values: list[float | None]) -> None:
+    print(f"{name:40s} TTFT ms  {percentiles(values)}", flush=True)
+
+
+def run(requests: int) -> dict[str, list[float | None]]:
+    """Each way's TTFTs (None: timed out), each way reported as soon as it has them."""
+    results: dict[str, list[float | None]] = {}
     tmp = Path(tempfile.mkdtemp(prefix="bench-push-pull-"))
     for name in ("pull", "nixl-push", "shfs"):
         (tmp / name).mkdir()
@@ -107,6 +132,7 @@ def run(requests: int) -> dict[str, list[float]]:
                 ttft_ms(sidecar, target, "warm-pull")
                 results["pull engines, shfs (sequential)"] = [
                     ttft_ms(sidecar, target, f"pull-{i}") for i in range(requests)]
+        report("pull engines, shfs (sequential)", results["pull engines, shfs (sequential)"])
         with pair(group, "push") as (decode, target):
             ways = {"push engines, nixl-push (concurrent)": "nixl-push",
                     "push engines, shfs (sequential)": "shfs"}
@@ -121,6 +147,8 @@ def run(requests: int) -> dict[str, list[float]]:
                 for i in range(requests):
                     for name in ways:  # in turn: both ways see the same background load
                         results[name].append(ttft_ms(sidecars[name], target, f"{name}-{i}"))
+        for name in ways:
+            report(name, results[name])
     return results
 
 
@@ -128,8 +156,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=20)
     args = parser.parse_args()
-    for name, values in run(args.requests).items():
-        print(f"{name:40s} TTFT ms  {percentiles(values)}")
+    run(args.requests)
 
 
 if __name__ == "__main__":

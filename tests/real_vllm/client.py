@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import json
 import re
+import time
 import urllib.error
 import urllib.request
 from typing import Any
@@ -113,6 +114,25 @@ def metric_value(engine_url: str, name: str, **labels: str) -> float:
         if all(have.get(k) == v for k, v in labels.items()):
             total += float(match["value"])
     return total
+
+
+#: How often ``metric_rises`` asks an engine (its stats are published between steps).
+METRIC_POLL_S = 0.25
+
+
+def metric_rises(engine_url: str, name: str, above: float, deadline_s: float = 60.0,
+                 **labels: str) -> float:
+    """``metric_value`` once it is above ``above`` (raises AssertionError after
+    ``deadline_s``): an engine publishes a transfer's figures with its next step's stats,
+    after the request that caused it has answered, and no event says when."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        value = metric_value(engine_url, name, **labels)
+        if value > above:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{name} on {engine_url} still {value} after {deadline_s} s")
+        time.sleep(METRIC_POLL_S)
 
 
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
