@@ -32,8 +32,8 @@ class LimitsSettings(BaseModel):
     on_prefill_failure: PrefillFailurePolicy = Field(
         default=PrefillFailurePolicy.FAIL,
         description="When the prefill leg fails: fail (the request fails with the prefill's "
-        "error) or local (it runs whole on the local engine, logged and counted; sequential "
-        "dialects only).",
+        "error) or local (it runs whole on the local engine, logged and counted: after a "
+        "failed leg for sequential dialects only, with every prefill breaker open for all).",
     )
     trusted_router: bool = Field(
         default=False,

@@ -23,7 +23,8 @@ Deliberate limits: one retry, only of a prefill whose engine provably did no wor
 or unreachable connect, a 503 or 429 answer, a target whose breaker let no leg through), on
 another of the request's targets (``placement.retry_pair``); the local-prefill fallback after
 a failed prefill applies to sequential dialects only (a concurrent dialect's decode cannot
-run without its prefill).
+run without its prefill; before any leg, every breaker open, the placement decides it for
+every dialect).
 """
 
 from __future__ import annotations
@@ -97,9 +98,10 @@ class PDFlow:
 
     @property
     def local_fallback(self) -> bool:
-        """``--on-prefill-failure local`` holds for this flow's requests: its decode can run
-        without its prefill (sequential dialects)."""
-        return self._local_fallback and self.dialect.legs is not Legs.CONCURRENT
+        """``--on-prefill-failure local``: a request no prefill target can take (every
+        breaker open) runs whole on the local engine, whatever the dialect, since no leg has
+        gone yet. After a failed prefill leg only a sequential dialect falls back (``run``)."""
+        return self._local_fallback
 
     # -- per-request state: what the exchange calls back ------------------------------------
 

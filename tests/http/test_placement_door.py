@@ -82,6 +82,26 @@ async def test_the_local_policy_keeps_answering_once_the_breaker_opens() -> None
             3 * BREAKER["prefill_breaker_failures"])
 
 
+@pytest.mark.parametrize(("engine", "connector"),
+                         [("sglang", "shfs"), ("vllm", "mooncake"), ("vllm", "nixl-push")])
+async def test_every_breaker_open_runs_locally_for_a_concurrent_dialect_too(
+    engine: str, connector: str,
+) -> None:
+    # A concurrent dialect cannot fall back once its legs went; before any leg it can.
+    async with pd_pair(engine, connector, on_prefill_failure="local", **OPEN_FOR_LONG) as pair:
+        status, _, text = await pair.send()  # nixl-push learns its identity: both legs at once
+        assert status == 200, text          # from now on (the first runs them in turn)
+        await _open_the_breaker(pair)
+        legs_before = len(pair.prefill.recorder.requests)
+        body = client_body()
+        status, _, text = await pair.send(body=body)
+        assert status == 200, text
+        assert len(pair.prefill.recorder.requests) == legs_before
+        assert await pair.sidecar.metric("disagg_prefill_fallbacks_total",
+                                         reason="breaker_open") == 1
+        assert await pair.sidecar.metric("disagg_requests_total", outcome="fallback") == 1
+
+
 async def test_without_the_local_policy_an_open_breaker_refuses_the_pair() -> None:
     async with pd_pair("vllm", **OPEN_FOR_LONG) as pair:
         await _open_the_breaker(pair)
