@@ -30,7 +30,14 @@ from typing import Any
 
 import pytest
 
-from real_vllm.client import block_prompt, chat_body, metric_value, post_json, text_of
+from real_vllm.client import (
+    block_prompt,
+    chat_body,
+    metric_rises,
+    metric_value,
+    post_json,
+    text_of,
+)
 from real_vllm.harness import (
     ROUTE_FLAGS,
     EngineEnv,
@@ -52,6 +59,7 @@ PROMPT_TOKENS = "vllm:prompt_tokens_total"
 PREFIX_HITS = "vllm:prefix_cache_hits_total"
 CACHED_SUM = "disagg_cached_prompt_tokens_sum"
 REQUESTS = "disagg_requests_total"
+INDEX_BLOCKS = "disagg_kv_index_blocks"
 
 
 @dataclass
@@ -85,7 +93,7 @@ def cache_stack(real_vllm: RealVllm, engine_env: EngineEnv,
             tmp_path_factory.mktemp("cache-sidecar"),
             "--engine", "vllm", "--kv-connector", "shfs", "--engine-url", url,
             "--kv-events-endpoint", endpoint, "--kv-events-topic", "kv",
-            "--local-prefill-max-uncached-tokens", str(MAX_UNCACHED),
+            "--local-prefill-max-uncached-tokens", str(MAX_UNCACHED), "--log-level", "debug",
         ):
             group.wait_ready([DECODE])
             yield CacheStack(real_vllm, group, sidecar, endpoint)
@@ -111,6 +119,16 @@ def via(sidecar: Sidecar, body: dict[str, Any], target: str) -> dict[str, Any]:
     with urllib.request.urlopen(request, timeout=120) as response:
         reply: dict[str, Any] = json.loads(response.read())
         return reply
+
+
+def turn_one(stack: CacheStack, body: dict[str, Any], target: str) -> dict[str, Any]:
+    """A first turn through the stack's sidecar, answered once the sidecar's index holds its
+    new blocks: the engine's KV events travel on their own, so they may come after the answer
+    (a CI run sent turn 2 before they came, and it ran as a pair)."""
+    before = metric_value(stack.sidecar.url, INDEX_BLOCKS)
+    reply = via(stack.sidecar, body, target)
+    metric_rises(stack.sidecar.url, INDEX_BLOCKS, above=before)
+    return reply
 
 
 def cached_of(reply: dict[str, Any]) -> int:
@@ -156,7 +174,7 @@ def test_turn_two_runs_locally_and_a_long_message_as_a_pair(cache_stack: CacheSt
     first = chat_body(block_prompt("cache-aware-chat", items=12), max_tokens=12)
 
     moved = Counters(cache_stack)
-    reply_one = via(cache_stack.sidecar, first, target)
+    reply_one = turn_one(cache_stack, first, target)
     one = moved.moved()
     assert one["local_cached"] == 0
     assert one["prefill_prompt"] > 0  # turn 1: nothing cached, a pair
@@ -206,7 +224,7 @@ def test_no_events_leave_the_length_rule(cache_stack: CacheStack, deaf_sidecar: 
 def test_a_restarted_engine_gets_no_stale_cached_decision(cache_stack: CacheStack) -> None:
     real, target = cache_stack.real, cache_stack.real.nixl.prefill_hostport
     first = chat_body(block_prompt("cache-aware-restart", items=12), max_tokens=12)
-    second = turn_two(first, text_of(via(cache_stack.sidecar, first, target)), "And then?")
+    second = turn_two(first, text_of(turn_one(cache_stack, first, target)), "And then?")
     moved = Counters(cache_stack)
     via(cache_stack.sidecar, second, target)
     assert moved.moved()["local_cached"] == 1  # cached before the restart
