@@ -40,7 +40,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-from real_vllm.client import block_prompt, completion_body
+from real_vllm.client import block_prompt, completion_body, timed_out
 from real_vllm.harness import (
     EngineEnv,
     EngineGroup,
@@ -77,10 +77,8 @@ def ttft_ms(sidecar: Sidecar, target: str, tag: str) -> float | None:
             else:
                 raise RuntimeError("stream without content")
             response.read()
-    except TimeoutError:
-        return None
-    except urllib.error.URLError as error:
-        if isinstance(error.reason, TimeoutError):
+    except (TimeoutError, urllib.error.URLError) as error:
+        if timed_out(error):
             return None
         raise
     return (first - started) * 1000.0

@@ -116,6 +116,13 @@ def metric_value(engine_url: str, name: str, **labels: str) -> float:
     return total
 
 
+def timed_out(error: BaseException) -> bool:
+    """Whether a urllib call failed by its own timeout (raised bare while reading, wrapped
+    in URLError while connecting)."""
+    return isinstance(error, TimeoutError) or (
+        isinstance(error, urllib.error.URLError) and isinstance(error.reason, TimeoutError))
+
+
 #: How often ``metric_rises`` asks an engine (its stats are published between steps).
 METRIC_POLL_S = 0.25
 

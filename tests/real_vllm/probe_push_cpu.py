@@ -34,7 +34,7 @@ from typing import Any
 
 import psutil
 
-from real_vllm.client import block_prompt, completion_body
+from real_vllm.client import block_prompt, completion_body, timed_out
 from real_vllm.harness import (
     NIXL_PTHR_DELAY_US,
     Engine,
@@ -74,10 +74,8 @@ def timed_post(url: str, body: dict[str, Any], request_id: str,
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
             response.read()
-    except TimeoutError:
-        return None
-    except urllib.error.URLError as error:
-        if isinstance(error.reason, TimeoutError):
+    except (TimeoutError, urllib.error.URLError) as error:
+        if timed_out(error):
             return None
         raise
     return round(time.monotonic() - started, 2)

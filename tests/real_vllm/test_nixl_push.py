@@ -177,10 +177,11 @@ def legs_of_all(push: PushStack, kind: str, request_id: str) -> tuple[list[Any],
 #: tests/real_vllm/probe_push_cpu.py and bench/RESULTS.md): without the suite's NIXL poll
 #: delay each engine's progress thread spins a core, and the engines' own spin-waits between
 #: their processes (shm_broadcast, sched_yield) then starve (a prefill worker waited 60 s to
-#: hand its output to its engine core); with the delay the push writer thread holds the
-#: prefill's GIL and a decode's handshake waits until the prefill's lease ends; without a
-#: progress thread the prefill worker hangs. Requests took 2 s to 130 s, so the module runs
-#: only where asked (a machine with cores to spare): REAL_VLLM_PUSH=1.
+#: hand its output to its engine core); with the delay the push writer thread, polling NIXL
+#: every millisecond, leaves the prefill's other threads hardly any time and a decode's
+#: handshake waited until the prefill's lease ended; without a progress thread the prefill
+#: worker hangs. Requests took 2 s to 130 s, so the module runs only where asked (a machine
+#: with cores to spare): REAL_VLLM_PUSH=1.
 pytestmark = pytest.mark.skipif(
     os.environ.get("REAL_VLLM_PUSH") != "1",
     reason="NIXL push engines stall on 2-core CPU machines (see the module); "
