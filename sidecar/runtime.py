@@ -24,18 +24,12 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from sidecar.config.settings import KVTransport, Settings
-from sidecar.core.admission import Admission
-from sidecar.core.breaker_probes import BreakerProbes
-from sidecar.core.engine_calls import EngineCalls
-from sidecar.core.engine_health import EngineHealth
-from sidecar.core.flow import PDFlow
-from sidecar.core.pd_request import FlowCounters
-from sidecar.core.placement import Rules
-from sidecar.core.placer import Placer
-from sidecar.core.prompt_measure import PromptMeasure
-from sidecar.core.scope import Scopes
-from sidecar.core.upstream import make_session
 from sidecar.dialects import Dialect, DialectSetup, InlineDialect, dialect_class, handoff_keys
+from sidecar.engines.calls import EngineCalls
+from sidecar.engines.health import EngineHealth
+from sidecar.engines.probes import BreakerProbes
+from sidecar.engines.tokenizer import PromptMeasure
+from sidecar.engines.upstream import make_session
 from sidecar.http1 import EngineClient
 from sidecar.kv_events.engine_cache import EngineKVCache
 from sidecar.kv_events.subscriber import EndpointUnavailable, open_kv_events
@@ -44,6 +38,12 @@ from sidecar.observability.otlp import start_tracing
 from sidecar.observability.tracing import NoTracing, Tracing
 from sidecar.protocol.context import FrontDoor, PrefillTarget
 from sidecar.protocol.request import BodyChecks
+from sidecar.request.admission import Admission
+from sidecar.request.pd_request import FlowCounters
+from sidecar.request.placement import Rules
+from sidecar.request.placer import Placer
+from sidecar.request.runner import PDFlow
+from sidecar.request.scope import Scopes
 from sidecar.targets.allowlist import Allowlist
 from sidecar.targets.breaker import BreakerState, CircuitBreakers
 from sidecar.targets.choice import HEADER_LABEL, TargetChoice
@@ -72,7 +72,7 @@ class Runtime:
     http_scopes: Scopes
     grpc_scopes: Scopes
     selector: TargetSelector
-    #: Where each request of the HTTP door runs (``sidecar.core.placement``).
+    #: Where each request of the HTTP door runs (``sidecar.request.placement``).
     placer: Placer
     admission: Admission
     health: EngineHealth

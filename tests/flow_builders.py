@@ -29,17 +29,17 @@ from typing import Any, TypeVar, cast
 from protocol_builders import install, make_ids
 
 from sidecar.config.limits import PrefillFailurePolicy
-from sidecar.core.admission import Admission
-from sidecar.core.engine_calls import EngineCalls, PrefillLeg
-from sidecar.core.flow import PDFlow
-from sidecar.core.pd_request import FlowCounters, PDRequest
-from sidecar.core.scope import Scopes
 from sidecar.dialects import Dialect
+from sidecar.engines.calls import EngineCalls, PrefillLeg
 from sidecar.errors import Stage
 from sidecar.http1 import UpstreamBroken, UpstreamResponse
 from sidecar.observability.metrics import Metrics
 from sidecar.observability.tracing import NOOP_TRACE, RequestTrace
 from sidecar.protocol.context import FrontDoor, HandoffContext, PrefillTarget, Route
+from sidecar.request.admission import Admission
+from sidecar.request.pd_request import FlowCounters, PDRequest
+from sidecar.request.runner import PDFlow
+from sidecar.request.scope import Scopes
 from sidecar.targets.choice import TargetChoice
 from sidecar.targets.ranks import RankChoice
 

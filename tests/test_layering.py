@@ -50,7 +50,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("sidecar.targets", "sidecar.kv_events"),
     ("sidecar.config",),
     ("sidecar.workers",),
-    ("sidecar.core",),
+    ("sidecar.engines",),
+    ("sidecar.request",),
     ("sidecar.runtime",),
     ("sidecar.http_server", "sidecar.grpc_server"),
     ("sidecar.serve", "sidecar.worker"),
@@ -69,7 +70,7 @@ DIALECT_ROOM = PACKAGE / "dialects"
 
 FRONT_DOORS = ("http_server", "grpc_server")
 #: Core modules a front door may not use: the upstream calls' internals.
-CORE_INTERNALS = ("sidecar.core.legs", "sidecar.core.engine_model")
+CORE_INTERNALS = ("sidecar.engines.legs", "sidecar.engines.models")
 
 
 def module_name(path: Path) -> str:
@@ -298,7 +299,11 @@ def test_front_doors_use_only_the_cores_public_api(path: Path) -> None:
     assert not reads, f"{_rel(path)} reaches around the core: {reads}"
 
 
-@pytest.mark.parametrize("path", sorted((PACKAGE / "core").rglob("*.py")), ids=_rel)
+CORE_ROOMS = (PACKAGE / "request", PACKAGE / "engines")
+
+
+@pytest.mark.parametrize("path", sorted(p for room in CORE_ROOMS for p in room.rglob("*.py")),
+                         ids=_rel)
 def test_the_core_imports_no_front_door(path: Path) -> None:
     imported = set(imported_modules(path.read_text(), module_name(path),
                                     is_package=path.name == "__init__.py"))
@@ -318,21 +323,21 @@ def test_each_check_catches_a_leak() -> None:
     # A core module importing the HTTP door runs back up; two modules importing each other
     # are a circle, and so is a ring of three; relative imports count.
     leaks = {
-        "sidecar.core.flow": ("from sidecar.http_server import pd\n", False),
-        "sidecar.http_server.pd": ("from ..core import flow\n", False),
+        "sidecar.request.runner": ("from sidecar.http_server import pd\n", False),
+        "sidecar.http_server.pd": ("from ..request import runner\n", False),
         "sidecar.config.a": ("import sidecar.config.b\n", False),
         "sidecar.config.b": ("def f():\n    from sidecar.config import c\n", False),
         "sidecar.config.c": ("from . import a\n", False),
         "sidecar.config": ("", True),
         "sidecar.http_server": ("", True),
-        "sidecar.core": ("", True),
+        "sidecar.request": ("", True),
     }
     graph = import_graph(leaks)
-    assert upward_imports(graph) == ["sidecar.core.flow -> sidecar.http_server",
-                                     "sidecar.core.flow -> sidecar.http_server.pd"]
+    assert upward_imports(graph) == ["sidecar.request.runner -> sidecar.http_server",
+                                     "sidecar.request.runner -> sidecar.http_server.pd"]
     assert circles(graph) == [
         ["sidecar.config.a", "sidecar.config.b", "sidecar.config.c"],
-        ["sidecar.core.flow", "sidecar.http_server.pd"],
+        ["sidecar.http_server.pd", "sidecar.request.runner"],
     ]
     with pytest.raises(LookupError):
         layer_of("elsewhere.module")
@@ -344,7 +349,7 @@ def test_the_checker_sees_every_import_form() -> None:
         ("from sidecar.tools.route import route", "sidecar.serve", False),
         ("from sidecar import tools", "sidecar.serve", False),
         ("def f():\n    from sidecar.tools import demo", "sidecar.serve", False),
-        ("from ..tools import demo", "sidecar.core.legs", False),
+        ("from ..tools import demo", "sidecar.engines.legs", False),
         ("from . import tools", "sidecar", True),
     ]
     for source, module, is_package in seen:
@@ -352,7 +357,7 @@ def test_the_checker_sees_every_import_form() -> None:
     unseen = [
         ("import sidecar.toolsmith", "sidecar.serve", False),
         ("from sidecar import config", "sidecar.serve", False),
-        ("from .dialects import base", "sidecar.core.legs", False),
+        ("from .dialects import base", "sidecar.engines.legs", False),
     ]
     for source, module, is_package in unseen:
         assert not imports_tools(source, module, is_package=is_package), source

@@ -28,8 +28,6 @@ from typing import Any, Final, Protocol
 
 import grpc
 
-from sidecar.core.flow import PDFlow
-from sidecar.core.scope import OK, Scopes
 from sidecar.errors import DeadlineExceeded, DecodeFailed, InvalidRequest, Stage
 from sidecar.grpc_gen import disagg_pb2
 from sidecar.grpc_server.inline.wire import Entry
@@ -39,6 +37,8 @@ from sidecar.http1 import UpstreamError, UpstreamResponse
 from sidecar.observability.tracing import HANDOFF_SPAN, NOOP_SPAN, RELAY_SPAN, RELAYED_TOKENS
 from sidecar.protocol.context import Route
 from sidecar.protocol.request_id import REQUEST_ID_HEADER, logged_request_id
+from sidecar.request.runner import PDFlow
+from sidecar.request.scope import OK, Scopes
 from sidecar.targets.ranks import rank_from_metadata
 
 SERVICE: Final = disagg_pb2.DESCRIPTOR.services_by_name["DecodeWorker"].full_name

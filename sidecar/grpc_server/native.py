@@ -20,8 +20,6 @@ import logging
 from typing import Any
 
 from sidecar.config.settings import Role, Settings
-from sidecar.core.flow import PDFlow
-from sidecar.core.scope import RequestScope, Scopes
 from sidecar.errors import FailedPrecondition, Stage
 from sidecar.grpc_gen import disagg_pb2
 from sidecar.grpc_server.checks import check_max_new_tokens, check_temperature, check_token_ids
@@ -31,6 +29,8 @@ from sidecar.grpc_server.rpc import Malformed, tolerant
 from sidecar.kv_wire.handoff import DecodedHandoff, decode_handoff, encode_handoff
 from sidecar.observability.metrics import Metrics
 from sidecar.protocol.request_id import REQUEST_ID_HEADER, request_id_or_new
+from sidecar.request.runner import PDFlow
+from sidecar.request.scope import RequestScope, Scopes
 
 logger = logging.getLogger(__name__)
 

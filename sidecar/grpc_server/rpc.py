@@ -6,7 +6,7 @@
         ... scope.outcome = "ok" before the last message
                                            on exit: counted, admission left
 
-What is gRPC's own beyond ``sidecar.core.scope``: ``context.abort`` with the error's status,
+What is gRPC's own beyond ``sidecar.request.scope``: ``context.abort`` with the error's status,
 and a cancellation counted unless the call had already succeeded (a router may hang up as
 soon as it has the last message).
 
@@ -27,9 +27,9 @@ from typing import Any, TypeVar
 import grpc
 from google.protobuf.message import DecodeError
 
-from sidecar.core.scope import OK, RequestScope
 from sidecar.errors import InvalidRequest, SidecarError, Stage
 from sidecar.grpc_server.errors import abort_with
+from sidecar.request.scope import OK, RequestScope
 
 logger = logging.getLogger(__name__)
 

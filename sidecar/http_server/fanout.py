@@ -23,10 +23,6 @@ from dataclasses import replace
 from aiohttp import web
 
 from sidecar import jsonutil
-from sidecar.core.exchange import PDExchange
-from sidecar.core.fanout import FanOut, StartOne, start_all, sub_request_id
-from sidecar.core.pd_request import PDRequest
-from sidecar.core.scope import FALLBACK, OK, RequestScope
 from sidecar.errors import DecodeFailed, SidecarError, Stage
 from sidecar.http_server.sse_relay import SSERelay, engine_error_reported, stream_broke
 from sidecar.protocol.apis import api_of, usage_of
@@ -34,6 +30,10 @@ from sidecar.protocol.fanout import SSEEvents, StreamMerger, check_fanout, merge
 from sidecar.protocol.request import ClientRequest
 from sidecar.protocol.request_id import REQUEST_ID_HEADER
 from sidecar.protocol.sse import DONE_EVENT, answer_as_sse
+from sidecar.request.exchange import PDExchange
+from sidecar.request.fanout import FanOut, StartOne, start_all, sub_request_id
+from sidecar.request.pd_request import PDRequest
+from sidecar.request.scope import FALLBACK, OK, RequestScope
 from sidecar.runtime import Runtime
 
 logger = logging.getLogger(__name__)

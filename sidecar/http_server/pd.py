@@ -13,7 +13,7 @@
         ─▶ relay ─▶ client (JSON or SSE bytes)
 
 Parse, decide, run, relay: where a request runs is the placement decision's
-(``sidecar.core.placement``), never this module's. A router's ``x-data-parallel-rank``
+(``sidecar.request.placement``), never this module's. A router's ``x-data-parallel-rank``
 (``sidecar.targets.ranks``) names the prefill leg's rank: checked with the other routing
 headers, handed to the decision, never forwarded (no routing header reaches an engine).
 
@@ -35,10 +35,7 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 
 from sidecar import jsonutil
-from sidecar.core.exchange import PDExchange
-from sidecar.core.pd_request import PDRequest
-from sidecar.core.scope import LOCAL_STATE, REFUSED, UNSERVED_ROUTE, RequestScope
-from sidecar.core.upstream import forwardable_headers
+from sidecar.engines.upstream import forwardable_headers
 from sidecar.errors import BodyTooLarge, DecodeFailed, RequestTimeout, SidecarError, Stage
 from sidecar.http_server.body_encoding import body_coding
 from sidecar.http_server.errors import error_response
@@ -53,6 +50,9 @@ from sidecar.protocol.context import Route
 from sidecar.protocol.request import ClientRequest
 from sidecar.protocol.request_id import REQUEST_ID_HEADER, request_id_or_new
 from sidecar.protocol.sse import answer_as_sse
+from sidecar.request.exchange import PDExchange
+from sidecar.request.pd_request import PDRequest
+from sidecar.request.scope import LOCAL_STATE, REFUSED, UNSERVED_ROUTE, RequestScope
 from sidecar.runtime import Runtime
 from sidecar.targets.ranks import RANK_HEADER, parse_rank_header
 from sidecar.targets.selector import PREFILL_TARGET_HEADER

@@ -21,8 +21,8 @@ from collections.abc import AsyncIterable, AsyncIterator
 
 from aiohttp import StreamReader, web
 
-from sidecar.core.engine_calls import EngineCalls
-from sidecar.core.upstream import forwardable_headers, response_headers
+from sidecar.engines.calls import EngineCalls
+from sidecar.engines.upstream import forwardable_headers, response_headers
 from sidecar.errors import (
     BodyTooLarge,
     DecodeFailed,

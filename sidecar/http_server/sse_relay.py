@@ -35,7 +35,6 @@ from collections.abc import Mapping
 
 from aiohttp import web
 
-from sidecar.core.scope import RequestScope
 from sidecar.errors import DecodeFailed, SidecarError, Stage
 from sidecar.http_server.aiohttp_private import ClientSocket, StreamWithHead
 from sidecar.http_server.stream_events import PrefillUsage, WholeEvents
@@ -43,6 +42,7 @@ from sidecar.observability.tracing import NOOP_SPAN, RELAYED_BYTES, LegSpan
 from sidecar.protocol.apis import Api, api_of
 from sidecar.protocol.context import Route
 from sidecar.protocol.sse import DATA, StreamMarkers
+from sidecar.request.scope import RequestScope
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ stop getting them for a while.
     breakers.probed(target, healthy)   a health probe's answer (``core.breaker_probes``, only
                                     while open): healthy after down ends the cool-down now
 
-What counts as a failure is the caller's to say (``sidecar.core.engine_calls``: 5xx, resets,
+What counts as a failure is the caller's to say (``sidecar.engines.calls``: 5xx, resets,
 garbage, deadlines, refused or unreachable connects; never a 4xx, a 429 or a cancelled leg).
 Only verdicts of legs admitted in the current state count: every change of state starts a
 new epoch, an ``Admission`` carries the epoch it was given in, and a verdict of another epoch

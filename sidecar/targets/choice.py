@@ -14,7 +14,7 @@
     choice.answered(target)                 it answered a prefill: the cool-down ends
 
 Data-parallel ranks are chosen apart (``sidecar.targets.ranks``); the placement decision
-(``sidecar.core.placement``) asks both.
+(``sidecar.request.placement``) asks both.
 
 Deliberate limits: this process's own view (each ``--workers`` worker its own); the maps
 forget a target with nothing in flight and no cool-down, and hold at most 4,096 cooling

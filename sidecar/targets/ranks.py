@@ -18,7 +18,7 @@
 
 Each is the router's ``named`` rank when it gave one, else the least busy, and None when that
 engine has one rank: no leg then carries a rank. Only the dialect knows where a rank goes
-(header, body field, looked-up id); the placement decision (``sidecar.core.placement``) asks
+(header, body field, looked-up id); the placement decision (``sidecar.request.placement``) asks
 ``LegRanks`` for a pair's ranks.
 
 The router's rank is parsed strictly like every routing header: one value, ASCII decimal

@@ -30,9 +30,6 @@ from flow_builders import FakeCalls, flow_of, sample, scopes_of
 from protocol_builders import FIXED_NOW_MS, make_dialect
 
 from sidecar.config.settings import Settings
-from sidecar.core.admission import Admission
-from sidecar.core.flow import PDFlow
-from sidecar.core.pd_request import Handoff
 from sidecar.dialects import Dialect
 from sidecar.dialects.sglang import SGLangDialect
 from sidecar.dialects.trtllm import TRTLLMDialect, snowflake_id
@@ -46,6 +43,9 @@ from sidecar.grpc_server.prefill import PrefillCall
 from sidecar.kv_wire.handoff import decode_handoff, encode_handoff
 from sidecar.observability.metrics import Metrics
 from sidecar.protocol.context import PrefillTarget
+from sidecar.request.admission import Admission
+from sidecar.request.pd_request import Handoff
+from sidecar.request.runner import PDFlow
 
 NIXL_FIELDS: dict[str, Any] = {"kv_transfer_params": {
     "do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [1, 2],

@@ -15,7 +15,7 @@ import socket
 
 import pytest
 
-from sidecar.core.engine_health import EngineHealth
+from sidecar.engines.health import EngineHealth
 from sidecar.http1 import EngineClient
 from sidecar.tools.stubs.server import run_stub
 
@@ -29,7 +29,7 @@ class FakeClock:
 
 
 def _lines(caplog: pytest.LogCaptureFixture) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == "sidecar.core.engine_health"]
+    return [r.getMessage() for r in caplog.records if r.name == "sidecar.engines.health"]
 
 
 async def test_an_engine_down_from_the_start_is_logged_with_its_cause_at_a_bounded_rate(

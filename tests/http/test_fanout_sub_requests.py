@@ -22,12 +22,12 @@ import pytest
 from flow_builders import TARGET_A, TARGET_B, TARGET_C, pd_request
 from protocol_builders import completions_body
 
-from sidecar.core.placement import Decision, Facts, Fate, Rules, decide
-from sidecar.core.placer import PrefillTargets
 from sidecar.errors import EngineNotReady
 from sidecar.http_server.fanout import _placed, _sub_requests
 from sidecar.protocol.context import FrontDoor, PrefillTarget, Route
 from sidecar.protocol.request import ClientRequest
+from sidecar.request.placement import Decision, Facts, Fate, Rules, decide
+from sidecar.request.placer import PrefillTargets
 from sidecar.runtime import Runtime
 from sidecar.targets.choice import TargetChoice
 from sidecar.targets.ranks import LegRanks, RankChoice

@@ -26,10 +26,10 @@ import pytest
 from pd_builders import client_body, pd_pair
 
 from sidecar.config.settings import Settings
-from sidecar.core.pd_request import PDRequest
 from sidecar.errors import PrefillFailed
 from sidecar.observability.metrics import Metrics
 from sidecar.protocol.context import PrefillTarget, Route
+from sidecar.request.pd_request import PDRequest
 from sidecar.runtime import open_runtime
 from sidecar.targets.choice import HEADER_LABEL, TargetChoice
 from sidecar.tools.stubs.faults import Fault, FaultKind

@@ -23,11 +23,11 @@ from pydantic import ValidationError
 from sidecar.config.cores import available_cores, cgroup_cpu_limit
 from sidecar.config.loader import add_settings_arguments, load_settings
 from sidecar.config.settings import Settings
-from sidecar.core.admission import Admission
 from sidecar.dialects.sglang import INT32_ROOMS, RoomAllocator
 from sidecar.dialects.trtllm import SnowflakeIds
 from sidecar.errors import Overloaded, ResourceExhausted
 from sidecar.grpc_server.inline.orphans import sweep_orphans, touch_owned
+from sidecar.request.admission import Admission
 from sidecar.workers.identity import MAX_WORKERS, WorkerIdentity
 from sidecar.workers.shared_inflight import InflightSlots
 from sidecar.workers.supervisor import Backoff, describe_exit

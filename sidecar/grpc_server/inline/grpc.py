@@ -37,10 +37,8 @@ from google.protobuf.message import DecodeError
 
 from connectors.inline_layout import InlineMeta, LayoutError, read_engine_layout
 from sidecar.config.settings import Settings
-from sidecar.core.engine_calls import PrefillLeg
-from sidecar.core.flow import PDFlow
-from sidecar.core.scope import RequestScope
 from sidecar.dialects import InlineDialect
+from sidecar.engines.calls import PrefillLeg
 from sidecar.errors import FailedPrecondition, InvalidRequest, ResourceExhausted, Stage
 from sidecar.grpc_gen import disagg_pb2
 from sidecar.grpc_server.checks import check_max_new_tokens, check_temperature, check_token_ids
@@ -67,6 +65,8 @@ from sidecar.grpc_server.rpc import Malformed
 from sidecar.observability.metrics import Metrics
 from sidecar.protocol.context import FrontDoor, HandoffContext, Route
 from sidecar.protocol.request_id import REQUEST_ID_HEADER, request_id_or_new
+from sidecar.request.runner import PDFlow
+from sidecar.request.scope import RequestScope
 
 #: Bytes of a stream message besides its K and V: the request id and the framing.
 _MESSAGE_SLACK = 4096

@@ -1,4 +1,4 @@
-"""Proves the core's fan-out (sidecar/core/fanout.py): several PD pairs for one request,
+"""Proves the core's fan-out (sidecar/request/fanout.py): several PD pairs for one request,
 started, read and ended together, over exchanges on fake decode responses (no sockets):
 
 - ``start_all`` returns the exchanges in request order whatever order they started in; the
@@ -24,12 +24,12 @@ import pytest
 from flow_builders import FakeUpstream, as_upstream, pd_request
 from protocol_builders import completions_body, make_ctx
 
-from sidecar.core.exchange import PDExchange
-from sidecar.core.fanout import FanOut, start_all, sub_request_id
-from sidecar.core.pd_request import PDRequest
 from sidecar.errors import DecodeFailed, PrefillFailed
 from sidecar.http1 import UpstreamBroken
 from sidecar.protocol.context import HandoffContext
+from sidecar.request.exchange import PDExchange
+from sidecar.request.fanout import FanOut, start_all, sub_request_id
+from sidecar.request.pd_request import PDRequest
 
 
 class Owner:

@@ -21,10 +21,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from sidecar.core.scope import OK, Timings
 from sidecar.errors import DeadlineExceeded, DecodeFailed, PrefillFailed, SidecarError, Stage
 from sidecar.http1 import UpstreamError, UpstreamResponse
 from sidecar.protocol.context import HandoffContext
+from sidecar.request.scope import OK, Timings
 from sidecar.tasks import cancel_and_wait
 
 

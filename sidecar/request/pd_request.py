@@ -6,9 +6,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from sidecar.core.scope import Timings
 from sidecar.observability.tracing import NOOP_TRACE, RequestTrace
 from sidecar.protocol.context import FrontDoor, PrefillTarget, Route
+from sidecar.request.scope import Timings
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,7 +32,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
 
-from sidecar.core.admission import Admission
 from sidecar.errors import ClientCancelled, SidecarError
 from sidecar.observability.metrics import Metrics
 from sidecar.observability.prometheus_private import CounterValue, HistogramValues
@@ -44,6 +43,7 @@ from sidecar.observability.tracing import (
     RequestTrace,
     Tracing,
 )
+from sidecar.request.admission import Admission
 
 #: Outcomes a request is counted with (``disagg_requests_total{outcome}``).
 OK: Final = "ok"

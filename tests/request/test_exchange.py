@@ -1,4 +1,4 @@
-"""Proves ``PDExchange`` (sidecar/core/exchange.py), the relay's side of a PD request, on a
+"""Proves ``PDExchange`` (sidecar/request/exchange.py), the relay's side of a PD request, on a
 fake decode response the test feeds and a fake owner (no sockets):
 
 - ``chunks()`` yields the engine's reads as they come and marks the exchange completed at the
@@ -27,7 +27,6 @@ import pytest
 from flow_builders import FakeUpstream, as_upstream
 from protocol_builders import make_ctx
 
-from sidecar.core.exchange import PDExchange, as_prefill_error
 from sidecar.errors import (
     DeadlineExceeded,
     DecodeFailed,
@@ -37,6 +36,7 @@ from sidecar.errors import (
 )
 from sidecar.http1 import UpstreamBroken, UpstreamProtocolError
 from sidecar.protocol.context import HandoffContext
+from sidecar.request.exchange import PDExchange, as_prefill_error
 
 CTX = make_ctx()
 #: Bounds a read that only the prefill watch can end (a broken watch fails, not hangs).

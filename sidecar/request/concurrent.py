@@ -28,15 +28,15 @@ import time
 from collections.abc import Awaitable, Mapping
 from typing import Any, Final, Protocol
 
-from sidecar.core.engine_calls import EngineCalls, PrefillLeg
-from sidecar.core.exchange import PDExchange, as_prefill_error, cancel_legs
-from sidecar.core.pd_request import PDRequest
-from sidecar.core.scope import Timings
 from sidecar.dialects import Dialect
+from sidecar.engines.calls import EngineCalls, PrefillLeg
 from sidecar.errors import DecodeFailed, Stage
 from sidecar.http1 import UpstreamError, UpstreamResponse
 from sidecar.observability.tracing import RequestTrace
 from sidecar.protocol.context import HandoffContext
+from sidecar.request.exchange import PDExchange, as_prefill_error, cancel_legs
+from sidecar.request.pd_request import PDRequest
+from sidecar.request.scope import Timings
 from sidecar.tasks import cancel_and_wait
 
 logger = logging.getLogger(__name__)
@@ -46,7 +46,7 @@ EVENT_STREAM: Final = "text/event-stream"
 
 
 class PDFlow(Protocol):
-    """What the flow (``sidecar.core.flow.PDFlow``) lends these functions."""
+    """What the flow (``sidecar.request.runner.PDFlow``) lends these functions."""
 
     dialect: Dialect
     calls: EngineCalls

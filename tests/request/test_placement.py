@@ -1,5 +1,5 @@
-"""Proves the placement decision (sidecar/core/placement.py) as pure functions over their
-inputs, and the placer (sidecar/core/placer.py) that gathers those inputs:
+"""Proves the placement decision (sidecar/request/placement.py) as pure functions over their
+inputs, and the placer (sidecar/request/placer.py) that gathers those inputs:
 
 - every outcome is reachable: passthrough, unserved_route (404), local_route, local_state,
   engine_not_ready (503), local_short, local_cached, a pair on (target, prefill rank, decode
@@ -26,7 +26,11 @@ from typing import Any
 
 import pytest
 
-from sidecar.core.placement import (
+from sidecar.dialects.base import RouteSupport, TokenizeEndpoint
+from sidecar.engines.tokenizer import PromptMeasure
+from sidecar.errors import EngineNotReady, PrefillFailed, RouteNotServed, SidecarError
+from sidecar.protocol.context import PrefillTarget, Route
+from sidecar.request.placement import (
     BREAKER_OPEN,
     Decision,
     Facts,
@@ -37,11 +41,7 @@ from sidecar.core.placement import (
     retry_pair,
     route_fate,
 )
-from sidecar.core.placer import Placer
-from sidecar.core.prompt_measure import PromptMeasure
-from sidecar.dialects.base import RouteSupport, TokenizeEndpoint
-from sidecar.errors import EngineNotReady, PrefillFailed, RouteNotServed, SidecarError
-from sidecar.protocol.context import PrefillTarget, Route
+from sidecar.request.placer import Placer
 
 A, B, C = (PrefillTarget(f"10.0.0.{n}", 8000) for n in (1, 2, 3))
 

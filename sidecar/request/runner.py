@@ -12,7 +12,7 @@
     open_decode(...)  ─▶ UpstreamResponse     gRPC Decode: the decode half
 
 Where a request runs (local, a pair on which target and ranks, or a refusal) is the placement
-decision's (``sidecar.core.placement``), taken before the flow starts; the flow runs what it
+decision's (``sidecar.request.placement``), taken before the flow starts; the flow runs what it
 was given. The dialect says what the bodies hold and how the legs run (per request:
 ``legs_for``, after its look-up); ``EngineCalls`` makes the calls; the flow orders them, keeps
 the deadlines, begins and ends the dialect's per-request state and hands abort and release to
@@ -36,16 +36,9 @@ from dataclasses import replace
 from typing import Any
 
 from sidecar.config.limits import PrefillFailurePolicy
-from sidecar.core import concurrent_legs
-from sidecar.core.background import BackgroundPrefills
-from sidecar.core.engine_calls import EngineCalls, PrefillLeg
-from sidecar.core.exchange import PDExchange
-from sidecar.core.pd_request import FlowCounters, Handoff, PDRequest
-from sidecar.core.placement import Decision, Fate, Targets, pair_on, retry_pair
-from sidecar.core.placer import PrefillTargets
-from sidecar.core.scope import FALLBACK, OK, RequestScope, Scopes, Timings
-from sidecar.core.upstream import with_headers
 from sidecar.dialects import Dialect, Legs
+from sidecar.engines.calls import EngineCalls, PrefillLeg
+from sidecar.engines.upstream import with_headers
 from sidecar.errors import (
     DeadlineExceeded,
     DecodeFailed,
@@ -58,6 +51,13 @@ from sidecar.http1 import UpstreamResponse
 from sidecar.observability.logs import LogEvery
 from sidecar.observability.tracing import HANDOFF_SPAN, NOOP_TRACE, RequestTrace
 from sidecar.protocol.context import FrontDoor, HandoffContext, PrefillTarget, Route
+from sidecar.request import concurrent as concurrent_legs
+from sidecar.request.background import BackgroundPrefills
+from sidecar.request.exchange import PDExchange
+from sidecar.request.pd_request import FlowCounters, Handoff, PDRequest
+from sidecar.request.placement import Decision, Fate, Targets, pair_on, retry_pair
+from sidecar.request.placer import PrefillTargets
+from sidecar.request.scope import FALLBACK, OK, RequestScope, Scopes, Timings
 from sidecar.targets.ranks import LegRanks
 
 logger = logging.getLogger(__name__)

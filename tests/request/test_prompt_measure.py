@@ -1,5 +1,5 @@
 """Proves the prompt measure of the placement decision, ``PromptMeasure``
-(sidecar/core/prompt_measure.py), over a fake tokenizer call (no sockets):
+(sidecar/engines/tokenizer.py), over a fake tokenizer call (no sockets):
 
 - token-id prompts are counted exactly (their ids given) and never tokenized; text and chat
   are estimated with ``estimate`` (and when no tokenizer call can be made);
@@ -28,9 +28,9 @@ import pytest
 from protocol_builders import chat_body, completions_body
 
 from sidecar.config.limits import PromptLengthSource
-from sidecar.core.prompt_measure import PromptMeasure
 from sidecar.dialects.sglang import SGLangDialect
 from sidecar.dialects.vllm_nixl import NixlPullDialect
+from sidecar.engines.tokenizer import PromptMeasure
 from sidecar.errors import DeadlineExceeded, EngineRejected, PrefillFailed
 from sidecar.protocol.context import Route
 

@@ -1,4 +1,4 @@
-"""Gathers the facts of the placement decision and takes it (``sidecar.core.placement``).
+"""Gathers the facts of the placement decision and takes it (``sidecar.request.placement``).
 
     placer.route_fate(route, has_targets, request_id)     before the body is read
     await placer.place(route, body, candidates, ...)      per request and fan-out sub-request
@@ -18,8 +18,14 @@ import logging
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
-from sidecar.core.engine_health import EngineHealth
-from sidecar.core.placement import (
+from sidecar.dialects.base import RouteSupport
+from sidecar.engines.health import EngineHealth
+from sidecar.engines.tokenizer import PromptMeasure
+from sidecar.errors import SidecarError
+from sidecar.kv_events import CachedPrefix
+from sidecar.protocol.apis import api_of
+from sidecar.protocol.context import PrefillTarget, Route
+from sidecar.request.placement import (
     UNKNOWN_PROMPT,
     Decision,
     Facts,
@@ -29,12 +35,6 @@ from sidecar.core.placement import (
     decide,
     route_fate,
 )
-from sidecar.core.prompt_measure import PromptMeasure
-from sidecar.dialects.base import RouteSupport
-from sidecar.errors import SidecarError
-from sidecar.kv_events import CachedPrefix
-from sidecar.protocol.apis import api_of
-from sidecar.protocol.context import PrefillTarget, Route
 from sidecar.targets.choice import TargetChoice
 from sidecar.targets.ranks import LegRanks
 

@@ -8,8 +8,8 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-from sidecar.core.scope import Scopes
 from sidecar.errors import SidecarError, Stage
+from sidecar.request.scope import Scopes
 from sidecar.tasks import cancel_and_wait
 
 logger = logging.getLogger(__name__)

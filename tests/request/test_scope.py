@@ -1,4 +1,4 @@
-"""Proves a request's bookkeeping, ``RequestScope`` and ``Scopes`` (sidecar/core/scope.py), on a
+"""Proves a request's bookkeeping, ``RequestScope`` and ``Scopes`` (sidecar/request/scope.py), on a
 real metrics registry and a real admission (no sockets, no server):
 
 - a request is counted once at ``close`` with its last outcome, labelled by front door,
@@ -20,8 +20,10 @@ from __future__ import annotations
 import pytest
 from flow_builders import sample, scopes_of
 
-from sidecar.core.admission import Admission
-from sidecar.core.scope import (
+from sidecar.errors import DecodeFailed, Draining, Overloaded, PrefillFailed, Stage
+from sidecar.observability.metrics import Metrics
+from sidecar.request.admission import Admission
+from sidecar.request.scope import (
     BROKEN_STREAM,
     CANCELLED,
     ERROR,
@@ -30,8 +32,6 @@ from sidecar.core.scope import (
     Scopes,
     Timings,
 )
-from sidecar.errors import DecodeFailed, Draining, Overloaded, PrefillFailed, Stage
-from sidecar.observability.metrics import Metrics
 
 ROUTE = "/v1/completions"
 

@@ -3,7 +3,7 @@
 ``check()`` asks the engine's ``GET /health`` (every engine family serves it) with a short
 deadline; ``watch()`` repeats it in the background and calls listeners on changes (the gRPC
 health servicer flips SERVING / NOT_SERVING). ``known_down`` is true once a check found the
-engine not ready (the PD flow refuses at once then: ``sidecar.core.flow``), and
+engine not ready (the PD flow refuses at once then: ``sidecar.request.runner``), and
 ``recheck()`` asks again, sharing one call among the requests that ask at the same time.
 
 Logged: the first check's result (an engine that never answers from start-up is said so at

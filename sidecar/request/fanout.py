@@ -19,9 +19,9 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Final
 
-from sidecar.core.exchange import PDExchange
-from sidecar.core.pd_request import PDRequest
 from sidecar.errors import DecodeFailed, SidecarError, Stage
+from sidecar.request.exchange import PDExchange
+from sidecar.request.pd_request import PDRequest
 from sidecar.tasks import cancel_and_wait
 
 logger = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""Proves ``PDFlow.start`` (sidecar/core/flow.py), the PD flow of the HTTP door and of each
+"""Proves ``PDFlow.start`` (sidecar/request/runner.py), the PD flow of the HTTP door and of each
 fan-out sub-request, on real dialects (fixed ids) over fake engine calls (no sockets):
 
 - sequential (TensorRT-LLM, vLLM NIXL): the prefill leg gets the dialect's prefill body, URL,
@@ -45,7 +45,6 @@ from flow_builders import (
 from protocol_builders import FIXED_NOW_MS, completions_body, make_dialect
 
 from sidecar.config.limits import PrefillFailurePolicy
-from sidecar.core.placement import Decision, Fate
 from sidecar.dialects.sglang import SGLangDialect
 from sidecar.dialects.trtllm import TRTLLMDialect, snowflake_id
 from sidecar.dialects.vllm_nixl import NixlPullDialect
@@ -57,6 +56,7 @@ from sidecar.errors import (
     PrefillFailed,
     PrefillUnreachable,
 )
+from sidecar.request.placement import Decision, Fate
 from sidecar.targets.choice import TargetChoice
 
 FIRST_ID = snowflake_id(FIXED_NOW_MS, 0, 0)

@@ -30,8 +30,8 @@ from urllib.parse import urlsplit
 from opentelemetry.util.types import AttributeValue
 
 from sidecar import jsonutil
-from sidecar.core.engine_model import EngineModel
-from sidecar.core.legs import (
+from sidecar.dialects.base import LookupFailed
+from sidecar.engines.legs import (
     LOCAL_ENGINE,
     broken_connection,
     connect_failure,
@@ -39,7 +39,7 @@ from sidecar.core.legs import (
     open_decode,
     post_prefill,
 )
-from sidecar.dialects.base import LookupFailed
+from sidecar.engines.models import EngineModel
 from sidecar.errors import (
     DeadlineExceeded,
     DecodeFailed,

@@ -20,7 +20,7 @@
 Both functions are pure: every input is a value, but the prefill targets (``Targets``: the
 target choice, its breakers and the data-parallel ranks), which are asked only on the way to
 a pair, so no local outcome ever consults a breaker. Gathering the facts (the body's state,
-the engine's readiness, the prompt's tokens and cached tokens) is ``sidecar.core.placer``'s.
+the engine's readiness, the prompt's tokens and cached tokens) is ``sidecar.request.placer``'s.
 
 A prompt whose length or cached prefix is unknown (no rule needs it, a tokenize call failed,
 the KV-event index cannot answer) is never run locally by a rule that needs it.
@@ -33,7 +33,10 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Final, Protocol
 
-from sidecar.core.scope import (
+from sidecar.dialects.base import RouteSupport
+from sidecar.errors import EngineNotReady, RouteNotServed, SidecarError
+from sidecar.protocol.context import PrefillTarget, Route
+from sidecar.request.scope import (
     ERROR,
     FALLBACK,
     LOCAL_CACHED,
@@ -44,9 +47,6 @@ from sidecar.core.scope import (
     PASSTHROUGH,
     UNSERVED_ROUTE,
 )
-from sidecar.dialects.base import RouteSupport
-from sidecar.errors import EngineNotReady, RouteNotServed, SidecarError
-from sidecar.protocol.context import PrefillTarget, Route
 
 #: The fallback reason of a request kept from every target by open breakers.
 BREAKER_OPEN: Final = "breaker_open"

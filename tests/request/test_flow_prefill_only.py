@@ -1,4 +1,4 @@
-"""Proves the flow's one-leg half and its per-request state (sidecar/core/flow.py), on real
+"""Proves the flow's one-leg half and its per-request state (sidecar/request/runner.py), on real
 dialects over fake engine calls, a real metrics registry and a real admission (no sockets):
 
 - ``prefill_only`` (gRPC Prefill), sequential (TensorRT-LLM): the prefill goes to the local
@@ -38,8 +38,6 @@ from flow_builders import (
 )
 from protocol_builders import FIXED_NOW_MS, completions_body, make_dialect
 
-from sidecar.core.admission import Admission
-from sidecar.core.scope import OK, RequestScope, Scopes
 from sidecar.dialects.base import LookupFailed
 from sidecar.dialects.sglang import INT32_ROOMS, SGLangDialect
 from sidecar.dialects.trtllm import TRTLLMDialect, snowflake_id
@@ -47,6 +45,8 @@ from sidecar.dialects.vllm_mooncake import MooncakeDialect, MooncakeState
 from sidecar.errors import InvalidHandoff, PrefillFailed
 from sidecar.observability.metrics import Metrics
 from sidecar.protocol.context import FrontDoor, PrefillTarget, Route
+from sidecar.request.admission import Admission
+from sidecar.request.scope import OK, RequestScope, Scopes
 
 FIRST_ID = snowflake_id(FIXED_NOW_MS, 0, 0)
 POD = PrefillTarget("10.0.0.9", 8000)
