@@ -24,7 +24,7 @@ from sidecar.config.settings import PromptLengthSource, Role, Settings
 from sidecar.dialects import DIALECTS, dialect_class
 from sidecar.kv_events.endpoint import check_endpoint
 from sidecar.observability.otlp import TRACING_EXTRA, missing_modules
-from sidecar.protocol.hostfmt import is_loopback_host, url_port
+from sidecar.protocol.context import is_loopback_host, url_port
 from sidecar.tls import ReloadingServerTLS, TLSFileError, client_ssl_context
 
 

@@ -43,7 +43,6 @@ from typing import Any, ClassVar, Literal, NamedTuple, Protocol, Self
 
 from pydantic import BaseModel, ConfigDict
 
-from sidecar.dialects.common import merge_top_level
 from sidecar.protocol.apis import api_of
 from sidecar.protocol.context import OPENAI_ROUTES, HandoffContext, Route
 from sidecar.protocol.sse import StreamMarkers
@@ -295,3 +294,14 @@ def check_lane(lane: int, lanes: int, most: int) -> None:
         raise ValueError(f"lanes {lanes} is outside 1..{most}")
     if not 0 <= lane < lanes:
         raise ValueError(f"lane {lane} is outside 0..{lanes - 1}")
+
+
+
+def merge_top_level(body: Mapping[str, Any], fields: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of ``body`` with ``fields`` set at the top level: values are not copied and the
+    input is not mutated, so ``messages``, ``tools`` and every nested value stay the very
+    objects the client sent (stable tokenization, prefix-cache hits), and a key the client
+    omitted stays omitted on the decode leg (docs/driving/handoffs.md#common-rules)."""
+    merged = dict(body)
+    merged.update(fields)
+    return merged

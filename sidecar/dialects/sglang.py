@@ -56,8 +56,8 @@ from sidecar.dialects.base import (
     PodSource,
     TokenizeEndpoint,
     check_lane,
+    merge_top_level,
 )
-from sidecar.dialects.common import merge_top_level
 from sidecar.errors import ResourceExhausted, SidecarError
 from sidecar.protocol.context import OPENAI_ROUTES, FrontDoor, HandoffContext, Route
 

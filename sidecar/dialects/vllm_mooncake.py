@@ -57,9 +57,8 @@ from sidecar.dialects.base import (
 )
 from sidecar.dialects.vllm import KV_TRANSFER_PARAMS, VLLMDialect
 from sidecar.errors import InvalidHandoff, SidecarError, Stage
-from sidecar.protocol.context import HandoffContext, Route
-from sidecar.protocol.hostfmt import http_url
-from sidecar.protocol.request_id import new_request_id
+from sidecar.protocol.context import HandoffContext, Route, http_url
+from sidecar.protocol.request import new_request_id
 from sidecar.ttl_cache import SingleFlightTTLCache
 
 ENGINE_ID: Final = "engine_id"

@@ -66,9 +66,8 @@ from sidecar.observability.tracing import (
     SERVER_PORT,
     RequestTrace,
 )
-from sidecar.protocol.context import PrefillTarget, Route
-from sidecar.protocol.hostfmt import url_port
-from sidecar.protocol.request_id import REQUEST_ID_HEADER
+from sidecar.protocol.context import PrefillTarget, Route, url_port
+from sidecar.protocol.request import REQUEST_ID_HEADER
 from sidecar.targets.choice import HEADER_LABEL, TargetChoice
 from sidecar.targets.ranks import LOCAL, Engine, RankChoice
 from sidecar.tasks import cancel_and_wait

@@ -4,7 +4,7 @@
 
 The rules, and why Prefill lets ``max_new_tokens`` 0 pass: docs/driving/grpc-contract.md#checks (the
 request
-id: ``sidecar.protocol.request_id``; metadata ``x-data-parallel-rank``: the local engine's
+id: ``sidecar.protocol.request``; metadata ``x-data-parallel-rank``: the local engine's
 rank the router placed the leg on, ``sidecar.targets.ranks.rank_from_metadata``).
 Deliberate limits: no check against the engine's context length (the engine refuses, and
 its 4xx maps to INVALID_ARGUMENT).

@@ -36,7 +36,7 @@ from sidecar.grpc_server.token_stream import TokenStreamParser
 from sidecar.http1 import UpstreamError, UpstreamResponse
 from sidecar.observability.tracing import HANDOFF_SPAN, NOOP_SPAN, RELAY_SPAN, RELAYED_TOKENS
 from sidecar.protocol.context import Route
-from sidecar.protocol.request_id import REQUEST_ID_HEADER, logged_request_id
+from sidecar.protocol.request import REQUEST_ID_HEADER, logged_request_id
 from sidecar.request.runner import PDFlow
 from sidecar.request.scope import OK, Scopes
 from sidecar.targets.ranks import rank_from_metadata

@@ -28,7 +28,7 @@ from sidecar.grpc_server.prefill import PrefillCall, engine_target, resolve_adve
 from sidecar.grpc_server.rpc import Malformed, tolerant
 from sidecar.kv_wire.handoff import DecodedHandoff, decode_handoff, encode_handoff
 from sidecar.observability.metrics import Metrics
-from sidecar.protocol.request_id import REQUEST_ID_HEADER, request_id_or_new
+from sidecar.protocol.request import REQUEST_ID_HEADER, request_id_or_new
 from sidecar.request.runner import PDFlow
 from sidecar.request.scope import RequestScope, Scopes
 

@@ -23,9 +23,8 @@ import grpc
 from sidecar.config.settings import Settings
 from sidecar.grpc_gen import disagg_pb2
 from sidecar.grpc_server.rpc import Malformed, serving, tolerant
-from sidecar.protocol.context import PrefillTarget
-from sidecar.protocol.hostfmt import is_loopback_host, url_port
-from sidecar.protocol.request_id import logged_request_id
+from sidecar.protocol.context import PrefillTarget, is_loopback_host, url_port
+from sidecar.protocol.request import logged_request_id
 from sidecar.request.scope import OK, RequestScope, Scopes
 from sidecar.targets.ranks import rank_from_metadata
 

@@ -33,7 +33,7 @@ from sidecar.grpc_server.inline.orphans import OrphanSweeper
 from sidecar.grpc_server.inline.staging import StagingArea
 from sidecar.grpc_server.native import NativeDecode, NativePrefill
 from sidecar.grpc_server.prefill import PrefillService
-from sidecar.protocol.hostfmt import url_host
+from sidecar.protocol.context import url_host
 from sidecar.runtime import Runtime
 from sidecar.tls import ReloadingServerTLS
 

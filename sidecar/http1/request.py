@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from sidecar.http1.errors import UpstreamError
-from sidecar.protocol.hostfmt import DEFAULT_PORTS, url_port
+from sidecar.protocol.context import DEFAULT_PORTS, url_port
 
 Headers = Mapping[str, str] | Iterable[tuple[str, str]]
 Body = bytes | AsyncIterable[bytes] | None

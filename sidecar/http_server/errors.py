@@ -19,7 +19,7 @@ from sidecar import jsonutil
 from sidecar.errors import Overloaded, SidecarError
 from sidecar.protocol.apis import Api
 from sidecar.protocol.apis.base import openai_error
-from sidecar.protocol.request_id import REQUEST_ID_HEADER
+from sidecar.protocol.request import REQUEST_ID_HEADER
 
 
 def error_payload(error: SidecarError) -> dict[str, Any]:

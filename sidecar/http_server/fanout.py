@@ -27,8 +27,7 @@ from sidecar.errors import DecodeFailed, SidecarError, Stage
 from sidecar.http_server.sse_relay import SSERelay, engine_error_reported, stream_broke
 from sidecar.protocol.apis import api_of, usage_of
 from sidecar.protocol.fanout import SSEEvents, StreamMerger, check_fanout, merge_answers, sub_bodies
-from sidecar.protocol.request import ClientRequest
-from sidecar.protocol.request_id import REQUEST_ID_HEADER
+from sidecar.protocol.request import REQUEST_ID_HEADER, ClientRequest
 from sidecar.protocol.sse import DONE_EVENT, answer_as_sse
 from sidecar.request.exchange import PDExchange
 from sidecar.request.fanout import FanOut, StartOne, start_all, sub_request_id

@@ -47,8 +47,7 @@ from sidecar.http_server.stream_events import PrefillUsage
 from sidecar.observability.tracing import NOOP_SPAN, RELAY_SPAN, RELAYED_BYTES, LegSpan
 from sidecar.protocol.apis import Api, api_of
 from sidecar.protocol.context import Route
-from sidecar.protocol.request import ClientRequest
-from sidecar.protocol.request_id import REQUEST_ID_HEADER, request_id_or_new
+from sidecar.protocol.request import REQUEST_ID_HEADER, ClientRequest, request_id_or_new
 from sidecar.protocol.sse import answer_as_sse
 from sidecar.request.exchange import PDExchange
 from sidecar.request.pd_request import PDRequest

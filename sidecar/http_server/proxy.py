@@ -35,7 +35,7 @@ from sidecar.http1 import UpstreamError
 from sidecar.http_server.body_encoding import BodyCoding, body_coding
 from sidecar.http_server.errors import error_response
 from sidecar.http_server.keys import RUNTIME
-from sidecar.protocol.request_id import REQUEST_ID_HEADER
+from sidecar.protocol.request import REQUEST_ID_HEADER
 
 logger = logging.getLogger(__name__)
 

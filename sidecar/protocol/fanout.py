@@ -19,7 +19,7 @@ from typing import Any
 
 from sidecar import jsonutil
 from sidecar.errors import InvalidRequest
-from sidecar.protocol.apis.usage import PROMPT_TOKENS_DETAILS, summed_details
+from sidecar.protocol.apis.base import PROMPT_TOKENS_DETAILS, summed_details
 from sidecar.protocol.request import ClientRequest
 from sidecar.protocol.sse import DATA, DATA_FIELD, DONE_PAYLOAD, sse_event
 

@@ -13,7 +13,7 @@ import contextlib
 import errno
 import socket
 
-from sidecar.protocol.hostfmt import url_host
+from sidecar.protocol.context import url_host
 
 
 class PortInUse(Exception):

@@ -32,7 +32,7 @@ from sidecar.grpc_server.checks import (
 from sidecar.grpc_server.errors import grpc_status
 from sidecar.grpc_server.token_stream import TokenStreamParser
 from sidecar.kv_wire.handoff import HANDOFF_LAYER, DecodedHandoff, decode_handoff, encode_handoff
-from sidecar.protocol.request_id import request_id_or_new
+from sidecar.protocol.request import request_id_or_new
 
 INT32 = st.integers(min_value=-(2**31), max_value=2**31 - 1)
 FLOATS = st.floats(width=32)

@@ -11,7 +11,7 @@ import uuid
 from grpc_builders import PROMPT_IDS, grpc_pd, prefill_blocks
 
 from sidecar.kv_wire.handoff import decode_handoff
-from sidecar.protocol.request_id import REQUEST_ID_HEADER
+from sidecar.protocol.request import REQUEST_ID_HEADER
 
 
 async def test_a_request_id_ending_in_a_line_feed_is_replaced_not_forwarded() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sidecar.protocol.hostfmt import http_url, is_ipv6_literal, url_host
+from sidecar.protocol.context import http_url, is_ipv6_literal, url_host
 
 
 @pytest.mark.parametrize(

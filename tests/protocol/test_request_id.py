@@ -8,7 +8,7 @@ import uuid
 
 import pytest
 
-from sidecar.protocol.request_id import logged_request_id, new_request_id, request_id_or_new
+from sidecar.protocol.request import logged_request_id, new_request_id, request_id_or_new
 
 
 def test_a_new_id_is_a_version_4_uuid_in_hex() -> None:

@@ -64,7 +64,7 @@ from sidecar.grpc_server.prefill import PrefillCall, Send, engine_target
 from sidecar.grpc_server.rpc import Malformed
 from sidecar.observability.metrics import Metrics
 from sidecar.protocol.context import FrontDoor, HandoffContext, Route
-from sidecar.protocol.request_id import REQUEST_ID_HEADER, request_id_or_new
+from sidecar.protocol.request import REQUEST_ID_HEADER, request_id_or_new
 from sidecar.request.runner import PDFlow
 from sidecar.request.scope import RequestScope
 

@@ -19,14 +19,16 @@ from typing import Any, Final
 
 from sidecar.errors import InvalidRequest
 from sidecar.jsonutil import type_name
-from sidecar.protocol.apis.base import PREFILL_MAX_TOKENS, STREAM, STREAM_OPTIONS, Api
-from sidecar.protocol.apis.fields import (
+from sidecar.protocol.apis.base import (
+    PREFILL_MAX_TOKENS,
+    STREAM,
+    STREAM_OPTIONS,
+    Api,
     check_int_or_null,
     check_object_list,
     is_int,
     is_token_ids,
 )
-from sidecar.protocol.apis.usage import true_openai_usage
 from sidecar.protocol.context import Route
 
 MAX_TOKENS: Final = "max_tokens"
@@ -96,10 +98,6 @@ class _OpenAIApi(Api):
 
     def stream_has_usage(self, body: Mapping[str, Any]) -> bool:
         return asks_usage(body)
-
-    def true_usage(self, decode: Mapping[str, Any],
-                   prefill: Mapping[str, Any] | None) -> dict[str, Any]:
-        return true_openai_usage(decode, prefill)
 
 
 class CompletionsApi(_OpenAIApi):

@@ -20,10 +20,16 @@ from typing import Any, Final
 
 from sidecar.errors import InvalidRequest
 from sidecar.jsonutil import type_name
-from sidecar.protocol.apis.base import PREFILL_MAX_TOKENS, STREAM, STREAM_OPTIONS, Api
+from sidecar.protocol.apis.base import (
+    PREFILL_MAX_TOKENS,
+    STREAM,
+    STREAM_OPTIONS,
+    Api,
+    check_bool,
+    check_int_or_null,
+    is_token_ids,
+)
 from sidecar.protocol.apis.completions import asks_usage
-from sidecar.protocol.apis.fields import check_bool, check_int_or_null, is_token_ids
-from sidecar.protocol.apis.usage import true_openai_usage
 from sidecar.protocol.context import Route
 
 TOKEN_IDS: Final = "token_ids"
@@ -69,7 +75,3 @@ class GenerateApi(Api):
 
     def stream_has_usage(self, body: Mapping[str, Any]) -> bool:
         return asks_usage(body)
-
-    def true_usage(self, decode: Mapping[str, Any],
-                   prefill: Mapping[str, Any] | None) -> dict[str, Any]:
-        return true_openai_usage(decode, prefill)

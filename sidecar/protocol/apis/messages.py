@@ -26,8 +26,15 @@ from typing import Any, Final
 from sidecar import jsonutil
 from sidecar.errors import InvalidRequest, SidecarError
 from sidecar.jsonutil import type_name
-from sidecar.protocol.apis.base import PREFILL_MAX_TOKENS, STREAM, STREAM_OPTIONS, Api
-from sidecar.protocol.apis.fields import check_bool, check_object_list, is_int
+from sidecar.protocol.apis.base import (
+    PREFILL_MAX_TOKENS,
+    STREAM,
+    STREAM_OPTIONS,
+    Api,
+    check_bool,
+    check_object_list,
+    is_int,
+)
 from sidecar.protocol.context import Route
 from sidecar.protocol.sse import EVENT, StreamMarkers
 
@@ -109,12 +116,9 @@ class MessagesApi(Api):
             merged[INPUT_TOKENS] = max(prompt - cached, 0)
         return merged
 
-    def event_with_true_usage(self, name: bytes | None, payload: dict[str, Any],
-                              prefill_usage: Mapping[str, Any] | None) -> bool:
+    def usage_holder(self, name: bytes | None, payload: dict[str, Any]) -> dict[str, Any] | None:
         # Only the message's last usage is told truly (message_start's is the prompt's).
-        if name != MESSAGE_DELTA:
-            return False
-        return super().event_with_true_usage(name, payload, prefill_usage)
+        return payload if name == MESSAGE_DELTA else None
 
     def error_body(self, error: SidecarError) -> dict[str, Any]:
         return {"type": "error", "error": {

@@ -28,8 +28,11 @@ from typing import Any, Final
 from sidecar import jsonutil
 from sidecar.errors import InvalidRequest, SidecarError
 from sidecar.jsonutil import type_name
-from sidecar.protocol.apis.base import PREFILL_MAX_TOKENS, STREAM, STREAM_OPTIONS, USAGE, Api
-from sidecar.protocol.apis.fields import (
+from sidecar.protocol.apis.base import (
+    PREFILL_MAX_TOKENS,
+    STREAM,
+    STREAM_OPTIONS,
+    Api,
     check_bool,
     check_int_or_null,
     check_string_or_null,
@@ -63,6 +66,7 @@ class ResponsesApi(Api):
                     EVENT + b"response.failed")
     control_keys = frozenset({MAX_OUTPUT_TOKENS, STREAM, STORE, BACKGROUND,
                               PREVIOUS_RESPONSE_ID, CONVERSATION})
+    usage_details = INPUT_TOKENS_DETAILS
 
     def check(self, body: dict[str, Any]) -> None:
         check_bool(body, STREAM)
@@ -92,30 +96,10 @@ class ResponsesApi(Api):
         prefill.pop(STREAM_OPTIONS, None)
         return prefill
 
-    def true_usage(self, decode: Mapping[str, Any],
-                   prefill: Mapping[str, Any] | None) -> dict[str, Any]:
-        merged = dict(decode)
-        details = prefill.get(INPUT_TOKENS_DETAILS) if prefill is not None else None
-        if not isinstance(details, Mapping):
-            details = None
-        if details is not None or INPUT_TOKENS_DETAILS in merged:
-            merged[INPUT_TOKENS_DETAILS] = None if details is None else dict(details)
-        return merged
-
-    def event_with_true_usage(self, name: bytes | None, payload: dict[str, Any],
-                              prefill_usage: Mapping[str, Any] | None) -> bool:
+    def usage_holder(self, name: bytes | None, payload: dict[str, Any]) -> dict[str, Any] | None:
         # The last event's response object carries the usage (completed, incomplete, failed).
         response = payload.get(RESPONSE)
-        if not isinstance(response, dict):
-            return False
-        usage = response.get(USAGE)
-        if not isinstance(usage, Mapping):
-            return False
-        merged = self.true_usage(usage, prefill_usage)
-        if merged == usage:
-            return False
-        response[USAGE] = merged
-        return True
+        return response if isinstance(response, dict) else None
 
     def stream_error(self, error: SidecarError, last_event: bytes = b"") -> bytes:
         event: dict[str, Any] = {"type": "error", "code": error.code, "message": error.message,
