@@ -1,16 +1,17 @@
 """Every HTTP/1.1 stack on llhttp (``httptools``) in the project, in one package.
 
-    client.py      EngineClient: the pooled upstream client of the sidecar's engine calls
-    request.py     a request on the wire: its target (parsed once per URL) and head bytes
-    connection.py  one pooled connection: socket, parser, flow control
-    deadlines.py   its read and whole-exchange deadlines (one lazily re-armed timer)
-    response.py    UpstreamResponse: the reader's side of an exchange (readany, pipe, release)
+    client.py      EngineClient: the pooled upstream client of the sidecar's engine calls, and
+                   a request on the wire (its target, parsed once per URL, and head bytes)
+    connection.py  one pooled connection: socket, parser, flow control, its read and
+                   whole-exchange deadlines (one lazily re-armed timer), and
+                   UpstreamResponse, the reader's side of an exchange (readany, pipe, release)
     errors.py      what can go wrong upstream, as callers tell it apart
     server.py      a lean keep-alive server (the bench's stub engines; the sidecar serves with
                    aiohttp), imported by name: not loaded with the client
 """
 
 from sidecar.http1.client import EngineClient
+from sidecar.http1.connection import UpstreamResponse
 from sidecar.http1.errors import (
     UpstreamBroken,
     UpstreamConnectError,
@@ -19,7 +20,6 @@ from sidecar.http1.errors import (
     UpstreamProtocolError,
     UpstreamTLSError,
 )
-from sidecar.http1.response import UpstreamResponse
 
 __all__ = [
     "EngineClient",

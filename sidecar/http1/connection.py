@@ -1,9 +1,11 @@
-"""One keep-alive HTTP/1.1 connection to an engine: the socket, the parser and the exchange.
+"""One keep-alive HTTP/1.1 connection to an engine: the socket, the parser, its deadlines,
+and the reader's side of its exchange.
 
     Connection ── bytes ─▶ httptools parser ─▶ head future, body chunks
-               ── flow control; its waits bounded by ``deadlines.Deadlines`` (a base class)
-
-The reader's side of an exchange is ``response.UpstreamResponse``, on the state kept here.
+               ── flow control; its waits bounded by ``Deadlines`` (a base class)
+    UpstreamResponse ── status, headers, header(), content_length
+                     ── readany() / read() / pipe(sink, catch_up) ─▶ body bytes
+                     ── release() (keep the connection if clean) / close() (drop it)
 
 Why not aiohttp's client: a PD request makes two upstream exchanges, and aiohttp's client
 spends about 85 us of CPU on each (request/response objects, multidicts, URL objects, timers,
@@ -20,21 +22,105 @@ to it from ``data_received``; a sink that refuses pauses reading until it caught
 Deliberate limits: one exchange at a time per connection (no pipelining); no ``Expect:
 100-continue``; a ``HEAD`` response closes its connection afterwards (no body framing to
 trust); informational (1xx) responses are not expected from engines and are refused.
+
+Deadlines: the read deadline is ``read_timeout_s`` after the connection's last received
+bytes (as aiohttp's ``sock_read`` counts it); the whole exchange's is ``deadline`` (loop time),
+from the request's start, body included. Both are served by one timer per connection,
+re-armed lazily: a relayed stream waits once per chunk, and a timer created and cancelled per
+wait would cost more than the wait itself. A wait past its deadline fails with the builtin
+``TimeoutError``. ``Deadlines`` is a base of ``Connection`` rather than an object it holds: the
+read path stamps ``_last_io`` on every read (once per token of a relayed stream), and on the
+same object that stays one attribute store.
+
+``pipe(sink, catch_up)`` is the relay's way: the body bytes of each read go to ``sink`` from
+the read callback itself, with no future resolved, no task woken and no coroutine resumed per
+read (at an engine's pace every token is its own read: those wake-ups were most of the
+relay's cost per token). A sink that cannot take more (the client's socket is full, or it
+needs an ``await``) answers False: reading pauses and ``catch_up()`` runs in the piping task
+before reading resumes. Either way the connection goes back to its pool (``release``)
+exactly once: when the body ended, or when the caller releases or closes the response.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import cast
 
 import httptools
 
-from sidecar.http1.deadlines import Deadlines
-from sidecar.http1.errors import UpstreamBroken, UpstreamProtocolError
+from sidecar.http1.errors import UpstreamBroken, UpstreamError, UpstreamProtocolError
 
 #: Queued body bytes above which the socket stops being read until the reader catches up.
 _HIGH_WATER = 256 * 1024
+
+
+class Deadlines:
+    """The deadline state and the bounded waits of one connection."""
+
+    __slots__ = ("_deadline", "_last_io", "_loop", "_read_timeout_s", "_timed", "_timer")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._read_timeout_s: float | None = None
+        self._deadline: float | None = None
+        self._last_io = 0.0  # loop time of the last received bytes (or of the request)
+        self._timed: asyncio.Future[None] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+
+    def set_deadlines(self, read_timeout_s: float | None, deadline: float | None) -> None:
+        """A new exchange starts now, bounded per read and (``deadline``) as a whole."""
+        self._read_timeout_s = read_timeout_s
+        self._deadline = deadline
+        self._last_io = self._loop.time()
+
+    async def _wait_for(self, future: asyncio.Future[None]) -> None:
+        """Await ``future``, failing it with ``TimeoutError`` at the read or total deadline.
+
+        The read deadline counts from the connection's last received bytes (as aiohttp's
+        ``sock_read`` does), the total one from the request's start.
+        """
+        when = self._expiry()
+        if when is None:
+            await future
+            return
+        self._timed = future
+        if self._timer is None:
+            self._timer = self._loop.call_at(when, self._on_timer)
+        try:
+            await future
+        finally:
+            self._timed = None
+
+    def _expiry(self) -> float | None:
+        when = None if self._read_timeout_s is None else self._last_io + self._read_timeout_s
+        if self._deadline is not None and (when is None or self._deadline < when):
+            when = self._deadline
+        return when
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        future = self._timed
+        if future is None or future.done():
+            return  # nobody waits now; the next wait arms a new timer
+        when = self._expiry()
+        if when is None:
+            return
+        if when <= self._loop.time():
+            expire_future(future)
+        else:
+            self._timer = self._loop.call_at(when, self._on_timer)
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+
+def expire_future(future: asyncio.Future[None]) -> None:
+    """A timer's callback: end a wait with ``TimeoutError`` unless it already ended."""
+    if not future.done():
+        future.set_exception(TimeoutError())
 
 
 class Connection(Deadlines, asyncio.Protocol):
@@ -348,3 +434,148 @@ class Connection(Deadlines, asyncio.Protocol):
             self._chunks or self._complete or self._error is not None or self._sink_full
         ):
             waiter.set_result(None)
+
+
+
+class UpstreamResponse:
+    """A response whose head has arrived; read its body, then release or close it."""
+
+    __slots__ = ("_conn", "_release", "content_length", "headers", "status")
+
+    def __init__(
+        self, conn: Connection, release: Callable[[Connection], None]
+    ) -> None:
+        self.status = conn.status
+        self.headers = conn.headers
+        self.content_length: int | None = None
+        for name, value in self.headers:
+            if name.lower() == "content-length":
+                try:
+                    self.content_length = int(value)
+                except ValueError:
+                    self.content_length = None
+                break
+        self._conn: Connection | None = conn
+        self._release = release
+
+    def header(self, name: str) -> str | None:
+        """The first header called ``name`` (case-insensitive), or None."""
+        lower = name.lower()
+        for key, value in self.headers:
+            if key.lower() == lower:
+                return value
+        return None
+
+    async def readany(self) -> bytes:
+        """The body bytes that have arrived (waiting for some); b"" once the body ended.
+
+        Raises ``UpstreamBroken``/``UpstreamProtocolError`` when the connection failed and
+        ``TimeoutError`` when no byte came within the read deadline.
+        """
+        conn = self._conn
+        if conn is None:
+            return b""
+        while True:
+            # A complete response stands even if bytes after it broke the connection (the
+            # error then only keeps the connection out of the pool).
+            if conn.has_body:
+                data = conn.take_body()
+                if conn.complete:
+                    self._give_back(conn)
+                return data
+            if conn.complete:
+                self._give_back(conn)
+                return b""
+            if conn.error is not None:
+                raise conn.error
+            await conn.wait_body()
+
+    async def peek(self) -> bytes:
+        """The body bytes that have arrived (waiting for some), left for the next read;
+        b"" once the body ended without any. Raises as ``readany()`` does."""
+        conn = self._conn
+        if conn is None:
+            return b""
+        while not conn.has_body:
+            if conn.complete:
+                return b""
+            if conn.error is not None:
+                raise conn.error
+            await conn.wait_body()
+        return conn.peek_body()
+
+    async def pipe(
+        self, sink: Callable[[bytes], bool], catch_up: Callable[[], Awaitable[None]]
+    ) -> None:
+        """Give the rest of the body to ``sink``, each read's bytes from the read callback.
+
+        ``sink(data)`` returns False when it takes no more for now; reading then pauses until
+        ``await catch_up()`` (run here, in the caller's task) returns. The first bytes are
+        awaited here and given to ``sink`` from this task (what a sink needs an await for is
+        usually the first bytes: a response head to send with them). Returns when the body
+        ended; raises as ``readany()`` does, and whatever ``catch_up`` raises.
+        """
+        # The first bytes are awaited as readany() would: a sink usually needs an await for
+        # them (the client's response head leaves with them), and reading need not pause.
+        first = await self.readany()
+        if first and not sink(first):
+            await catch_up()
+        conn = self._conn
+        if conn is None:  # the body ended with its first bytes: readany() gave it back
+            return
+        conn.set_sink(sink)
+        try:
+            while True:
+                error = conn.error
+                if error is not None and not isinstance(error, UpstreamError):
+                    raise error  # the sink's own failure in the read callback, as itself
+                if conn.has_body:  # bytes that arrived before the sink was set
+                    if not sink(conn.take_body()):
+                        conn.sink_refused()
+                    continue
+                if conn.sink_full:
+                    await catch_up()
+                    conn.sink_caught_up()
+                    continue
+                if conn.complete:
+                    break
+                if conn.error is not None:
+                    raise conn.error
+                await conn.wait_body()
+        finally:
+            conn.set_sink(None)
+        self._give_back(conn)
+
+    async def read(self, max_bytes: int | None = None) -> bytes:
+        """The whole body; with ``max_bytes``, stops once more than that has arrived."""
+        parts: list[bytes] = []
+        size = 0
+        while chunk := await self.readany():
+            parts.append(chunk)
+            size += len(chunk)
+            if max_bytes is not None and size > max_bytes:
+                break
+        return b"".join(parts)
+
+    def release(self) -> None:
+        """Done with this response: keep the connection when it ended cleanly, else close."""
+        conn = self._conn
+        if conn is not None:
+            self._give_back(conn)
+
+    def close(self) -> None:
+        """Drop the connection now (the engine sees the client go away). Idempotent."""
+        conn = self._conn
+        if conn is not None:
+            conn.close()
+            self._give_back(conn)
+
+    def _give_back(self, conn: Connection) -> None:
+        self._conn = None
+        self._release(conn)
+
+    async def __aenter__(self) -> UpstreamResponse:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.release()

@@ -26,7 +26,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sidecar.http1 import EngineClient, UpstreamError
-from sidecar.http1.request import parse_url, target_of
+from sidecar.http1.client import parse_url, target_of
 
 T = TypeVar("T")
 
