@@ -38,12 +38,11 @@ from sidecar.observability.otlp import start_tracing
 from sidecar.observability.tracing import NoTracing, Tracing
 from sidecar.protocol.context import FrontDoor, PrefillTarget
 from sidecar.protocol.request import BodyChecks
-from sidecar.request.admission import Admission
 from sidecar.request.pd_request import FlowCounters
 from sidecar.request.placement import Rules
 from sidecar.request.placer import Placer
 from sidecar.request.runner import PDFlow
-from sidecar.request.scope import Scopes
+from sidecar.request.scope import Admission, Scopes
 from sidecar.targets.allowlist import Allowlist
 from sidecar.targets.breaker import BreakerState, CircuitBreakers
 from sidecar.targets.choice import HEADER_LABEL, TargetChoice

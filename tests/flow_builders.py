@@ -36,10 +36,9 @@ from sidecar.http1 import UpstreamBroken, UpstreamResponse
 from sidecar.observability.metrics import Metrics
 from sidecar.observability.tracing import NOOP_TRACE, RequestTrace
 from sidecar.protocol.context import FrontDoor, HandoffContext, PrefillTarget, Route
-from sidecar.request.admission import Admission
 from sidecar.request.pd_request import FlowCounters, PDRequest
 from sidecar.request.runner import PDFlow
-from sidecar.request.scope import Scopes
+from sidecar.request.scope import Admission, Scopes
 from sidecar.targets.choice import TargetChoice
 from sidecar.targets.ranks import RankChoice
 

@@ -22,17 +22,25 @@ runs on) shares the admission slot (``detach``), so draining waits for it too.
 While a scope is open its request span is the current span of the task that opened it, so
 JSON log lines written for the request carry its ``trace_id`` and ``span_id``.
 
-Deliberate limits: the scope does not log; the front door says what went wrong in its words.
+Admission is shared by both front doors: ``enter()`` refuses over ``--max-inflight``
+(``Overloaded``) or after SIGTERM (``Draining``), ``leave()`` wakes ``wait_idle()`` when the
+last request ends; with ``--workers N`` the bound is the pool's
+(``sidecar.workers.shared_inflight``).
+
+Deliberate limits: the scope does not log (the front door says what went wrong in its
+words); admission is a plain counter, not a queue (a refused client retries: HTTP 503
+carries Retry-After); draining is per process (every worker gets SIGTERM).
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, Protocol
 
-from sidecar.errors import ClientCancelled, SidecarError
+from sidecar.errors import ClientCancelled, Draining, Overloaded, SidecarError
 from sidecar.observability.metrics import Metrics
 from sidecar.observability.prometheus_private import CounterValue, HistogramValues
 from sidecar.observability.tracing import (
@@ -43,7 +51,6 @@ from sidecar.observability.tracing import (
     RequestTrace,
     Tracing,
 )
-from sidecar.request.admission import Admission
 
 #: Outcomes a request is counted with (``disagg_requests_total{outcome}``).
 OK: Final = "ok"
@@ -63,6 +70,67 @@ LOCAL_ROUTE: Final = "local_route"
 LOCAL_STATE: Final = "local_state"
 #: A prefill target on a route the engine does not serve at all: refused (404).
 UNSERVED_ROUTE: Final = "unserved_route"
+
+
+class PoolInflight(Protocol):
+    """The other workers' requests in flight, and where this worker's count is published."""
+
+    def others(self) -> int: ...
+
+    def publish(self, inflight: int) -> None: ...
+
+
+class Admission:
+    """Counts requests in flight and refuses new ones when full or draining."""
+
+    def __init__(self, max_inflight: int, pool: PoolInflight | None = None) -> None:
+        self._max_inflight = max_inflight
+        self._pool = pool
+        self._inflight = 0
+        self._draining = False
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @property
+    def inflight(self) -> int:
+        return self._inflight
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    def enter(self) -> None:
+        if self._draining:
+            raise Draining("the sidecar is shutting down")
+        pool = self._pool
+        if pool is None:
+            if self._inflight >= self._max_inflight:
+                raise Overloaded("too many requests in flight")
+        elif self._inflight + pool.others() >= self._max_inflight:
+            raise Overloaded("too many requests in flight")
+        self._inflight += 1
+        self._idle.clear()
+        if pool is not None:
+            pool.publish(self._inflight)
+
+    def leave(self) -> None:
+        self._inflight -= 1
+        if self._pool is not None:
+            self._pool.publish(self._inflight)
+        if self._inflight == 0:
+            self._idle.set()
+
+    def start_draining(self) -> None:
+        self._draining = True
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until nothing is in flight; False when ``timeout_s`` passed first."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._idle.wait()
+        except TimeoutError:
+            return False
+        return True
 
 
 @dataclass(slots=True)

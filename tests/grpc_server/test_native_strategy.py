@@ -43,9 +43,9 @@ from sidecar.grpc_server.prefill import PrefillCall
 from sidecar.kv_wire.handoff import decode_handoff, encode_handoff
 from sidecar.observability.metrics import Metrics
 from sidecar.protocol.context import PrefillTarget
-from sidecar.request.admission import Admission
 from sidecar.request.pd_request import Handoff
 from sidecar.request.runner import PDFlow
+from sidecar.request.scope import Admission
 
 NIXL_FIELDS: dict[str, Any] = {"kv_transfer_params": {
     "do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [1, 2],

@@ -45,8 +45,7 @@ from sidecar.dialects.vllm_mooncake import MooncakeDialect, MooncakeState
 from sidecar.errors import InvalidHandoff, PrefillFailed
 from sidecar.observability.metrics import Metrics
 from sidecar.protocol.context import FrontDoor, PrefillTarget, Route
-from sidecar.request.admission import Admission
-from sidecar.request.scope import OK, RequestScope, Scopes
+from sidecar.request.scope import OK, Admission, RequestScope, Scopes
 
 FIRST_ID = snowflake_id(FIXED_NOW_MS, 0, 0)
 POD = PrefillTarget("10.0.0.9", 8000)

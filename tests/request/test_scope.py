@@ -22,13 +22,13 @@ from flow_builders import sample, scopes_of
 
 from sidecar.errors import DecodeFailed, Draining, Overloaded, PrefillFailed, Stage
 from sidecar.observability.metrics import Metrics
-from sidecar.request.admission import Admission
 from sidecar.request.scope import (
     BROKEN_STREAM,
     CANCELLED,
     ERROR,
     OK,
     REFUSED,
+    Admission,
     Scopes,
     Timings,
 )

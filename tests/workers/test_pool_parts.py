@@ -27,7 +27,7 @@ from sidecar.dialects.sglang import INT32_ROOMS, RoomAllocator
 from sidecar.dialects.trtllm import SnowflakeIds
 from sidecar.errors import Overloaded, ResourceExhausted
 from sidecar.grpc_server.inline.orphans import sweep_orphans, touch_owned
-from sidecar.request.admission import Admission
+from sidecar.request.scope import Admission
 from sidecar.workers.identity import MAX_WORKERS, WorkerIdentity
 from sidecar.workers.shared_inflight import InflightSlots
 from sidecar.workers.supervisor import Backoff, describe_exit
