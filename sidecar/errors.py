@@ -42,6 +42,9 @@ class SidecarError(Exception):
         #: An address of a prefill target the message names: the log always shows it, a
         #: client's answer only when the router named that target (``without_address``).
         self.address = address
+        #: An engine's own explanation of the failure (its error body's message), for the
+        #: sidecar's decisions and logs: never a client's answer (it may quote the prompt).
+        self.engine_reason: str | None = None
 
     def without_address(self, instead: str) -> SidecarError:
         """The same error with its address replaced by ``instead`` (for a client's answer

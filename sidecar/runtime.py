@@ -5,8 +5,8 @@
                                        front door, selector, admission, health, metrics,
                                        tracing)
 
-Both front doors reach engines only through their ``PDFlow`` (``runtime.flow``; and
-``runtime.grpc_flow``: the same, unless ``--kv-transport inline`` gives the gRPC door the
+Both front doors reach engines only through their ``Runner`` (``runtime.runner``; and
+``runtime.grpc_runner``: the same, unless ``--kv-transport inline`` gives the gRPC door the
 inline transport's dialect). One dialect, one pooled upstream client, one metrics registry,
 one admission counter, one tracer provider with ``--otlp-endpoint`` (flushed and stopped on
 exit, off the loop); ``open_runtime`` runs inside the event loop (the client binds to it).
@@ -23,6 +23,7 @@ import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from sidecar.config.limits import PrefillFailurePolicy
 from sidecar.config.settings import KVTransport, Settings
 from sidecar.dialects import Dialect, DialectSetup, InlineDialect, dialect_class, handoff_keys
 from sidecar.engines.calls import EngineCalls
@@ -38,15 +39,13 @@ from sidecar.observability.otlp import start_tracing
 from sidecar.observability.tracing import NoTracing, Tracing
 from sidecar.protocol.context import FrontDoor, PrefillTarget
 from sidecar.protocol.request import BodyChecks
-from sidecar.request.pd_request import FlowCounters
-from sidecar.request.placement import Rules
-from sidecar.request.placer import Placer
-from sidecar.request.runner import PDFlow
+from sidecar.request.placement import Placer, Rules
+from sidecar.request.runner import FlowCounters, Runner
 from sidecar.request.scope import Admission, Scopes
 from sidecar.targets.allowlist import Allowlist
 from sidecar.targets.breaker import BreakerState, CircuitBreakers
-from sidecar.targets.choice import HEADER_LABEL, TargetChoice
-from sidecar.targets.ranks import RankChoice
+from sidecar.targets.choice import HEADER_LABEL, PrefillTargets, TargetChoice
+from sidecar.targets.ranks import LegRanks, RankChoice
 from sidecar.targets.selector import AllowlistLike, TargetSelector, parse_prefill_url
 from sidecar.workers.identity import INFLIGHT_FILE, SOLO, WorkerIdentity
 from sidecar.workers.ports import PortInUse
@@ -66,8 +65,10 @@ class Runtime:
     metrics: Metrics
     session: EngineClient
     calls: EngineCalls
-    flow: PDFlow
-    grpc_flow: PDFlow
+    #: Runs the HTTP door's requests (and the gRPC door's, unless inline KV gives that door
+    #: the inline transport's dialect: ``grpc_runner``).
+    runner: Runner
+    grpc_runner: Runner
     http_scopes: Scopes
     grpc_scopes: Scopes
     selector: TargetSelector
@@ -78,15 +79,13 @@ class Runtime:
     tracing: Tracing | NoTracing
     #: The client-body checks (the hand-off keys every dialect owns are refused).
     body_checks: BodyChecks
+    #: The dialect of the local engine (and its connector), as the pod labels name it.
+    dialect: Dialect
     worker: WorkerIdentity = SOLO
     #: The local engine's prefix cache from its KV events (``--kv-events-endpoint``), or None.
     kv_cache: EngineKVCache | None = None
     _closed: bool = False
 
-    @property
-    def dialect(self) -> Dialect:
-        """The dialect of the local engine (and its connector), as the pod labels name it."""
-        return self.flow.dialect
 
     async def close(self) -> None:
         """Cancel and wait for what the flows and engine calls still run in the background
@@ -95,14 +94,15 @@ class Runtime:
         if self._closed:
             return
         self._closed = True
-        flows = (self.flow,) if self.grpc_flow is self.flow else (self.flow, self.grpc_flow)
+        runners = ((self.runner,) if self.grpc_runner is self.runner
+                   else (self.runner, self.grpc_runner))
         try:
-            for flow in flows:
-                await flow.close()
+            for runner in runners:
+                await runner.close()
         finally:
             await self.calls.close()
-            for flow in flows:
-                await flow.dialect.close()
+            for runner in runners:
+                await runner.dialect.close()
 
 
 def _literal_members(pool: list[PrefillTarget]) -> list[PrefillTarget]:
@@ -154,9 +154,9 @@ def data_parallel_ranks(settings: Settings, ranked: bool) -> tuple[int, int]:
     return local, settings.prefill_data_parallel_size or local
 
 
-def _flows(settings: Settings, metrics: Metrics, calls: EngineCalls,
-           setup: DialectSetup) -> tuple[PDFlow, PDFlow]:
-    """The HTTP door's flow and the gRPC door's (the same one but for the inline transport)."""
+def _runners(settings: Settings, metrics: Metrics, calls: EngineCalls, setup: DialectSetup,
+             targets: PrefillTargets, rules: Rules) -> tuple[Runner, Runner]:
+    """The HTTP door's runner and the gRPC door's (the same one but for the inline transport)."""
     dialect = dialect_class(settings.engine, settings.kv_connector)(setup)
     fallbacks = metrics.prefill_fallbacks
     retries = {door: metrics.labelled(metrics.prefill_retries, door) for door in FrontDoor}
@@ -165,22 +165,21 @@ def _flows(settings: Settings, metrics: Metrics, calls: EngineCalls,
         retry=lambda door: retries[FrontDoor(door)].inc(),
     )
 
-    def flow(of: Dialect) -> PDFlow:
-        return PDFlow(of, calls, prefill_timeout_s=settings.prefill_timeout_s,
-                      on_prefill_failure=settings.on_prefill_failure, counters=counters,
-                      local_ranks=setup.local_ranks, prefill_ranks=setup.prefill_ranks)
+    def runner(of: Dialect) -> Runner:
+        return Runner(of, calls, targets, targets.ranks, rules=rules, counters=counters,
+                      prefill_timeout_s=settings.prefill_timeout_s)
 
-    http_flow = flow(dialect)
+    http_runner = runner(dialect)
     if settings.kv_transport is not KVTransport.INLINE:
-        return http_flow, http_flow
-    return http_flow, flow(InlineDialect(setup))
+        return http_runner, http_runner
+    return http_runner, runner(InlineDialect(setup))
 
 
-def _placer(settings: Settings, metrics: Metrics, calls: EngineCalls, flow: PDFlow,
+def _placer(settings: Settings, metrics: Metrics, calls: EngineCalls, runner: Runner,
             health: EngineHealth, cache: EngineKVCache | None) -> Placer:
-    """The placement decision of the HTTP door's requests, over the flow's targets; ``cache``:
-    the local engine's prefix cache, from its KV events."""
-    dialect = flow.dialect
+    """The placement decision of the HTTP door's requests, over the runner's targets and
+    rules; ``cache``: the local engine's prefix cache, from its KV events."""
+    dialect = runner.dialect
     measure = PromptMeasure(
         source=settings.prompt_length_source,
         endpoint=dialect.tokenize,
@@ -189,11 +188,9 @@ def _placer(settings: Settings, metrics: Metrics, calls: EngineCalls, flow: PDFl
         on_tokenize_failure=lambda reason: metrics.labelled(
             metrics.tokenize_failures, reason).inc(),
     )
-    rules = Rules(max_tokens=settings.local_prefill_max_tokens,
-                  max_uncached=settings.local_prefill_max_uncached_tokens,
-                  local_fallback=flow.local_fallback)
-    return Placer(route_support=dialect.route_support, engine=dialect.engine, rules=rules,
-                  targets=flow.targets, measure=measure, cache=cache, health=health,
+    return Placer(route_support=dialect.route_support, engine=dialect.engine,
+                  rules=runner.rules, targets=runner.targets, measure=measure, cache=cache,
+                  health=health,
                   on_cached_tokens=None if cache is None else cache.observe_cached_tokens)
 
 
@@ -250,8 +247,15 @@ async def open_runtime(
         setup = DialectSetup(settings, lane=worker.index, lanes=worker.count, lookup=calls,
                              local_ranks=local_ranks, prefill_ranks=prefill_ranks)
         health = EngineHealth(session, settings.engine_url, timeout_s=settings.connect_timeout_s)
-        http_flow, grpc_flow = _flows(settings, metrics, calls, setup)
-        dialect = http_flow.dialect
+        ranks_of_legs = LegRanks(ranks, local_size=local_ranks, prefill_size=prefill_ranks)
+        targets = PrefillTargets(choice, ranks_of_legs)
+        # A dialect whose decode cannot run without its prefill still falls back before any
+        # leg; after a failed leg the placement asks whether a decode went (after_failure).
+        rules = Rules(max_tokens=settings.local_prefill_max_tokens,
+                      max_uncached=settings.local_prefill_max_uncached_tokens,
+                      local_fallback=settings.on_prefill_failure is PrefillFailurePolicy.LOCAL)
+        http_runner, grpc_runner = _runners(settings, metrics, calls, setup, targets, rules)
+        dialect = http_runner.dialect
 
         def scopes(front_door: FrontDoor) -> Scopes:
             return Scopes(metrics, admission, front_door=front_door.value,
@@ -275,12 +279,13 @@ async def open_runtime(
             metrics=metrics,
             session=session,
             calls=calls,
-            flow=http_flow,
-            grpc_flow=grpc_flow,
+            runner=http_runner,
+            grpc_runner=grpc_runner,
+            dialect=dialect,
             http_scopes=scopes(FrontDoor.HTTP),
             grpc_scopes=scopes(FrontDoor.GRPC),
             selector=selector,
-            placer=_placer(settings, metrics, calls, http_flow, health, kv_cache),
+            placer=_placer(settings, metrics, calls, http_runner, health, kv_cache),
             admission=admission,
             health=health,
             worker=worker,

@@ -11,7 +11,7 @@
                                               ``reading`` is set while a read waits
     recording(SGLangDialect)                  a real dialect that also records begin/end
                                               (``begun``, ``ended``, event ``end_seen``)
-    flow_of(dialect, calls, ...)              a ``PDFlow`` over them (ids fixed by ``install``)
+    flow_of(dialect, calls, ...)              a ``Runner`` over them (ids fixed by ``install``)
 
 Every outcome is scripted: a call the script does not expect fails the test
 (``UnexpectedCall``), so a test that forgets an engine call cannot pass by accident.
@@ -36,11 +36,12 @@ from sidecar.http1 import UpstreamBroken, UpstreamResponse
 from sidecar.observability.metrics import Metrics
 from sidecar.observability.tracing import NOOP_TRACE, RequestTrace
 from sidecar.protocol.context import FrontDoor, HandoffContext, PrefillTarget, Route
-from sidecar.request.pd_request import FlowCounters, PDRequest
-from sidecar.request.runner import PDFlow
+from sidecar.request.legs import PDRequest
+from sidecar.request.placement import Rules
+from sidecar.request.runner import FlowCounters, Runner
 from sidecar.request.scope import Admission, Scopes
-from sidecar.targets.choice import TargetChoice
-from sidecar.targets.ranks import RankChoice
+from sidecar.targets.choice import PrefillTargets, TargetChoice
+from sidecar.targets.ranks import LegRanks, RankChoice
 
 D = TypeVar("D", bound=Dialect)
 
@@ -294,11 +295,15 @@ def flow_of(
     prefill_timeout_s: float = 30.0,
     on_prefill_failure: PrefillFailurePolicy = PrefillFailurePolicy.FAIL,
     counts: Counted | None = None,
-) -> PDFlow:
-    """A flow over ``dialect`` (fixed ids installed) and the fake calls."""
+) -> Runner:
+    """A runner over ``dialect`` (fixed ids installed) and the fake calls, choosing among
+    targets with the calls' own ``choice`` (its breakers, cool-downs and ranks)."""
     install(dialect, make_ids())
-    return PDFlow(dialect, cast(EngineCalls, calls), prefill_timeout_s=prefill_timeout_s,
-                  on_prefill_failure=on_prefill_failure,
+    engine_calls = cast(EngineCalls, calls)
+    ranks = LegRanks(engine_calls.ranks)
+    return Runner(dialect, engine_calls, PrefillTargets(engine_calls.choice, ranks), ranks,
+                  prefill_timeout_s=prefill_timeout_s,
+                  rules=Rules(local_fallback=on_prefill_failure is PrefillFailurePolicy.LOCAL),
                   counters=counts.counters() if counts is not None else None)
 
 

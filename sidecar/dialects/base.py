@@ -43,6 +43,7 @@ from typing import Any, ClassVar, Literal, NamedTuple, Protocol, Self
 
 from pydantic import BaseModel, ConfigDict
 
+from sidecar.errors import SidecarError
 from sidecar.protocol.apis import api_of
 from sidecar.protocol.context import OPENAI_ROUTES, HandoffContext, Route
 from sidecar.protocol.sse import StreamMarkers
@@ -218,6 +219,12 @@ class Dialect(ABC):
 
     def leg_failed(self, error: Exception, ctx: HandoffContext) -> None:  # noqa: B027
         """A leg of this request failed (``learns`` dialects only): forget what it disproves."""
+
+    def refusal_may_be_stale(self, refused: SidecarError, ctx: HandoffContext) -> bool:
+        """A concurrent decode the engine refused (``learns`` dialects only): True when what
+        the dialect learned may explain it (a stale hand-off), so that the prefill's answer is
+        awaited to tell; False ends the pair at once (its prefill cancelled)."""
+        return False
 
     # -- bodies -----------------------------------------------------------------------------
 

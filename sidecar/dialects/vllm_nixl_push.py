@@ -61,6 +61,12 @@ TRANSFER_MODE: Final = "transfer_mode"
 PUSH: Final = "push"
 #: vLLM's default VLLM_NIXL_SIDE_CHANNEL_PORT.
 DEFAULT_SIDE_CHANNEL_PORT: Final = 5600
+#: What vLLM 0.32 answers for a request its engine finished with an error (a KV load that
+#: failed, under ``kv_load_failure_policy: fail``, the default: a handshake refused on an
+#: engine-id mismatch among its causes): ``GenerationError("Internal server error")``,
+#: ``vllm/entrypoints/generate/base/serving.py`` (``_raise_if_error``); HTTP 500 for a JSON
+#: answer, the first event of a stream.
+KV_LOAD_FAILED: Final = "Internal server error"
 
 #: (prefill target, data-parallel rank): whose identity an entry is.
 IdentityKey = tuple[PrefillTarget, int]
@@ -294,6 +300,12 @@ class NixlPushDialect(VLLMDialect):
             return False
         self.identities.put(state.key, identity)
         return identity != state.identity
+
+    def refusal_may_be_stale(self, refused: SidecarError, ctx: HandoffContext) -> bool:
+        # Only the engine's own "the request failed" (a KV load that failed) can be a stale
+        # identity; a decode engine that is down, overloaded or failing otherwise ends the
+        # pair at once instead of waiting for the prefill's answer.
+        return refused.engine_reason == KV_LOAD_FAILED
 
     def leg_failed(self, error: Exception, ctx: HandoffContext) -> None:
         # A target that refuses connections is restarting, likely under a new engine id.

@@ -12,9 +12,10 @@ router-named prefill target by its address); never an exception class.
 An engine's 4xx answer is about the client's own request (a prompt over the context length,
 a bad parameter): its reason is relayed (the engine's error message, cut to 4 KiB, control
 characters removed, after the leg that answered). 5xx bodies are read (to free the
-connection) but never relayed. Each call names the engine's HTTP status on its leg span
-(``sidecar.observability.tracing``; a no-op
-when tracing is off).
+connection) but never relayed: their reason is kept on the error (``engine_reason``) for the
+sidecar's own decisions (a dialect telling a stale hand-off from another failure) and logs.
+Each call names the engine's HTTP status on its leg span (``sidecar.observability.tracing``;
+a no-op when tracing is off).
 """
 
 from __future__ import annotations
@@ -87,19 +88,24 @@ _NOT_STARTED_STATUSES = frozenset({429, 503})
 
 def _status_error(status: int, stage: Stage, who: str, body: bytes = b"") -> SidecarError:
     client_side = 400 <= status < 500
-    reason = engine_reason(body) if client_side else None
-    said = f": {reason}" if reason else ""
+    reason = engine_reason(body)
+    said = f": {reason}" if reason and client_side else ""
+    error: SidecarError
     if status in _CLIENT_FAULT_STATUSES:
-        return EngineRejected(f"{who} rejected the request (HTTP {status}){said}", stage=stage)
-    message = f"{who} answered HTTP {status}{said}"
-    if stage is not Stage.PREFILL:
-        return DecodeFailed(message, stage=stage)
-    # A prefill answered 503/429 has not started (no token before the status line): it may
-    # move to another target. 429 and other 4xx say nothing against the engine's health.
-    failed = (PrefillBusy(message) if status in _NOT_STARTED_STATUSES
-              else PrefillFailed(message))
-    failed.engine_fault = not client_side
-    return failed
+        error = EngineRejected(f"{who} rejected the request (HTTP {status}){said}", stage=stage)
+    elif stage is not Stage.PREFILL:
+        error = DecodeFailed(f"{who} answered HTTP {status}{said}", stage=stage)
+    else:
+        # A prefill answered 503/429 has not started (no token before the status line): it
+        # may move to another target. 429 and other 4xx say nothing against the engine's
+        # health.
+        message = f"{who} answered HTTP {status}{said}"
+        failed = (PrefillBusy(message) if status in _NOT_STARTED_STATUSES
+                  else PrefillFailed(message))
+        failed.engine_fault = not client_side
+        error = failed
+    error.engine_reason = reason
+    return error
 
 
 def engine_reason(body: bytes) -> str | None:

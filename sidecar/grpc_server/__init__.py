@@ -10,5 +10,5 @@
     errors.py        SidecarError -> gRPC status
     rpc.py           one call's end: status, log line, the core's request scope
 
-Engines are reached only through the core (``runtime.grpc_flow``).
+Engines are reached only through the core (``runtime.grpc_runner``).
 """

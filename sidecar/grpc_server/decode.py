@@ -37,7 +37,7 @@ from sidecar.http1 import UpstreamError, UpstreamResponse
 from sidecar.observability.tracing import HANDOFF_SPAN, NOOP_SPAN, RELAY_SPAN, RELAYED_TOKENS
 from sidecar.protocol.context import Route
 from sidecar.protocol.request import REQUEST_ID_HEADER, logged_request_id
-from sidecar.request.runner import PDFlow
+from sidecar.request.runner import Runner
 from sidecar.request.scope import OK, Scopes
 from sidecar.targets.ranks import rank_from_metadata
 
@@ -82,7 +82,7 @@ class DecodeStrategy(Protocol):
 class DecodeService:
     """Runs the local engine's decode leg and streams its tokens."""
 
-    def __init__(self, flow: PDFlow, scopes: Scopes, strategy: DecodeStrategy) -> None:
+    def __init__(self, flow: Runner, scopes: Scopes, strategy: DecodeStrategy) -> None:
         self._flow = flow
         self._scopes = scopes
         self.strategy = strategy

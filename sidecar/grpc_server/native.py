@@ -29,7 +29,7 @@ from sidecar.grpc_server.rpc import Malformed, tolerant
 from sidecar.kv_wire.handoff import DecodedHandoff, decode_handoff, encode_handoff
 from sidecar.observability.metrics import Metrics
 from sidecar.protocol.request import REQUEST_ID_HEADER, request_id_or_new
-from sidecar.request.runner import PDFlow
+from sidecar.request.runner import Runner
 from sidecar.request.scope import RequestScope, Scopes
 
 logger = logging.getLogger(__name__)
@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 class NativePrefill:
     """Prefill whose stream carries the engine's hand-off fields."""
 
-    def __init__(self, flow: PDFlow, scopes: Scopes, settings: Settings) -> None:
+    def __init__(self, flow: Runner, scopes: Scopes, settings: Settings) -> None:
         self._flow = flow
         self._scopes = scopes
         self._settings = settings
@@ -100,7 +100,7 @@ class NativeDecode:
 
     raw_request = False
 
-    def __init__(self, flow: PDFlow, metrics: Metrics) -> None:
+    def __init__(self, flow: Runner, metrics: Metrics) -> None:
         self._flow = flow
         self._kv_in = metrics.kv_bytes.labels("in")
 

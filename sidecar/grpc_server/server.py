@@ -111,7 +111,7 @@ _ORPHAN_MARGIN_S = 60.0
 def _services(runtime: Runtime) -> tuple[PrefillService, DecodeService, OrphanSweeper | None]:
     """The servicers, each given the configured KV transport's hand-off strategy."""
     settings = runtime.settings
-    flow = runtime.grpc_flow
+    flow = runtime.grpc_runner
     scopes = runtime.grpc_scopes
     if settings.kv_transport != KVTransport.INLINE:
         return (

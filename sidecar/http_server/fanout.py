@@ -29,9 +29,8 @@ from sidecar.protocol.apis import api_of, usage_of
 from sidecar.protocol.fanout import SSEEvents, StreamMerger, check_fanout, merge_answers, sub_bodies
 from sidecar.protocol.request import REQUEST_ID_HEADER, ClientRequest
 from sidecar.protocol.sse import DONE_EVENT, answer_as_sse
-from sidecar.request.exchange import PDExchange
 from sidecar.request.fanout import FanOut, StartOne, start_all, sub_request_id
-from sidecar.request.pd_request import PDRequest
+from sidecar.request.legs import PDExchange, PDRequest
 from sidecar.request.scope import FALLBACK, OK, RequestScope
 from sidecar.runtime import Runtime
 
@@ -55,7 +54,7 @@ def _placed(runtime: Runtime) -> StartOne:
                                               named_prefill_rank=sub.prefill_rank)
         if decision.error is not None:
             raise decision.error
-        return await runtime.flow.start(sub, decision)
+        return await runtime.runner.run(sub, decision)
 
     return start
 

@@ -49,8 +49,7 @@ from sidecar.protocol.apis import Api, api_of
 from sidecar.protocol.context import Route
 from sidecar.protocol.request import REQUEST_ID_HEADER, ClientRequest, request_id_or_new
 from sidecar.protocol.sse import answer_as_sse
-from sidecar.request.exchange import PDExchange
-from sidecar.request.pd_request import PDRequest
+from sidecar.request.legs import PDExchange, PDRequest
 from sidecar.request.scope import LOCAL_STATE, REFUSED, UNSERVED_ROUTE, RequestScope
 from sidecar.runtime import Runtime
 from sidecar.targets.ranks import RANK_HEADER, parse_rank_header
@@ -113,7 +112,7 @@ async def handle_pd(request: web.Request, route: Route) -> web.StreamResponse:
         client = runtime.body_checks.parse(raw, route,
                                            trusted_router=runtime.settings.trusted_router)
         named_rank = parse_rank_header(request.headers.getall(RANK_HEADER, []),
-                                       runtime.flow.ranks.prefill_size)
+                                       runtime.runner.ranks.prefill_size)
         headers = forwardable_headers(request.headers.items(), drop=("accept-encoding",))
         headers[REQUEST_ID_HEADER] = request_id
         pd_request = PDRequest(
@@ -138,7 +137,7 @@ async def handle_pd(request: web.Request, route: Route) -> web.StreamResponse:
         if decision.outcome == LOCAL_STATE:
             # The engine that holds the state answers, as it would without a prefill target.
             return await proxy_to_engine(request, runtime.calls, request_id, raw)
-        exchange = await runtime.flow.start(pd_request, decision)
+        exchange = await runtime.runner.run(pd_request, decision)
         # The relay may still turn it into broken_stream or error (an engine's error event).
         scope.outcome = exchange.outcome
         try:

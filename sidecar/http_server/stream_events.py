@@ -29,7 +29,7 @@ from typing import Any, Final
 from sidecar import jsonutil
 from sidecar.protocol.apis import Api, usage_of
 from sidecar.protocol.sse import DATA_FIELD, EVENT, StreamMarkers
-from sidecar.request.exchange import PDExchange
+from sidecar.request.legs import PDExchange
 
 #: An event is held for its end up to this size, then relayed as it is.
 MAX_EVENT_BYTES: Final = 8 * 1024 * 1024

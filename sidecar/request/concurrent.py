@@ -1,7 +1,7 @@
-"""Both legs at once: a concurrent dialect's prefill and decode, the prefill watched.
+"""Both legs at once: a concurrent dialect's way of running a pair, the prefill watched.
 
-    start(flow, request, ctx) ─▶ PDExchange
-        prefill ║ open decode; a failed prefill fails the request at once (the decode is
+    run(pair) ─▶ PDExchange
+        prefill ║ open decode; a failed prefill fails the pair at once (the decode is
         cancelled), a decode head that came meanwhile is closed
         a learning dialect (``Dialect.learns``):
           the decode counts as open once it is known not refused: a stream's first bytes
@@ -12,9 +12,12 @@
             may wait on it for minutes)
           a refused or stopped decode whose prefill answer shows the hand-off stale is
             opened again from that answer (``decode_again``: the refused one wrote nothing)
+          a refusal the identity does not explain ends the pair at once, its prefill
+            cancelled (its KV released), never waiting for the prefill's answer
           every later prefill answer is shown to the dialect (``learn``)
-    background_prefill(...)     a gRPC Prefill's engine call after its hand-off, shown to a
-                                learning dialect when it ends
+
+Everything a way does with the pair goes through ``Pair``'s public surface
+(``sidecar.request.legs``): the prefill leg, the hand-off, the decode body and its opening.
 
 Deliberate limits: only a refusal seen before the client saw a byte is sent again; the wait
 for the prefill's answer after a refusal is bounded by the prefill leg's own deadline.
@@ -25,18 +28,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Mapping
-from typing import Any, Final, Protocol
+from collections.abc import Awaitable
+from typing import Any, Final
 
 from sidecar.dialects import Dialect
-from sidecar.engines.calls import EngineCalls, PrefillLeg
+from sidecar.engines.legs import engine_reason
 from sidecar.errors import DecodeFailed, Stage
 from sidecar.http1 import UpstreamError, UpstreamResponse
-from sidecar.observability.tracing import RequestTrace
 from sidecar.protocol.context import HandoffContext
-from sidecar.request.exchange import PDExchange, as_prefill_error, cancel_legs
-from sidecar.request.pd_request import PDRequest
-from sidecar.request.scope import Timings
+from sidecar.request.legs import Pair, PDExchange, as_prefill_error, cancel_legs
 from sidecar.tasks import cancel_and_wait
 
 logger = logging.getLogger(__name__)
@@ -45,36 +45,18 @@ logger = logging.getLogger(__name__)
 EVENT_STREAM: Final = "text/event-stream"
 
 
-class PDFlow(Protocol):
-    """What the flow (``sidecar.request.runner.PDFlow``) lends these functions."""
-
-    dialect: Dialect
-    calls: EngineCalls
-
-    def _leg(self, request: PDRequest, ctx: HandoffContext) -> PrefillLeg: ...
-
-    def _handoff(self, response: dict[str, Any] | None, ctx: HandoffContext,
-                 trace: RequestTrace) -> dict[str, Any]: ...
-
-    def _open_decode(self, request: PDRequest, ctx: HandoffContext,
-                     body: Mapping[str, Any]) -> Awaitable[UpstreamResponse]: ...
-
-    def abort(self, ctx: HandoffContext) -> None: ...
-
-    def end(self, ctx: HandoffContext) -> None: ...
+class StaleRefusal(DecodeFailed):
+    """A decode refused or stopped on a hand-off that may be stale: the prefill's answer
+    decides whether it goes again (only these wait for that answer)."""
 
 
-async def start(flow: PDFlow, request: PDRequest, ctx: HandoffContext) -> PDExchange:
-    """Both legs of ``request`` at once, until the decode response head has arrived."""
-    dialect = flow.dialect
-    timings = Timings()
-    leg = flow._leg(request, ctx)
-    decode_body = dialect.decode_body(
-        request.body, flow._handoff(None, ctx, request.trace), ctx.decode_rank
-    )
+async def run(pair: Pair) -> PDExchange:
+    """Both legs of ``pair`` at once, until the decode response head has arrived."""
+    dialect, ctx, timings = pair.dialect, pair.ctx, pair.timings
+    decode_body = pair.decode_body(pair.handoff(None))
     started = time.perf_counter()
-    prefill_task = asyncio.ensure_future(flow.calls.post_prefill(leg))
-    opening = flow._open_decode(request, ctx, decode_body)
+    prefill_task = asyncio.ensure_future(pair.calls.post_prefill(pair.prefill_leg()))
+    opening = pair.open_decode(decode_body)
     if dialect.learns:
         opening = opened_unrefused(dialect, ctx, opening)
     decode_task = asyncio.ensure_future(opening)
@@ -93,14 +75,11 @@ async def start(flow: PDFlow, request: PDRequest, ctx: HandoffContext) -> PDExch
                     # The answer disproves the decode's hand-off before the decode answered
                     # (an engine that knew the old identity may wait on it for minutes).
                     await _drop(decode_task)
-                    raise DecodeFailed("decode sent with a hand-off the prefill's answer "
+                    raise StaleRefusal("decode sent with a hand-off the prefill's answer "
                                        "disproves", stage=Stage.DECODE)
         decode = decode_task.result()
-    except DecodeFailed as refused:
-        if not dialect.learns:
-            await cancel_and_wait(prefill_task)
-            raise
-        return await decode_again(flow, request, ctx, prefill_task, refused, timings)
+    except StaleRefusal as refused:
+        return await decode_again(pair, prefill_task, refused)
     except BaseException:
         await cancel_legs(decode_task, prefill_task)
         raise
@@ -109,8 +88,7 @@ async def start(flow: PDFlow, request: PDRequest, ctx: HandoffContext) -> PDExch
         timings.prefill = time.perf_counter() - started
     if dialect.learns:
         prefill_task.add_done_callback(lambda task: learn(dialect, task, ctx))
-    exchange = PDExchange(ctx=ctx, decode=decode, timings=timings, prefill_task=prefill_task,
-                          owner=flow)
+    exchange = pair.exchange(decode, prefill_task=prefill_task)
     exchange.watch_prefill()
     return exchange
 
@@ -126,8 +104,15 @@ async def opened_unrefused(dialect: Dialect, ctx: HandoffContext,
                            opening: Awaitable[UpstreamResponse]) -> UpstreamResponse:
     """A learning dialect's concurrent decode, once it is known not refused: an event
     stream's first bytes are awaited (left for the relay), and an engine's error event there
-    is a ``DecodeFailed`` like a refused head (an engine may fail a stream after its 200)."""
-    decode = await opening
+    is a refusal like a refused head (an engine may fail a stream after its 200). A refusal
+    the dialect says the hand-off may explain is a ``StaleRefusal``; any other, a plain
+    ``DecodeFailed``, ends the pair at once."""
+    try:
+        decode = await opening
+    except DecodeFailed as head_refused:
+        if dialect.refusal_may_be_stale(head_refused, ctx):
+            raise StaleRefusal(head_refused.message, stage=head_refused.stage) from None
+        raise
     content_type = decode.header("content-type") or ""
     if not content_type.startswith(EVENT_STREAM):
         return decode
@@ -142,9 +127,21 @@ async def opened_unrefused(dialect: Dialect, ctx: HandoffContext,
         raise
     if error_event is not None and first.startswith(error_event):
         decode.close()
-        raise DecodeFailed("decode engine failed the request in its stream's first event",
-                           stage=Stage.DECODE)
+        refused = DecodeFailed("decode engine failed the request in its stream's first event",
+                               stage=Stage.DECODE)
+        refused.engine_reason = event_reason(first)
+        if dialect.refusal_may_be_stale(refused, ctx):
+            raise StaleRefusal(refused.message, stage=refused.stage)
+        raise refused
     return decode
+
+
+def event_reason(stream_start: bytes) -> str | None:
+    """The engine's own words in the error event a stream starts with (None: none)."""
+    event = stream_start.split(b"\n\n", 1)[0]
+    data = b"\n".join(line.partition(b":")[2].strip() for line in event.split(b"\n")
+                      if line.startswith(b"data:"))
+    return engine_reason(data) if data else None
 
 
 def learn(dialect: Dialect, task: asyncio.Future[dict[str, Any]], ctx: HandoffContext) -> None:
@@ -154,41 +151,22 @@ def learn(dialect: Dialect, task: asyncio.Future[dict[str, Any]], ctx: HandoffCo
         dialect.answered_stale(task.result(), ctx)
 
 
-async def decode_again(
-    flow: PDFlow, request: PDRequest, ctx: HandoffContext,
-    prefill_task: asyncio.Task[dict[str, Any]], refused: DecodeFailed, timings: Timings,
-) -> PDExchange:
-    """A concurrent decode the engine refused: when the prefill's answer shows the hand-off
-    was stale (a prefill engine restarted under a new identity), the decode goes again,
-    built from that answer; else ``refused`` is raised."""
+async def decode_again(pair: Pair, prefill_task: asyncio.Task[dict[str, Any]],
+                       refused: StaleRefusal) -> PDExchange:
+    """A concurrent decode refused on a hand-off that may be stale: when the prefill's answer
+    shows it was (a prefill engine restarted under a new identity), the decode goes again,
+    built from that answer; else the refusal is the pair's error."""
     try:
         response = await prefill_task
     except BaseException:
         await cancel_and_wait(prefill_task)
         raise
-    if not flow.dialect.answered_stale(response, ctx):
-        raise refused
+    if not pair.dialect.answered_stale(response, pair.ctx):
+        raise DecodeFailed(refused.message, stage=refused.stage)
     logger.info("request %s: the decode refused a stale hand-off (%s); sent again from the "
-                "prefill's answer", request.request_id, refused.message)
-    decode_body = flow.dialect.decode_body(
-        request.body, flow._handoff(response, ctx, request.trace), ctx.decode_rank)
+                "prefill's answer", pair.request.request_id, refused.message)
+    decode_body = pair.decode_body(pair.handoff(response))
     decode_started = time.perf_counter()
-    decode = await flow._open_decode(request, ctx, decode_body)
-    timings.decode_first_byte = time.perf_counter() - decode_started
-    return PDExchange(ctx=ctx, decode=decode, timings=timings, owner=flow,
-                      prefill_response=response)
-
-
-async def background_prefill(dialect: Dialect, calls: EngineCalls, leg: PrefillLeg,
-                             ctx: HandoffContext) -> None:
-    """A gRPC Prefill's engine call after its hand-off; a learning dialect sees how it
-    ended (its answer, or the failure)."""
-    if not dialect.learns:
-        await calls.post_prefill(leg)
-        return
-    try:
-        response = await calls.post_prefill(leg)
-    except Exception as error:
-        dialect.leg_failed(error, ctx)
-        raise
-    dialect.answered_stale(response, ctx)
+    decode = await pair.open_decode(decode_body)
+    pair.timings.decode_first_byte = time.perf_counter() - decode_started
+    return pair.exchange(decode, prefill_response=response)

@@ -6,7 +6,7 @@
         .chunks()         (k, chunk) from every decode stream as it arrives, interleaved
         .aclose()         close every exchange (engines aborted where they have an abort)
 
-Each sub-request is an ordinary single request of the core (``PDFlow.start``), with its own
+Each sub-request is an ordinary single request of the core (``Runner.start``), with its own
 hand-off context and request id; the first to fail cancels the others and its error is the
 request's (docs/driving/request-shapes.md). Deliberate limits: decode streams are read into a
 bounded queue, so a slow client slows every leg alike; the interleaving follows arrival.
@@ -20,9 +20,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Final
 
 from sidecar.errors import DecodeFailed, SidecarError, Stage
-from sidecar.request.exchange import PDExchange
-from sidecar.request.pd_request import PDRequest
-from sidecar.tasks import cancel_and_wait
+from sidecar.request.legs import PDExchange, PDRequest
+from sidecar.tasks import cancel_and_wait, wait_to_the_end
 
 logger = logging.getLogger(__name__)
 
@@ -128,8 +127,10 @@ async def start_all(start: StartOne, requests: Sequence[PDRequest]) -> FanOut:
         try:
             await cancel_and_wait(*tasks)
         finally:  # the caller's cancellation too: pairs that had started are closed
-            for task in tasks:
-                if not task.cancelled() and task.exception() is None:
-                    await task.result().aclose()
+            started = [task.result() for task in tasks
+                       if not task.cancelled() and task.exception() is None]
+            # All at once, each as a task of its own: another cancellation of the caller
+            # cannot skip a close (each ends its legs and gives its ids and rank back).
+            await wait_to_the_end(asyncio.ensure_future(FanOut(started).aclose()))
         raise
     return FanOut([task.result() for task in tasks])

@@ -1,4 +1,5 @@
-"""The placement decision: where one request runs, decided once, before any leg is sent.
+"""The placement decision: where one request runs, decided before any leg is sent, and again
+after a leg that failed; and the placer that gathers its facts.
 
     route_fate(route, support, has_targets)        before the body is read
         no prefill target (header or pool)         ─▶ PASSTHROUGH  passthrough
@@ -14,13 +15,25 @@
                                                                    decode rank)
         every breaker open, local fallback allowed ─▶ LOCAL        fallback (breaker_open)
         every breaker open                         ─▶ REFUSE       prefill_failed (502)
-    retry_pair(candidates, failed, named, targets) a prefill whose engine provably did no work
-                                                   ─▶ PAIR on another candidate, or None
+    after_failure(decision, error, ...)            a pair's leg failed before its decode began
+        its prefill provably did no work, first    ─▶ PAIR         on another candidate whose
+        try, another candidate's breaker lets in                   breaker lets a leg in
+        a prefill failure (the leg failed, its     ─▶ LOCAL        fallback (the error's code)
+        hand-off was unusable, its deadline
+        passed), the decode not sent, local
+        fallback allowed
+        otherwise                                  ─▶ REFUSE       the error itself
 
-Both functions are pure: every input is a value, but the prefill targets (``Targets``: the
-target choice, its breakers and the data-parallel ranks), which are asked only on the way to
-a pair, so no local outcome ever consults a breaker. Gathering the facts (the body's state,
-the engine's readiness, the prompt's tokens and cached tokens) is ``sidecar.request.placer``'s.
+The three functions are pure: every input is a value, but the prefill targets (``Targets``:
+the target choice, its breakers and the data-parallel ranks), which are asked only on the way
+to a pair, so no local outcome ever consults a breaker. The runner
+(``sidecar.request.runner``) runs what they decide and asks ``after_failure`` when a leg
+fails; nothing else decides where a request runs.
+
+``Placer`` gathers the facts (the body's state, the engine's readiness, the prompt's tokens
+and cached tokens), each only when the decision would read it, in the decision's own order:
+no tokenize call for a request the route or its state already decided, no engine check for
+one that runs whole. Each decision is logged at debug in one line: the outcome and why.
 
 A prompt whose length or cached prefix is unknown (no rule needs it, a tokenize call failed,
 the KV-event index cannot answer) is never run locally by a rule that needs it.
@@ -28,13 +41,27 @@ the KV-event index cannot answer) is never run locally by a rule that needs it.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+import logging
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, replace
 from enum import Enum
-from typing import Final, Protocol
+from typing import Any, Final, Protocol
 
 from sidecar.dialects.base import RouteSupport
-from sidecar.errors import EngineNotReady, RouteNotServed, SidecarError
+from sidecar.engines.health import EngineHealth
+from sidecar.engines.tokenizer import PromptMeasure
+from sidecar.errors import (
+    DeadlineExceeded,
+    EngineNotReady,
+    InvalidHandoff,
+    PrefillFailed,
+    PrefillNotRun,
+    RouteNotServed,
+    SidecarError,
+    Stage,
+)
+from sidecar.kv_events import CachedPrefix
+from sidecar.protocol.apis import api_of
 from sidecar.protocol.context import PrefillTarget, Route
 from sidecar.request.scope import (
     ERROR,
@@ -47,6 +74,8 @@ from sidecar.request.scope import (
     PASSTHROUGH,
     UNSERVED_ROUTE,
 )
+
+logger = logging.getLogger(__name__)
 
 #: The fallback reason of a request kept from every target by open breakers.
 BREAKER_OPEN: Final = "breaker_open"
@@ -74,6 +103,8 @@ class Decision:
     fallback_reason: str | None = None
     #: Prompt tokens the local engine holds, when the decision knew them.
     cached_tokens: int | None = None
+    #: Which try this is (0: the first decision; ``after_failure`` counts on).
+    attempt: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,14 +216,104 @@ def pair_on(target: PrefillTarget, named_prefill_rank: int | None, targets: Targ
                     decode_rank=targets.decode_rank(), cached_tokens=cached_tokens)
 
 
-def retry_pair(candidates: Sequence[PrefillTarget], failed: PrefillTarget,
-               named_prefill_rank: int | None, targets: Targets) -> Decision | None:
-    """Another of the request's targets for a prefill whose engine provably did no work
-    (picked now: the first pick may have cooled down meanwhile), or None."""
-    if len(candidates) < 2:
-        return None
-    target = targets.pick(candidates, exclude=(failed,))
-    if target is None:
-        return None
-    return pair_on(target, named_prefill_rank, targets,
-                   why=f"prefill moved from {failed} to {target}")
+#: Errors of a prefill leg a local fallback may cover (never a client's own bad request).
+_FALLBACK_ERRORS: Final = (PrefillFailed, InvalidHandoff, DeadlineExceeded)
+#: Tries a request gets on prefill targets whose engines provably did no work.
+_MAX_ATTEMPTS: Final = 2
+
+
+def after_failure(decision: Decision, error: SidecarError, candidates: Sequence[PrefillTarget],
+                  named_prefill_rank: int | None, rules: Rules, targets: Targets, *,
+                  decode_sent: bool) -> Decision:
+    """The next decision after ``decision``'s pair failed with ``error`` before its decode
+    began (see the module docstring); ``decode_sent``: both legs ran at once, so a decode is
+    on its way and no local fallback can replace the pair."""
+    failed = decision.target
+    if (isinstance(error, PrefillNotRun) and failed is not None
+            and decision.attempt + 1 < _MAX_ATTEMPTS and len(candidates) > 1):
+        # Picked now: the first pick's alternatives may have cooled down meanwhile.
+        target = targets.pick(candidates, exclude=(failed,))
+        if target is not None:
+            return replace(pair_on(target, named_prefill_rank, targets,
+                                   why=f"prefill moved from {failed} to {target}",
+                                   cached_tokens=decision.cached_tokens),
+                           attempt=decision.attempt + 1)
+    if (rules.local_fallback and not decode_sent and isinstance(error, _FALLBACK_ERRORS)
+            and error.stage is not Stage.DECODE):
+        return Decision(Fate.LOCAL, FALLBACK, error.message, fallback_reason=error.code,
+                        cached_tokens=decision.cached_tokens, decode_rank=decision.decode_rank,
+                        attempt=decision.attempt + 1)
+    return Decision(Fate.REFUSE, ERROR, error.message, error=error, attempt=decision.attempt + 1)
+
+
+class Placer:
+    """Takes the placement decision of each request of one dialect's engine."""
+
+    def __init__(
+        self,
+        *,
+        route_support: Callable[[Route], RouteSupport],
+        engine: str,
+        rules: Rules,
+        targets: Targets,
+        measure: PromptMeasure | None = None,
+        cache: CachedPrefix | None = None,
+        health: EngineHealth | None = None,
+        on_cached_tokens: Callable[[int], None] | None = None,
+    ) -> None:
+        self._route_support = route_support
+        self._engine = engine
+        self.rules = rules
+        self.targets = targets
+        self._measure = measure or PromptMeasure()
+        self._cache = cache if rules.max_uncached > 0 else None
+        self._health = health
+        self._on_cached_tokens = on_cached_tokens
+
+    def route_fate(self, route: Route, has_targets: bool, request_id: str) -> Decision | None:
+        """What the route alone decides (None: ``place`` decides on the body)."""
+        decision = route_fate(route, self._route_support(route), has_targets, self._engine)
+        if decision is not None:
+            _log(request_id, decision)
+        return decision
+
+    async def place(self, route: Route, body: Mapping[str, Any],
+                    candidates: tuple[PrefillTarget, ...], *, request_id: str,
+                    named_prefill_rank: int | None = None) -> Decision:
+        """The fate of one request (or sub-request) whose route may run as a pair."""
+        state = api_of(route).runs_whole(body)
+        engine_down: str | None = None
+        prompt = UNKNOWN_PROMPT
+        if state is None:
+            engine_down = await self._engine_down()
+            if engine_down is None:
+                prompt = await self._prompt(route, body)
+        decision = decide(Facts(candidates, state, engine_down, prompt, named_prefill_rank),
+                          self.rules, self.targets)
+        _log(request_id, decision)
+        return decision
+
+    async def _engine_down(self) -> str | None:
+        health = self._health
+        if health is None or not health.known_down or await health.recheck():
+            return None
+        return health.cause or "down"
+
+    async def _prompt(self, route: Route, body: Mapping[str, Any]) -> PromptFacts:
+        cache = self._cache
+        if self.rules.max_tokens <= 0 and cache is None:
+            return UNKNOWN_PROMPT
+        prompt = await self._measure.prompt(route, body, ids=cache is not None)
+        if cache is None or prompt.ids is None:
+            return PromptFacts(prompt.tokens)
+        cached = cache.cached_tokens(prompt.ids)
+        if cached is not None and self._on_cached_tokens is not None:
+            self._on_cached_tokens(cached)
+        return PromptFacts(prompt.tokens, cached)
+
+
+def _log(request_id: str, decision: Decision) -> None:
+    if logger.isEnabledFor(logging.DEBUG):
+        cached = decision.cached_tokens
+        logger.debug("request %s: %s: %s%s", request_id, decision.outcome, decision.why,
+                     "" if cached is None else f" (cached prompt tokens: {cached})")

@@ -1,107 +1,115 @@
-"""The PD flow: how a request's two legs run, the same for every front door.
+"""How a request's legs run, the same for both front doors: one runner, one small way per fate.
 
-    start(PDRequest, Decision) ─▶ PDExchange   the HTTP door, and each fan-out sub-request
-        LOCAL (short, cached prompt; every breaker open under the local policy) ─▶ the
-                                               client's own body on the local engine alone
-        PAIR, SEQUENTIAL: prefill ─▶ hand-off ─▶ open decode
-        PAIR, CONCURRENT: prefill ║ open decode (prefill watched); a decode refused on a
-                          hand-off the prefill's answer shows stale is opened again from it
-    prefill_only(...) ─▶ Handoff              gRPC Prefill: the prefill half
+    runner.run(request, decision) ─▶ PDExchange     the HTTP door, each fan-out sub-request
+        LOCAL   run_local: the client's own body on the local engine alone
+        PAIR    the pair's context begins (dialect state, decode rank held, the dialect's
+                look-up), then the dialect's way for this request (``legs_for``):
+                SEQUENTIAL  run_sequential: prefill ─▶ hand-off ─▶ open decode
+                CONCURRENT  ``sidecar.request.concurrent``: prefill ║ open decode, watched
+        a pair whose leg failed before its decode answered ─▶ placement.after_failure: a
+                pair on another target, the local fallback, or the error (the runner never
+                decides where a request runs: it runs what it was given)
+    runner.prefill_only(...) ─▶ Handoff             gRPC Prefill: the prefill half
         SEQUENTIAL: the prefill, then its hand-off
         CONCURRENT: the hand-off at once; the engine call runs on in the background, watched
-    open_decode(...)  ─▶ UpstreamResponse     gRPC Decode: the decode half
+    runner.open_decode(...)  ─▶ UpstreamResponse    gRPC Decode: the decode half
 
-Where a request runs (local, a pair on which target and ranks, or a refusal) is the placement
-decision's (``sidecar.request.placement``), taken before the flow starts; the flow runs what it
-was given. The dialect says what the bodies hold and how the legs run (per request:
-``legs_for``, after its look-up); ``EngineCalls`` makes the calls; the flow orders them, keeps
-the deadlines, begins and ends the dialect's per-request state and hands abort and release to
-the ``PDExchange``. A client gone cancels every upstream call. The decode leg's data-parallel
-rank stays busy until the request ends.
+Every way is given a ``Pair`` (``sidecar.request.legs``): the request, its context and the
+few things a way does with them (the prefill leg, the hand-off, the decode body and its
+opening, the exchange it hands the relay). The dialect says what the bodies hold and how the
+legs run; ``EngineCalls`` makes the calls; the runner begins and ends the dialect's
+per-request state and hands abort and release to the ``PDExchange``. A client gone cancels
+every upstream call. The decode leg's data-parallel rank stays busy until the request ends.
 
-Deliberate limits: one retry, only of a prefill whose engine provably did no work (a refused
-or unreachable connect, a 503 or 429 answer, a target whose breaker let no leg through), on
-another of the request's targets (``placement.retry_pair``); the local-prefill fallback after
-a failed prefill applies to sequential dialects only (a concurrent dialect's decode cannot
-run without its prefill; before any leg, every breaker open, the placement decides it for
-every dialect).
+Deliberate limits: a pair moves once (placement: ``after_failure``), only off a prefill whose
+engine provably did no work; the local fallback after a failed leg exists where the decode
+has not been sent (sequential legs; before any leg every dialect's request may fall back).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Mapping
-from dataclasses import replace
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from sidecar.config.limits import PrefillFailurePolicy
 from sidecar.dialects import Dialect, Legs
 from sidecar.engines.calls import EngineCalls, PrefillLeg
 from sidecar.engines.upstream import with_headers
-from sidecar.errors import (
-    DeadlineExceeded,
-    DecodeFailed,
-    InvalidHandoff,
-    PrefillFailed,
-    PrefillNotRun,
-    SidecarError,
-)
+from sidecar.errors import DecodeFailed, SidecarError, Stage
 from sidecar.http1 import UpstreamResponse
 from sidecar.observability.logs import LogEvery
-from sidecar.observability.tracing import HANDOFF_SPAN, NOOP_TRACE, RequestTrace
+from sidecar.observability.tracing import NOOP_TRACE, RequestTrace
 from sidecar.protocol.context import FrontDoor, HandoffContext, PrefillTarget, Route
-from sidecar.request import concurrent as concurrent_legs
-from sidecar.request.background import BackgroundPrefills
-from sidecar.request.exchange import PDExchange
-from sidecar.request.pd_request import FlowCounters, Handoff, PDRequest
-from sidecar.request.placement import Decision, Fate, Targets, pair_on, retry_pair
-from sidecar.request.placer import PrefillTargets
-from sidecar.request.scope import FALLBACK, OK, RequestScope, Scopes, Timings
+from sidecar.request import concurrent
+from sidecar.request.legs import (
+    Pair,
+    PDExchange,
+    PDRequest,
+    Way,
+    run_sequential,
+    traced_handoff,
+)
+from sidecar.request.placement import Decision, Fate, Rules, Targets, after_failure, pair_on
+from sidecar.request.scope import RequestScope, Scopes, Timings
 from sidecar.targets.ranks import LegRanks
+from sidecar.tasks import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 
-#: Prefill failures a local-prefill fallback may cover (never a client's own bad request).
-_FALLBACK_ERRORS = (PrefillFailed, InvalidHandoff, DeadlineExceeded)
 #: The reason a gRPC Prefill counts when its prefill already finished the answer.
 ANSWERED_BY_PREFILL = "answered_by_prefill"
 #: Local-prefill fallbacks are logged at most once per this many seconds (each is counted).
 _FALLBACK_LOG_INTERVAL_S = 10.0
 
 
-class PDFlow:
-    """Runs the legs of one dialect's requests (see the module docstring)."""
+@dataclass(slots=True)
+class Handoff:
+    """What a prefill leg produced for its decode: the top-level ``fields`` of the decode body,
+    or (empty fields) the ``answer`` as the client sees it when the prefill already is one."""
+
+    fields: dict[str, Any]
+    answer: dict[str, Any] | None = None
+    timings: Timings = field(default_factory=Timings)
+    #: The prefill engine's answer (its usage is what the client is told: the usage rule).
+    response: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class FlowCounters:
+    """What the runner counts: local-prefill fallbacks (front door, reason) and retries."""
+
+    fallback: Callable[[str, str], None] = lambda front_door, reason: None
+    retry: Callable[[str], None] = lambda front_door: None
+
+
+class Runner:
+    """Runs the requests of one dialect's engine as their placement decided (see the module
+    docstring)."""
 
     def __init__(
         self,
         dialect: Dialect,
         calls: EngineCalls,
+        targets: Targets,
+        ranks: LegRanks,
         *,
         prefill_timeout_s: float,
-        on_prefill_failure: PrefillFailurePolicy = PrefillFailurePolicy.FAIL,
+        rules: Rules | None = None,
         counters: FlowCounters | None = None,
-        local_ranks: int = 1,
-        prefill_ranks: int = 1,
     ) -> None:
-        """``local_ranks``/``prefill_ranks``: the local engine's/each target's DP size."""
         self.dialect = dialect
         self.calls = calls
-        self.ranks = LegRanks(calls.ranks, local_size=local_ranks, prefill_size=prefill_ranks)
         #: The prefill targets and ranks as the placement decision sees them.
-        self.targets: Targets = PrefillTargets(calls.choice, self.ranks)
-        self._prefill_timeout_s = prefill_timeout_s
-        self._local_fallback = on_prefill_failure is PrefillFailurePolicy.LOCAL
+        self.targets = targets
+        self.ranks = ranks
+        self.prefill_timeout_s = prefill_timeout_s
+        self.rules = rules or Rules()
         self._counters = counters or FlowCounters()
-        self.background = BackgroundPrefills()
+        self._background: set[asyncio.Task[None]] = set()
         self._fallback_log = LogEvery(_FALLBACK_LOG_INTERVAL_S)
-
-    @property
-    def local_fallback(self) -> bool:
-        """``--on-prefill-failure local``: a request no prefill target can take (every
-        breaker open) runs whole on the local engine, whatever the dialect, since no leg has
-        gone yet. After a failed prefill leg only a sequential dialect falls back (``run``)."""
-        return self._local_fallback
 
     # -- per-request state: what the exchange calls back ------------------------------------
 
@@ -147,154 +155,90 @@ class PDFlow:
 
     def prefill_timeout(self, time_remaining: float | None = None) -> float:
         """The prefill leg's deadline, bounded by the caller's own (gRPC) when it has one."""
-        timeout_s = self._prefill_timeout_s
+        timeout_s = self.prefill_timeout_s
         if time_remaining is not None:
             timeout_s = max(min(timeout_s, time_remaining), 0.001)
         return timeout_s
 
-    def _handoff(
-        self, response: dict[str, Any] | None, ctx: HandoffContext, trace: RequestTrace
-    ) -> dict[str, Any]:
-        if not trace.active:
-            return self.dialect.handoff(response, ctx)
-        with trace.span(HANDOFF_SPAN):
-            return self.dialect.handoff(response, ctx)
-
-    async def _prefill(self, leg: PrefillLeg, ctx: HandoffContext, timings: Timings) -> Handoff:
-        """A sequential prefill leg and its hand-off (``InvalidHandoff`` if unusable); stage
-        times go into ``timings`` as each stage ends."""
-        started = time.perf_counter()
-        response = await self.calls.post_prefill(leg)
-        timings.prefill = time.perf_counter() - started
-        if self.dialect.answered_by_prefill(response):
-            return Handoff({}, answer=self.dialect.prefill_answer(response), timings=timings)
-        handoff_started = time.perf_counter()
-        fields = self._handoff(response, ctx, leg.trace)
-        timings.handoff = time.perf_counter() - handoff_started
-        return Handoff(fields, timings=timings, response=response)
-
     # -- both legs: the HTTP door and fan-out sub-requests ----------------------------------
 
-    async def start(self, request: PDRequest, decision: Decision | None = None) -> PDExchange:
-        """Run the request as ``decision`` placed it, until the decode head has arrived
-        (no decision: a pair on the request's target).
-
-        A prefill whose engine provably did no work (``PrefillNotRun``) is run once more on
-        another of the request's candidates, with a new context; a concurrent flow's decode,
-        already sent, is aborted first.
-        """
+    async def run(self, request: PDRequest, decision: Decision | None = None) -> PDExchange:
+        """Run ``request`` as ``decision`` placed it (None: a pair on the request's target),
+        until the decode head has arrived; a pair's leg that failed before the decode answered
+        is decided again (``placement.after_failure``)."""
         if decision is None:
             decision = pair_on(request.target, request.prefill_rank, self.targets)
-        if decision.fate is Fate.LOCAL:
-            return await self._start_local(request, decision)
-        if decision.fate is not Fate.PAIR or decision.target is None:
-            raise decision.error or RuntimeError(f"not a pair: {decision.outcome}")
-        target = decision.target
-        alternative = self._alternative(request, target)
-        try:
-            return await self._start_on(request, decision, may_retry=alternative is not None)
-        except PrefillNotRun as error:
-            if alternative is None:
-                raise
-            why = error.message
-        retry = (retry_pair(request.candidates, target, request.prefill_rank, self.targets)
-                 or pair_on(alternative, request.prefill_rank, self.targets))
-        logger.info("request %s: prefill target %s did no work (%s); retrying on %s",
-                    request.request_id, target, why, retry.target)
-        self._counters.retry(request.front_door)
-        return await self._start_on(request, retry, may_retry=False)
+        while True:
+            if decision.fate is Fate.LOCAL:
+                return await self._run_local(request, decision)
+            if decision.fate is not Fate.PAIR or decision.target is None:
+                raise decision.error or RuntimeError(f"not a pair: {decision.outcome}")
+            try:
+                return await self._run_pair(request, decision)
+            except _PairFailed as failure:
+                error, concurrent = failure.error, failure.concurrent
+            following = after_failure(decision, error, request.candidates,
+                                      request.prefill_rank, self.rules, self.targets,
+                                      decode_sent=concurrent)
+            if following.fate is Fate.REFUSE:
+                raise error
+            if following.fate is Fate.PAIR:
+                logger.info("request %s: prefill target %s did no work (%s); retrying on %s",
+                            request.request_id, decision.target, error.message,
+                            following.target)
+                self._counters.retry(request.front_door)
+            decision = following
 
-    def _alternative(self, request: PDRequest, target: PrefillTarget) -> PrefillTarget | None:
-        if len(request.candidates) < 2:
-            return None
-        return self.targets.pick(request.candidates, exclude=(target,))
-
-    async def _start_local(self, request: PDRequest, decision: Decision) -> PDExchange:
+    async def _run_local(self, request: PDRequest, decision: Decision) -> PDExchange:
         """The client's own body on the local engine: no prefill leg, no hand-off fields."""
         reason = decision.fallback_reason
         if reason is not None:
             self._counters.fallback(request.front_door, reason)
             self._log_fallback(request, reason, decision.why)
+        rank = decision.decode_rank
         ctx = HandoffContext(request.route, request.request_id, request.target,
-                             request.target.host, request.front_door)
+                             request.target.host, request.front_door, decode_rank=rank)
         body = request.raw if request.raw is not None else request.body
-        decode = await self.calls.open_decode(request.route, body, request.headers,
-                                              request.trace)
+        headers = request.headers if rank is None else with_headers(
+            request.headers, self.dialect.decode_headers(rank))
+        timings = Timings()
+        self.ranks.hold(rank)
+        try:
+            started = time.perf_counter()
+            decode = await self.calls.open_decode(request.route, body, headers, request.trace,
+                                                  rank)
+            timings.decode_first_byte = time.perf_counter() - started
+        except BaseException:
+            self.ranks.release(rank)
+            raise
         return PDExchange(ctx=ctx, decode=decode, local=True, fallback_reason=reason,
-                          outcome=decision.outcome)
+                          outcome=decision.outcome, timings=timings,
+                          owner=None if rank is None else _RankHolder(self.ranks))
 
-    async def _start_on(self, request: PDRequest, decision: Decision, *,
-                        may_retry: bool) -> PDExchange:
-        if decision.target is not None and decision.target != request.target:
+    async def _run_pair(self, request: PDRequest, decision: Decision) -> PDExchange:
+        assert decision.target is not None
+        if decision.target != request.target:
             request = replace(request, target=decision.target)
         ctx = await self.begin(request.route, request.request_id, request.target,
                                front_door=request.front_door,
                                prefill_rank=decision.prefill_rank,
                                decode_rank=decision.decode_rank)
+        legs = self.dialect.legs_for(ctx)
+        pair = Pair(request, ctx, self.dialect, self.calls,
+                    prefill_timeout_s=self.prefill_timeout_s, owner=self)
         try:
-            if self.dialect.legs_for(ctx) is Legs.CONCURRENT:
-                return await self._start_concurrent(request, ctx)
-            return await self._start_sequential(request, ctx, may_retry=may_retry)
+            return await _WAYS[legs](pair)
         except BaseException as error:
             if self.dialect.learns and isinstance(error, Exception):
                 self.dialect.leg_failed(error, ctx)
             self.abort(ctx)
             self.end(ctx)
+            if not isinstance(error, SidecarError):
+                raise
             if isinstance(error, DecodeFailed) and (  # the dialect's setting to check
                     hint := self.dialect.decode_failure_hint(ctx)) is not None:
                 raise DecodeFailed(f"{error.message}; {hint}", stage=error.stage) from None
-            raise
-
-    def _leg(self, request: PDRequest, ctx: HandoffContext) -> PrefillLeg:
-        target = request.target
-        return PrefillLeg(
-            url=self.calls.prefill_url(target, request.route),
-            body=self.dialect.prefill_body(request.body, ctx),
-            headers=with_headers(request.headers, self.dialect.prefill_headers(ctx)),
-            timeout_s=self._prefill_timeout_s,
-            server_hostname=target.tls_name,
-            target=target,
-            trace=request.trace,
-            rank=ctx.prefill_rank,
-        )
-
-    def _open_decode(self, request: PDRequest, ctx: HandoffContext,
-                     body: Mapping[str, Any]) -> Awaitable[UpstreamResponse]:
-        rank = ctx.decode_rank
-        return self.calls.open_decode(
-            request.route, body, with_headers(request.headers, self.dialect.decode_headers(rank)),
-            request.trace, rank,
-        )
-
-    async def _start_sequential(
-        self, request: PDRequest, ctx: HandoffContext, *, may_retry: bool
-    ) -> PDExchange:
-        timings = Timings()
-        fallback_reason: str | None = None
-        prefill_response: dict[str, Any] | None = None
-        try:
-            handoff = await self._prefill(self._leg(request, ctx), ctx, timings)
-            if handoff.answer is not None:
-                return PDExchange(ctx=ctx, decode=None, answer=handoff.answer, timings=timings,
-                                  owner=self)
-            prefill_response = handoff.response
-            decode_body = self.dialect.decode_body(request.body, handoff.fields,
-                                                   ctx.decode_rank)
-        except _FALLBACK_ERRORS as error:
-            if not self._local_fallback:
-                raise
-            if may_retry and isinstance(error, PrefillNotRun):
-                raise  # another target comes first; the local fallback is the last resort
-            fallback_reason = error.code
-            self._counters.fallback(request.front_door, fallback_reason)
-            self._log_fallback(request, error.code, error.message)
-            decode_body = dict(request.body)
-        decode_started = time.perf_counter()
-        decode = await self._open_decode(request, ctx, decode_body)
-        timings.decode_first_byte = time.perf_counter() - decode_started
-        return PDExchange(ctx=ctx, decode=decode, fallback_reason=fallback_reason,
-                          timings=timings, owner=self, prefill_response=prefill_response,
-                          outcome=FALLBACK if fallback_reason else OK)
+            raise _PairFailed(error, legs is Legs.CONCURRENT) from None
 
     def _log_fallback(self, request: PDRequest, reason: str, why: str) -> None:
         left_out = self._fallback_log.due()
@@ -303,9 +247,6 @@ class PDFlow:
         more = f" ({left_out} more since the last such line)" if left_out else ""
         logger.warning("request %s: prefill failed: %s (%s); served whole by the local engine "
                        "(--on-prefill-failure local)%s", request.request_id, reason, why, more)
-
-    async def _start_concurrent(self, request: PDRequest, ctx: HandoffContext) -> PDExchange:
-        return await concurrent_legs.start(self, request, ctx)
 
     # -- one leg: the gRPC services ---------------------------------------------------------
 
@@ -336,33 +277,70 @@ class PDFlow:
                 rank=ctx.prefill_rank,
             )
             if self.dialect.legs_for(ctx) is Legs.CONCURRENT:
-                fields = self._handoff(None, ctx, scope.trace)
+                fields = traced_handoff(self.dialect, None, ctx, scope.trace)
                 # The engine call outlives this RPC: its own deadline, not the caller's.
-                background = replace(leg, timeout_s=self.prefill_timeout())
-                release_admission = scope.detach()
-
-                def done() -> None:
-                    self.end(ctx)
-                    release_admission()
-
-                self.background.run(
-                    concurrent_legs.background_prefill(self.dialect, self.calls, background, ctx),
-                    request_id, scopes, done)
+                self._in_background(replace(leg, timeout_s=self.prefill_timeout()), ctx,
+                                    scopes, scope.detach())
                 handed_off = True
                 return Handoff(fields)
             timings = Timings()
             try:
-                handoff = await self._prefill(leg, ctx, timings)
+                started = time.perf_counter()
+                response = await self.calls.post_prefill(leg)
+                timings.prefill = time.perf_counter() - started
+                if self.dialect.answered_by_prefill(response):
+                    self._counters.fallback(FrontDoor.GRPC, ANSWERED_BY_PREFILL)
+                    logger.info("request %s: the prefill finished the sequence; decode "
+                                "recomputes", request_id)
+                    return Handoff({}, answer=self.dialect.prefill_answer(response))
+                handoff_started = time.perf_counter()
+                fields = traced_handoff(self.dialect, response, ctx, scope.trace)
+                timings.handoff = time.perf_counter() - handoff_started
+                return Handoff(fields, timings=timings, response=response)
             finally:
                 scope.observe_timings(timings)
-            if handoff.answer is not None:
-                self._counters.fallback(FrontDoor.GRPC, ANSWERED_BY_PREFILL)
-                logger.info("request %s: the prefill finished the sequence; decode recomputes",
-                            request_id)
-            return handoff
         finally:
             if not handed_off:
                 self.end(ctx)
+
+    def _in_background(self, leg: PrefillLeg, ctx: HandoffContext, scopes: Scopes,
+                       release_admission: Callable[[], None]) -> None:
+        """Run a gRPC Prefill's engine call to its end, whatever becomes of the RPC: counted,
+        logged when it fails, shown to a learning dialect; its dialect state and admission
+        slot go back when it ends."""
+
+        async def prefill() -> None:
+            started = time.perf_counter()
+            try:
+                response = await self.calls.post_prefill(leg)
+                scopes.observe("prefill", time.perf_counter() - started)
+                if self.dialect.learns:
+                    self.dialect.answered_stale(response, ctx)
+            except SidecarError as error:
+                if self.dialect.learns:
+                    self.dialect.leg_failed(error, ctx)
+                scopes.count_error(error)
+                logger.warning("request %s: background prefill failed after the hand-off: "
+                               "%s (%s)", ctx.request_id, error.code, error.message)
+            except asyncio.CancelledError:
+                logger.info("request %s: background prefill cancelled", ctx.request_id)
+                raise
+            except Exception:
+                scopes.count_error(SidecarError("background prefill crashed",
+                                                stage=Stage.PREFILL))
+                logger.exception("request %s: background prefill crashed", ctx.request_id)
+            finally:
+                self.end(ctx)
+                release_admission()
+
+        task = asyncio.ensure_future(prefill())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    @property
+    def background(self) -> int:
+        """Background prefills still running."""
+        return len(self._background)
 
     def decode_body(self, client_body: Mapping[str, Any],
                     fields: Mapping[str, Any], rank: int | None = None) -> dict[str, Any]:
@@ -379,4 +357,36 @@ class PDFlow:
 
     async def close(self) -> None:
         """Cancel the background prefills still running (server stop)."""
-        await self.background.close()
+        await cancel_and_wait(*self._background)
+
+
+#: How a pair's legs run, by what its dialect says of the request (``Dialect.legs_for``).
+_WAYS: dict[Legs, Way] = {Legs.SEQUENTIAL: run_sequential, Legs.CONCURRENT: concurrent.run}
+
+
+class _PairFailed(Exception):
+    """A pair's legs failed (its context already ended): ``error``, and whether its legs ran
+    at once (a decode was sent with the prefill)."""
+
+    def __init__(self, error: SidecarError, concurrent: bool) -> None:
+        super().__init__(error.message)
+        self.error = error
+        self.concurrent = concurrent
+
+
+class _RankHolder:
+    """Ends a local run on a data-parallel rank: the rank is free again."""
+
+    __slots__ = ("_ranks",)
+
+    def __init__(self, ranks: LegRanks) -> None:
+        self._ranks = ranks
+
+    def abort(self, ctx: HandoffContext) -> None:
+        """Nothing to abort: the local engine saw the client's own request."""
+
+    def end(self, ctx: HandoffContext) -> None:
+        self._ranks.release(ctx.decode_rank)
+
+
+__all__ = ["FlowCounters", "Handoff", "PDRequest", "Runner"]

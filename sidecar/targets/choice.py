@@ -1,4 +1,5 @@
-"""Which of several prefill targets gets a prefill leg, and which are cooling down.
+"""Which of several prefill targets gets a prefill leg, and which are cooling down; the
+prefill targets as the placement decision sees them (``PrefillTargets``).
 
     TargetChoice.pick(candidates, exclude)  ─▶ the target with the fewest prefill legs in
                                                flight from this sidecar (ties at random;
@@ -14,11 +15,11 @@
     choice.answered(target)                 it answered a prefill: the cool-down ends
 
 Data-parallel ranks are chosen apart (``sidecar.targets.ranks``); the placement decision
-(``sidecar.request.placement``) asks both.
+(``sidecar.request.placement``) asks both through ``PrefillTargets``.
 
 Deliberate limits: this process's own view (each ``--workers`` worker its own); the maps
 forget a target with nothing in flight and no cool-down, and hold at most 4,096 cooling
-targets (``cooling``). Why it picks this way, and its
+targets (``CoolDowns``). Why it picks this way, and its
 bounded metric labels: docs/extending/design-notes.md#target-choice
 """
 
@@ -29,10 +30,11 @@ import random
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
 
-from sidecar.errors import PrefillBreakerOpen, PrefillFailed
+from sidecar.bounded import CoolDowns
+from sidecar.errors import PrefillBreakerOpen, PrefillFailed, SidecarError
 from sidecar.protocol.context import PrefillTarget
 from sidecar.targets.breaker import NORMAL, SEVERITY, BreakerState, CircuitBreakers
-from sidecar.targets.cooling import CoolDowns
+from sidecar.targets.ranks import LegRanks
 
 #: Past this many candidates two random ones are compared instead of all (power of two
 #: choices: nearly as even, and O(1) per pick however long the router's list).
@@ -169,3 +171,27 @@ class TargetChoice:
     def refused(self, target: PrefillTarget) -> None:
         """``target`` refused a connection: skip it for the cool-down."""
         self._cooling.start(target)
+
+
+class PrefillTargets:
+    """The prefill targets as the placement decision sees them (its ``Targets``): the target
+    choice with its breakers, and the data-parallel ranks of both legs."""
+
+    __slots__ = ("_choice", "ranks")
+
+    def __init__(self, choice: TargetChoice, ranks: LegRanks) -> None:
+        self._choice = choice
+        self.ranks = ranks
+
+    def pick(self, candidates: Sequence[PrefillTarget],
+             exclude: Collection[PrefillTarget] = ()) -> PrefillTarget | None:
+        return self._choice.pick(candidates, exclude)
+
+    def all_open(self, candidates: Sequence[PrefillTarget]) -> SidecarError:
+        return self._choice.all_open(candidates)
+
+    def prefill_rank(self, target: PrefillTarget, named: int | None) -> int | None:
+        return self.ranks.prefill(target, named)
+
+    def decode_rank(self) -> int | None:
+        return self.ranks.local()

@@ -37,9 +37,9 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Final
 
+from sidecar.bounded import CoolDowns
 from sidecar.errors import InvalidRequest
 from sidecar.protocol.context import PrefillTarget
-from sidecar.targets.cooling import CoolDowns
 
 RANK_HEADER: Final = "x-data-parallel-rank"
 #: Longer than any rank below the size bound (1024): refused before it is read as a number.

@@ -154,7 +154,7 @@ class TargetSelector:
 
     async def candidates(self, header_values: Sequence[str]) -> tuple[PrefillTarget, ...]:
         """Every checked target a request may use (the header's, else the pool's; may be
-        empty): a prefill whose connect is refused moves to another (``PDFlow.start``)."""
+        empty): a prefill whose connect is refused moves to another (``Runner.start``)."""
         if header_values:
             # A live allowlist (Kubernetes mode) bumps ``version``: remembered verdicts go.
             version = getattr(self._allowlist, "version", 0)

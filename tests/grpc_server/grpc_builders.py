@@ -162,5 +162,5 @@ async def decode_tokens(
 
 def rooms_in_flight(runtime: Runtime) -> int:
     """Bootstrap rooms the gRPC door's dialect holds (0 for dialects that have none)."""
-    rooms = getattr(runtime.grpc_flow.dialect, "rooms", None)
+    rooms = getattr(runtime.grpc_runner.dialect, "rooms", None)
     return 0 if rooms is None else int(rooms.in_flight())

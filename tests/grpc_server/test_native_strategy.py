@@ -43,8 +43,7 @@ from sidecar.grpc_server.prefill import PrefillCall
 from sidecar.kv_wire.handoff import decode_handoff, encode_handoff
 from sidecar.observability.metrics import Metrics
 from sidecar.protocol.context import PrefillTarget
-from sidecar.request.pd_request import Handoff
-from sidecar.request.runner import PDFlow
+from sidecar.request.runner import Handoff, Runner
 from sidecar.request.scope import Admission
 
 NIXL_FIELDS: dict[str, Any] = {"kv_transfer_params": {
@@ -169,7 +168,7 @@ def native_prefill(flow: FakeFlow, **settings: Any) -> tuple[NativePrefill, Any]
     scopes = scopes_of(Metrics(), Admission(4), front_door="grpc")
     options = {"engine": flow.dialect.engine, "engine_url": "http://127.0.0.1:30000",
                "advertise_host": "10.0.0.9", **settings}
-    native = NativePrefill(cast(PDFlow, flow), scopes, Settings.model_validate(options))
+    native = NativePrefill(cast(Runner, flow), scopes, Settings.model_validate(options))
     return native, scopes
 
 

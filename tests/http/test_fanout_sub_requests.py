@@ -27,9 +27,8 @@ from sidecar.http_server.fanout import _placed, _sub_requests
 from sidecar.protocol.context import FrontDoor, PrefillTarget, Route
 from sidecar.protocol.request import ClientRequest
 from sidecar.request.placement import Decision, Facts, Fate, Rules, decide
-from sidecar.request.placer import PrefillTargets
 from sidecar.runtime import Runtime
-from sidecar.targets.choice import TargetChoice
+from sidecar.targets.choice import PrefillTargets, TargetChoice
 from sidecar.targets.ranks import LegRanks, RankChoice
 
 
@@ -101,8 +100,8 @@ async def test_each_sub_request_is_placed_on_its_own_body_and_started_so() -> No
     await start_all(runtime, subs)
     assert [(b["prompt"], c, rid) for b, c, rid in runtime.placer.asked] == [
         ("first", (TARGET_A, TARGET_B), "rq-8-0"), ("second", (TARGET_A, TARGET_B), "rq-8-1")]
-    assert [request for request, _ in runtime.flow.started] == subs
-    assert all(decision.fate is Fate.PAIR for _, decision in runtime.flow.started)
+    assert [request for request, _ in runtime.runner.started] == subs
+    assert all(decision.fate is Fate.PAIR for _, decision in runtime.runner.started)
 
 
 async def test_the_picks_spread_over_the_candidates() -> None:
@@ -118,4 +117,4 @@ async def test_a_refused_sub_request_starts_nothing() -> None:
     runtime = FakeRuntime(refuse=True)
     with pytest.raises(EngineNotReady):
         await start_all(runtime, split(client, pd_request(body, candidates=(TARGET_A,))))
-    assert runtime.flow.started == []
+    assert runtime.runner.started == []

@@ -128,7 +128,7 @@ async def test_a_route_the_engine_does_not_pair_runs_whole_on_the_local_engine(
     case: tuple[Route, str, str], caplog: pytest.LogCaptureFixture,
 ) -> None:
     route, engine, connector = case
-    caplog.set_level(logging.DEBUG, logger="sidecar.request.placer")  # the decision's log
+    caplog.set_level(logging.DEBUG, logger="sidecar.request.placement")  # the decision's log
     async with pd_pair(engine, connector) as pair:
         client = route_body(route, stream=True)
         status, _, text = await pair.send(route, body=client)

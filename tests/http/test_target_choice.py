@@ -29,7 +29,7 @@ from sidecar.config.settings import Settings
 from sidecar.errors import PrefillFailed
 from sidecar.observability.metrics import Metrics
 from sidecar.protocol.context import PrefillTarget, Route
-from sidecar.request.pd_request import PDRequest
+from sidecar.request.legs import PDRequest
 from sidecar.runtime import open_runtime
 from sidecar.targets.choice import HEADER_LABEL, TargetChoice
 from sidecar.tools.stubs.faults import Fault, FaultKind
@@ -144,7 +144,7 @@ async def test_a_refused_prefill_moves_to_another_target_which_then_takes_them_a
                                 prefill_cooldown_s=600)
             metrics = Metrics()
             async with open_runtime(settings, metrics) as runtime:
-                exchange = await runtime.flow.start(_request(dead, dead, live))
+                exchange = await runtime.runner.run(_request(dead, dead, live))
                 try:
                     assert b"choices" in await exchange.read_all(1 << 20)
                 finally:
@@ -173,7 +173,7 @@ async def test_a_prefill_cut_after_it_was_sent_is_not_retried() -> None:
         metrics = Metrics()
         async with open_runtime(settings, metrics) as runtime:
             with pytest.raises(PrefillFailed):
-                await runtime.flow.start(_request(first, first, second))
+                await runtime.runner.run(_request(first, first, second))
         assert _prefills(cut) == 1
         assert _prefills(other) == 0
         assert metrics.prefill_retries.labels("http")._value.get() == 0
@@ -207,7 +207,7 @@ async def test_a_blackholed_prefill_moves_to_another_target_like_a_refused_one()
                                 prefill_timeout_s=30)
             metrics = Metrics()
             async with open_runtime(settings, metrics) as runtime:
-                exchange = await runtime.flow.start(_request(dead, dead, live))
+                exchange = await runtime.runner.run(_request(dead, dead, live))
                 try:
                     assert b"choices" in await exchange.read_all(1 << 20)
                 finally:

@@ -1,4 +1,4 @@
-"""Proves ``PDExchange`` (sidecar/request/exchange.py), the relay's side of a PD request, on a
+"""Proves ``PDExchange`` (sidecar/request/legs.py), the relay's side of a PD request, on a
 fake decode response the test feeds and a fake owner (no sockets):
 
 - ``chunks()`` yields the engine's reads as they come and marks the exchange completed at the
@@ -36,7 +36,7 @@ from sidecar.errors import (
 )
 from sidecar.http1 import UpstreamBroken, UpstreamProtocolError
 from sidecar.protocol.context import HandoffContext
-from sidecar.request.exchange import PDExchange, as_prefill_error
+from sidecar.request.legs import PDExchange, as_prefill_error
 
 CTX = make_ctx()
 #: Bounds a read that only the prefill watch can end (a broken watch fails, not hangs).

@@ -27,9 +27,8 @@ from protocol_builders import completions_body, make_ctx
 from sidecar.errors import DecodeFailed, PrefillFailed
 from sidecar.http1 import UpstreamBroken
 from sidecar.protocol.context import HandoffContext
-from sidecar.request.exchange import PDExchange
 from sidecar.request.fanout import FanOut, start_all, sub_request_id
-from sidecar.request.pd_request import PDRequest
+from sidecar.request.legs import PDExchange, PDRequest
 
 
 class Owner:
@@ -234,3 +233,36 @@ async def test_start_all_cancelled_by_its_caller_closes_pairs_that_had_started()
         await task
     assert starts.cancelled == [sub_request_id("rq", 1)]
     assert owner.ended == [first.ctx]  # the started pair was closed, its ids given back
+
+
+async def test_a_second_cancellation_during_the_clean_up_still_closes_every_started_pair() -> (
+        None):
+    owner = Owner()
+    starts = Starts(3)
+    task = asyncio.ensure_future(start_all(starts, requests(3)))
+    await starts.entered.wait()
+    # The first pair's close waits for its prefill leg, which takes a while to stop.
+    stopping, release = asyncio.Event(), asyncio.Event()
+
+    async def slow_to_stop() -> dict[str, Any]:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            stopping.set()
+            await release.wait()
+            raise
+        return {}
+
+    first = exchange(FakeUpstream(), owner)
+    first.prefill_task = asyncio.ensure_future(slow_to_stop())
+    second = exchange(FakeUpstream(), owner)
+    starts.held[sub_request_id("rq", 0)].set_result(first)
+    starts.held[sub_request_id("rq", 1)].set_result(second)
+    await starts.returned[sub_request_id("rq", 1)].wait()
+    task.cancel()
+    await stopping.wait()  # the clean-up is inside the first pair's close
+    task.cancel()  # the caller is cancelled again
+    release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert len(owner.ended) == 2  # both started pairs closed, their ids given back

@@ -1,4 +1,4 @@
-"""Proves ``PDFlow.start`` (sidecar/request/runner.py), the PD flow of the HTTP door and of each
+"""Proves ``Runner.start`` (sidecar/request/runner.py), the PD flow of the HTTP door and of each
 fan-out sub-request, on real dialects (fixed ids) over fake engine calls (no sockets):
 
 - sequential (TensorRT-LLM, vLLM NIXL): the prefill leg gets the dialect's prefill body, URL,
@@ -120,7 +120,7 @@ async def test_sequential_prefill_then_decode_with_the_hand_off() -> None:
     calls.decode_answers(decode)
     client = completions_body()
 
-    exchange = await flow.start(pd_request(client))
+    exchange = await flow.run(pd_request(client))
 
     (leg,) = calls.prefills
     assert leg.url == "http://10.0.0.1:8100/v1/completions"
@@ -152,7 +152,7 @@ async def test_closing_an_unfinished_sequential_exchange_aborts_the_legs() -> No
     dialect, flow = trt_flow(calls)
     calls.prefill_answers(trt_context())
     calls.decode_answers(FakeUpstream(b"data: one\n\n"))
-    exchange = await flow.start(pd_request(completions_body()))
+    exchange = await flow.run(pd_request(completions_body()))
     await exchange.aclose()
     assert calls.aborts == [(TEST_ABORT_PATH, {"request_id": "rq-1"}, TARGET_A)]
     assert dialect.ended == [exchange.ctx]
@@ -164,7 +164,7 @@ async def test_nixl_decode_reads_the_blocks_from_the_prefill_host() -> None:
     calls.prefill_answers({"choices": [], "kv_transfer_params": NIXL_PARAMS})
     calls.decode_answers(FakeUpstream(b""))
     client = completions_body()
-    await flow.start(pd_request(client))
+    await flow.run(pd_request(client))
     assert calls.prefills[0].body["kv_transfer_params"]["do_remote_decode"] is True
     assert calls.decodes[0].body == {
         **client, "kv_transfer_params": {**NIXL_PARAMS, "remote_host": TARGET_A.host}}
@@ -178,7 +178,7 @@ async def test_a_failed_prefill_raises_ends_the_state_and_aborts(error: Exceptio
     dialect, flow = trt_flow(calls)
     calls.prefill_answers(error)
     with pytest.raises(type(error)) as raised:
-        await flow.start(pd_request(completions_body()))
+        await flow.run(pd_request(completions_body()))
     assert raised.value is error
     assert calls.decodes == []
     assert dialect.ended == dialect.begun and len(dialect.begun) == 1
@@ -190,7 +190,7 @@ async def test_an_unusable_hand_off_is_the_requests_error() -> None:
     flow = flow_of(make_dialect(NixlPullDialect), calls)
     calls.prefill_answers({"choices": []})  # no kv_transfer_params
     with pytest.raises(InvalidHandoff):
-        await flow.start(pd_request(completions_body()))
+        await flow.run(pd_request(completions_body()))
     assert calls.decodes == []
 
 
@@ -200,7 +200,7 @@ async def test_a_failed_decode_open_ends_the_state_and_aborts() -> None:
     calls.prefill_answers(trt_context())
     calls.decode_answers(DecodeFailed("decode engine answered 500"))
     with pytest.raises(DecodeFailed):
-        await flow.start(pd_request(completions_body()))
+        await flow.run(pd_request(completions_body()))
     assert len(dialect.ended) == 1
     assert len(calls.aborts) == 1
 
@@ -209,7 +209,7 @@ async def test_a_caller_cancelled_during_the_prefill_ends_the_state_and_aborts()
     calls = FakeCalls()
     dialect, flow = trt_flow(calls)
     calls.hold_prefill()
-    task = asyncio.ensure_future(flow.start(pd_request(completions_body())))
+    task = asyncio.ensure_future(flow.run(pd_request(completions_body())))
     await calls.until(prefills=1)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
@@ -224,7 +224,7 @@ async def test_a_prefill_that_is_the_answer_needs_no_decode() -> None:
     calls = FakeCalls()
     dialect, flow = trt_flow(calls)
     calls.prefill_answers(trt_context(finish_reason="stop"))
-    exchange = await flow.start(pd_request(completions_body()))
+    exchange = await flow.run(pd_request(completions_body()))
     assert exchange.decode is None
     assert exchange.answer == {
         "id": "cmpl-ctx", "prompt_token_ids": [1, 2, 3],
@@ -248,7 +248,7 @@ async def test_concurrent_decode_opens_while_the_prefill_is_pending() -> None:
     calls.decode_answers(decode)
     client = completions_body()
 
-    exchange = await flow.start(pd_request(client))
+    exchange = await flow.run(pd_request(client))
 
     assert not held.done() and exchange.prefill_task is not None
     room = exchange.ctx.state
@@ -274,7 +274,7 @@ async def test_a_concurrent_prefill_that_answers_first_is_timed() -> None:
     dialect, flow = sglang_flow(calls)
     calls.prefill_answers({"choices": []})
     held = calls.hold_decode()
-    task = asyncio.ensure_future(flow.start(pd_request(completions_body())))
+    task = asyncio.ensure_future(flow.run(pd_request(completions_body())))
     await calls.until(prefills=1, decodes=1)
     held.set_result(FakeUpstream(b""))
     exchange = await task
@@ -298,7 +298,7 @@ async def test_a_failed_concurrent_prefill_cancels_the_decode_and_raises_its_err
     calls.prefill_answers(raised)
     calls.hold_decode()
     with pytest.raises(expected) as error:
-        await flow.start(pd_request(completions_body()))
+        await flow.run(pd_request(completions_body()))
     if isinstance(raised, expected):
         assert error.value is raised
     else:
@@ -316,7 +316,7 @@ async def test_a_decode_head_that_arrives_with_the_prefill_failure_is_closed() -
     calls.prefill_answers(PrefillFailed("prefill engine answered 503"))
     calls.decode_answers(decode)  # both finish before the flow looks again
     with pytest.raises(PrefillFailed):
-        await flow.start(pd_request(completions_body()))
+        await flow.run(pd_request(completions_body()))
     assert decode.closed or decode.released
 
 
@@ -326,7 +326,7 @@ async def test_a_concurrent_prefill_failing_after_the_decode_head_breaks_the_str
     held = calls.hold_prefill()
     decode = FakeUpstream(b"data: a\n\n")
     calls.decode_answers(decode)
-    exchange = await flow.start(pd_request(completions_body()))
+    exchange = await flow.run(pd_request(completions_body()))
     chunks = exchange.chunks()
     assert await anext(chunks) == b"data: a\n\n"
     failure = PrefillFailed("prefill engine answered 503")
@@ -346,7 +346,7 @@ async def test_a_caller_cancelled_during_a_concurrent_start_cancels_both_legs() 
     dialect, flow = sglang_flow(calls)
     calls.hold_prefill()
     calls.hold_decode()
-    task = asyncio.ensure_future(flow.start(pd_request(completions_body())))
+    task = asyncio.ensure_future(flow.run(pd_request(completions_body())))
     await calls.until(prefills=1, decodes=1)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
@@ -366,7 +366,7 @@ async def test_a_refused_prefill_moves_once_to_another_candidate() -> None:
     calls.prefill_answers(PrefillUnreachable("refused"), trt_context(SECOND_ID))
     calls.decode_answers(FakeUpstream(b""))
     client = completions_body()
-    exchange = await flow.start(pd_request(client, candidates=(TARGET_A, TARGET_B)))
+    exchange = await flow.run(pd_request(client, candidates=(TARGET_A, TARGET_B)))
     assert [leg.url for leg in calls.prefills] == [
         "http://10.0.0.1:8100/v1/completions", "http://10.0.0.2:8100/v1/completions"]
     assert [leg.target for leg in calls.prefills] == [TARGET_A, TARGET_B]
@@ -386,7 +386,7 @@ async def test_a_concurrent_retry_aborts_the_decode_already_sent() -> None:
     calls.hold_decode()
     calls.hold_prefill()
     calls.decode_answers(FakeUpstream())
-    exchange = await flow.start(pd_request(completions_body(), candidates=(TARGET_A, TARGET_B)))
+    exchange = await flow.run(pd_request(completions_body(), candidates=(TARGET_A, TARGET_B)))
     first_room = calls.prefills[0].body["bootstrap_room"]
     assert calls.cancelled == ["decode"]
     assert calls.aborts == [("/abort_request", {"rid": f"rq-1-{first_room}"}, TARGET_A)]
@@ -407,7 +407,7 @@ async def test_the_retry_target_is_picked_again_after_the_first_try() -> None:
         held = calls.hold_prefill()
         calls.prefill_answers(trt_context())
         calls.decode_answers(FakeUpstream(b""))
-        task = asyncio.ensure_future(flow.start(pd_request(
+        task = asyncio.ensure_future(flow.run(pd_request(
             completions_body(), candidates=(TARGET_A, TARGET_B, TARGET_C))))
         await calls.until(prefills=1)
         choice.refused(TARGET_B)
@@ -429,7 +429,7 @@ async def test_no_retry(error: Exception, candidates: tuple[Any, ...]) -> None:
     _, flow = trt_flow(calls, counts=counts)
     calls.prefill_answers(error)
     with pytest.raises(type(error)):
-        await flow.start(pd_request(completions_body(), candidates=candidates))
+        await flow.run(pd_request(completions_body(), candidates=candidates))
     assert len(calls.prefills) == 1
     assert counts.retries == []
 
@@ -440,7 +440,7 @@ async def test_a_second_refusal_is_not_retried() -> None:
     dialect, flow = trt_flow(calls, counts=counts)
     calls.prefill_answers(PrefillUnreachable("refused"), PrefillUnreachable("refused too"))
     with pytest.raises(PrefillUnreachable):
-        await flow.start(pd_request(completions_body(),
+        await flow.run(pd_request(completions_body(),
                                     candidates=(TARGET_A, TARGET_B, TARGET_C)))
     assert len(calls.prefills) == 2
     assert counts.retries == ["http"]
@@ -463,15 +463,17 @@ async def test_a_failed_sequential_prefill_runs_locally(error: Exception, reason
     calls.prefill_answers(error)
     calls.decode_answers(FakeUpstream(b"data: local\n\n", b""))
     client = completions_body()
-    exchange = await flow.start(pd_request(client))
+    exchange = await flow.run(pd_request(client))
     assert calls.decodes[0].body == client  # the client's own body, no hand-off
     assert exchange.fallback_reason == reason
     assert counts.fallbacks == [("http", reason)]
     assert exchange.timings.prefill is None
     assert exchange.timings.decode_first_byte is not None
     assert await exchange.read_all(1024) == b"data: local\n\n"
+    # The failed pair's dialect state ended once, before the local run (which holds none).
+    assert [ctx.request_id for ctx in dialect.ended] == ["rq-1"]
     await exchange.aclose()
-    assert dialect.ended == [exchange.ctx]
+    assert [ctx.request_id for ctx in dialect.ended] == ["rq-1"]
 
 
 async def test_an_unusable_hand_off_falls_back_too() -> None:
@@ -480,7 +482,7 @@ async def test_an_unusable_hand_off_falls_back_too() -> None:
     flow = flow_of(make_dialect(NixlPullDialect), calls, on_prefill_failure=LEFT, counts=counts)
     calls.prefill_answers({"choices": []})
     calls.decode_answers(FakeUpstream(b""))
-    exchange = await flow.start(pd_request(completions_body()))
+    exchange = await flow.run(pd_request(completions_body()))
     assert exchange.fallback_reason == "invalid_handoff"
     assert "kv_transfer_params" not in calls.decodes[0].body
 
@@ -491,7 +493,7 @@ async def test_a_clients_bad_request_is_not_run_locally() -> None:
     _, flow = trt_flow(calls, on_prefill_failure=LEFT, counts=counts)
     calls.prefill_answers(EngineRejected("prompt too long"))
     with pytest.raises(EngineRejected):
-        await flow.start(pd_request(completions_body()))
+        await flow.run(pd_request(completions_body()))
     assert calls.decodes == [] and counts.fallbacks == []
 
 
@@ -502,7 +504,7 @@ async def test_a_concurrent_dialect_never_falls_back() -> None:
     calls.prefill_answers(PrefillFailed("prefill engine answered 500"))
     calls.hold_decode()
     with pytest.raises(PrefillFailed):
-        await flow.start(pd_request(completions_body()))
+        await flow.run(pd_request(completions_body()))
     assert len(calls.decodes) == 1 and calls.cancelled == ["decode"]
     assert counts.fallbacks == []
 
@@ -514,7 +516,7 @@ async def test_the_retry_comes_before_the_local_fallback() -> None:
     calls.prefill_answers(PrefillUnreachable("refused"), PrefillUnreachable("refused too"))
     calls.decode_answers(FakeUpstream(b""))
     client = completions_body()
-    exchange = await flow.start(pd_request(client, candidates=(TARGET_A, TARGET_B)))
+    exchange = await flow.run(pd_request(client, candidates=(TARGET_A, TARGET_B)))
     assert [leg.target for leg in calls.prefills] == [TARGET_A, TARGET_B]
     assert counts.retries == ["http"]
     # The retry failed too: then, and only then, the local engine.
@@ -532,7 +534,7 @@ async def test_a_local_decision_runs_whole_on_the_local_engine() -> None:
     decode = FakeUpstream(b"data: local\n\n", b"")
     calls.decode_answers(decode)
     client = completions_body(prompt=list(range(16)))
-    exchange = await flow.start(pd_request(client),
+    exchange = await flow.run(pd_request(client),
                                 Decision(Fate.LOCAL, "local_short", "prompt of 16 tokens"))
     assert calls.prefills == []
     assert calls.decodes[0].body == client
@@ -548,7 +550,7 @@ async def test_a_local_fallback_decision_is_counted_with_its_reason() -> None:
     calls, counts = FakeCalls(), counted()
     _, flow = trt_flow(calls, counts=counts)
     calls.decode_answers(FakeUpstream(b""))
-    exchange = await flow.start(pd_request(completions_body()), Decision(
+    exchange = await flow.run(pd_request(completions_body()), Decision(
         Fate.LOCAL, "fallback", "every breaker open", fallback_reason="breaker_open"))
     assert calls.prefills == [] and exchange.outcome == "fallback"
     assert counts.fallbacks == [("http", "breaker_open")]
@@ -559,7 +561,7 @@ async def test_a_pair_decision_runs_on_its_target_and_ranks() -> None:
     _, flow = trt_flow(calls)
     calls.prefill_answers(trt_context())
     calls.decode_answers(FakeUpstream(b""))
-    exchange = await flow.start(pd_request(completions_body(), candidates=(TARGET_A, TARGET_B)),
+    exchange = await flow.run(pd_request(completions_body(), candidates=(TARGET_A, TARGET_B)),
                                 Decision(Fate.PAIR, "ok", "prefill on B", target=TARGET_B))
     assert [leg.target for leg in calls.prefills] == [TARGET_B] and not exchange.local
 

@@ -277,7 +277,7 @@ async def test_begin_looks_up_the_engine_id_for_the_hand_off() -> None:
     _, flow = mooncake(lookup, calls)
     held = calls.hold_prefill()
     calls.decode_answers(FakeUpstream(b""))
-    exchange = await flow.start(pd_request(completions_body()))
+    exchange = await flow.run(pd_request(completions_body()))
     assert lookup.urls == ["http://10.0.0.1:8998/query"]
     assert exchange.ctx.state == MooncakeState("xfer-fixed", "engine-7")
     params = calls.decodes[0].body["kv_transfer_params"]
@@ -296,7 +296,7 @@ async def test_a_failed_lookup_ends_the_state(outcome: Any) -> None:
         await flow.begin(Route.COMPLETIONS, "rq-1", TARGET_A)
     assert dialect.ended == dialect.begun and len(dialect.begun) == 1
     with pytest.raises(InvalidHandoff):
-        await flow.start(pd_request(completions_body()))
+        await flow.run(pd_request(completions_body()))
     assert len(dialect.ended) == len(dialect.begun) == 2
     assert calls.prefills == [] and calls.decodes == []
 

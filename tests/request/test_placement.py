@@ -1,5 +1,5 @@
 """Proves the placement decision (sidecar/request/placement.py) as pure functions over their
-inputs, and the placer (sidecar/request/placer.py) that gathers those inputs:
+inputs, and the placer (sidecar/request/placement.py) that gathers those inputs:
 
 - every outcome is reachable: passthrough, unserved_route (404), local_route, local_state,
   engine_not_ready (503), local_short, local_cached, a pair on (target, prefill rank, decode
@@ -9,8 +9,11 @@ inputs, and the placer (sidecar/request/placer.py) that gathers those inputs:
   each limit is inclusive and 0 turns it off;
 - the prefill targets (their breakers, their ranks) are never asked for a local outcome: the
   ``Targets`` given to those cases fails the test if it is called at all;
-- a retry moves to another candidate, never the failed one, and there is none with one
-  candidate or when every other breaker is open;
+- after a failed leg: a prefill that did no work moves once to another candidate (never the
+  failed one; none with one candidate, when every other breaker is open, or on a second
+  failure); a prefill failure falls back to the local engine under the local policy when no
+  decode was sent (its decode rank kept), else the error is the answer; a decode's failure
+  is never covered;
 - the placer gathers only what the decision reads: no tokenize call and no cache look-up for
   a request its state decides, nor when no rule needs the prompt; the cache rule asks the
   index with the prompt's ids (from the tokenizer for text) and records what it found; an
@@ -28,20 +31,29 @@ import pytest
 
 from sidecar.dialects.base import RouteSupport, TokenizeEndpoint
 from sidecar.engines.tokenizer import PromptMeasure
-from sidecar.errors import EngineNotReady, PrefillFailed, RouteNotServed, SidecarError
+from sidecar.errors import (
+    DecodeFailed,
+    EngineNotReady,
+    InvalidHandoff,
+    PrefillFailed,
+    PrefillUnreachable,
+    RouteNotServed,
+    SidecarError,
+)
 from sidecar.protocol.context import PrefillTarget, Route
 from sidecar.request.placement import (
     BREAKER_OPEN,
     Decision,
     Facts,
     Fate,
+    Placer,
     PromptFacts,
     Rules,
+    after_failure,
     decide,
-    retry_pair,
+    pair_on,
     route_fate,
 )
-from sidecar.request.placer import Placer
 
 A, B, C = (PrefillTarget(f"10.0.0.{n}", 8000) for n in (1, 2, 3))
 
@@ -169,12 +181,51 @@ def test_every_breaker_open_falls_back_under_the_local_policy_else_refuses() -> 
     assert isinstance(refused.error, PrefillFailed)
 
 
-def test_a_retry_moves_to_another_candidate_or_nowhere() -> None:
+def test_a_prefill_that_did_no_work_moves_once_to_another_candidate() -> None:
     targets = Breakers()
-    retry = retry_pair((A, B, C), A, None, targets)
-    assert retry is not None and retry.fate is Fate.PAIR and retry.target == B
-    assert retry_pair((A,), A, None, targets) is None
-    assert retry_pair((A, B), A, None, Breakers(B)) is None
+    first = pair_on(A, None, targets)
+    refused = PrefillUnreachable("prefill engine refused the connection")
+    moved = after_failure(first, refused, (A, B, C), None, Rules(), targets, decode_sent=True)
+    assert moved.fate is Fate.PAIR and moved.target == B and moved.attempt == 1
+    # A second failure does not move again; with one candidate, or every other breaker
+    # open, there is nowhere to move: the error is the answer.
+    again = after_failure(moved, refused, (A, B, C), None, Rules(), targets, decode_sent=False)
+    assert again.fate is Fate.REFUSE and again.error is refused
+    alone = after_failure(first, refused, (A,), None, Rules(), targets, decode_sent=False)
+    assert alone.fate is Fate.REFUSE and alone.error is refused
+    shut = after_failure(first, refused, (A, B), None, Rules(), Breakers(B), decode_sent=False)
+    assert shut.fate is Fate.REFUSE
+
+
+def test_a_retry_comes_before_the_local_fallback_which_comes_before_the_error() -> None:
+    targets = Breakers(ranks=2)
+    first = pair_on(A, None, targets)
+    local = Rules(local_fallback=True)
+    refused = PrefillUnreachable("prefill engine refused the connection")
+    assert after_failure(first, refused, (A, B), None, local, targets,
+                         decode_sent=False).fate is Fate.PAIR
+    fallback = after_failure(first, refused, (A,), None, local, targets, decode_sent=False)
+    assert fallback.fate is Fate.LOCAL and fallback.outcome == "fallback"
+    assert fallback.fallback_reason == "prefill_failed"
+    assert fallback.decode_rank == first.decode_rank is not None
+    for error in (PrefillFailed("prefill engine answered HTTP 500"),
+                  InvalidHandoff("prefill answered without its hand-off")):
+        covered = after_failure(first, error, (A,), None, local, targets, decode_sent=False)
+        assert covered.fate is Fate.LOCAL and covered.fallback_reason == error.code
+
+
+def test_no_fallback_once_a_decode_was_sent_nor_for_a_decode_failure() -> None:
+    targets = Breakers()
+    first = pair_on(A, None, targets)
+    local = Rules(local_fallback=True)
+    failed = PrefillFailed("prefill engine answered HTTP 500")
+    sent = after_failure(first, failed, (A,), None, local, targets, decode_sent=True)
+    assert sent.fate is Fate.REFUSE and sent.error is failed
+    decode = DecodeFailed("decode engine answered HTTP 500")
+    assert after_failure(first, decode, (A, B), None, local, targets,
+                         decode_sent=False).fate is Fate.REFUSE
+    assert after_failure(first, failed, (A,), None, Rules(), targets,
+                         decode_sent=False).fate is Fate.REFUSE
 
 
 # -- the placer: what it gathers ------------------------------------------------------------

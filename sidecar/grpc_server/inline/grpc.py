@@ -65,7 +65,7 @@ from sidecar.grpc_server.rpc import Malformed
 from sidecar.observability.metrics import Metrics
 from sidecar.protocol.context import FrontDoor, HandoffContext, Route
 from sidecar.protocol.request import REQUEST_ID_HEADER, request_id_or_new
-from sidecar.request.runner import PDFlow
+from sidecar.request.runner import Runner
 from sidecar.request.scope import RequestScope
 
 #: Bytes of a stream message besides its K and V: the request id and the framing.
@@ -75,7 +75,7 @@ _MESSAGE_SLACK = 4096
 class InlinePrefill:
     """Prefill whose stream carries the engine's KV cache (see the module docstring)."""
 
-    def __init__(self, flow: PDFlow, settings: Settings) -> None:
+    def __init__(self, flow: Runner, settings: Settings) -> None:
         self._flow = flow
         self._dialect = _inline_dialect(flow)
         self._settings = settings
@@ -242,7 +242,7 @@ class InlineDecode:
     #: The request's bytes as they came: walked here, without protobuf objects for the KV.
     raw_request = True
 
-    def __init__(self, flow: PDFlow, settings: Settings, area: StagingArea,
+    def __init__(self, flow: Runner, settings: Settings, area: StagingArea,
                  metrics: Metrics) -> None:
         self._flow = flow
         self._dialect = _inline_dialect(flow)
@@ -313,7 +313,7 @@ class InlineDecode:
         return body, request_id
 
 
-def _inline_dialect(flow: PDFlow) -> InlineDialect:
+def _inline_dialect(flow: Runner) -> InlineDialect:
     """The inline transport's dialect: the one its flow must have been built with."""
     if not isinstance(flow.dialect, InlineDialect):
         raise TypeError(f"the inline transport needs the inline dialect, not {flow.dialect!r}")

@@ -1,6 +1,14 @@
-"""A PD request whose decode response head has arrived: the relay's side of the core.
+"""A request's legs: what a way of running a pair is given (``Pair``), the sequential way,
+and what the relay reads once the decode has answered (``PDExchange``).
 
-    flow.start(request) ─▶ PDExchange
+    Pair(request, ctx, dialect, calls, ...)   one pair's legs on one placement decision
+        .prefill_leg()           the prefill engine call (body, headers, deadline, rank)
+        .handoff(answer)         the decode's hand-off fields (in the hand-off span)
+        .decode_body(fields) / .open_decode(body)   the decode leg
+        .exchange(decode, ...)   the relay's side, ended by the pair's owner (the runner)
+    run_sequential(pair)         prefill ─▶ hand-off ─▶ open decode (the concurrent way:
+                                 ``sidecar.request.concurrent``)
+    PDExchange
         .decode      the decode engine's response (None when the prefill answered, ``answer``)
         .prefill_reply()   the prefill engine's JSON answer (its usage: the usage rule),
                      at hand for sequential legs, awaited for concurrent ones
@@ -10,32 +18,138 @@
         .aclose()    close the decode, stop a running prefill, abort the legs of a decode
                      that did not finish and end the dialect state (through ``owner``), once
 
-A concurrent flow's prefill is watched (``watch_prefill``): its failure closes the decode, so
+A concurrent pair's prefill is watched (``watch_prefill``): its failure closes the decode, so
 the relay's read fails at once with its error, not at the engines' bootstrap timeout.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from sidecar.dialects import Dialect
+from sidecar.engines.calls import EngineCalls, PrefillLeg
+from sidecar.engines.upstream import with_headers
 from sidecar.errors import DeadlineExceeded, DecodeFailed, PrefillFailed, SidecarError, Stage
 from sidecar.http1 import UpstreamError, UpstreamResponse
-from sidecar.protocol.context import HandoffContext
+from sidecar.observability.tracing import HANDOFF_SPAN, NOOP_TRACE, RequestTrace
+from sidecar.protocol.context import FrontDoor, HandoffContext, PrefillTarget, Route
 from sidecar.request.scope import OK, Timings
 from sidecar.tasks import cancel_and_wait
 
 
 class LegOwner(Protocol):
-    """Who started an exchange's legs, and ends them: the flow."""
+    """Who started an exchange's legs, and ends them: the runner."""
 
     def abort(self, ctx: HandoffContext) -> None:
         """Tell the engines to drop the request's legs (where the dialect can)."""
 
     def end(self, ctx: HandoffContext) -> None:
         """Give back the request's dialect state."""
+
+
+@dataclass(frozen=True, slots=True)
+class PDRequest:
+    """One client request that may run as a prefill/decode pair."""
+
+    route: Route
+    body: Mapping[str, Any]
+    stream: bool
+    target: PrefillTarget
+    request_id: str
+    headers: Mapping[str, str]
+    #: Every target the request may use (``target`` among them), for a refused prefill's retry.
+    candidates: tuple[PrefillTarget, ...] = ()
+    trace: RequestTrace = NOOP_TRACE
+    front_door: FrontDoor = FrontDoor.HTTP
+    #: The prefill leg's data-parallel rank as the router named it (None: the sidecar chooses).
+    prefill_rank: int | None = None
+    #: The client's body as it came (a single request): what a local run sends, unchanged.
+    raw: bytes | None = None
+
+
+def traced_handoff(dialect: Dialect, response: dict[str, Any] | None, ctx: HandoffContext,
+                   trace: RequestTrace) -> dict[str, Any]:
+    """The dialect's hand-off fields, in the request's hand-off span when traced."""
+    if not trace.active:
+        return dialect.handoff(response, ctx)
+    with trace.span(HANDOFF_SPAN):
+        return dialect.handoff(response, ctx)
+
+
+class Pair:
+    """One request's two legs on one placement decision: what each way of running uses."""
+
+    __slots__ = ("calls", "ctx", "dialect", "owner", "prefill_timeout_s", "request", "timings")
+
+    def __init__(self, request: PDRequest, ctx: HandoffContext, dialect: Dialect,
+                 calls: EngineCalls, *, prefill_timeout_s: float, owner: LegOwner) -> None:
+        self.request = request
+        self.ctx = ctx
+        self.dialect = dialect
+        self.calls = calls
+        self.prefill_timeout_s = prefill_timeout_s
+        self.owner = owner
+        self.timings = Timings()
+
+    def prefill_leg(self) -> PrefillLeg:
+        request, ctx, dialect = self.request, self.ctx, self.dialect
+        target = request.target
+        return PrefillLeg(
+            url=self.calls.prefill_url(target, request.route),
+            body=dialect.prefill_body(request.body, ctx),
+            headers=with_headers(request.headers, dialect.prefill_headers(ctx)),
+            timeout_s=self.prefill_timeout_s,
+            server_hostname=target.tls_name,
+            target=target,
+            trace=request.trace,
+            rank=ctx.prefill_rank,
+        )
+
+    def handoff(self, response: dict[str, Any] | None) -> dict[str, Any]:
+        """The decode's hand-off fields (``InvalidHandoff`` when unusable; ``response`` None:
+        a concurrent dialect's, built before the prefill answers)."""
+        return traced_handoff(self.dialect, response, self.ctx, self.request.trace)
+
+    def decode_body(self, fields: Mapping[str, Any]) -> dict[str, Any]:
+        return self.dialect.decode_body(self.request.body, fields, self.ctx.decode_rank)
+
+    def open_decode(self, body: Mapping[str, Any]) -> Awaitable[UpstreamResponse]:
+        request, rank = self.request, self.ctx.decode_rank
+        return self.calls.open_decode(
+            request.route, body, with_headers(request.headers, self.dialect.decode_headers(rank)),
+            request.trace, rank,
+        )
+
+    def exchange(self, decode: UpstreamResponse | None, **fields: Any) -> PDExchange:
+        """The relay's side of this pair, ended by its owner when the relay closes it."""
+        return PDExchange(ctx=self.ctx, decode=decode, timings=self.timings, owner=self.owner,
+                          **fields)
+
+
+#: A way of running a pair, until its decode head arrived (or its answer is known).
+Way = Callable[[Pair], Awaitable["PDExchange"]]
+
+
+async def run_sequential(pair: Pair) -> PDExchange:
+    """Prefill, then the decode with the hand-off from its answer."""
+    timings = pair.timings
+    started = time.perf_counter()
+    response = await pair.calls.post_prefill(pair.prefill_leg())
+    timings.prefill = time.perf_counter() - started
+    dialect = pair.dialect
+    if dialect.answered_by_prefill(response):
+        return pair.exchange(None, answer=dialect.prefill_answer(response))
+    handoff_started = time.perf_counter()
+    fields = pair.handoff(response)
+    timings.handoff = time.perf_counter() - handoff_started
+    decode_started = time.perf_counter()
+    decode = await pair.open_decode(pair.decode_body(fields))
+    timings.decode_first_byte = time.perf_counter() - decode_started
+    return pair.exchange(decode, prefill_response=response)
 
 
 @dataclass(slots=True, eq=False)
