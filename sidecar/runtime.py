@@ -27,8 +27,7 @@ from sidecar.config.limits import PrefillFailurePolicy
 from sidecar.config.settings import KVTransport, Settings
 from sidecar.dialects import Dialect, DialectSetup, InlineDialect, dialect_class, handoff_keys
 from sidecar.engines.calls import EngineCalls
-from sidecar.engines.health import EngineHealth
-from sidecar.engines.probes import BreakerProbes
+from sidecar.engines.health import BreakerProbes, EngineHealth
 from sidecar.engines.tokenizer import PromptMeasure
 from sidecar.engines.upstream import make_session
 from sidecar.http1 import EngineClient

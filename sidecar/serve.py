@@ -97,8 +97,11 @@ async def _start_site(
 ) -> web.AppRunner:
     # The drain (drain_grace_s) has already waited for requests; what is left is cut now
     # (with 5 s here aiohttp 3.14 took 10 s more, past Kubernetes' default grace period).
+    # Request bodies are inflated by the one body reader (http_server/body.py), which counts
+    # what a compressed body cost its sender against what it costs the sidecar.
     options: dict[str, Any] = {
         "handler_cancellation": True, "access_log": None, "shutdown_timeout": 0.1,
+        "auto_decompress": False,
     }
     runner = HeadTimeoutAppRunner(app, head_timeout_s=head_timeout_s, **options)
     await runner.setup()

@@ -46,7 +46,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("sidecar", "sidecar.jsonutil", "sidecar.errors", "sidecar.loop", "sidecar.tasks",
      "sidecar.ttl_cache", "sidecar.tls", "sidecar.grpc_gen", "sidecar.http1",
      "sidecar.protocol"),
-    ("sidecar.dialects", "sidecar.observability", "sidecar.kv_wire"),
+    ("sidecar.dialects", "sidecar.observability"),
     ("sidecar.targets", "sidecar.kv_events"),
     ("sidecar.config",),
     ("sidecar.workers",),
@@ -70,7 +70,7 @@ DIALECT_ROOM = PACKAGE / "dialects"
 
 FRONT_DOORS = ("http_server", "grpc_server")
 #: Core modules a front door may not use: the upstream calls' internals.
-CORE_INTERNALS = ("sidecar.engines.legs", "sidecar.engines.models")
+CORE_INTERNALS = ("sidecar.engines.failures", "sidecar.engines.models")
 
 
 def module_name(path: Path) -> str:
@@ -349,7 +349,7 @@ def test_the_checker_sees_every_import_form() -> None:
         ("from sidecar.tools.route import route", "sidecar.serve", False),
         ("from sidecar import tools", "sidecar.serve", False),
         ("def f():\n    from sidecar.tools import demo", "sidecar.serve", False),
-        ("from ..tools import demo", "sidecar.engines.legs", False),
+        ("from ..tools import demo", "sidecar.engines.failures", False),
         ("from . import tools", "sidecar", True),
     ]
     for source, module, is_package in seen:
@@ -357,7 +357,7 @@ def test_the_checker_sees_every_import_form() -> None:
     unseen = [
         ("import sidecar.toolsmith", "sidecar.serve", False),
         ("from sidecar import config", "sidecar.serve", False),
-        ("from .dialects import base", "sidecar.engines.legs", False),
+        ("from .dialects import base", "sidecar.engines.failures", False),
     ]
     for source, module, is_package in unseen:
         assert not imports_tools(source, module, is_package=is_package), source

@@ -97,6 +97,19 @@ class LimitsSettings(BaseModel):
     max_body_bytes: int = Field(
         default=32 * 1024 * 1024, ge=1024, description="Largest client request body."
     )
+    max_body_inflation: float = Field(
+        default=20.0,
+        ge=1.0,
+        description="A gzip or deflate request body inflates to at most this many times the "
+        "bytes received (past its first MiB; more: 413): a compressed body costs the sidecar "
+        "a small multiple of what its sender paid.",
+    )
+    max_inflating_body_bytes: int = Field(
+        default=256 * 1024 * 1024,
+        ge=1024 * 1024,
+        description="Inflated bytes of every compressed request body still being read, "
+        "together, at most (past it: 503, retry): one budget for the whole process.",
+    )
     client_body_timeout_s: float = Field(
         default=30.0,
         gt=0,

@@ -12,7 +12,13 @@
     abort(path, body, target)         a dialect's abort call to both engines, in the background
     get(url, max_bytes=)              a dialect's side-channel lookup (``EngineLookup``)
 
-This module knows no engine: bodies, paths and abort calls come from the dialect. A traced
+The two calls of a pair at the wire (``post_prefill``: the prefill's JSON answer, size-capped
+and deadline-bound; ``open_decode``: the decode's head, its body left to the caller) map
+every failure to the taxonomy, as ``sidecar.engines.failures`` tells it: unreachable ->
+PrefillUnreachable / EngineNotReady, a failed TLS handshake -> PrefillFailed/DecodeFailed,
+4xx -> EngineRejected, 5xx or garbage -> PrefillFailed/DecodeFailed, deadlines ->
+DeadlineExceeded. This module knows no engine: bodies, paths and abort calls come from the
+dialect. A traced
 call runs in its leg span, the ``traceparent`` the engine receives; an untraced one is the
 plain call, with no extra coroutine layer (docs/extending/design-notes.md#untraced-calls).
 """
@@ -31,13 +37,15 @@ from opentelemetry.util.types import AttributeValue
 
 from sidecar import jsonutil
 from sidecar.dialects.base import LookupFailed
-from sidecar.engines.legs import (
+from sidecar.engines.failures import (
+    DECODE_ENGINE,
     LOCAL_ENGINE,
     broken_connection,
     connect_failure,
+    drain_error_body,
     for_client,
-    open_decode,
-    post_prefill,
+    log_tls_failure,
+    status_error,
 )
 from sidecar.engines.models import EngineModel
 from sidecar.errors import (
@@ -59,11 +67,14 @@ from sidecar.http1 import (
 )
 from sidecar.observability.tracing import (
     DECODE_FIRST_BYTE_SPAN,
+    HTTP_STATUS,
+    NOOP_SPAN,
     NOOP_TRACE,
     PREFILL_SPAN,
     PREFILL_TARGET,
     SERVER_ADDRESS,
     SERVER_PORT,
+    LegSpan,
     RequestTrace,
 )
 from sidecar.protocol.context import PrefillTarget, Route, url_port
@@ -86,6 +97,108 @@ LegCounter = Callable[[str, str], None]
 RankCounter = Callable[[str, int, str], None]
 
 _T = TypeVar("_T")
+
+async def read_capped(response: UpstreamResponse, max_bytes: int) -> bytes:
+    """The whole body, refusing more than ``max_bytes`` while reading."""
+    length = response.content_length
+    if length is not None and length > max_bytes:
+        raise PrefillFailed(f"prefill response of {length} bytes exceeds the cap")
+    raw = await response.read(max_bytes)
+    if len(raw) > max_bytes:
+        raise PrefillFailed("prefill response exceeds the size cap")
+    return raw
+
+
+def _json_headers(headers: Mapping[str, str]) -> list[tuple[str, str]]:
+    """``headers`` with the body's own Content-Type (a client's would be a second one)."""
+    out = [(name, value) for name, value in headers.items() if name.lower() != "content-type"]
+    out.append(("Content-Type", "application/json"))
+    return out
+
+
+async def post_prefill(
+    session: EngineClient,
+    url: str,
+    body: Mapping[str, Any],
+    headers: Mapping[str, str],
+    *,
+    timeout_s: float,
+    max_bytes: int,
+    server_hostname: str | None = None,
+    span: LegSpan = NOOP_SPAN,
+    who: str = "prefill engine",
+) -> dict[str, Any]:
+    """POST the prefill body and return its JSON object answer (``server_hostname``: the
+    name an https target's certificate must carry when ``url`` names its address; ``who``:
+    the engine as the messages name it)."""
+    payload = jsonutil.dumps(body)
+    try:
+        response = await session.request(
+            "POST", url, headers=_json_headers(headers), body=payload, timeout_s=timeout_s,
+            server_hostname=server_hostname,
+        )
+        if span.recording:
+            span.set(HTTP_STATUS, response.status)
+        try:
+            if response.status != 200:
+                error_body = await drain_error_body(response)
+                raise status_error(response.status, Stage.PREFILL, who, error_body)
+            raw = await read_capped(response, max_bytes)
+        finally:
+            response.release()
+    except TimeoutError:
+        raise DeadlineExceeded(
+            f"prefill leg exceeded its {timeout_s:g} s deadline", stage=Stage.PREFILL
+        ) from None
+    except UpstreamTLSError as exc:
+        log_tls_failure(url, exc)
+        raise PrefillFailed(connect_failure(exc, who)) from None
+    except UpstreamConnectError as exc:
+        # No connection, so not one byte of the request reached the engine: safe to retry.
+        raise PrefillUnreachable(connect_failure(exc, who)) from None
+    except UpstreamError as exc:
+        raise PrefillFailed(broken_connection(exc, who)) from None
+    try:
+        answer = jsonutil.loads(raw)
+    except jsonutil.JSONDecodeError:
+        raise PrefillFailed(f"{who} answered malformed JSON") from None
+    if not isinstance(answer, dict):
+        raise PrefillFailed(f"{who} answered JSON that is not an object")
+    return answer
+
+
+async def open_decode(
+    session: EngineClient,
+    url: str,
+    body: Mapping[str, Any] | bytes,
+    headers: Mapping[str, str],
+    span: LegSpan = NOOP_SPAN,
+) -> UpstreamResponse:
+    """POST the decode body; return the response once its head arrived (status 200)."""
+    payload = body if isinstance(body, bytes) else jsonutil.dumps(body)
+    try:
+        response = await session.request(
+            "POST", url, headers=_json_headers(headers), body=payload
+        )
+    except UpstreamTLSError as exc:
+        log_tls_failure(url, exc)
+        raise DecodeFailed(connect_failure(exc, LOCAL_ENGINE), stage=Stage.DECODE) from None
+    except UpstreamConnectError as exc:
+        raise EngineNotReady(connect_failure(exc, LOCAL_ENGINE), stage=Stage.DECODE) from None
+    except TimeoutError:
+        raise DeadlineExceeded("decode engine did not answer in time", stage=Stage.DECODE) from None
+    except UpstreamError as exc:
+        raise DecodeFailed(broken_connection(exc, DECODE_ENGINE), stage=Stage.DECODE) from None
+    if span.recording:
+        span.set(HTTP_STATUS, response.status)
+    if response.status != 200:
+        try:
+            body = await drain_error_body(response)
+        finally:
+            response.release()
+        raise status_error(response.status, Stage.DECODE, DECODE_ENGINE, body)
+    return response
+
 
 
 def rank_outcome(error: BaseException | None) -> str:

@@ -1,13 +1,42 @@
-"""The aiohttp application factory of the HTTP front door.
+"""The HTTP front door: the aiohttp application, its PD routes' handler, the passthrough.
 
     build_http_app(runtime) ─▶ web.Application
         POST /v1/completions, /v1/chat/completions,
              /v1/responses, /v1/messages,
-             /inference/v1/generate                 -> PD flow (pd.py; every ``Route``)
+             /inference/v1/generate                 -> handle_pd (every ``Route``)
         GET /health, /ready, /metrics               -> operations (ops.py); /metrics only
                                                        without --metrics-port (there, it is
                                                        the engine's, passed through)
         anything else                               -> local engine passthrough (proxy.py)
+
+A PD route's request: parse, decide, run, relay, each once.
+
+    request ─admission─▶ candidates (x-prefiller-host-port, else the pool; allowlist)
+        ─placer.route_fate─▶ passthrough (no target) | 404 unserved_route | whole on the
+                             local engine (local_route)
+        ─read the body (body.py: limits, decoding, deadline)─▶ body checks
+        ─▶ n > 1 or a batch ─▶ fanout.py (one decision and one PD pair per prompt and
+                             choice, merged)
+        ─placer.place─▶ local_state: the body to the local engine as it came
+                      │ local_short, local_cached, fallback (every breaker open): the
+                      │ client's body on the local engine alone
+                      │ a pair on (target, prefill rank, decode rank) ─▶ runner.run
+                      └ a typed refusal
+        ─▶ relay ─▶ client (a JSON answer here; a stream: relay.py)
+
+Where a request runs is the placement decision's (``sidecar.request.placement``), never
+this module's; how its legs run is the runner's (``sidecar.request.runner``). A router's
+``x-data-parallel-rank`` (``sidecar.targets.ranks``) names the prefill leg's rank: checked
+with the other routing headers, handed to the decision, never forwarded (no routing header
+reaches an engine).
+
+The relay writes the decode engine's bytes as they arrive (no re-encoding), but for the usage
+the client is told: a disaggregated answer's usage is the route's API's usage rule over both
+legs (``Api.answer_with_true_usage``; streams: relay.py). A failure after the first byte ends
+the stream with one error event in the API's shape and an unterminated body: no second
+status, no fabricated end marker. The client's headers are the trace carrier: the request
+span continues a client's ``traceparent``; the relay runs in its own span, which counts the
+bytes.
 
 No answer carries a ``Server`` header (aiohttp's names the Python and aiohttp versions, which
 tells a scanner what to try): ``drop_server_header`` removes it before the head is written,
@@ -16,15 +45,199 @@ on this app and the metrics port's.
 
 from __future__ import annotations
 
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+
 from aiohttp import hdrs, web
 
-from sidecar.errors import SidecarError
+from sidecar import jsonutil
+from sidecar.engines.upstream import forwardable_headers
+from sidecar.errors import DecodeFailed, SidecarError, Stage
 from sidecar.http_server import ops
+from sidecar.http_server.body import BodyLimits, BodyReader
 from sidecar.http_server.errors import error_response
-from sidecar.http_server.keys import RUNTIME
-from sidecar.http_server.pd import add_pd_routes, request_id_of
+from sidecar.http_server.fanout import relay_fanout
+from sidecar.http_server.keys import BODY, RUNTIME
 from sidecar.http_server.proxy import proxy_to_engine
+from sidecar.http_server.relay import PrefillUsage, SSERelay, engine_error_reported, stream_broke
+from sidecar.observability.tracing import NOOP_SPAN, RELAY_SPAN, RELAYED_BYTES, LegSpan
+from sidecar.protocol.apis import Api, api_of
+from sidecar.protocol.context import Route
+from sidecar.protocol.request import REQUEST_ID_HEADER, ClientRequest, request_id_or_new
+from sidecar.protocol.sse import answer_as_sse
+from sidecar.request.legs import PDExchange, PDRequest
+from sidecar.request.scope import LOCAL_STATE, REFUSED, UNSERVED_ROUTE, RequestScope
 from sidecar.runtime import Runtime
+from sidecar.targets.ranks import RANK_HEADER, parse_rank_header
+from sidecar.targets.selector import PREFILL_TARGET_HEADER
+
+logger = logging.getLogger(__name__)
+
+_RELAYED_HEADERS = ("Content-Type", "Cache-Control")
+
+
+def request_id_of(request: web.Request) -> str:
+    """The client's ``X-Request-Id`` when it is sane, else a new one."""
+    return request_id_or_new(request.headers.get(REQUEST_ID_HEADER))
+
+
+def _route_handler(route: Route) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    async def handle(request: web.Request) -> web.StreamResponse:
+        return await handle_pd(request, route)
+
+    return handle
+
+
+async def handle_pd(request: web.Request, route: Route) -> web.StreamResponse:
+    """Serve one request of a PD route: parse, decide, run, relay."""
+    runtime = request.app[RUNTIME]
+    request_id = request_id_of(request)
+    api = api_of(route)
+    scope = runtime.http_scopes.open(route.value, request_id, request.headers)
+    try:
+        scope.admit()
+        placer = runtime.placer
+        candidates = await runtime.selector.candidates(
+            request.headers.getall(PREFILL_TARGET_HEADER, []))
+        decision = placer.route_fate(route, bool(candidates), request_id)
+        if decision is not None:
+            scope.outcome = decision.outcome
+            if decision.error is not None:
+                raise decision.error
+            return await proxy_to_engine(request, runtime.calls, request_id)
+        raw = await request.app[BODY].read(request)
+        client = runtime.body_checks.parse(raw, route,
+                                           trusted_router=runtime.settings.trusted_router)
+        named_rank = parse_rank_header(request.headers.getall(RANK_HEADER, []),
+                                       runtime.runner.ranks.prefill_size)
+        headers = forwardable_headers(request.headers.items(), drop=("accept-encoding",))
+        headers[REQUEST_ID_HEADER] = request_id
+        pd_request = PDRequest(
+            route=route,
+            body=client.body,
+            stream=client.stream,
+            target=candidates[0],
+            request_id=request_id,
+            headers=headers,
+            candidates=candidates,
+            trace=scope.trace,
+            prefill_rank=named_rank,
+            raw=raw,
+        )
+        if client.sub_requests > 1:
+            return await relay_fanout(request, runtime, scope, client, pd_request)
+        decision = await placer.place(route, client.body, candidates, request_id=request_id,
+                                      named_prefill_rank=named_rank)
+        scope.outcome = decision.outcome
+        if decision.error is not None:
+            raise decision.error
+        if decision.outcome == LOCAL_STATE:
+            # The engine that holds the state answers, as it would without a prefill target.
+            return await proxy_to_engine(request, runtime.calls, request_id, raw)
+        exchange = await runtime.runner.run(pd_request, decision)
+        # The relay may still turn it into broken_stream or error (an engine's error event).
+        scope.outcome = exchange.outcome
+        try:
+            scope.observe_timings(exchange.timings)
+            if scope.trace.active:
+                with scope.trace.span(RELAY_SPAN) as relay_span:
+                    return await _relay(request, runtime, scope, exchange, client, api,
+                                        relay_span)
+            # Untraced: not even a no-op span's calls.
+            return await _relay(request, runtime, scope, exchange, client, api, NOOP_SPAN)
+        finally:
+            await exchange.aclose()
+    except SidecarError as error:
+        unserved = scope.outcome == UNSERVED_ROUTE
+        scope.failed(error)
+        if unserved:
+            scope.outcome = UNSERVED_ROUTE
+        elif scope.outcome != REFUSED:
+            logger.warning("request %s failed: %s (%s)", request_id, error.code, error.message)
+        return error_response(error, request_id, api)
+    except asyncio.CancelledError:
+        scope.cancelled()
+        raise
+    finally:
+        scope.close()
+
+
+async def _relay(
+    request: web.Request,
+    runtime: Runtime,
+    scope: RequestScope,
+    exchange: PDExchange,
+    client: ClientRequest,
+    api: Api,
+    span: LegSpan,
+) -> web.StreamResponse:
+    request_id = scope.request_id
+    relayed = scope.relayed_bytes
+    stream = client.stream
+    route = client.route
+    if exchange.decode is None:
+        answer = exchange.answer or {}
+        if stream:
+            body = answer_as_sse(answer, route)
+            content_type = "text/event-stream"
+        else:
+            body = jsonutil.dumps(answer)
+            content_type = "application/json"
+        relayed.inc(len(body))
+        if span.recording:
+            span.set(RELAYED_BYTES, len(body))
+        return web.Response(body=body, content_type=content_type,
+                            headers={REQUEST_ID_HEADER: request_id})
+    headers = {name: value for name in _RELAYED_HEADERS
+               if (value := exchange.decode.header(name)) is not None}
+    headers[REQUEST_ID_HEADER] = request_id
+    if not stream:
+        body = await exchange.read_all(runtime.settings.max_body_bytes)
+        try:
+            # A cut or garbled answer must not reach the client as a 200.
+            answer = jsonutil.loads(body)
+        except jsonutil.JSONDecodeError:
+            raise DecodeFailed("decode engine answered malformed JSON",
+                               stage=Stage.DECODE) from None
+        if exchange.disaggregated and isinstance(answer, dict):
+            told = api.answer_with_true_usage(answer, await exchange.prefill_reply())
+            if told is not None:
+                body = jsonutil.dumps(told)
+        relayed.inc(len(body))
+        if span.recording:
+            span.set(RELAYED_BYTES, len(body))
+        return web.Response(body=body, headers=headers)
+    # Each read's bytes go to the client from the read callback (sse_relay): no task wake-up
+    # per token; the error-event check and the tail are kept there.
+    usage = (PrefillUsage(exchange)
+             if exchange.disaggregated and api.stream_has_usage(client.body) else None)
+    relay = SSERelay(request, headers, runtime.dialect.stream_markers(route), api=api,
+                     usage=usage)
+    await relay.start()
+    try:
+        await exchange.pipe(relay.feed, relay.catch_up)
+        if not relay.ended_with_done():
+            # The engine closed cleanly mid-event: a cut stream, not a finished one.
+            raise DecodeFailed("decode stream ended without its end event",
+                               stage=Stage.DECODE)
+    except SidecarError as error:
+        stream_broke(scope, relay, error, span)
+        await relay.break_off(error)
+        return relay.response
+    relayed.inc(relay.total)
+    if span.recording:
+        span.set(RELAYED_BYTES, relay.total)
+    if relay.engine_error:
+        engine_error_reported(scope, span)
+    await relay.finish()
+    return relay.response
+
+
+def add_pd_routes(app: web.Application) -> None:
+    for route in Route:
+        app.router.add_post(route.value, _route_handler(route))
+
 
 
 async def _passthrough(request: web.Request) -> web.StreamResponse:
@@ -48,9 +261,15 @@ async def drop_server_header(_: web.Request, response: web.StreamResponse) -> No
 
 def build_http_app(runtime: Runtime) -> web.Application:
     """The HTTP front door over ``runtime`` (which the caller opens and closes)."""
-    app = web.Application(client_max_size=runtime.settings.max_body_bytes)
+    settings = runtime.settings
+    app = web.Application(client_max_size=settings.max_body_bytes)
     app.on_response_prepare.append(drop_server_header)
     app[RUNTIME] = runtime
+    app[BODY] = BodyReader(BodyLimits(
+        max_bytes=settings.max_body_bytes, timeout_s=settings.client_body_timeout_s,
+        max_inflation=settings.max_body_inflation,
+        inflating_budget=settings.max_inflating_body_bytes),
+        runtime.metrics.inflating_body_bytes.set)
     app.router.add_get("/health", ops.health)
     app.router.add_get("/ready", ops.ready)
     if runtime.settings.metrics_port is None:

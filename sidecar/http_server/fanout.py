@@ -24,7 +24,7 @@ from aiohttp import web
 
 from sidecar import jsonutil
 from sidecar.errors import DecodeFailed, SidecarError, Stage
-from sidecar.http_server.sse_relay import SSERelay, engine_error_reported, stream_broke
+from sidecar.http_server.relay import SSERelay, engine_error_reported, stream_broke
 from sidecar.protocol.apis import api_of, usage_of
 from sidecar.protocol.fanout import SSEEvents, StreamMerger, check_fanout, merge_answers, sub_bodies
 from sidecar.protocol.request import REQUEST_ID_HEADER, ClientRequest

@@ -124,6 +124,10 @@ class Metrics:
         self.staged_bytes = Gauge(
             "disagg_staged_kv_bytes", "KV bytes staged for decode requests (inline KV transport).",
             registry=r, multiprocess_mode="livesum")
+        self.inflating_body_bytes = Gauge(
+            "disagg_inflating_body_bytes",
+            "Inflated bytes of compressed request bodies still being read, together (the "
+            "budget: --max-inflating-body-bytes).", registry=r, multiprocess_mode="livesum")
         self.engine_ready = Gauge(
             "disagg_engine_ready", "1 when the local engine answered its health check, else 0.",
             registry=r, multiprocess_mode="livemax")

@@ -32,7 +32,7 @@ from collections.abc import Awaitable
 from typing import Any, Final
 
 from sidecar.dialects import Dialect
-from sidecar.engines.legs import engine_reason
+from sidecar.engines.failures import engine_reason
 from sidecar.errors import DecodeFailed, Stage
 from sidecar.http1 import UpstreamError, UpstreamResponse
 from sidecar.protocol.context import HandoffContext

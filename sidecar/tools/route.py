@@ -35,7 +35,7 @@ import grpc
 
 from sidecar import jsonutil
 from sidecar.grpc_gen import disagg_pb2, disagg_pb2_grpc
-from sidecar.grpc_server.checks import MAX_NEW_TOKENS
+from sidecar.grpc_server.rpc import MAX_NEW_TOKENS
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 

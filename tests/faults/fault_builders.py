@@ -174,6 +174,10 @@ class Rig:
     async def inflight(self) -> float:
         return await self.sidecar.metric("disagg_inflight_requests", front_door="http")
 
+    async def inflating(self) -> float:
+        """Inflated bytes of compressed bodies the sidecar is still reading."""
+        return await self.sidecar.metric("disagg_inflating_body_bytes")
+
     async def wait_upstreams_closed(self) -> None:
         """Every call the sidecar made to either engine has ended (no leaked upstream call)."""
         await self.prefill.wait_idle(timeout_s=WAIT_S)

@@ -199,41 +199,70 @@ async def test_a_coding_the_sidecar_does_not_decode_is_415_and_reaches_no_engine
         await r.check_recovered()
 
 
-async def test_aiohttp_inflates_exactly_the_codings_the_sidecar_counts_on() -> None:
-    """``body_encoding.INFLATED_BY_AIOHTTP`` mirrors aiohttp's parser: these codings arrive
-    inflated, every other one as sent (which the sidecar refuses)."""
-    from aiohttp import web
+# -- compressed bodies: what they cost the sidecar ---------------------------------------
 
-    from sidecar.http_server.body_encoding import INFLATED_BY_AIOHTTP
+def bomb(inflated_bytes: int) -> bytes:
+    """A gzip body of a few KB that inflates to ``inflated_bytes`` of one JSON string."""
+    head, tail = b'{"model": "m", "prompt": "', b'", "max_tokens": 1}'
+    filler = b"x" * (inflated_bytes - len(head) - len(tail))
+    return gzip.compress(head + filler + tail, mtime=0)
 
-    async def echo(request: web.Request) -> web.Response:
-        return web.Response(body=await request.read())
 
-    app = web.Application()
-    app.router.add_post("/", echo)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = next(a[1] for a in runner.addresses if isinstance(a, tuple))
-    plain = b'{"prompt": "' + b"x" * 200 + b'"}'
-    packed = {"gzip": gzip.compress(plain), "deflate": zlib.compress(plain)}
-    try:
-        for coding, expect_inflated in (("gzip", True), ("GZip", True), ("deflate", True),
-                                        ("x-gzip", False), ("gzip, gzip", False),
-                                        ("compress", False)):
-            data = packed.get(coding.lower(), packed["gzip"])
-            reader, writer = await asyncio.open_connection("127.0.0.1", port)
-            writer.write(f"POST / HTTP/1.1\r\nHost: x\r\nContent-Encoding: {coding}\r\n"
-                         f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n".encode()
-                         + data)
-            raw = await asyncio.wait_for(reader.read(), 10)
-            writer.close()
-            body = raw.split(b"\r\n\r\n", 1)[1]
-            assert (body == plain) is expect_inflated, coding
-            assert (coding.lower() in INFLATED_BY_AIOHTTP) is expect_inflated, coding
-    finally:
-        await runner.cleanup()
+@pytest.mark.parametrize("pd", [False, True], ids=["passthrough", "pd"])
+async def test_a_compressed_body_past_its_inflation_ratio_is_413_before_it_ends(
+        pd: bool) -> None:
+    # 31 KB that inflates to just under the 32 MiB body cap, then the client stalls: the
+    # sidecar refuses as soon as the ratio is passed, without waiting for the rest (the body
+    # deadline is far away) and without holding what it inflated.
+    packed = bomb(32 * 1024 * 1024 - 4096)
+    assert len(packed) < 40 * 1024
+    async with rig(client_body_timeout_s=600.0) as r:
+        target = r.target if pd else None
+        async with raw_connection(r) as (reader, writer):
+            writer.write(post_head(COMPLETIONS, len(packed) + 100, target=target,
+                                   extra="Content-Encoding: gzip\r\n") + packed)
+            await writer.drain()
+            status, _, reply = await read_response(reader)
+        assert (status, error_code(reply)) == (413, "body_too_large")
+        assert b"--max-body-inflation" in reply
+        assert r.decode.recorder.on_path(COMPLETIONS) == []
+        assert r.prefill.recorder.on_path(COMPLETIONS) == []
+        await r.check_recovered()
+
+
+async def test_compressed_bodies_being_read_share_one_budget() -> None:
+    # Each body inflates within its ratio (past the floor, 20 x what it sent), but together
+    # they may hold no more than the budget: the second one that would pass it is refused
+    # (503, the sidecar's memory is spoken for), while the first keeps its share.
+    plain = json.dumps({**client_body(), "prompt": "y" * (1536 * 1024)}).encode()
+    packed = zlib.compress(plain, 1)
+    ratio = len(plain) / len(packed)
+    async with rig(client_body_timeout_s=600.0, max_inflating_body_bytes=2 * 1024 * 1024,
+                   max_body_inflation=ratio * 2) as r:
+        async with raw_connection(r) as (reader, writer), \
+                raw_connection(r) as (reader2, writer2):
+            # The first body, all but its last bytes: its inflated share stays held.
+            writer.write(post_head(COMPLETIONS, len(packed), target=None,
+                                   extra="Content-Encoding: deflate\r\n") + packed[:-16])
+            await writer.drain()
+            async def first_holds_its_share() -> bool:
+                return await r.inflating() > 1024 * 1024
+
+            await eventually(first_holds_its_share)
+            writer2.write(post_head(COMPLETIONS, len(packed), target=None,
+                                    extra="Content-Encoding: deflate\r\n") + packed)
+            await writer2.drain()
+            status, _, reply = await read_response(reader2)
+            assert (status, error_code(reply)) == (503, "overloaded")
+            assert b"--max-inflating-body-bytes" in reply
+            writer.write(packed[-16:])  # the first body ends: it is forwarded whole
+            await writer.drain()
+            status, _, reply = await read_response(reader)
+            # Whatever the engine made of so long a prompt, it was the engine's to say.
+            assert status in (200, 400), reply
+        (got,) = r.decode.recorder.on_path(COMPLETIONS)
+        assert got.body == plain and "Content-Encoding" not in got.headers
+        assert await r.inflating() == 0
 
 
 # -- hop-by-hop by name --------------------------------------------------------------------
@@ -314,8 +343,8 @@ def test_a_grpc_handoff_with_an_integer_beyond_64_bits_is_invalid() -> None:
     from sidecar import jsonutil
     from sidecar.errors import InvalidRequest
     from sidecar.grpc_gen import disagg_pb2
-    from sidecar.kv_wire.handoff import decode_handoff
-    from sidecar.kv_wire.layers import HANDOFF_LAYER
+    from sidecar.grpc_server.layers import HANDOFF_LAYER
+    from sidecar.grpc_server.native import decode_handoff
 
     document = b'{"version": 1, "kind": "x", "fields": {"id": 18446744073709551616}}'
     block = disagg_pb2.KVBlock(request_id="r", layer_idx=HANDOFF_LAYER, block_idx=0,

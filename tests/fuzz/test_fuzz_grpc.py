@@ -24,14 +24,14 @@ from hypothesis import strategies as st
 
 from sidecar.errors import DecodeFailed, InvalidRequest
 from sidecar.grpc_gen import disagg_pb2, disagg_pb2_grpc
-from sidecar.grpc_server.checks import (
+from sidecar.grpc_server.decode import TokenStreamParser
+from sidecar.grpc_server.errors import grpc_status
+from sidecar.grpc_server.native import HANDOFF_LAYER, DecodedHandoff, decode_handoff, encode_handoff
+from sidecar.grpc_server.rpc import (
     check_max_new_tokens,
     check_temperature,
     check_token_ids,
 )
-from sidecar.grpc_server.errors import grpc_status
-from sidecar.grpc_server.token_stream import TokenStreamParser
-from sidecar.kv_wire.handoff import HANDOFF_LAYER, DecodedHandoff, decode_handoff, encode_handoff
 from sidecar.protocol.request import request_id_or_new
 
 INT32 = st.integers(min_value=-(2**31), max_value=2**31 - 1)

@@ -29,7 +29,7 @@ from sidecar import jsonutil
 from sidecar.errors import InvalidRequest
 from sidecar.grpc_gen import disagg_pb2, disagg_pb2_grpc
 from sidecar.grpc_server.errors import grpc_status
-from sidecar.kv_wire.handoff import decode_handoff, encode_handoff, is_control_block
+from sidecar.grpc_server.native import decode_handoff, encode_handoff, is_control_block
 
 from .seed_contract import independent_classes
 

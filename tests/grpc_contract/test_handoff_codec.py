@@ -1,4 +1,4 @@
-"""``sidecar.kv_wire.handoff``: the native hand-off as control blocks, both ways.
+"""``sidecar.grpc_server.native``: the native hand-off as control blocks, both ways.
 
 Proves: a round trip keeps every field (key order, nested values, 64-bit integers such as
 TensorRT-LLM ids above 2**53, non-ASCII text split across chunks); chunking numbers blocks
@@ -22,7 +22,7 @@ from sidecar import jsonutil
 from sidecar.errors import InvalidRequest, Stage
 from sidecar.grpc_gen.disagg_pb2 import KVBlock
 from sidecar.grpc_server.errors import grpc_status
-from sidecar.kv_wire.handoff import (
+from sidecar.grpc_server.native import (
     HANDOFF_LAYER,
     INLINE_META_LAYER,
     DecodedHandoff,

@@ -22,7 +22,7 @@ import grpc
 from grpc_server.grpc_builders import CHANNEL_OPTIONS, grpc_sidecar
 
 from sidecar.grpc_gen import disagg_pb2, disagg_pb2_grpc
-from sidecar.kv_wire.handoff import encode_handoff
+from sidecar.grpc_server.native import encode_handoff
 
 #: A guard against a hang when the code under test is broken; never reached when it works.
 GUARD_S = 30

@@ -38,7 +38,7 @@ from grpc_builders import (
 
 from sidecar.grpc_gen import disagg_pb2, disagg_pb2_grpc
 from sidecar.grpc_server.errors import ERROR_CODE_KEY
-from sidecar.kv_wire.handoff import encode_handoff
+from sidecar.grpc_server.native import encode_handoff
 from sidecar.tools.stubs.faults import Fault, FaultKind
 
 COMPLETIONS = "/v1/completions"

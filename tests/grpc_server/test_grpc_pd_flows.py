@@ -27,7 +27,7 @@ from grpc_builders import (
     rooms_in_flight,
 )
 
-from sidecar.kv_wire.handoff import decode_handoff
+from sidecar.grpc_server.native import decode_handoff
 from sidecar.tools.route import route
 
 MAX_NEW_TOKENS = 6

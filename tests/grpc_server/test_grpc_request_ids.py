@@ -10,7 +10,7 @@ import uuid
 
 from grpc_builders import PROMPT_IDS, grpc_pd, prefill_blocks
 
-from sidecar.kv_wire.handoff import decode_handoff
+from sidecar.grpc_server.native import decode_handoff
 from sidecar.protocol.request import REQUEST_ID_HEADER
 
 

@@ -14,7 +14,7 @@ import pytest
 from grpc_builders import PROMPT_IDS, expected_tokens, grpc_pd
 
 from sidecar.__main__ import build_parser
-from sidecar.grpc_server.checks import MAX_NEW_TOKENS
+from sidecar.grpc_server.rpc import MAX_NEW_TOKENS
 from sidecar.tools.route import run_route_command
 from sidecar.tools.stubs.faults import Fault, FaultKind
 

@@ -17,7 +17,7 @@ import pytest
 
 from sidecar.dialects import dialect_class
 from sidecar.errors import DecodeFailed
-from sidecar.grpc_server.token_stream import TokenStreamParser, normalize_finish_reason
+from sidecar.grpc_server.decode import TokenStreamParser, normalize_finish_reason
 
 
 def token_id_fields(engine: str) -> dict[str, Any]:

@@ -38,9 +38,8 @@ from sidecar.dialects.vllm_nixl import NixlPullDialect
 from sidecar.errors import FailedPrecondition, InvalidRequest, Stage
 from sidecar.grpc_gen import disagg_pb2
 from sidecar.grpc_server.decode import DecodeInput
-from sidecar.grpc_server.native import NativeDecode, NativePrefill
+from sidecar.grpc_server.native import NativeDecode, NativePrefill, decode_handoff, encode_handoff
 from sidecar.grpc_server.prefill import PrefillCall
-from sidecar.kv_wire.handoff import decode_handoff, encode_handoff
 from sidecar.observability.metrics import Metrics
 from sidecar.protocol.context import PrefillTarget
 from sidecar.request.runner import Handoff, Runner

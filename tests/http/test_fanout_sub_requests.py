@@ -53,7 +53,7 @@ class Flow:
     def __init__(self) -> None:
         self.started: list[tuple[Any, Decision]] = []
 
-    async def start(self, request: Any, decision: Decision) -> Any:
+    async def run(self, request: Any, decision: Decision) -> Any:
         self.started.append((request, decision))
         return decision.target
 
@@ -61,7 +61,7 @@ class Flow:
 class FakeRuntime:
     def __init__(self, refuse: bool = False) -> None:
         self.placer = Placer(refuse)
-        self.flow = Flow()
+        self.runner = Flow()
 
 
 def split(client: ClientRequest, base: Any) -> list[Any]:

@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from sidecar.http_server.sse_relay import carries_error_event
+from sidecar.http_server.relay import carries_error_event
 from sidecar.protocol.sse import ERROR_EVENT
 
 VLLM_EVENT = ("data: " + json.dumps({"error": {"message": "KV load failed", "type":

@@ -24,7 +24,7 @@ import pytest
 from protocol_builders import parse_client_body
 
 from sidecar.errors import DecodeFailed, InvalidRequest
-from sidecar.http_server.stream_events import WholeEvents
+from sidecar.http_server.relay import WholeEvents
 from sidecar.protocol.apis import api_of
 from sidecar.protocol.context import Route
 from sidecar.protocol.prompt_length import estimate_tokens, exact_tokens

@@ -41,7 +41,6 @@ from sidecar.dialects import InlineDialect
 from sidecar.engines.calls import PrefillLeg
 from sidecar.errors import FailedPrecondition, InvalidRequest, ResourceExhausted, Stage
 from sidecar.grpc_gen import disagg_pb2
-from sidecar.grpc_server.checks import check_max_new_tokens, check_temperature, check_token_ids
 from sidecar.grpc_server.decode import DecodeInput
 from sidecar.grpc_server.inline.layer_watch import LayerNotices
 from sidecar.grpc_server.inline.prefill_files import (
@@ -61,7 +60,12 @@ from sidecar.grpc_server.inline.wire import (
     parse_entries,
 )
 from sidecar.grpc_server.prefill import PrefillCall, Send, engine_target
-from sidecar.grpc_server.rpc import Malformed
+from sidecar.grpc_server.rpc import (
+    Malformed,
+    check_max_new_tokens,
+    check_temperature,
+    check_token_ids,
+)
 from sidecar.observability.metrics import Metrics
 from sidecar.protocol.context import FrontDoor, HandoffContext, Route
 from sidecar.protocol.request import REQUEST_ID_HEADER, request_id_or_new

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from connectors.inline_layout import InlineLayout, InlineMeta, LayoutError
 from sidecar.errors import FailedPrecondition, InvalidRequest, ResourceExhausted, Stage
 from sidecar.grpc_gen import disagg_pb2
-from sidecar.kv_wire.layers import INLINE_META_LAYER
+from sidecar.grpc_server.layers import INLINE_META_LAYER
 
 
 def meta_block(request_id: str, meta: InlineMeta) -> disagg_pb2.KVBlock:

@@ -1,7 +1,10 @@
-"""The two upstream calls of a PD request, with their deadlines and error mapping.
+"""What a failed engine call is, in the error taxonomy and in words (``sidecar.engines.calls``
+makes the calls; only a failure comes here).
 
-    post_prefill()  ─▶ dict (the prefill engine's JSON answer, size-capped, deadline-bound)
-    open_decode()   ─▶ UpstreamResponse (head arrived, body not read; caller releases)
+    status_error(status, stage, who, body)   an engine's non-200 answer
+    connect_failure(exc, who) / broken_connection(exc, who)   a connection's failure, in words
+    engine_reason(body)                      an engine's own explanation, cleaned
+    for_client(error, router_named, ...)     an error as the client may see it (addresses)
 
 Errors map to the taxonomy: unreachable -> PrefillUnreachable (refused, or not accepted
 within the connect timeout: the engine never saw the request) / EngineNotReady, a failed TLS
@@ -14,30 +17,23 @@ a bad parameter): its reason is relayed (the engine's error message, cut to 4 Ki
 characters removed, after the leg that answered). 5xx bodies are read (to free the
 connection) but never relayed: their reason is kept on the error (``engine_reason``) for the
 sidecar's own decisions (a dialect telling a stale hand-off from another failure) and logs.
-Each call names the engine's HTTP status on its leg span (``sidecar.observability.tracing``;
-a no-op when tracing is off).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
 from typing import Any
 
 from sidecar import jsonutil
 from sidecar.errors import (
-    DeadlineExceeded,
     DecodeFailed,
-    EngineNotReady,
     EngineRejected,
     PrefillBusy,
     PrefillFailed,
-    PrefillUnreachable,
     SidecarError,
     Stage,
 )
 from sidecar.http1 import (
-    EngineClient,
     UpstreamBroken,
     UpstreamConnectError,
     UpstreamError,
@@ -45,7 +41,6 @@ from sidecar.http1 import (
     UpstreamResponse,
     UpstreamTLSError,
 )
-from sidecar.observability.tracing import HTTP_STATUS, NOOP_SPAN, LegSpan
 
 logger = logging.getLogger(__name__)
 
@@ -61,22 +56,8 @@ LOCAL_ENGINE = "local engine"
 DECODE_ENGINE = "decode engine"
 
 
-async def read_capped(response: UpstreamResponse, max_bytes: int) -> bytes:
-    """The whole body, refusing more than ``max_bytes`` while reading."""
-    length = response.content_length
-    if length is not None and length > max_bytes:
-        raise PrefillFailed(f"prefill response of {length} bytes exceeds the cap")
-    raw = await response.read(max_bytes)
-    if len(raw) > max_bytes:
-        raise PrefillFailed("prefill response exceeds the size cap")
-    return raw
 
 
-def _json_headers(headers: Mapping[str, str]) -> list[tuple[str, str]]:
-    """``headers`` with the body's own Content-Type (a client's would be a second one)."""
-    out = [(name, value) for name, value in headers.items() if name.lower() != "content-type"]
-    out.append(("Content-Type", "application/json"))
-    return out
 
 
 #: Engine statuses that mean "this request is invalid": the client must change it.
@@ -86,7 +67,7 @@ _CLIENT_FAULT_STATUSES = frozenset({400, 413, 415, 422})
 _NOT_STARTED_STATUSES = frozenset({429, 503})
 
 
-def _status_error(status: int, stage: Stage, who: str, body: bytes = b"") -> SidecarError:
+def status_error(status: int, stage: Stage, who: str, body: bytes = b"") -> SidecarError:
     client_side = 400 <= status < 500
     reason = engine_reason(body)
     said = f": {reason}" if reason and client_side else ""
@@ -167,97 +148,17 @@ def connect_failure(exc: UpstreamConnectError, who: str) -> str:
     return f"{who} unreachable: {exc.reason}"
 
 
-async def post_prefill(
-    session: EngineClient,
-    url: str,
-    body: Mapping[str, Any],
-    headers: Mapping[str, str],
-    *,
-    timeout_s: float,
-    max_bytes: int,
-    server_hostname: str | None = None,
-    span: LegSpan = NOOP_SPAN,
-    who: str = "prefill engine",
-) -> dict[str, Any]:
-    """POST the prefill body and return its JSON object answer (``server_hostname``: the
-    name an https target's certificate must carry when ``url`` names its address; ``who``:
-    the engine as the messages name it)."""
-    payload = jsonutil.dumps(body)
-    try:
-        response = await session.request(
-            "POST", url, headers=_json_headers(headers), body=payload, timeout_s=timeout_s,
-            server_hostname=server_hostname,
-        )
-        if span.recording:
-            span.set(HTTP_STATUS, response.status)
-        try:
-            if response.status != 200:
-                error_body = await _drain_error_body(response)
-                raise _status_error(response.status, Stage.PREFILL, who, error_body)
-            raw = await read_capped(response, max_bytes)
-        finally:
-            response.release()
-    except TimeoutError:
-        raise DeadlineExceeded(
-            f"prefill leg exceeded its {timeout_s:g} s deadline", stage=Stage.PREFILL
-        ) from None
-    except UpstreamTLSError as exc:
-        _log_tls_failure(url, exc)
-        raise PrefillFailed(connect_failure(exc, who)) from None
-    except UpstreamConnectError as exc:
-        # No connection, so not one byte of the request reached the engine: safe to retry.
-        raise PrefillUnreachable(connect_failure(exc, who)) from None
-    except UpstreamError as exc:
-        raise PrefillFailed(broken_connection(exc, who)) from None
-    try:
-        answer = jsonutil.loads(raw)
-    except jsonutil.JSONDecodeError:
-        raise PrefillFailed(f"{who} answered malformed JSON") from None
-    if not isinstance(answer, dict):
-        raise PrefillFailed(f"{who} answered JSON that is not an object")
-    return answer
 
 
-async def open_decode(
-    session: EngineClient,
-    url: str,
-    body: Mapping[str, Any] | bytes,
-    headers: Mapping[str, str],
-    span: LegSpan = NOOP_SPAN,
-) -> UpstreamResponse:
-    """POST the decode body; return the response once its head arrived (status 200)."""
-    payload = body if isinstance(body, bytes) else jsonutil.dumps(body)
-    try:
-        response = await session.request(
-            "POST", url, headers=_json_headers(headers), body=payload
-        )
-    except UpstreamTLSError as exc:
-        _log_tls_failure(url, exc)
-        raise DecodeFailed(connect_failure(exc, LOCAL_ENGINE), stage=Stage.DECODE) from None
-    except UpstreamConnectError as exc:
-        raise EngineNotReady(connect_failure(exc, LOCAL_ENGINE), stage=Stage.DECODE) from None
-    except TimeoutError:
-        raise DeadlineExceeded("decode engine did not answer in time", stage=Stage.DECODE) from None
-    except UpstreamError as exc:
-        raise DecodeFailed(broken_connection(exc, DECODE_ENGINE), stage=Stage.DECODE) from None
-    if span.recording:
-        span.set(HTTP_STATUS, response.status)
-    if response.status != 200:
-        try:
-            body = await _drain_error_body(response)
-        finally:
-            response.release()
-        raise _status_error(response.status, Stage.DECODE, DECODE_ENGINE, body)
-    return response
 
 
-def _log_tls_failure(url: str, exc: UpstreamTLSError) -> None:
+def log_tls_failure(url: str, exc: UpstreamTLSError) -> None:
     """A handshake that failed is a configuration to fix: say where, and why (never at the
     level of a refused connection, which an engine restart explains)."""
     logger.warning("TLS handshake with %s failed: %s", url, exc.reason)
 
 
-async def _drain_error_body(response: UpstreamResponse) -> bytes:
+async def drain_error_body(response: UpstreamResponse) -> bytes:
     """Read a bounded error body, so the connection can be reused; what was read."""
     try:
         return await response.read(_MAX_ERROR_BODY)

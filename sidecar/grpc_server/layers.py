@@ -1,6 +1,6 @@
 """The control layers of a ``KVBlock`` stream: ``layer_idx < 0`` carries metadata, not KV.
 
--1 is the native hand-off (``kv_wire.handoff``), -2 the inline KV metadata
+-1 is the native hand-off (``sidecar.grpc_server.native``), -2 the inline KV metadata
 (``grpc_server.inline.wire``), ``>= 0`` KV data; readers refuse any other negative layer, so
 a newer sidecar's control block is never taken for KV (protos/README.md, "KVBlock").
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Final
 
-#: The native hand-off document (``sidecar.kv_wire.handoff``).
+#: The native hand-off document (``sidecar.grpc_server.native``).
 HANDOFF_LAYER: Final = -1
 #: The inline KV metadata block (``sidecar.grpc_server.inline.wire``).
 INLINE_META_LAYER: Final = -2
