@@ -10,8 +10,6 @@
     cache.evict_while(stale)    the least recently used keys that ``stale(key, value)`` calls
                                 stale, from the oldest on, until one is not (idle expiry:
                                 with one idle time for all, the stale ones are the oldest)
-    CoolDowns(cooldown_s, clock)   keys skipped for a while (refused prefill targets, failing
-                                ranks), on a bounded map
 
 A router may name any address an allowlist admits, and a client any request id: a map keyed
 by them without a bound grows with what they send. Each such map (targets' cool-downs and
@@ -28,7 +26,7 @@ runs inside the write that overflowed, so it must not write to the same map.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterator
-from typing import Final, Generic, TypeVar, overload
+from typing import Generic, TypeVar, overload
 
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
@@ -120,54 +118,3 @@ class BoundedMap(Generic[K, V]):
         value = self._entries.pop(key)
         if self._on_evict is not None:
             self._on_evict(key, value)
-
-
-#: Keys cooling down at most (the circuit breakers track as many targets).
-MAX_COOLING: Final = 4096
-
-
-class CoolDowns(Generic[K]):
-    """``key -> cooling until``: keys skipped for ``cooldown_s`` after ``start`` (0 s: never).
-
-    Keyed by prefill targets and their ranks, which a router names: at most ``MAX_COOLING``
-    are kept; a new one past that first drops the expired ones (one cool-down for all and a
-    key re-inserted last: they are the oldest), then the least recently started (50,000
-    refused targets left 50,000 entries before).
-    """
-
-    __slots__ = ("_clock", "_cooldown_s", "_until")
-
-    def __init__(self, cooldown_s: float, clock: Callable[[], float], *,
-                 max_keys: int = MAX_COOLING) -> None:
-        self._cooldown_s = cooldown_s
-        self._clock = clock
-        self._until: BoundedMap[K, float] = BoundedMap(max_keys)
-
-    def __len__(self) -> int:
-        return len(self._until)
-
-    def active(self, key: K) -> bool:
-        """Still cooling (an expired entry is dropped on the way)."""
-        until = self._until
-        if not until:
-            return False
-        ends = until.peek(key)
-        if ends is None:
-            return False
-        if self._clock() >= ends:
-            until.pop(key)
-            return False
-        return True
-
-    def start(self, key: K) -> None:
-        """Skip ``key`` for the cool-down."""
-        if self._cooldown_s <= 0:
-            return
-        now = self._clock()
-        self._until.evict_while(lambda _, ends: ends <= now)
-        self._until[key] = now + self._cooldown_s
-
-    def end(self, key: K) -> None:
-        """It answered: the cool-down is over."""
-        if self._until:
-            self._until.pop(key)

@@ -26,10 +26,9 @@ from dataclasses import dataclass
 from sidecar.config.limits import PrefillFailurePolicy
 from sidecar.config.settings import KVTransport, Settings
 from sidecar.dialects import Dialect, DialectSetup, InlineDialect, dialect_class, handoff_keys
-from sidecar.engines.calls import EngineCalls
+from sidecar.engines.calls import EngineCalls, make_session
 from sidecar.engines.health import BreakerProbes, EngineHealth
 from sidecar.engines.tokenizer import PromptMeasure
-from sidecar.engines.upstream import make_session
 from sidecar.http1 import EngineClient
 from sidecar.kv_events.engine_cache import EngineKVCache
 from sidecar.kv_events.subscriber import EndpointUnavailable, open_kv_events
@@ -43,8 +42,7 @@ from sidecar.request.runner import FlowCounters, Runner
 from sidecar.request.scope import Admission, Scopes
 from sidecar.targets.allowlist import Allowlist
 from sidecar.targets.breaker import BreakerState, CircuitBreakers
-from sidecar.targets.choice import HEADER_LABEL, PrefillTargets, TargetChoice
-from sidecar.targets.ranks import LegRanks, RankChoice
+from sidecar.targets.choice import HEADER_LABEL, LegRanks, PrefillTargets, RankChoice, TargetChoice
 from sidecar.targets.selector import AllowlistLike, TargetSelector, parse_prefill_url
 from sidecar.workers.identity import INFLIGHT_FILE, SOLO, WorkerIdentity
 from sidecar.workers.ports import PortInUse
@@ -236,9 +234,9 @@ async def open_runtime(
             session, settings.engine_url, connect_timeout_s=settings.connect_timeout_s,
             max_prefill_response_bytes=settings.max_prefill_response_bytes, choice=choice,
             ranks=ranks,
-            on_prefill_leg=lambda target, outcome: metrics.counter(legs, target, outcome).inc(),
+            on_prefill_leg=lambda target, outcome: metrics.counter(legs, target, outcome),
             on_rank_leg=lambda leg, rank, outcome: metrics.counter(
-                metrics.rank_legs, leg, str(rank), outcome).inc(),
+                metrics.rank_legs, leg, str(rank), outcome),
         )
         # Each worker of a pool draws ids from its own lane (the dialects' id sources).
         local_ranks, prefill_ranks = data_parallel_ranks(

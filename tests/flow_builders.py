@@ -40,8 +40,7 @@ from sidecar.request.legs import PDRequest
 from sidecar.request.placement import Rules
 from sidecar.request.runner import FlowCounters, Runner
 from sidecar.request.scope import Admission, Scopes
-from sidecar.targets.choice import PrefillTargets, TargetChoice
-from sidecar.targets.ranks import LegRanks, RankChoice
+from sidecar.targets.choice import LegRanks, PrefillTargets, RankChoice, TargetChoice
 
 D = TypeVar("D", bound=Dialect)
 

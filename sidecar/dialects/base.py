@@ -176,6 +176,9 @@ class Dialect(ABC):
     Options: ClassVar[type[DialectOptions] | None] = None
     #: True when the dialect puts data-parallel ranks where its engine reads them.
     ranked: ClassVar[bool] = False
+    #: The request header the engine reads a leg's data-parallel rank from (None: elsewhere,
+    #: or nowhere).
+    rank_header: ClassVar[str | None] = None
 
     def __init__(self, setup: DialectSetup) -> None:
         self.setup = setup
@@ -267,16 +270,19 @@ class Dialect(ABC):
     # -- data-parallel ranks ----------------------------------------------------------------
 
     def prefill_headers(self, ctx: HandoffContext) -> Mapping[str, str]:
-        """Headers the prefill leg gets besides the client's (its rank: ``ctx.prefill_rank``)."""
-        return NO_HEADERS
+        """Headers the prefill leg gets besides the client's (its rank: ``ctx.prefill_rank``,
+        in ``rank_header`` where the engine reads it there)."""
+        return self.decode_headers(ctx.prefill_rank)
 
     def decode_headers(self, rank: int | None) -> Mapping[str, str]:
-        """Headers the decode leg on data-parallel ``rank`` gets (None: the engine has one).
+        """Headers the decode leg on data-parallel ``rank`` gets (None: the engine has one):
+        the rank in ``rank_header``, for an engine that reads it there.
 
         The decode leg's own rank only: over gRPC the decode sidecar has no ``ctx`` (what it
         needs of the prefill's rank travels in the hand-off fields).
         """
-        return NO_HEADERS
+        name = self.rank_header
+        return NO_HEADERS if name is None or rank is None else {name: str(rank)}
 
     # -- engine calls the core makes for the dialect ----------------------------------------
 

@@ -17,21 +17,14 @@ sends it on both legs when the engine has several ranks, and nothing otherwise.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Final
 
-from sidecar.dialects.base import NO_HEADERS, Dialect, TokenizeEndpoint
+from sidecar.dialects.base import Dialect, TokenizeEndpoint
 from sidecar.errors import InvalidHandoff
-from sidecar.protocol.context import HandoffContext
 
 KV_TRANSFER_PARAMS: Final = "kv_transfer_params"
 #: The header vLLM's API server reads a request's data-parallel rank from.
 DATA_PARALLEL_RANK_HEADER: Final = "X-data-parallel-rank"
-
-
-def rank_header(rank: int | None) -> Mapping[str, str]:
-    """The leg's rank header, or none for an engine with one rank."""
-    return NO_HEADERS if rank is None else {DATA_PARALLEL_RANK_HEADER: str(rank)}
 
 
 class VLLMDialect(Dialect):
@@ -39,15 +32,13 @@ class VLLMDialect(Dialect):
 
     engine = "vllm"
     ranked = True
+    rank_header = DATA_PARALLEL_RANK_HEADER
     handoff_keys = frozenset({KV_TRANSFER_PARAMS})
     #: ``/tokenize`` takes a completions ``prompt`` or chat ``messages`` (rendered by these).
     tokenize = TokenizeEndpoint("/tokenize", chat=True, chat_fields=(
         "add_generation_prompt", "continue_final_message", "add_special_tokens", "chat_template",
         "chat_template_kwargs", "tools", "mm_processor_kwargs",
     ))
-
-    def prefill_headers(self, ctx: HandoffContext) -> Mapping[str, str]:
-        return rank_header(ctx.prefill_rank)
 
     @classmethod
     def no_handoff(cls, what: str) -> InvalidHandoff:
@@ -63,6 +54,3 @@ class VLLMDialect(Dialect):
             "sidecar's to match (vLLM also leaves the hand-off out of a prefill that did not "
             "end at its one-token limit)"
         )
-
-    def decode_headers(self, rank: int | None) -> Mapping[str, str]:
-        return rank_header(rank)

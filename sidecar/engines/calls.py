@@ -1,4 +1,7 @@
-"""Every call the core makes to an engine, with its URL, deadline, span and accounting.
+"""Every call the core makes to an engine, with its URL, deadline, span and accounting, over
+the process's one pooled client (``make_session``: keep-alive below the engines' 5 s; one
+client serves every upstream, its connection limit is global; why these knobs:
+docs/extending/design-notes.md#upstream-client).
 
     post_prefill(leg)              ─▶ the prefill's JSON answer (a remote target's leg counts as
                                       in flight there; a refused connect cools the target down;
@@ -17,10 +20,10 @@ and deadline-bound; ``open_decode``: the decode's head, its body left to the cal
 every failure to the taxonomy, as ``sidecar.engines.failures`` tells it: unreachable ->
 PrefillUnreachable / EngineNotReady, a failed TLS handshake -> PrefillFailed/DecodeFailed,
 4xx -> EngineRejected, 5xx or garbage -> PrefillFailed/DecodeFailed, deadlines ->
-DeadlineExceeded. This module knows no engine: bodies, paths and abort calls come from the
-dialect. A traced
-call runs in its leg span, the ``traceparent`` the engine receives; an untraced one is the
-plain call, with no extra coroutine layer (docs/extending/design-notes.md#untraced-calls).
+DeadlineExceeded. This module knows no engine: bodies, paths, headers (``with_headers``: a
+dialect's over the client's) and abort calls come from the dialect. A traced call runs in
+its leg span, the ``traceparent`` the engine receives; an untraced one is the plain call,
+with no extra coroutine layer (docs/extending/design-notes.md#untraced-calls).
 """
 
 from __future__ import annotations
@@ -30,12 +33,14 @@ import contextlib
 import logging
 from collections.abc import AsyncIterable, Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass
-from typing import Any, Final, TypeVar
+from typing import Any, Final, Protocol, TypeVar
 from urllib.parse import urlsplit
 
+from multidict import CIMultiDict
 from opentelemetry.util.types import AttributeValue
 
 from sidecar import jsonutil
+from sidecar.config.settings import Settings
 from sidecar.dialects.base import LookupFailed
 from sidecar.engines.failures import (
     DECODE_ENGINE,
@@ -79,9 +84,9 @@ from sidecar.observability.tracing import (
 )
 from sidecar.protocol.context import PrefillTarget, Route, url_port
 from sidecar.protocol.request import REQUEST_ID_HEADER
-from sidecar.targets.choice import HEADER_LABEL, TargetChoice
-from sidecar.targets.ranks import LOCAL, Engine, RankChoice
+from sidecar.targets.choice import HEADER_LABEL, LOCAL, Engine, RankChoice, TargetChoice
 from sidecar.tasks import cancel_and_wait
+from sidecar.tls import client_ssl_context
 
 logger = logging.getLogger(__name__)
 
@@ -91,10 +96,17 @@ _JSON_HEADERS: Final = {"Content-Type": "application/json"}
 #: An abort call's answer is a short acknowledgement; it is read only to keep the connection.
 _MAX_ABORT_ANSWER: Final = 64 * 1024
 
-#: Counts a finished prefill leg to a remote target: (target label, outcome).
-LegCounter = Callable[[str, str], None]
-#: Counts a finished leg on a data-parallel rank: (leg "prefill" | "decode", rank, outcome).
-RankCounter = Callable[[str, int, str], None]
+class Count(Protocol):
+    """A counter's handle (``observability.prometheus_private.CounterValue``)."""
+
+    def inc(self, amount: float = 1.0) -> None: ...
+
+
+#: The counter of finished prefill legs to a remote target: (target label, outcome).
+LegCounter = Callable[[str, str], Count]
+#: The counter of finished legs on a data-parallel rank: (leg "prefill" | "decode", rank,
+#: outcome).
+RankCounter = Callable[[str, int, str], Count]
 
 _T = TypeVar("_T")
 
@@ -254,6 +266,10 @@ class EngineCalls:
         self.ranks = ranks if ranks is not None else RankChoice(cooldown_s=0.0)
         self._on_prefill_leg = on_prefill_leg
         self._on_rank_leg = on_rank_leg
+        # Each label and rank's counters, fetched once (their keys are bounded: pool members
+        # or "header", ranks below the data-parallel size, a closed set of outcomes).
+        self._leg_counts: dict[tuple[str, str], Count] = {}
+        self._rank_counts: dict[tuple[str, int, str], Count] = {}
         self._aborts: set[asyncio.Task[None]] = set()
         self._prefill_urls: dict[tuple[PrefillTarget, Route], str] = {}
         self._models = {
@@ -332,7 +348,11 @@ class EngineCalls:
             return answer
         finally:
             if self._on_prefill_leg is not None and outcome is not None:
-                self._on_prefill_leg(label, outcome)
+                count = self._leg_counts.get((label, outcome))
+                if count is None:
+                    count = self._leg_counts[label, outcome] = self._on_prefill_leg(label,
+                                                                                    outcome)
+                count.inc()
 
     @staticmethod
     def _log_failed_leg(leg: PrefillLeg, target: PrefillTarget, error: SidecarError) -> None:
@@ -373,7 +393,11 @@ class EngineCalls:
             raise
         finally:
             if self._on_rank_leg is not None and outcome is not None:
-                self._on_rank_leg(leg, rank, outcome)
+                count = self._rank_counts.get((leg, rank, outcome))
+                if count is None:
+                    count = self._rank_counts[leg, rank, outcome] = self._on_rank_leg(
+                        leg, rank, outcome)
+                count.inc()
 
     def _post(self, leg: PrefillLeg, who: str) -> Coroutine[Any, Any, dict[str, Any]]:
         if not leg.trace.active:
@@ -508,3 +532,27 @@ def _target(url: str) -> dict[str, AttributeValue]:
     host, port = parts.hostname or "", url_port(parts)
     return {SERVER_ADDRESS: host, SERVER_PORT: port,
             PREFILL_TARGET: f"[{host}]:{port}" if ":" in host else f"{host}:{port}"}
+
+
+def make_session(settings: Settings) -> EngineClient:
+    """The process-wide upstream client; create it inside the running event loop."""
+    # No engine_ca_file nor client certificate: the system store, loaded at the first https.
+    ssl_context = (
+        client_ssl_context(settings.engine_ca_file, settings.engine_client_cert_file,
+                           settings.engine_client_key_file)
+        if settings.engine_ca_file or settings.engine_client_cert_file else None
+    )
+    return EngineClient(limit=settings.max_connections, keepalive_s=settings.keepalive_s,
+                        connect_timeout_s=settings.connect_timeout_s,
+                        read_timeout_s=settings.read_timeout_s, ssl_context=ssl_context)
+
+
+def with_headers(headers: Mapping[str, str], extra: Mapping[str, str]) -> Mapping[str, str]:
+    """``headers`` with ``extra`` set over them (case-insensitive); ``headers`` itself when
+    ``extra`` is empty (a leg without them takes the very headers it took before)."""
+    if not extra:
+        return headers
+    out: CIMultiDict[str] = CIMultiDict(headers)
+    for name, value in extra.items():
+        out[name] = value
+    return out

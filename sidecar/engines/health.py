@@ -76,15 +76,13 @@ class EngineHealth:
         #: Why the last check failed (None while ready or before the first check).
         self.cause: str | None = None
         self._checked = False
+        #: The last check found the engine not ready (False before the first check): a plain
+        #: attribute, read by every request's placement.
+        self.known_down = False
         self._down_since = 0.0
         self._down_logged_at = 0.0
         self._listeners: list[Callable[[bool], None]] = []
         self._recheck: asyncio.Future[bool] | None = None
-
-    @property
-    def known_down(self) -> bool:
-        """The last check found the engine not ready (False before the first check)."""
-        return self._checked and not self.ready
 
     def on_change(self, listener: Callable[[bool], None]) -> None:
         self._listeners.append(listener)
@@ -141,6 +139,7 @@ class EngineHealth:
             self._down_logged_at = now
             logger.warning("local engine %s still not ready after %.0f s: %s",
                            self._engine_url, now - self._down_since, cause)
+        self.known_down = not ready
         if ready != self.ready:
             self.ready = ready
             for listener in self._listeners:

@@ -47,7 +47,7 @@ from sidecar.protocol.request import REQUEST_ID_HEADER, logged_request_id
 from sidecar.protocol.sse import DATA_FIELD, DONE_PAYLOAD, ERROR_KEY
 from sidecar.request.runner import Runner
 from sidecar.request.scope import OK, Scopes
-from sidecar.targets.ranks import rank_from_metadata
+from sidecar.targets.choice import rank_from_metadata
 
 SERVICE: Final = disagg_pb2.DESCRIPTOR.services_by_name["DecodeWorker"].full_name
 METHOD: Final = f"/{SERVICE}/Decode"

@@ -26,7 +26,7 @@ from sidecar.grpc_server.rpc import Malformed, serving, tolerant
 from sidecar.protocol.context import PrefillTarget, is_loopback_host, url_port
 from sidecar.protocol.request import logged_request_id
 from sidecar.request.scope import OK, RequestScope, Scopes
-from sidecar.targets.ranks import rank_from_metadata
+from sidecar.targets.choice import rank_from_metadata
 
 logger = logging.getLogger(__name__)
 

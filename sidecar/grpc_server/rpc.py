@@ -18,7 +18,7 @@ The contract's request fields are checked before anything is sent to an engine
 (``check_token_ids``, ``check_max_new_tokens``, ``check_temperature``: plain values, or
 ``InvalidRequest``, INVALID_ARGUMENT); the rules, and why Prefill lets ``max_new_tokens`` 0
 pass: docs/driving/grpc-contract.md#checks (the request id: ``sidecar.protocol.request``;
-metadata ``x-data-parallel-rank``: ``sidecar.targets.ranks.rank_from_metadata``). No check
+metadata ``x-data-parallel-rank``: ``sidecar.targets.choice.rank_from_metadata``). No check
 against the engine's context length: the engine refuses, and its 4xx maps to
 INVALID_ARGUMENT.
 """

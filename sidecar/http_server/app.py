@@ -7,7 +7,7 @@
         GET /health, /ready, /metrics               -> operations (ops.py); /metrics only
                                                        without --metrics-port (there, it is
                                                        the engine's, passed through)
-        anything else                               -> local engine passthrough (proxy.py)
+        anything else                               -> local engine passthrough
 
 A PD route's request: parse, decide, run, relay, each once.
 
@@ -26,7 +26,7 @@ A PD route's request: parse, decide, run, relay, each once.
 
 Where a request runs is the placement decision's (``sidecar.request.placement``), never
 this module's; how its legs run is the runner's (``sidecar.request.runner``). A router's
-``x-data-parallel-rank`` (``sidecar.targets.ranks``) names the prefill leg's rank: checked
+``x-data-parallel-rank`` (``sidecar.targets.choice``) names the prefill leg's rank: checked
 with the other routing headers, handed to the decision, never forwarded (no routing header
 reaches an engine).
 
@@ -38,6 +38,13 @@ status, no fabricated end marker. The client's headers are the trace carrier: th
 span continues a client's ``traceparent``; the relay runs in its own span, which counts the
 bytes.
 
+Every other request goes to the local engine as it came (``proxy_to_engine``): method, path,
+query, headers (minus hop-by-hop and routing headers: ``forwardable_headers``) and body,
+streamed both ways; the engine's status, headers and body come back as they are. Its body is
+read by the one body reader (``body.py``): a plain body streams to the engine as it arrives,
+a compressed one is inflated whole first and sent with its own length, so the engine reads
+exactly the bytes counted there, never the client's compressed length over them.
+
 No answer carries a ``Server`` header (aiohttp's names the Python and aiohttp versions, which
 tells a scanner what to try): ``drop_server_header`` removes it before the head is written,
 on this app and the metrics port's.
@@ -47,19 +54,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable, Mapping
 
 from aiohttp import hdrs, web
+from multidict import CIMultiDict
 
 from sidecar import jsonutil
-from sidecar.engines.upstream import forwardable_headers
+from sidecar.engines.calls import EngineCalls
 from sidecar.errors import DecodeFailed, SidecarError, Stage
+from sidecar.http1 import UpstreamError
 from sidecar.http_server import ops
 from sidecar.http_server.body import BodyLimits, BodyReader
 from sidecar.http_server.errors import error_response
 from sidecar.http_server.fanout import relay_fanout
 from sidecar.http_server.keys import BODY, RUNTIME
-from sidecar.http_server.proxy import proxy_to_engine
 from sidecar.http_server.relay import PrefillUsage, SSERelay, engine_error_reported, stream_broke
 from sidecar.observability.tracing import NOOP_SPAN, RELAY_SPAN, RELAYED_BYTES, LegSpan
 from sidecar.protocol.apis import Api, api_of
@@ -69,12 +77,84 @@ from sidecar.protocol.sse import answer_as_sse
 from sidecar.request.legs import PDExchange, PDRequest
 from sidecar.request.scope import LOCAL_STATE, REFUSED, UNSERVED_ROUTE, RequestScope
 from sidecar.runtime import Runtime
-from sidecar.targets.ranks import RANK_HEADER, parse_rank_header
+from sidecar.targets.choice import RANK_HEADER, parse_rank_header
 from sidecar.targets.selector import PREFILL_TARGET_HEADER
 
 logger = logging.getLogger(__name__)
 
 _RELAYED_HEADERS = ("Content-Type", "Cache-Control")
+
+
+# -- which headers reach an engine ----------------------------------------------------------
+
+_NOT_FORWARDED = frozenset({
+    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
+    "te", "trailer", "trailers", "transfer-encoding", "upgrade", "host", "content-length",
+})
+
+#: Routing headers a router sets for the sidecar (the prefill target, the data-parallel rank,
+#: and the other pods of a request: llm-d's and AIBrix's names); never forwarded to an engine,
+#: on any path (a decode leg's rank is the dialect's to set, where its engine reads it).
+ROUTING_HEADERS = frozenset({
+    PREFILL_TARGET_HEADER, "x-prefiller-url", "x-decoder-host-port", "x-encoder-hosts-ports",
+    RANK_HEADER,
+})
+
+#: Request headers that describe bytes the engine never gets: a body reaches an engine plain
+#: (the body reader inflated it, or refused it: ``body.py``).
+_REQUEST_ONLY_DROPPED = frozenset({"content-encoding"})
+
+
+
+
+def _connection_options(value: str) -> list[str]:
+    """The header names one ``Connection`` header lists (RFC 9110 7.6.1: hop-by-hop too)."""
+    return [token.strip().lower() for token in value.split(",")]
+
+
+def _without(out: CIMultiDict[str], names: Iterable[str]) -> CIMultiDict[str]:
+    for name in names:
+        out.popall(name, None)
+    return out
+
+
+def forwardable_headers(headers: Iterable[tuple[str, str]] | Mapping[str, str], *,
+                        drop: Iterable[str] = ()) -> CIMultiDict[str]:
+    """Client headers minus hop-by-hop (those ``Connection`` names among them), routing,
+    ``Content-Encoding`` and ``drop`` headers (case-insensitive)."""
+    dropped = {name.lower() for name in drop}
+    items = headers.items() if isinstance(headers, Mapping) else headers
+    out: CIMultiDict[str] = CIMultiDict()
+    named: list[str] = []
+    for name, value in items:
+        lower = name.lower()
+        if lower == "connection":
+            named += _connection_options(value)
+        elif not (lower in _NOT_FORWARDED or lower in ROUTING_HEADERS or lower in dropped
+                  or lower in _REQUEST_ONLY_DROPPED):
+            out.add(name, value)
+    return _without(out, named) if named else out
+
+
+
+
+def response_headers(headers: Iterable[tuple[str, str]]) -> CIMultiDict[str]:
+    """Upstream response headers that may be relayed to the client (hop-by-hop ones, and
+    those the engine's ``Connection`` names, left out)."""
+    out: CIMultiDict[str] = CIMultiDict()
+    named: list[str] = []
+    for name, value in headers:
+        lower = name.lower()
+        if lower == "connection":
+            named += _connection_options(value)
+        elif not (lower in _NOT_FORWARDED
+                  or (lower == "content-encoding" and value == "identity")):
+            out.add(name, value)
+    return _without(out, named) if named else out
+
+
+# -- the PD routes -------------------------------------------------------------------------
+
 
 
 def request_id_of(request: web.Request) -> str:
@@ -240,6 +320,59 @@ def add_pd_routes(app: web.Application) -> None:
 
 
 
+# -- the passthrough: every other request, to the local engine as it came -----------------
+
+
+async def _once(raw: bytes) -> AsyncIterator[bytes]:
+    yield raw
+
+
+async def proxy_to_engine(
+    request: web.Request, calls: EngineCalls, request_id: str, raw: bytes | None = None
+) -> web.StreamResponse:
+    """Forward ``request`` to the local engine and stream its answer back; ``raw``: its body,
+    when the front door has read it already."""
+    headers = forwardable_headers(request.headers.items())
+    headers[REQUEST_ID_HEADER] = request_id
+    reader = request.app[BODY]
+    length = request.content_length
+    response: web.StreamResponse | None = None
+    try:
+        body: AsyncIterable[bytes] | None
+        if raw is None and reader.encoded(request) and request.body_exists:
+            # Its length is the inflated bytes': known only once they are all here.
+            raw = await reader.read(request)
+        if raw is not None:  # read (and held to the limits) already
+            body, length = _once(raw), len(raw)
+        else:
+            body = reader.stream(request)
+        upstream = await calls.passthrough(
+            request.method, request.rel_url.raw_path_qs, list(headers.items()), body, length,
+        )
+        async with upstream:
+            response = web.StreamResponse(
+                status=upstream.status, headers=response_headers(upstream.headers)
+            )
+            if upstream.content_length is not None:
+                response.content_length = upstream.content_length
+            response.headers[REQUEST_ID_HEADER] = request_id
+            await response.prepare(request)
+            while chunk := await upstream.readany():
+                await response.write(chunk)
+            await response.write_eof()
+            return response
+    except SidecarError as exc:
+        error = exc
+    except (UpstreamError, TimeoutError):
+        error = DecodeFailed("local engine broke the connection", stage=Stage.DECODE)
+    if response is not None and response.prepared:
+        # Too late for a status: end the body abruptly so the client sees the break.
+        if request.transport is not None:
+            request.transport.close()
+        return response
+    return error_response(error, request_id)
+
+
 async def _passthrough(request: web.Request) -> web.StreamResponse:
     runtime = request.app[RUNTIME]
     request_id = request_id_of(request)
@@ -251,6 +384,9 @@ async def _passthrough(request: web.Request) -> web.StreamResponse:
         return await proxy_to_engine(request, runtime.calls, request_id)
     finally:
         runtime.admission.leave()
+
+
+# -- the application -----------------------------------------------------------------------
 
 
 async def drop_server_header(_: web.Request, response: web.StreamResponse) -> None:

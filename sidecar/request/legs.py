@@ -31,8 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from sidecar.dialects import Dialect
-from sidecar.engines.calls import EngineCalls, PrefillLeg
-from sidecar.engines.upstream import with_headers
+from sidecar.engines.calls import EngineCalls, PrefillLeg, with_headers
 from sidecar.errors import DeadlineExceeded, DecodeFailed, PrefillFailed, SidecarError, Stage
 from sidecar.http1 import UpstreamError, UpstreamResponse
 from sidecar.observability.tracing import HANDOFF_SPAN, NOOP_TRACE, RequestTrace

@@ -90,7 +90,8 @@ class Fate(Enum):
 
 @dataclass(frozen=True, slots=True)
 class Decision:
-    """One request's fate, with the outcome it is counted with and why, in words."""
+    """One request's fate, with the outcome it is counted with and why, in words (a pair
+    chosen the usual way leaves ``why`` empty: "prefill on <its target>", said when logged)."""
 
     fate: Fate
     outcome: str
@@ -211,7 +212,7 @@ def decide(facts: Facts, rules: Rules, targets: Targets) -> Decision:
 def pair_on(target: PrefillTarget, named_prefill_rank: int | None, targets: Targets, *,
             why: str = "", cached_tokens: int | None = None) -> Decision:
     """A pair whose prefill runs on ``target``, with both legs' ranks."""
-    return Decision(Fate.PAIR, OK, why or f"prefill on {target}", target=target,
+    return Decision(Fate.PAIR, OK, why, target=target,
                     prefill_rank=targets.prefill_rank(target, named_prefill_rank),
                     decode_rank=targets.decode_rank(), cached_tokens=cached_tokens)
 
@@ -315,5 +316,6 @@ class Placer:
 def _log(request_id: str, decision: Decision) -> None:
     if logger.isEnabledFor(logging.DEBUG):
         cached = decision.cached_tokens
-        logger.debug("request %s: %s: %s%s", request_id, decision.outcome, decision.why,
+        why = decision.why or f"prefill on {decision.target}"
+        logger.debug("request %s: %s: %s%s", request_id, decision.outcome, why,
                      "" if cached is None else f" (cached prompt tokens: {cached})")

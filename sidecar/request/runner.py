@@ -36,8 +36,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from sidecar.dialects import Dialect, Legs
-from sidecar.engines.calls import EngineCalls, PrefillLeg
-from sidecar.engines.upstream import with_headers
+from sidecar.engines.calls import EngineCalls, PrefillLeg, with_headers
 from sidecar.errors import DecodeFailed, SidecarError, Stage
 from sidecar.http1 import UpstreamResponse
 from sidecar.observability.logs import LogEvery
@@ -54,7 +53,7 @@ from sidecar.request.legs import (
 )
 from sidecar.request.placement import Decision, Fate, Rules, Targets, after_failure, pair_on
 from sidecar.request.scope import RequestScope, Scopes, Timings
-from sidecar.targets.ranks import LegRanks
+from sidecar.targets.choice import LegRanks
 from sidecar.tasks import cancel_and_wait
 
 logger = logging.getLogger(__name__)

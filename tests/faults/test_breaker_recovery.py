@@ -175,8 +175,7 @@ async def test_legs_refused_for_the_clients_own_request_never_open_the_breaker()
 
 def test_the_cool_down_maps_are_bounded_like_the_breakers() -> None:
     """50,000 distinct refused targets (and failed ranks) left 50,000 entries."""
-    from sidecar.bounded import MAX_COOLING
-    from sidecar.targets.ranks import RankChoice
+    from sidecar.targets.choice import MAX_COOLING, RankChoice
 
     clock = Clock()
     choice = TargetChoice(cooldown_s=5.0, clock=clock)

@@ -286,7 +286,7 @@ async def test_headers_named_in_connection_are_not_forwarded(pd: bool) -> None:
 
 
 def test_engine_response_headers_named_in_connection_are_not_relayed() -> None:
-    from sidecar.engines.upstream import response_headers
+    from sidecar.http_server.app import response_headers
 
     relayed = response_headers([("Connection", "x-engine-hop"), ("X-Engine-Hop", "1"),
                                 ("Content-Type", "application/json"), ("X-Kept", "2")])

@@ -28,8 +28,7 @@ from sidecar.protocol.context import FrontDoor, PrefillTarget, Route
 from sidecar.protocol.request import ClientRequest
 from sidecar.request.placement import Decision, Facts, Fate, Rules, decide
 from sidecar.runtime import Runtime
-from sidecar.targets.choice import PrefillTargets, TargetChoice
-from sidecar.targets.ranks import LegRanks, RankChoice
+from sidecar.targets.choice import LegRanks, PrefillTargets, RankChoice, TargetChoice
 
 
 class Placer:

@@ -18,7 +18,7 @@ import pytest
 
 from sidecar.errors import InvalidRequest
 from sidecar.protocol.context import PrefillTarget
-from sidecar.targets.ranks import LOCAL, RankChoice, parse_rank_header
+from sidecar.targets.choice import LOCAL, RankChoice, parse_rank_header
 
 A = PrefillTarget("10.0.0.1", 8000)
 B = PrefillTarget("10.0.0.2", 8000)

@@ -15,7 +15,7 @@ engine knowledge: the dialects' (``sidecar.dialects``).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Final
 
@@ -35,9 +35,8 @@ APIS: Final[Mapping[Route, Api]] = MappingProxyType({
 CONTROL_KEYS: Final[frozenset[str]] = frozenset().union(*(a.control_keys for a in APIS.values()))
 
 
-def api_of(route: Route) -> Api:
-    """The rules of ``route``'s API."""
-    return APIS[route]
+#: The rules of a route's API: ``api_of(route)`` (a lookup in ``APIS``, no call of its own).
+api_of: Final[Callable[[Route], Api]] = APIS.__getitem__
 
 
 __all__ = ["APIS", "CONTROL_KEYS", "Api", "api_of", "usage_of"]
