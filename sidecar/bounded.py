@@ -6,7 +6,7 @@
                                 to ``on_evict(key, value)``
     cache.get(key)              a use: the key becomes the most recently used
     cache.peek(key)             no use (a lookup that must not keep a key alive)
-    cache.pop(key)              removed; ``on_evict`` is not told (the owner removed it)
+    cache.pop(key, None)        removed; ``on_evict`` is not told (the owner removed it)
     cache.evict_while(stale)    the least recently used keys that ``stale(key, value)`` calls
                                 stale, from the oldest on, until one is not (idle expiry:
                                 with one idle time for all, the stale ones are the oldest)
@@ -25,8 +25,8 @@ runs inside the write that overflowed, so it must not write to the same map.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterator
-from typing import Generic, TypeVar, overload
+from collections.abc import Callable, Hashable
+from typing import TypeVar, overload
 
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
@@ -36,85 +36,77 @@ D = TypeVar("D")
 OnEvict = Callable[[K, V], None]
 
 
-class BoundedMap(Generic[K, V]):
-    """``key -> value``, at most ``bound`` keys, least recently used out first."""
+class BoundedMap(dict[K, V]):
+    """``key -> value``, at most ``bound`` keys, least recently used out first.
 
-    __slots__ = ("_entries", "_on_evict", "bound")
+    A ``dict`` whose writes keep the bound: ``map[key] = value`` (the only way in; ``update``
+    and ``setdefault`` refuse) and ``get`` (a use) are its own; reads that count no use
+    (``peek``, ``in``, ``len``, iteration, ``pop(key, None)``, ``clear``) are the dict's, at
+    its speed: the hot path reads these maps on every request.
+    """
+
+    __slots__ = ("_on_evict", "bound")
 
     def __init__(self, bound: int, *, on_evict: OnEvict[K, V] | None = None) -> None:
         if bound < 1:
             raise ValueError(f"a bounded map holds at least one key, not {bound}")
+        super().__init__()
         self.bound = bound
         self._on_evict = on_evict
-        self._entries: dict[K, V] = {}
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._entries
-
-    def __iter__(self) -> Iterator[K]:
-        """The keys, least recently used first."""
-        return iter(self._entries)
-
-    def items(self) -> Iterator[tuple[K, V]]:
-        """The entries, least recently used first."""
-        return iter(self._entries.items())
 
     def __setitem__(self, key: K, value: V) -> None:
-        entries = self._entries
-        if key in entries:
-            del entries[key]
-        elif len(entries) >= self.bound:
+        if key in self:
+            super().__delitem__(key)  # re-inserted last: the most recently used
+        elif len(self) >= self.bound:
             self._evict_oldest()
-        entries[key] = value
+        super().__setitem__(key, value)
 
     @overload
-    def get(self, key: K) -> V | None: ...
+    def get(self, key: K, default: None = None, /) -> V | None: ...
 
     @overload
-    def get(self, key: K, default: D) -> V | D: ...
+    def get(self, key: K, default: V, /) -> V: ...
 
-    def get(self, key: K, default: object = None) -> object:
+    @overload
+    def get(self, key: K, default: D, /) -> V | D: ...
+
+    def get(self, key: K, default: object = None, /) -> object:
         """``key``'s value, now the most recently used (``default`` when absent)."""
-        entries = self._entries
         try:
-            value = entries.pop(key)
+            value = super().pop(key)
         except KeyError:
             return default
-        entries[key] = value
+        super().__setitem__(key, value)
         return value
 
-    def peek(self, key: K) -> V | None:
-        """``key``'s value without counting a use (None when absent)."""
-        return self._entries.get(key)
+    #: ``key``'s value without counting a use (None when absent).
+    peek = dict.get
 
-    def pop(self, key: K) -> V | None:
-        """Remove ``key`` (its owner's doing: ``on_evict`` is not told); its value or None."""
-        return self._entries.pop(key, None)
+    def setdefault(self, *args: object, **kwargs: object) -> V:
+        raise TypeError("a BoundedMap is written with map[key] = value (its bound holds)")
 
-    def clear(self) -> None:
-        """Remove every key (``on_evict`` is not told)."""
-        self._entries.clear()
+    def update(self, *args: object, **kwargs: object) -> None:
+        raise TypeError("a BoundedMap is written with map[key] = value (its bound holds)")
+
+    def __ior__(self, other: object) -> BoundedMap[K, V]:  # type: ignore[override,misc]
+        raise TypeError("a BoundedMap is written with map[key] = value (its bound holds)")
 
     def evict_while(self, stale: Callable[[K, V], bool]) -> int:
         """Evict the least recently used keys while ``stale`` says so; how many went."""
-        entries = self._entries
         evicted = 0
-        while entries:
-            key = next(iter(entries))
-            value = entries[key]
+        while self:
+            key = next(iter(self))
+            value = self[key]
             if not stale(key, value):
                 break
-            del entries[key]
+            super().__delitem__(key)
             evicted += 1
             if self._on_evict is not None:
                 self._on_evict(key, value)
         return evicted
 
     def _evict_oldest(self) -> None:
-        key = next(iter(self._entries))
-        value = self._entries.pop(key)
+        key = next(iter(self))
+        value = super().pop(key)
         if self._on_evict is not None:
             self._on_evict(key, value)

@@ -110,6 +110,12 @@ RankCounter = Callable[[str, int, str], Count]
 
 _T = TypeVar("_T")
 
+def _named(who: str | PrefillTarget) -> str:
+    """The engine of a failed call as its message names it (a router-named target by its
+    address; formatted only when a call failed)."""
+    return who if isinstance(who, str) else f"prefill target {who}"
+
+
 async def read_capped(response: UpstreamResponse, max_bytes: int) -> bytes:
     """The whole body, refusing more than ``max_bytes`` while reading."""
     length = response.content_length
@@ -138,10 +144,11 @@ async def post_prefill(
     max_bytes: int,
     server_hostname: str | None = None,
     span: LegSpan = NOOP_SPAN,
-    who: str = "prefill engine",
+    who: str | PrefillTarget = "prefill engine",
 ) -> dict[str, Any]:
     """POST the prefill body and return its JSON object answer (``server_hostname``: the
     name an https target's certificate must carry when ``url`` names its address; ``who``:
+    a router-named target (named in the messages by its address, written only on failure), or
     the engine as the messages name it)."""
     payload = jsonutil.dumps(body)
     try:
@@ -154,7 +161,7 @@ async def post_prefill(
         try:
             if response.status != 200:
                 error_body = await drain_error_body(response)
-                raise status_error(response.status, Stage.PREFILL, who, error_body)
+                raise status_error(response.status, Stage.PREFILL, _named(who), error_body)
             raw = await read_capped(response, max_bytes)
         finally:
             response.release()
@@ -164,18 +171,18 @@ async def post_prefill(
         ) from None
     except UpstreamTLSError as exc:
         log_tls_failure(url, exc)
-        raise PrefillFailed(connect_failure(exc, who)) from None
+        raise PrefillFailed(connect_failure(exc, _named(who))) from None
     except UpstreamConnectError as exc:
         # No connection, so not one byte of the request reached the engine: safe to retry.
-        raise PrefillUnreachable(connect_failure(exc, who)) from None
+        raise PrefillUnreachable(connect_failure(exc, _named(who))) from None
     except UpstreamError as exc:
-        raise PrefillFailed(broken_connection(exc, who)) from None
+        raise PrefillFailed(broken_connection(exc, _named(who))) from None
     try:
         answer = jsonutil.loads(raw)
     except jsonutil.JSONDecodeError:
-        raise PrefillFailed(f"{who} answered malformed JSON") from None
+        raise PrefillFailed(f"{_named(who)} answered malformed JSON") from None
     if not isinstance(answer, dict):
-        raise PrefillFailed(f"{who} answered JSON that is not an object")
+        raise PrefillFailed(f"{_named(who)} answered JSON that is not an object")
     return answer
 
 
@@ -321,7 +328,7 @@ class EngineCalls:
         label = self.choice.label(target)
         # The router named it: the client's message may name it too (a pool member, which
         # the router does not know, is named in the log only).
-        who = f"prefill target {target}" if label == HEADER_LABEL else "prefill engine"
+        who: str | PrefillTarget = target if label == HEADER_LABEL else "prefill engine"
         outcome: str | None = None
         try:
             with self.choice.leg(target) as verdict:
@@ -399,7 +406,8 @@ class EngineCalls:
                         leg, rank, outcome)
                 count.inc()
 
-    def _post(self, leg: PrefillLeg, who: str) -> Coroutine[Any, Any, dict[str, Any]]:
+    def _post(self, leg: PrefillLeg,
+              who: str | PrefillTarget) -> Coroutine[Any, Any, dict[str, Any]]:
         if not leg.trace.active:
             return post_prefill(
                 self.session, leg.url, leg.body, leg.headers, timeout_s=leg.timeout_s,
@@ -408,7 +416,7 @@ class EngineCalls:
             )
         return self._traced_post(leg, who)
 
-    async def _traced_post(self, leg: PrefillLeg, who: str) -> dict[str, Any]:
+    async def _traced_post(self, leg: PrefillLeg, who: str | PrefillTarget) -> dict[str, Any]:
         with leg.trace.span(PREFILL_SPAN, client=True, attributes=_target(leg.url)) as span:
             return await post_prefill(
                 self.session, leg.url, leg.body, span.headers(leg.headers),

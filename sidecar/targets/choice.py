@@ -238,7 +238,7 @@ class CoolDowns(Generic[K]):
         if ends is None:
             return False
         if self._clock() >= ends:
-            until.pop(key)
+            until.pop(key, None)
             return False
         return True
 
@@ -253,7 +253,7 @@ class CoolDowns(Generic[K]):
     def end(self, key: K) -> None:
         """It answered: the cool-down is over."""
         if self._until:
-            self._until.pop(key)
+            self._until.pop(key, None)
 
 
 # -- data-parallel ranks --------------------------------------------------------------------
