@@ -39,7 +39,8 @@ FLAG_GROUPS: Final[tuple[FlagGroup, ...]] = (
     FlagGroup("data-parallel engines", "ranks of the local and the prefill engines", (
         "data_parallel_size", "prefill_data_parallel_size")),
     FlagGroup("limits and timeouts", "bodies, in-flight requests and upstream deadlines", (
-        "max_body_bytes", "client_body_timeout_s", "client_header_timeout_s",
+        "max_body_bytes", "max_body_inflation", "max_inflating_body_bytes",
+        "client_body_timeout_s", "client_header_timeout_s",
         "max_prefill_response_bytes", "max_inflight", "connect_timeout_s", "read_timeout_s",
         "prefill_timeout_s", "keepalive_s", "max_connections", "drain_grace_s")),
     FlagGroup("TLS", "serving TLS and mutual TLS; TLS to engines", (

@@ -279,6 +279,7 @@ class EngineCalls:
         self._rank_counts: dict[tuple[str, int, str], Count] = {}
         self._aborts: set[asyncio.Task[None]] = set()
         self._prefill_urls: dict[tuple[PrefillTarget, Route], str] = {}
+        self._model_name: str | None = None
         self._models = {
             stage: EngineModel(session, engine_url, timeout_s=connect_timeout_s, stage=stage)
             for stage in (Stage.PREFILL, Stage.DECODE)
@@ -306,8 +307,12 @@ class EngineCalls:
         return url
 
     async def model_name(self, stage: Stage) -> str:
-        """The local engine's served model name (cached; ``EngineNotReady`` when unknown)."""
-        return await self._models[stage].name()
+        """The local engine's served model name (looked up once; ``EngineNotReady`` when
+        unknown, the error naming ``stage``)."""
+        name = self._model_name
+        if name is None:
+            name = self._model_name = await self._models[stage].name()
+        return name
 
     # -- prefill ----------------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""Every HTTP/1.1 stack on llhttp (``httptools``) in the project, in one package.
+"""The sidecar's HTTP/1.1 client on llhttp (``httptools``): every engine call goes through it.
 
     client.py      EngineClient: the pooled upstream client of the sidecar's engine calls, and
                    a request on the wire (its target, parsed once per URL, and head bytes)
@@ -6,8 +6,9 @@
                    whole-exchange deadlines (one lazily re-armed timer), and
                    UpstreamResponse, the reader's side of an exchange (readany, pipe, release)
     errors.py      what can go wrong upstream, as callers tell it apart
-    server.py      a lean keep-alive server (the bench's stub engines; the sidecar serves with
-                   aiohttp), imported by name: not loaded with the client
+
+The bench's stub engines serve on the same llhttp stack (``sidecar.tools.stubs.lean``); the
+sidecar itself serves with aiohttp.
 """
 
 from sidecar.http1.client import EngineClient

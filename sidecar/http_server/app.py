@@ -68,7 +68,7 @@ from sidecar.http_server.body import BodyLimits, BodyReader
 from sidecar.http_server.errors import error_response
 from sidecar.http_server.fanout import relay_fanout
 from sidecar.http_server.keys import BODY, RUNTIME
-from sidecar.http_server.relay import PrefillUsage, SSERelay, engine_error_reported, stream_broke
+from sidecar.http_server.relay import PrefillUsage, SSERelay, stream_broke, stream_delivered
 from sidecar.observability.tracing import NOOP_SPAN, RELAY_SPAN, RELAYED_BYTES, LegSpan
 from sidecar.protocol.apis import Api, api_of
 from sidecar.protocol.context import Route
@@ -305,11 +305,13 @@ async def _relay(
         stream_broke(scope, relay, error, span)
         await relay.break_off(error)
         return relay.response
-    relayed.inc(relay.total)
-    if span.recording:
-        span.set(RELAYED_BYTES, relay.total)
-    if relay.engine_error:
-        engine_error_reported(scope, span)
+    except asyncio.CancelledError:
+        # Many clients hang up as soon as they read the end event: the answer was delivered
+        # whole, and is counted by what it was (not as a cancelled request).
+        if relay.ended_with_done():
+            stream_delivered(scope, relay, span)
+        raise
+    stream_delivered(scope, relay, span)
     await relay.finish()
     return relay.response
 

@@ -24,7 +24,7 @@ from aiohttp import web
 
 from sidecar import jsonutil
 from sidecar.errors import DecodeFailed, SidecarError, Stage
-from sidecar.http_server.relay import SSERelay, engine_error_reported, stream_broke
+from sidecar.http_server.relay import SSERelay, stream_broke, stream_delivered
 from sidecar.protocol.apis import api_of, usage_of
 from sidecar.protocol.fanout import SSEEvents, StreamMerger, check_fanout, merge_answers, sub_bodies
 from sidecar.protocol.request import REQUEST_ID_HEADER, ClientRequest
@@ -165,9 +165,7 @@ async def _relay_stream(
         await fanout.aclose()
         await relay.break_off(error)
         return relay.response
-    scope.relayed_bytes.inc(relay.total)
-    if relay.engine_error:
-        engine_error_reported(scope)
+    stream_delivered(scope, relay)
     await relay.finish()
     return relay.response
 

@@ -6,7 +6,7 @@
     the end:        relay.ended_with_done() ─▶ await relay.finish()
                     a break after the first byte ─▶ await relay.break_off(error)
     relay.total, relay.engine_error          what the stream is counted by
-                                             (``stream_broke``, ``engine_error_reported``)
+                                             (``stream_delivered``, ``stream_broke``)
 
 ``feed`` runs in the upstream connection's read callback (``PDExchange.pipe``): it writes the
 bytes straight onto the client's socket (``aiohttp_private.ClientSocket``: aiohttp's framing,
@@ -166,7 +166,12 @@ class SSERelay:
         return isinstance(done, bytes) and self.tail.rstrip().endswith(done)
 
     async def finish(self) -> None:
-        await self.response.write_eof()
+        """End the response; a client that hung up after the last event is no error (its
+        answer was delivered: only debug says so)."""
+        try:
+            await self.response.write_eof()
+        except ConnectionResetError:
+            logger.debug("the client closed its connection after the stream's last event")
 
     async def break_off(self, error: SidecarError) -> None:
         """End a stream that broke after its first byte: one error event in the API's shape,
@@ -216,6 +221,17 @@ def stream_broke(scope: RequestScope, relay: SSERelay, error: SidecarError,
     scope.broken(error)
     logger.warning("request %s: stream broke after %d bytes: %s", scope.request_id,
                    relay.total, error.code)
+
+
+def stream_delivered(scope: RequestScope, relay: SSERelay, span: LegSpan = NOOP_SPAN) -> None:
+    """Count a stream whose end event reached the client: bytes relayed, an engine's error
+    event carried in it; a close from the client now is no cancellation (``delivered``)."""
+    scope.delivered()
+    scope.relayed_bytes.inc(relay.total)
+    if span.recording:
+        span.set(RELAYED_BYTES, relay.total)
+    if relay.engine_error:
+        engine_error_reported(scope, span)
 
 
 def engine_error_reported(scope: RequestScope, span: LegSpan = NOOP_SPAN) -> None:

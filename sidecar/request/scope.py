@@ -204,8 +204,8 @@ class Scopes:
 class RequestScope:
     """Admission, in-flight gauge, outcome, errors and stage timings of one request."""
 
-    __slots__ = ("_admitted", "_error", "_holders", "_scopes", "_started", "outcome",
-                 "request_id", "route", "trace")
+    __slots__ = ("_admitted", "_delivered", "_error", "_holders", "_scopes", "_started",
+                 "outcome", "request_id", "route", "trace")
 
     def __init__(
         self, scopes: Scopes, route: str, request_id: str, trace: RequestTrace
@@ -219,6 +219,7 @@ class RequestScope:
         self._error: SidecarError | None = None
         self._started = time.perf_counter()
         self._admitted = False
+        self._delivered = False
         # Who holds the admission slot: the request itself, plus a detached background task.
         self._holders = 0
         if trace.active:
@@ -270,8 +271,16 @@ class RequestScope:
         self._error = error
         self._scopes.count_error(error)
 
+    def delivered(self) -> None:
+        """The answer's last byte reached the client: a hang-up from now on is no
+        cancellation (the request is counted by what it was)."""
+        self._delivered = True
+
     def cancelled(self) -> None:
-        """The client went away before the request ended."""
+        """The client went away before the request ended (after its answer was delivered
+        whole: nothing changes)."""
+        if self._delivered:
+            return
         self.outcome = CANCELLED
         self._error = ClientCancelled("client went away")
         self._scopes.count_error(self._error)

@@ -158,3 +158,20 @@ async def test_a_decode_refusal_the_prefill_answer_does_not_explain_is_relayed()
         # Sent once: the identity the prefill's answer showed was the one the decode had.
         assert len(pair.decode.recorder.on_path("/v1/completions")) == 2
         await run_ok(pair, stream=True)
+
+
+async def test_a_decode_refusal_no_identity_explains_ends_the_request_at_once() -> None:
+    # A decode engine that fails (500, not the engine's "the request failed" of a KV load)
+    # while the prefill still runs: the request fails at once, its prefill leg cancelled
+    # (its KV released), without waiting for the prefill's answer.
+    async with pd_pair("vllm", "nixl-push") as pair:
+        await run_ok(pair)
+        answered = prefilled(pair.prefill)
+        pair.prefill.faults.add("delay", path="/v1/completions", delay_s=PREFILL_DELAY_S,
+                                times=1)
+        pair.decode.faults.add("status", path="/v1/completions", status=500, times=1)
+        status, _, body = await pair.send()
+        assert status == 502, body
+        assert json.loads(body)["error"]["code"] == "decode_failed"
+        assert prefilled(pair.prefill) == answered  # the held prefill never answered
+        await run_ok(pair)  # the identity stayed

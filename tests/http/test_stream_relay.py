@@ -8,11 +8,13 @@ connection, as aiohttp frames it. Over real sockets, the vLLM NIXL flow.
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import orjson
 import pytest
 from pd_builders import pd_pair, sse_events, streamed_text
 
+from sidecar.tools.stubs.faults import Fault, FaultKind
 from sidecar.tools.stubs.textgen import is_remote_text
 
 TOKENS = 5
@@ -71,3 +73,55 @@ async def test_paced_tokens_reach_the_client_framed_as_aiohttp_frames_them(
     events = sse_events(text)
     assert len(events) == TOKENS + 1
     assert is_remote_text(streamed_text(text))  # the decode used the prefill's KV
+
+
+async def read_until_done(port: int, data: bytes) -> bytes:
+    """Send ``data``, read until the stream's ``[DONE]`` event, then hang up at once (as many
+    SSE clients do); what was read."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(data)
+        return await asyncio.wait_for(reader.readuntil(b"data: [DONE]\n\n"), 30)
+    finally:
+        writer.close()
+        await writer.wait_closed()
+
+
+async def test_a_stream_delivered_whole_is_counted_by_what_it_was_when_the_client_hangs_up(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # The decode engine writes every event, [DONE] too, and holds its end: the client hangs
+    # up while the sidecar still waits for the exchange to end. The answer was delivered
+    # whole: counted ok (not cancelled), and nothing is logged above debug.
+    linger = {"faults": [Fault(FaultKind.LINGER, path="/v1/completions")]}
+    async with pd_pair("vllm", "shfs", decode_overrides=linger) as pair:
+        caplog.set_level(logging.INFO)
+        read = await read_until_done(pair.sidecar.ports["http"],
+                                     raw_request(b"1.1", pair.target))
+        assert b" 200 " in read.split(b"\r\n", 1)[0]
+
+        async def counted() -> bool:
+            return await pair.sidecar.metric("disagg_requests_total", front_door="http") == 1
+
+        async with asyncio.timeout(10):
+            while not await counted():  # noqa: ASYNC110 (the counter is read by scraping)
+                await asyncio.sleep(0.01)
+        assert await pair.sidecar.metric("disagg_requests_total", outcome="ok") == 1
+        assert await pair.sidecar.metric("disagg_requests_total", outcome="cancelled") == 0
+    assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
+async def test_a_client_gone_after_the_last_event_is_no_error_at_the_end() -> None:
+    # The response's end written to a transport the client already closed (aiohttp raises
+    # ClientConnectionResetError there): the relay's finish says so at debug, nothing else.
+    from aiohttp import ClientConnectionResetError
+
+    from sidecar.http_server.relay import SSERelay
+
+    class Closing:
+        async def write_eof(self) -> None:
+            raise ClientConnectionResetError("Cannot write to closing transport")
+
+    relay = SSERelay.__new__(SSERelay)
+    relay.response = Closing()  # type: ignore[assignment]
+    await relay.finish()  # raises nothing

@@ -1,4 +1,4 @@
-"""The lean HTTP/1.1 server (``sidecar.http1.server``) against raw loopback sockets.
+"""The lean HTTP/1.1 server (``sidecar.tools.stubs.lean.keepalive``) against raw loopback sockets.
 
 Proves: a request is parsed whole (method, path, query, lower-cased headers, body) and
 answered from the handler synchronously or from its coroutine; answers are framed exactly
@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Callable
 
 import pytest
 
-from sidecar.http1.server import Handled, Request, Server, ServerConnection
+from sidecar.tools.stubs.lean.keepalive import Handled, Request, Server, ServerConnection
 
 Handler = Callable[[Request, ServerConnection], Handled]
 

@@ -1,7 +1,9 @@
-"""Proves there is one HTTP/1.1 stack on llhttp: no module outside ``sidecar/http1/`` imports
-``httptools`` (the serving package, the tools wing with its lean stubs, the bench, the
-connectors and the tests alike; an AST walk, so a mention in a docstring does not count).
-The stubs and the load generator use ``sidecar.http1`` instead. Does not prove behaviour."""
+"""Proves there are two places on llhttp, one per side of the wire: the sidecar's client
+(``sidecar/http1/``) and the lean keep-alive server the bench's stub engines serve on
+(``sidecar/tools/stubs/lean/keepalive.py``, not part of the serving package). No other module
+imports ``httptools`` (the serving package, the rest of the tools wing, the bench, the
+connectors and the tests alike; an AST walk, so a mention in a docstring does not count): the
+stubs' pulls and the load generator use ``sidecar.http1``. Does not prove behaviour."""
 
 from __future__ import annotations
 
@@ -9,7 +11,8 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-OWNER = ROOT / "sidecar" / "http1"
+CLIENT = ROOT / "sidecar" / "http1"
+SERVER = ROOT / "sidecar" / "tools" / "stubs" / "lean" / "keepalive.py"
 
 
 def imports_httptools(source: str) -> bool:
@@ -30,12 +33,13 @@ def test_the_checker_sees_both_import_forms() -> None:
     assert not imports_httptools('"""built on httptools"""\nimport http')
 
 
-def test_httptools_is_imported_only_under_sidecar_http1() -> None:
+def test_httptools_is_imported_only_by_the_client_and_the_stubs_server() -> None:
     outside = sorted(
         str(path.relative_to(ROOT))
         for folder in ("sidecar", "bench", "connectors", "tests")
         for path in (ROOT / folder).rglob("*.py")
-        if OWNER not in path.parents and imports_httptools(path.read_text())
+        if CLIENT not in path.parents and path != SERVER and imports_httptools(path.read_text())
     )
-    assert not outside, f"httptools imported outside sidecar/http1: {outside}"
-    assert any(imports_httptools(path.read_text()) for path in OWNER.glob("*.py"))
+    assert not outside, f"httptools imported elsewhere: {outside}"
+    assert any(imports_httptools(path.read_text()) for path in CLIENT.glob("*.py"))
+    assert imports_httptools(SERVER.read_text())

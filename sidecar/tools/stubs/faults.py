@@ -12,6 +12,8 @@ hands each engine request the first fault that matches its path, counting down `
     malformed       not JSON (stream: an event whose data is not JSON)
     drop            the connection closed after ``after_chunks`` SSE events (JSON: no response)
     stall           headers (and ``after_chunks`` events), then silence
+    linger          the whole answer (a stream: ``[DONE]`` too), then its end withheld: the
+                    connection held open until the client goes away
     content_type    the normal body labelled ``text/html``
     oversized       a valid body padded to ``size`` bytes (stream: one huge event)
     no_handoff      a prefill answer without its hand-off (vLLM NIXL: params null; Mooncake:
@@ -44,6 +46,9 @@ class FaultKind(StrEnum):
     #: A stream that fails after its head the way vLLM and SGLang end one: an error event,
     #: then ``data: [DONE]`` (streams only; ``after_chunks`` events first).
     ERROR_EVENT = "error_event"
+    #: The whole stream, then its chunked end withheld (streams only): the reader has every
+    #: event while the exchange has not ended.
+    LINGER = "linger"
 
 
 @dataclass(frozen=True)

@@ -156,6 +156,9 @@ async def _write_events(
                 await resp.write(sse({"stub_padding": "x" * fault.size}))
         await resp.write(event)
         index += 1
+    if kind is FaultKind.LINGER:
+        await book.hang()
+        return
     await resp.write_eof()
 
 

@@ -1,12 +1,12 @@
-"""The lean stubs' answer styles on ``sidecar.http1.server``: held answers and paced streams.
+"""The lean stubs' answer styles on ``lean.keepalive``: held answers and paced streams.
 
-    HttpConnection(sidecar.http1.server.ServerConnection)
+    HttpConnection(lean.keepalive.ServerConnection)
         send(status, body)                     a whole answer at once (the server's)
         send_later(delay_s, status, body)      the same after ``delay_s``
         send_stream(events, pacing=None)       chunked, one chunk and one write per event
 
 The HTTP/1.1 server itself (parsing, keep-alive, pipelined requests in order, the idle close,
-400/413) is ``sidecar.http1.server``; this module adds how an engine's answers are timed.
+400/413) is ``lean.keepalive``; this module adds how an engine's answers are timed.
 A stream's events are written as fast as the transport takes them (paused and resumed with
 its flow control), unless paced.
 
@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Final
 
-from sidecar.http1.server import SSE, Server, ServerConnection
+from sidecar.tools.stubs.lean.keepalive import SSE, Server, ServerConnection
 
 _STREAM_HEADERS: Final = b"cache-control: no-cache\r\n"
 
@@ -112,7 +112,7 @@ class HttpConnection(ServerConnection):
         self._pacing = None
         self.end_chunked()
 
-    # -- sidecar.http1.server hooks ---------------------------------------------------
+    # -- lean.keepalive hooks ---------------------------------------------------------------
 
     def on_writable(self) -> None:
         if self._events is not None and self._tick is None:

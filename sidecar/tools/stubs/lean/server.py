@@ -12,7 +12,7 @@ transport, ``stub_requests_total``), SGLang ``POST /abort_request`` (200), vLLM 
 /_stub/nixl/<request id>`` (the decode's pull); anything else 404 ``{"detail": "Not Found"}``.
 An SGLang prefill also listens on a bootstrap port (``lean.rooms``).
 
-Built on ``sidecar.http1.server`` (asyncio Protocols, httptools, uvloop) with the answer
+Built on ``lean.keepalive`` (asyncio Protocols, httptools, uvloop) with the answer
 timing of ``lean.http``: the aiohttp transport costs about 0.5 cores per stub under the
 bench's load, which the sidecar then lacks on a 2-core machine. Config, identity, dispatch
 by engine name, verdicts and their metric lines are the ones the aiohttp transport uses
@@ -37,11 +37,11 @@ from typing import Any, Final, Protocol
 
 import orjson
 
-from sidecar.http1.server import TEXT, Request, Server
 from sidecar.tools.stubs import handoff, shapes
 from sidecar.tools.stubs.config import StubConfig, flavour_class
 from sidecar.tools.stubs.lean import openai as lean_openai
 from sidecar.tools.stubs.lean.http import HttpConnection, Pacing
+from sidecar.tools.stubs.lean.keepalive import TEXT, Request, Server
 from sidecar.tools.stubs.lean.openai import Completion
 from sidecar.tools.stubs.openai import BadRequest
 
@@ -128,7 +128,7 @@ class Engine:
         await self.flavour.close()
         await self.server.close()
 
-    # -- what sidecar.http1.server.Server calls -------------------------------------
+    # -- what sidecar.tools.stubs.lean.keepalive.Server calls -------------------------------------
 
     def handle(self, request: Request, conn: HttpConnection) -> Coroutine[Any, Any, None] | None:
         path = request.path

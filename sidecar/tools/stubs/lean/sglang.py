@@ -26,10 +26,10 @@ from typing import TYPE_CHECKING, Any, Final
 
 import orjson
 
-from sidecar.http1.server import Request
 from sidecar.tools.stubs import handoff
 from sidecar.tools.stubs.lean import openai as lean_openai
 from sidecar.tools.stubs.lean.http import HttpConnection
+from sidecar.tools.stubs.lean.keepalive import Request
 from sidecar.tools.stubs.lean.openai import Completion
 from sidecar.tools.stubs.lean.rooms import Board, BoardChannel, RoomClient, RoomFailed, RoomTimeout
 from sidecar.tools.stubs.lean.server import FlavourBase

@@ -27,11 +27,11 @@ from urllib.parse import unquote
 
 import orjson
 
-from sidecar.http1.server import Request
 from sidecar.tools.stubs import handoff
 from sidecar.tools.stubs.handoff import PullTarget, Verdict
 from sidecar.tools.stubs.lean import openai as lean_openai
 from sidecar.tools.stubs.lean.http import HttpConnection
+from sidecar.tools.stubs.lean.keepalive import Request
 from sidecar.tools.stubs.lean.nixl import Puller
 from sidecar.tools.stubs.lean.openai import Completion
 from sidecar.tools.stubs.lean.server import FlavourBase
