@@ -4,7 +4,10 @@ README stays a short front door whose links all resolve and that links the site'
 page (Getting started) and every page of the site, and its diagram, quick start and hand-off
 table are the ones the site shows (the site includes them from README). The ``docs`` extra
 holds only MkDocs and Material, and what mkdocs.yml names (theme, Markdown extensions) comes
-with them.
+with them. What the docs say about deploying holds (issue #36): no code in the site shows a
+table's escaping backslash, the image the Dockerfile and the pages build is the one the
+manifests pull, deploy/README lists every overlay, and no command block runs the standalone
+kustomize where the walkthrough says kubectl is all it needs.
 
 Does not prove the prose is right; the generated configuration reference is checked in
 tests/config/test_reference_in_docs.py.
@@ -31,6 +34,9 @@ README_MAX_LINES = 300
 _LINK = re.compile(r"\]\(([^)\s]+)\)")
 _HEADING = re.compile(r"^#{1,6}\s+(.*?)\s*$", re.MULTILINE)
 _HTML_ID = re.compile(r"""<a id=["']([^"']+)["']""")
+_CODE = re.compile(r"<code>(.*?)</code>", re.DOTALL)
+#: An image reference to the sidecar: an optional registry path, the name, a tag.
+_SIDECAR_IMAGE = re.compile(r"(?:[\w.-]+/)*disagg-sidecar:[\w.-]+")
 
 
 def test_the_site_builds_strictly(built_site: BuiltSite) -> None:
@@ -150,3 +156,51 @@ def test_the_docs_extra_is_all_the_site_build_needs() -> None:
     owners = metadata.packages_distributions()
     needed = {canonicalize_name(owners[module][0]) for module in modules}
     assert needed <= _closure(docs), needed - _closure(docs)
+
+
+def test_no_code_in_the_site_shows_an_escaping_backslash(built_site: BuiltSite) -> None:
+    # A `\|` in a table's code span reaches the reader as a backslash (copy-paste breaks).
+    shown = [f"{page.relative_to(built_site.site)}: {code}"
+             for page in sorted(built_site.site.rglob("*.html"))
+             for code in _CODE.findall(page.read_text(encoding="utf-8")) if "\\|" in code]
+    assert not shown, shown
+
+
+def _sidecar_images(text: str) -> set[str]:
+    """``disagg-sidecar:TAG`` of every image named in ``text``, any registry stripped."""
+    return {match.rsplit("/", 1)[-1] for match in _SIDECAR_IMAGE.findall(text)}
+
+
+def test_the_image_the_docs_build_is_the_one_the_manifests_pull() -> None:
+    pulled = set()
+    for manifest in (ROOT / "deploy").rglob("*.yaml"):
+        pulled |= {line.split("image:", 1)[1].strip() for line in
+                   manifest.read_text(encoding="utf-8").splitlines()
+                   if "image:" in line and "disagg-sidecar" in line}
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))[
+        "project"]["version"]
+    assert pulled == {f"disagg-sidecar:{version}"}
+    for path in [ROOT / "Dockerfile", ROOT / "deploy" / "README.md",
+                 *sorted((ROOT / "docs").rglob("*.md"))]:
+        named = _sidecar_images(path.read_text(encoding="utf-8"))
+        assert named <= pulled, (path, named)
+    built = (ROOT / "Dockerfile").read_text(encoding="utf-8").split("# Build:", 1)[1]
+    assert _sidecar_images(built.splitlines()[0]) == pulled
+
+
+def test_deploy_readme_lists_every_overlay() -> None:
+    text = (ROOT / "deploy" / "README.md").read_text(encoding="utf-8")
+    overlays = sorted(p.name for p in (ROOT / "deploy" / "overlays").iterdir() if p.is_dir())
+    assert "vllm-nixl-push" in overlays
+    assert not [name for name in overlays if f"deploy/overlays/{name}/" not in text]
+
+
+def test_the_walkthroughs_commands_need_only_kubectl() -> None:
+    # kubernetes.md says kubectl is all it needs; the standalone kustomize may only be named
+    # as an alternative, never run in a command block.
+    for path in [ROOT / "deploy" / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
+        blocks = re.findall(r"```(?:sh|bash)?\n(.*?)```", path.read_text(encoding="utf-8"),
+                            re.DOTALL)
+        commands = [line for block in blocks for line in block.splitlines()
+                    if line.lstrip().startswith("kustomize ")]
+        assert not commands, (path, commands)
