@@ -44,20 +44,24 @@ class Sources(Protocol):
         """Where field ``name``'s value came from (a flag, a variable, a label, default)."""
 
 
+def closest_hint(name: str, known: list[str]) -> str:
+    """``" (did you mean 'x'?)"`` for the registered name closest to ``name``, or nothing."""
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
 def check_engine_registered(settings: Settings, sources: Sources) -> None:
     """An engine name no dialect is registered for is a typo until said otherwise: served by
     the default dialect, every request would run whole on both engines (no hand-off)."""
     engines = DIALECTS.engines()
     if settings.engine in engines or settings.allow_unregistered_engine:
         return
-    close = difflib.get_close_matches(settings.engine, engines, n=1, cutoff=0.6)
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
     raise ConfigError(
         f"engine {settings.engine!r} (from {sources.source_of('engine')}) is not registered"
-        f"{hint}; registered: {', '.join(engines)}. An engine without a dialect of its own "
-        "runs with the default dialect (plain prefill then decode, no hand-off: each leg "
-        "computes the whole prompt) only when asked: --allow-unregistered-engine (env "
-        "DISAGG_ALLOW_UNREGISTERED_ENGINE)"
+        f"{closest_hint(settings.engine, engines)}; registered: {', '.join(engines)}. An "
+        "engine without a dialect of its own runs with the default dialect (plain prefill "
+        "then decode, no hand-off: each leg computes the whole prompt) only when asked: "
+        "--allow-unregistered-engine (env DISAGG_ALLOW_UNREGISTERED_ENGINE)"
     )
 
 

@@ -32,7 +32,6 @@ once, when the caller is ready), and reads the pod's metadata once, at start.
 from __future__ import annotations
 
 import argparse
-import difflib
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -52,6 +51,7 @@ from sidecar.config.checks import (
     check_prompt_length_source,
     check_tls,
     check_tracing,
+    closest_hint,
     data_parallel_warning,
 )
 from sidecar.config.groups import grouped
@@ -79,12 +79,6 @@ REPEATABLE_FIELDS = frozenset({"prefill_urls", "prefill_allowlist"})
 _TRUE = frozenset({"true", "1", "yes"})
 _FALSE = frozenset({"false", "0", "no"})
 _LABEL_ROLES = frozenset({"prefill", "decode"})
-
-
-def _closest_hint(name: str, known: list[str]) -> str:
-    """``" (did you mean 'x'?)"`` for the registered name closest to ``name``, or nothing."""
-    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
-    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 @dataclass(frozen=True)
@@ -293,7 +287,7 @@ class _Resolver:
                     self.warnings.append(
                         f"{source}={label!r} is neither prefill nor decode, so this sidecar "
                         f"serves both roles; valid values: {', '.join(valid)}"
-                        f"{_closest_hint(role, valid)}"
+                        f"{closest_hint(role, valid)}"
                     )
 
         for name, pod_source in POD_SOURCES.items():
