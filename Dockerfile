@@ -8,8 +8,9 @@
 # wheel cache and no source tree reach the final image. Every dependency ships manylinux
 # wheels for CPython 3.11, so no compiler is needed; if one ever is, install it in "build" only.
 #
-# Build:  podman build --format docker -t disagg-sidecar .    (or: docker build -t ... .)
-# Run:    podman run -p 8080:8080 -p 50051:50051 disagg-sidecar serve --engine-url http://...
+# Build:  podman build --format docker -t disagg-sidecar:0.1.0 .    (or: docker build -t ... .)
+#         (the name and tag deploy/'s manifests pull; push it as REGISTRY/disagg-sidecar:0.1.0)
+# Run:    podman run -p 8080:8080 -p 50051:50051 disagg-sidecar:0.1.0 serve --engine-url http://...
 #
 # Deliberate limits: the base is chosen by the PYTHON_IMAGE build argument and must provide a
 # `python` on PATH (the interpreter path differs between images, so nothing hard-codes it); the

@@ -1,5 +1,7 @@
 """The checks that relate several settings, each naming where every value came from.
 
+    check_engine_registered  an engine name no dialect is registered for only when
+                           allow_unregistered_engine says the default dialect is meant
     check_ports            no two listeners on one port, none on the local engine's
     check_tls              pairs set whole, a client CA only with a server pair, files load
     check_connector_engine a connector given by flag or env serves the engine
@@ -11,12 +13,16 @@
                            warning, not a refusal: the engine still serves)
     empty_allowlist_warning  a decode sidecar without a static pool whose allowlist admits no
                            router-named target (a warning: every such request gets 403)
+    allowlist_name_warnings  an allowlist entry naming a host: entries match literally, so it
+                           never admits a router that names one of the host's addresses
 
-Each raises ``ConfigError``; the loader runs them after ``Settings`` checked each value alone.
+Each check raises ``ConfigError``; the loader runs them after ``Settings`` checked each value
+alone. Each warning function returns the warning's text (or nothing) for the caller to log.
 """
 
 from __future__ import annotations
 
+import difflib
 from typing import Protocol
 from urllib.parse import urlsplit
 
@@ -25,6 +31,7 @@ from sidecar.dialects import DIALECTS, dialect_class
 from sidecar.kv_events.endpoint import check_endpoint
 from sidecar.observability.otlp import TRACING_EXTRA, missing_modules
 from sidecar.protocol.context import is_loopback_host, url_port
+from sidecar.targets.allowlist import parse_entry
 from sidecar.tls import ReloadingServerTLS, TLSFileError, client_ssl_context
 
 
@@ -35,6 +42,27 @@ class ConfigError(Exception):
 class Sources(Protocol):
     def source_of(self, name: str) -> str:
         """Where field ``name``'s value came from (a flag, a variable, a label, default)."""
+
+
+def closest_hint(name: str, known: list[str]) -> str:
+    """``" (did you mean 'x'?)"`` for the registered name closest to ``name``, or nothing."""
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def check_engine_registered(settings: Settings, sources: Sources) -> None:
+    """An engine name no dialect is registered for is a typo until said otherwise: served by
+    the default dialect, every request would run whole on both engines (no hand-off)."""
+    engines = DIALECTS.engines()
+    if settings.engine in engines or settings.allow_unregistered_engine:
+        return
+    raise ConfigError(
+        f"engine {settings.engine!r} (from {sources.source_of('engine')}) is not registered"
+        f"{closest_hint(settings.engine, engines)}; registered: {', '.join(engines)}. An "
+        "engine without a dialect of its own runs with the default dialect (plain prefill "
+        "then decode, no hand-off: each leg computes the whole prompt) only when asked: "
+        "--allow-unregistered-engine (env DISAGG_ALLOW_UNREGISTERED_ENGINE)"
+    )
 
 
 def check_ports(settings: Settings, sources: Sources) -> None:
@@ -189,3 +217,23 @@ def empty_allowlist_warning(settings: Settings, sources: Sources) -> str | None:
         "is refused (403 prefill_target_not_allowed); allow the prefill engines, e.g. "
         "--prefill-allowlist 10.0.0.0/8:8000, or --role prefill on prefill pods"
     )
+
+
+def allowlist_name_warnings(settings: Settings, sources: Sources) -> list[str]:
+    """A warning for each allowlist entry that names a host: entries match literally (names
+    are not resolved at start), so ``localhost:8100`` admits a router naming
+    ``localhost:8100`` and refuses one naming ``127.0.0.1:8100`` (403)."""
+    warnings = []
+    for text in settings.prefill_allowlist:
+        entry = parse_entry(text)
+        if entry.hostname is None:
+            continue
+        port = "PORT" if entry.port is None else str(entry.port)
+        example = "127.0.0.1" if entry.hostname == "localhost" else "one of its addresses"
+        warnings.append(
+            f"prefill_allowlist entry {text!r} (from {sources.source_of('prefill_allowlist')}) "
+            f"names a host: entries match literally, so it admits a router naming "
+            f"{entry.hostname}:{port} and refuses one naming {example}:{port} (403); to admit "
+            "an address, list it or its network (names are not resolved)"
+        )
+    return warnings

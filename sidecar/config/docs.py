@@ -1,10 +1,16 @@
 """The configuration reference, generated from the Settings definition so it cannot drift.
 
-    Settings fields + descriptions + config_loader naming  ->  Markdown table
+    Settings fields + descriptions + loader naming + groups  ->  Markdown, a section per group
 
 ``python -m sidecar.config.docs`` prints it; ``python -m sidecar.config.docs --write`` refreshes
 the block between the markers of ``REFERENCE_PAGE`` (docs/operating/configuration.md), and a
 test fails when the two differ or a field has no description.
+
+Layout: one section per group of ``serve --help`` (``sidecar.config.groups``), one heading per
+setting (its name, so ``configuration.md#prefill_allowlist`` links to it), then a line naming
+its flag, variable, pod source and default, then its description. A line and a paragraph wrap
+at any width; the six-column table this replaced was cut off at laptop width (issue #36), and
+tests/docs/test_docs_layout.py checks the rendered page for anything that would be.
 Deliberate limits: Markdown only; ``--help`` renders the same descriptions through argparse.
 """
 
@@ -15,6 +21,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
+from sidecar.config.groups import grouped
 from sidecar.config.loader import (
     LIST_FIELDS,
     REPEATABLE_FIELDS,
@@ -41,10 +48,6 @@ PRECEDENCE = (
 
 class UndocumentedSetting(ValueError):
     """A Settings field without a description."""
-
-
-def _cell(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
 
 
 def _default_text(value: Any) -> str:
@@ -75,31 +78,45 @@ def _env_text(name: str) -> str:
     return ", then ".join(f"`{env}`" for env in names)
 
 
-def _pod_text(name: str) -> str:
+def _pod_text(name: str) -> str | None:
     pod = POD_SOURCES.get(name)
     if pod is None:
-        return ""
+        return None
     key = Settings.model_fields[pod.key_field].default
     return f"{pod.kind} `{key}` (key: `{flag_for(pod.key_field)}`)"
 
 
+def _prose(text: str) -> str:
+    """A description as Markdown that shows it as written: one line, ``*`` not emphasis
+    (``HOST:*, CIDR:*``), ``<`` not a tag (``<id>_dp<rank>``)."""
+    return " ".join(text.split()).replace("*", "\\*").replace("<", "&lt;")
+
+
+def _setting_markdown(name: str) -> list[str]:
+    """One setting: its heading, where it is set and its default on one line, its
+    description."""
+    info = Settings.model_fields[name]
+    if not info.description:
+        raise UndocumentedSetting(f"setting {name!r} has no description")
+    default = info.get_default(call_default_factory=True)
+    where = [f"flag {_flag_text(name)}", f"env {_env_text(name)}"]
+    pod = _pod_text(name)
+    if pod is not None:
+        where.append(pod)
+    where.append(f"default {_default_text(default)}")
+    return [f"### `{name}`", "", " · ".join(where), "", _prose(info.description), ""]
+
+
 def configuration_reference_markdown() -> str:
-    """The reference: a precedence line, then one table row per setting."""
-    rows = [
-        PRECEDENCE,
-        "",
-        "| Setting | Flag | Environment | Pod label / annotation | Default | Description |",
-        "|---|---|---|---|---|---|",
-    ]
-    for name in field_names():
-        info = Settings.model_fields[name]
-        if not info.description:
-            raise UndocumentedSetting(f"setting {name!r} has no description")
-        default = info.get_default(call_default_factory=True)
-        cells = [f"`{name}`", _flag_text(name), _env_text(name), _pod_text(name),
-                 _default_text(default), info.description]
-        rows.append("| " + " | ".join(_cell(cell) for cell in cells) + " |")
-    return "\n".join(rows) + "\n"
+    """The reference: a precedence line, then a section per group with one entry per
+    setting."""
+    lines = [PRECEDENCE, ""]
+    for group, names in grouped(field_names()):
+        heading = group.description[0].upper() + group.description[1:]
+        lines += [f"## {heading}", ""]
+        for name in names:
+            lines += _setting_markdown(name)
+    return "\n".join(lines).rstrip("\n") + "\n"
 
 
 def write_into(page: Path) -> None:

@@ -25,8 +25,8 @@ class FlagGroup(NamedTuple):
 
 FLAG_GROUPS: Final[tuple[FlagGroup, ...]] = (
     FlagGroup("engine", "the local engine, its KV connector and this sidecar's role", (
-        "engine", "kv_connector", "default_kv_connector", "engine_url", "role",
-        "advertise_host")),
+        "engine", "allow_unregistered_engine", "kv_connector", "default_kv_connector",
+        "engine_url", "role", "advertise_host")),
     FlagGroup("listening", "where the sidecar listens", (
         "host", "port", "metrics_port", "ports_file")),
     FlagGroup("prefill targets", "where prefill legs may go, and what happens when one fails", (

@@ -6,15 +6,20 @@
 Every field gets one flag (``--`` + the field name with dashes; ``--grpc/--no-grpc`` is the
 exception, and list flags are singular and repeatable: ``--prefill-url``) and one variable
 ``DISAGG_<FIELD>``. Lists are comma-separated; booleans read true/false/1/0/yes/no; an empty
-variable counts as unset.
-The label rules are those of docs/driving/handoffs.md#pod-labels: a missing engine label means the
-default
-engine; a missing or
-unknown connector label falls back to ``default_kv_connector`` with one warning (only for an
-engine that has connectors); the port label gives ``http://127.0.0.1:<port>``; a role other
-than prefill or decode means both; a dialect's own pod sources (``DialectOptions.pod_sources``)
-and the data-parallel size labels are read as they declare; an unset prefill data-parallel
-size follows the local one (its source says so).
+variable counts as unset. One rule for case: every name a setting chooses among (an engine, a
+connector, a role, a transport, a policy, a log level) is read case-insensitively, from a
+flag, a variable or a label alike (``--role Decode`` is ``decode``).
+A ``DISAGG_*`` variable that is no setting's (a misspelling: ``DISAGG_ENGNE``) is ignored
+with a warning naming the closest setting's variable.
+The label rules are those of docs/driving/handoffs.md#pod-labels: a missing engine label means
+the default engine; a missing or unknown connector label falls back to
+``default_kv_connector`` with one warning (only for an engine that has connectors); the port
+label gives ``http://127.0.0.1:<port>``; a role other than prefill or decode means both; a
+dialect's own pod sources (``DialectOptions.pod_sources``) and the data-parallel size labels
+are read as they declare; an unset prefill data-parallel size follows the local one (its
+source says so). An engine name no dialect is registered for is refused by
+``check_engine_registered`` unless ``allow_unregistered_engine`` says the default dialect is
+meant.
 
 A bad value raises ``ConfigError`` naming the field, the value and where it came from, so an
 operator can fix the right layer; ``run_config_command`` prints the resolved settings with
@@ -27,7 +32,6 @@ once, when the caller is ready), and reads the pod's metadata once, at start.
 from __future__ import annotations
 
 import argparse
-import difflib
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -39,12 +43,15 @@ from pydantic import ValidationError
 
 from sidecar.config.checks import (
     ConfigError,
+    allowlist_name_warnings,
     check_connector_engine,
+    check_engine_registered,
     check_kv_events,
     check_ports,
     check_prompt_length_source,
     check_tls,
     check_tracing,
+    closest_hint,
     data_parallel_warning,
 )
 from sidecar.config.groups import grouped
@@ -55,6 +62,7 @@ from sidecar.config.settings import (
     POD_SOURCES,
     Settings,
 )
+from sidecar.config.unknown_env import unknown_variable_warnings
 from sidecar.dialects import DIALECTS, uses_connectors
 
 ENV_PREFIX = "DISAGG_"
@@ -71,23 +79,6 @@ REPEATABLE_FIELDS = frozenset({"prefill_urls", "prefill_allowlist"})
 _TRUE = frozenset({"true", "1", "yes"})
 _FALSE = frozenset({"false", "0", "no"})
 _LABEL_ROLES = frozenset({"prefill", "decode"})
-
-
-def _closest_hint(name: str, known: list[str]) -> str:
-    """``" (did you mean 'x'?)"`` for the registered name closest to ``name``, or nothing."""
-    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
-def unknown_engine_warning(engine: str, source: str) -> str:
-    """The start-up warning for an engine no dialect is registered for: the seed's rule lets
-    the default dialect serve it, so both engines run every request whole."""
-    hint = _closest_hint(engine, DIALECTS.engines())
-    return (
-        f"engine {engine!r} (from {source}) is not registered{hint}: the default dialect "
-        "serves it, so no hand-off is made (each prefill leg and each decode leg computes the "
-        f"whole prompt); registered: {', '.join(DIALECTS.engines())}"
-    )
 
 
 @dataclass(frozen=True)
@@ -116,6 +107,13 @@ def env_for(name: str) -> str:
 
 def is_bool_field(name: str) -> bool:
     return Settings.model_fields[name].annotation is bool
+
+
+def is_choice_field(name: str) -> bool:
+    """True for a field that takes one of a fixed set of words (an ``Enum``): read
+    case-insensitively, as engine and connector names are."""
+    annotation = Settings.model_fields[name].annotation
+    return isinstance(annotation, type) and issubclass(annotation, Enum)
 
 
 def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
@@ -191,6 +189,8 @@ def _from_text(name: str, text: str, source: str) -> Any:
         return _split_list([text])
     if Settings.model_fields[name].default is None and not text.strip():
         return None
+    if is_choice_field(name):
+        return text.strip().lower()
     return text
 
 
@@ -267,8 +267,6 @@ class _Resolver:
             if label is not None and label.strip():
                 self.set("engine", label.strip().lower(), source)
         engine = str(self.get("engine")).strip().lower()
-        if engine and engine not in DIALECTS.engines():
-            self.warnings.append(unknown_engine_warning(engine, self.source_of("engine")))
 
         if "kv_connector" not in self.values:
             self._connector_from_label(pod, engine)
@@ -289,7 +287,7 @@ class _Resolver:
                     self.warnings.append(
                         f"{source}={label!r} is neither prefill nor decode, so this sidecar "
                         f"serves both roles; valid values: {', '.join(valid)}"
-                        f"{_closest_hint(role, valid)}"
+                        f"{closest_hint(role, valid)}"
                     )
 
         for name, pod_source in POD_SOURCES.items():
@@ -367,6 +365,8 @@ def load_settings(args: argparse.Namespace, environ: Mapping[str, str]) -> Loade
     """Build the settings; ``ConfigError`` names any bad value and where it came from."""
     values, sources = _explicit(args, environ)
     res = _Resolver(values, sources)
+    res.warnings.extend(unknown_variable_warnings(
+        environ, ENV_PREFIX, [env_for(name) for name in field_names()]))
     pod = _read_pod(res)
     res.apply_pod(pod)
     res.follow("prefill_data_parallel_size", "data_parallel_size")
@@ -374,6 +374,7 @@ def load_settings(args: argparse.Namespace, environ: Mapping[str, str]) -> Loade
         settings = Settings(**res.values)
     except ValidationError as exc:
         raise ConfigError(_validation_message(exc, res.values, res)) from None
+    check_engine_registered(settings, res)
     check_ports(settings, res)
     check_connector_engine(settings, res)
     check_tls(settings, res)
@@ -383,5 +384,6 @@ def load_settings(args: argparse.Namespace, environ: Mapping[str, str]) -> Loade
     warning = data_parallel_warning(settings, res)
     if warning is not None:
         res.warnings.append(warning)
+    res.warnings.extend(allowlist_name_warnings(settings, res))
     all_sources = {name: res.source_of(name) for name in field_names()}
     return LoadedSettings(settings, MappingProxyType(all_sources), tuple(res.warnings))

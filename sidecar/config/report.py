@@ -21,7 +21,7 @@ from typing import Any, TextIO
 
 from sidecar.config.checks import ConfigError, empty_allowlist_warning
 from sidecar.config.loader import SOURCE_DEFAULT, LoadedSettings, field_names, load_settings
-from sidecar.dialects import uses_connectors
+from sidecar.dialects import DIALECTS, uses_connectors
 
 
 def settings_report(loaded: LoadedSettings) -> dict[str, Any]:
@@ -59,6 +59,8 @@ def start_up_line(loaded: LoadedSettings) -> str:
     from (the full report is logged at debug level)."""
     s = loaded.settings
     connector = f", connector {s.kv_connector}" if uses_connectors(s.engine) else ""
+    if s.engine not in DIALECTS.engines():  # let in by --allow-unregistered-engine
+        connector = " (not registered: the default dialect, no hand-off)"
     ports = [f"http :{s.port}"]
     if s.grpc_enabled:
         ports.append(f"grpc :{s.grpc_port}")

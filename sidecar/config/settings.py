@@ -90,8 +90,15 @@ class ServingSettings(BaseModel):
     # What runs next to us.
     engine: str = Field(
         default=DEFAULT_ENGINE,
-        description=f"The local engine: {', '.join(DIALECTS.engines())}; another name gets "
-        "the default dialect (plain prefill then decode). Lower-cased.",
+        description=f"The local engine: {', '.join(DIALECTS.engines())} (case-insensitive). "
+        "Another name refuses to start, naming the closest, unless "
+        "--allow-unregistered-engine.",
+    )
+    allow_unregistered_engine: bool = Field(
+        default=False,
+        description="Serve an engine name no dialect is registered for with the default "
+        "dialect: plain prefill then decode, no hand-off, so each leg computes the whole "
+        "prompt. Off: such a name refuses to start.",
     )
     kv_connector: str = Field(
         default=DEFAULT_CONNECTOR,
@@ -115,8 +122,8 @@ class ServingSettings(BaseModel):
     )
     role: Role = Field(
         default=Role.BOTH,
-        description="This sidecar's role: prefill, decode or both. From the label, any value "
-        "other than prefill or decode means both.",
+        description="This sidecar's role: prefill, decode or both (case-insensitive). From the "
+        "label, any value other than prefill or decode means both.",
     )
     advertise_host: str | None = Field(
         default=None,
@@ -192,7 +199,9 @@ class ServingSettings(BaseModel):
         default=(),
         description="Prefill targets a router may name: HOST:PORT, HOST:*, CIDR:PORT, CIDR:* "
         "(IPv6 in brackets); comma-separated, the flag repeatable. Empty: only the static "
-        "pool.",
+        "pool. Entries match literally: a host name admits a router naming that name, never "
+        "one naming its address (names are not resolved; localhost:8100 does not admit "
+        "127.0.0.1:8100), and says so at start.",
     )
 
     prefill_pod_selector: str | None = Field(

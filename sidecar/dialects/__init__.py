@@ -3,10 +3,12 @@
 One line per dialect (``DIALECTS.register``); installed packages add theirs through the
 ``disagg_sidecar.dialects`` entry points (``sidecar.dialects.registry``). Resolution
 (docs/driving/handoffs.md#resolution): no engine label -> ``DEFAULT_ENGINE``; an engine nobody
-registered -> the "default" dialect; an engine with connectors (vLLM) -> its connector
-label's dialect (a missing or unknown label: the configured default, in the loader);
-``--kv-transport inline`` -> ``InlineDialect``, for the gRPC door only. ``handoff_keys()`` is
-every body key some dialect owns: the client-body refusal list and the demo derive from it.
+registered -> the "default" dialect (a name the configuration lets in only with
+``--allow-unregistered-engine``: ``sidecar.config.checks``); an engine with connectors (vLLM)
+-> its connector label's dialect (a missing or unknown label: the configured default, in the
+loader); ``--kv-transport inline`` -> ``InlineDialect``, for the gRPC door only.
+``handoff_keys()`` is every body key some dialect owns: the client-body refusal list and the
+demo derive from it.
 """
 
 from __future__ import annotations

@@ -288,7 +288,7 @@ async def _relay(
         if span.recording:
             span.set(RELAYED_BYTES, len(body))
         return web.Response(body=body, headers=headers)
-    # Each read's bytes go to the client from the read callback (sse_relay): no task wake-up
+    # Each read's bytes go to the client from the read callback (relay.py): no task wake-up
     # per token; the error-event check and the tail are kept there.
     usage = (PrefillUsage(exchange)
              if exchange.disaggregated and api.stream_has_usage(client.body) else None)

@@ -9,7 +9,7 @@ stop getting them for a while.
     breakers.admit(target)          at a leg's start: an ``Admission`` (normal, or the one
                                     half-open trial leg) or None (open, or a trial running)
     breakers.settle(target, admission, ok)   the leg's verdict: True, False, None (neither)
-    breakers.probed(target, healthy)   a health probe's answer (``core.breaker_probes``, only
+    breakers.probed(target, healthy)   a health probe's answer (``engines.health``, only
                                     while open): healthy after down ends the cool-down now
 
 What counts as a failure is the caller's to say (``sidecar.engines.calls``: 5xx, resets,
@@ -159,7 +159,7 @@ class CircuitBreakers:
         return Admission(trial=True, epoch=breaker.epoch)
 
     def probed(self, target: PrefillTarget, healthy: bool) -> None:
-        """What a probe of an open breaker's target found (``core.breaker_probes``). Health
+        """What a probe of an open breaker's target found (``engines.health``). Health
         that never failed says nothing about legs that fail (an engine that answers
         ``/health`` but fails its prefills): only a healthy answer after the engine was seen
         down in this open spell (a probe unanswered, or the leg that opened it refused)

@@ -31,8 +31,9 @@ _CONNECTORS = tuple(DIALECTS.connectors("vllm"))
 
 
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
+    # Names are case-insensitive, as serve's are (--engine VLLM).
     parser.add_argument("--engine", choices=("vllm", "sglang", "trtllm"), default="vllm",
-                        help="engine family of the stub pair (default: vllm)")
+                        type=str.lower, help="engine family of the stub pair (default: vllm)")
     parser.add_argument("--kv-connector", default=None, metavar="CONNECTOR",
                         help="vLLM only: the KV connector of the stub pair, "
                         f"{', '.join(_CONNECTORS)} or vLLM's class name (NixlConnector = shfs, "

@@ -6,9 +6,14 @@
 - an unknown flag is answered with the subcommand's usage and the closest flag it has;
 - vLLM's connector class names are aliases of AIBrix's label values, case-insensitive, in
   flags, the environment and pod labels, resolved from the aliases each dialect declares;
-- a misspelt engine still runs on the default dialect (the seed's rule), and the warning
-  names the closest registered engine and says no hand-off will be made; ``config`` lists it
-  under warnings; an unknown role label value warns with the valid values;
+- an engine name no dialect is registered for (``vlm``) is refused, from a flag, a variable
+  or a label, naming the closest registered engine and the flag that asks for the default
+  dialect (issue #36); with that flag it runs on the default dialect without a warning;
+  ``serve`` and ``config`` exit 2 with the message; an unknown role label value warns with
+  the valid values;
+- one rule for case: ``--role``, ``--engine``, ``--kv-connector`` and every other word a
+  setting chooses among read case-insensitively, in flags and variables; ``demo`` and
+  ``stub-engine`` take their engine, role and connector words the same way;
 - ``demo`` refuses a connector its engine does not use.
 """
 
@@ -16,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import io
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -27,9 +31,12 @@ from config_builders import load, write_podinfo
 from sidecar.__main__ import build_parser, main, unrecognized_message
 from sidecar.config.checks import ConfigError
 from sidecar.config.groups import FLAG_GROUPS, OTHER, group_of
-from sidecar.config.loader import field_names
-from sidecar.dialects import DIALECTS
+from sidecar.config.loader import field_names, flag_for, is_choice_field
+from sidecar.config.report import start_up_line
+from sidecar.config.settings import Settings
+from sidecar.dialects import DIALECTS, dialect_class
 from sidecar.dialects.base import Dialect
+from sidecar.dialects.default import DefaultDialect
 from sidecar.dialects.registry import DialectLoadError, DialectRegistry
 from sidecar.tools.demo import DemoUsageError, demo_connector
 
@@ -147,23 +154,77 @@ def test_a_new_dialect_declares_its_aliases_the_same_way(monkeypatch: pytest.Mon
         registry.connector_aliases()
 
 
-def test_a_misspelt_engine_runs_without_hand_off_and_says_so(tmp_path: Path) -> None:
-    loaded = load(["--engine", "vlm"])
-    assert loaded.settings.engine == "vlm"  # the seed's rule: the default dialect serves it
-    (warning,) = loaded.warnings
-    assert "'vlm'" in warning and "did you mean 'vllm'?" in warning
-    assert "no hand-off is made" in warning
+def test_a_misspelt_engine_is_refused_naming_the_closest(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as refused:
+        load(["--engine", "vlm"])
+    message = str(refused.value)
+    assert "engine 'vlm' (from flag --engine) is not registered" in message
+    assert "did you mean 'vllm'?" in message and "--allow-unregistered-engine" in message
+    with pytest.raises(ConfigError, match="from env DISAGG_ENGINE"):
+        load(env={"DISAGG_ENGINE": "sglng"})
     pod = write_podinfo(tmp_path, {"model.aibrix.ai/engine": "sglng"}, {})
-    (warning,) = load(podinfo=pod).warnings
-    assert "did you mean 'sglang'?" in warning and "label model.aibrix.ai/engine" in warning
+    with pytest.raises(ConfigError) as refused:
+        load(podinfo=pod)
+    assert "did you mean 'sglang'?" in str(refused.value)
+    assert "label model.aibrix.ai/engine" in str(refused.value)
 
 
-def test_config_lists_the_engine_typo_under_warnings() -> None:
-    result = subprocess.run([*SIDECAR, "config", "--engine", "trtlm"], capture_output=True,
-                            text=True, timeout=60, check=True)
-    report = json.loads(result.stdout)
-    assert report["settings"]["engine"]["value"] == "trtlm"
-    assert any("did you mean 'trtllm'?" in w for w in report["warnings"]), report["warnings"]
+@pytest.mark.parametrize("how", ["flag", "env"])
+def test_the_default_dialect_serves_an_unregistered_engine_when_asked(how: str) -> None:
+    if how == "flag":
+        loaded = load(["--engine", "lmdeploy", "--allow-unregistered-engine"])
+    else:
+        loaded = load(env={"DISAGG_ENGINE": "lmdeploy",
+                           "DISAGG_ALLOW_UNREGISTERED_ENGINE": "true"})
+    assert loaded.settings.engine == "lmdeploy"
+    assert dialect_class(loaded.settings.engine, None) is DefaultDialect
+    assert loaded.warnings == ()
+    assert "engine lmdeploy (not registered: the default dialect, no hand-off)" in (
+        start_up_line(loaded))
+
+
+@pytest.mark.parametrize("command", ["serve", "config"])
+def test_serve_and_config_refuse_a_misspelt_engine_with_exit_2(command: str) -> None:
+    result = subprocess.run([*SIDECAR, command, "--engine", "trtlm"], capture_output=True,
+                            text=True, timeout=60, check=False)
+    assert result.returncode == 2
+    assert result.stderr.startswith("disagg-sidecar: invalid configuration: engine 'trtlm'")
+    assert "did you mean 'trtllm'?" in result.stderr
+    assert result.stdout == ""
+
+
+@pytest.mark.parametrize(("flag", "given", "resolved"), [
+    ("--role", "Decode", "decode"), ("--role", "PREFILL", "prefill"),
+    ("--engine", "VLLM", "vllm"), ("--engine", "SGLang", "sglang"),
+    ("--kv-connector", "nixlconnector", "shfs"), ("--kv-connector", "Mooncake", "mooncake"),
+    ("--kv-transport", "Inline", "inline"), ("--on-prefill-failure", "LOCAL", "local"),
+    ("--log-level", "DEBUG", "debug"),
+])
+def test_one_rule_for_case_in_flags_and_env(flag: str, given: str, resolved: str) -> None:
+    name = flag[2:].replace("-", "_")
+    assert str(getattr(load([flag, given]).settings, name)) == resolved
+    variable = "DISAGG_" + name.upper()
+    assert str(getattr(load(env={variable: given}).settings, name)) == resolved
+
+
+def test_every_word_a_setting_chooses_among_is_read_case_insensitively() -> None:
+    choices = [name for name in field_names() if is_choice_field(name)]
+    assert {"role", "kv_transport", "on_prefill_failure", "prompt_length_source"} <= set(choices)
+    for name in choices:
+        first = next(iter(Settings.model_fields[name].annotation))  # type: ignore[arg-type]
+        flag = flag_for(name)
+        assert getattr(load([flag, first.value.upper()]).settings, name) == first, name
+
+
+@pytest.mark.parametrize("argv", [
+    ["stub-engine", "--engine", "VLLM", "--role", "Decode", "--kv-connector", "SHFS"],
+    ["demo", "--engine", "SGLang"],
+])
+def test_the_tools_take_names_in_any_case(argv: list[str]) -> None:
+    args = build_parser().parse_args(argv)
+    assert args.engine in ("vllm", "sglang")
+    assert getattr(args, "role", "decode") == "decode"
+    assert getattr(args, "kv_connector", "shfs") in ("shfs", None)
 
 
 @pytest.mark.parametrize(("label", "warned"), [

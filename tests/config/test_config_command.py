@@ -80,7 +80,8 @@ def test_report_is_json_for_every_field() -> None:
 def test_log_effective_settings_once(caplog: pytest.LogCaptureFixture) -> None:
     # INFO: one short line (engine, connector, role, ports, sources); the full report as JSON
     # only at debug level (issue #29: a quiet start); every warning at WARNING.
-    loaded = load(["--podinfo-dir", str(FIXTURES / "absent"), "--prefill-allowlist", "h:1"])
+    loaded = load(["--podinfo-dir", str(FIXTURES / "absent"), "--prefill-allowlist",
+                   "10.0.0.1:1"])
     logger = logging.getLogger("test.config")
     with caplog.at_level(logging.INFO, logger="test.config"):
         log_effective_settings(loaded, logger)

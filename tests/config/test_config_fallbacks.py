@@ -1,7 +1,8 @@
 """Proves every fallback the label rules allow, and the warnings they raise (exactly once).
 
-Covered: missing engine label -> vllm; an unregistered engine name kept with a warning; a
-missing or unknown connector label -> default_kv_connector with one warning, for vLLM only;
+Covered: missing engine label -> vllm; an unregistered engine name kept only with
+``--allow-unregistered-engine`` (refused otherwise, whatever its source); a missing or
+unknown connector label -> default_kv_connector with one warning, for vLLM only;
 a label connector for an engine its agent does not serve is not refused; role labels other
 than prefill/decode -> both; missing label files; a missing podinfo directory; no podinfo at
 all (no warnings). Not covered: refusals (test_config_refusals).
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 from config_builders import load, write_podinfo
 
+from sidecar.config.checks import ConfigError
 from sidecar.config.settings import Role
 
 CONNECTOR_LABEL = "model.aibrix.ai/kv-connector-type"
@@ -38,17 +40,17 @@ def test_engine_label_is_lowercased(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("how", ["label", "flag", "env"])
-def test_unregistered_engine_is_kept_with_a_warning(tmp_path: Path, how: str) -> None:
+def test_unregistered_engine_is_refused_unless_the_default_dialect_is_asked_for(
+        tmp_path: Path, how: str) -> None:
     pod = write_podinfo(tmp_path, labels={"model.aibrix.ai/engine": "lmdeploy"})
-    if how == "label":
-        loaded = load(podinfo=pod)
-    elif how == "flag":
-        loaded = load(["--engine", "lmdeploy"])
-    else:
-        loaded = load(env={"DISAGG_ENGINE": "lmdeploy"})
+    argv = ["--engine", "lmdeploy"] if how == "flag" else []
+    env = {"DISAGG_ENGINE": "lmdeploy"} if how == "env" else {}
+    podinfo = pod if how == "label" else None
+    with pytest.raises(ConfigError, match=r"'lmdeploy' \(from .*\) is not registered"):
+        load(argv, env, podinfo=podinfo)
+    loaded = load([*argv, "--allow-unregistered-engine"], env, podinfo=podinfo)
     assert loaded.settings.engine == "lmdeploy"
-    assert len(loaded.warnings) == 1
-    assert "'lmdeploy'" in loaded.warnings[0] and "not registered" in loaded.warnings[0]
+    assert loaded.warnings == ()
 
 
 def test_missing_connector_label_falls_back_with_one_warning(tmp_path: Path) -> None:

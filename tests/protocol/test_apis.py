@@ -5,7 +5,7 @@
   on and off; Mooncake), the usage told equals the baseline engine's for the same prompt,
   where the decode leg's own does not (chat, Responses and Messages cache writes, Messages
   input tokens, every Mooncake figure);
-- the relay's whole-event reading (``stream_events.WholeEvents``) of the recorded streams,
+- the relay's whole-event reading (``relay.WholeEvents``) of the recorded streams,
   cut at every byte: the bytes pass unchanged but the rewritten usage event, the end is
   recognised, an engine's error event is, a cut Responses stream is not an end;
 - the body checks, state rule, error shapes and prompt lengths of the new routes.

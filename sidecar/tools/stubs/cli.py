@@ -46,11 +46,12 @@ def add_stub_arguments(parser: argparse.ArgumentParser) -> None:
     default)."""
     d = StubConfig()
     add = parser.add_argument
-    add("--engine", choices=ENGINES, default=d.engine,
+    # Names are case-insensitive, as serve's are (--role Decode).
+    add("--engine", choices=ENGINES, default=d.engine, type=str.lower,
         help="the engine to behave like (default: %(default)s)")
-    add("--role", choices=ROLES, default=d.role,
+    add("--role", choices=ROLES, default=d.role, type=str.lower,
         help="prefill, decode or both (serves either leg) (default: %(default)s)")
-    add("--kv-connector", choices=VLLM_CONNECTORS, default=d.kv_connector,
+    add("--kv-connector", choices=VLLM_CONNECTORS, default=d.kv_connector, type=str.lower,
         help="vLLM only: shfs (NIXL pull), nixl (Neuron), mooncake, nixl-push (default: "
         "%(default)s)")
     add("--host", default=d.host, help="address to listen on (default: %(default)s)")
