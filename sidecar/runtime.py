@@ -29,6 +29,7 @@ from sidecar.dialects import Dialect, DialectSetup, InlineDialect, dialect_class
 from sidecar.engines.calls import EngineCalls, make_session
 from sidecar.engines.health import BreakerProbes, EngineHealth
 from sidecar.engines.tokenizer import PromptMeasure
+from sidecar.errors import Stage
 from sidecar.http1 import EngineClient
 from sidecar.kv_events.engine_cache import EngineKVCache
 from sidecar.kv_events.subscriber import EndpointUnavailable, open_kv_events
@@ -181,9 +182,10 @@ def _placer(settings: Settings, metrics: Metrics, calls: EngineCalls, runner: Ru
         source=settings.prompt_length_source,
         endpoint=dialect.tokenize,
         post_local=calls.post_local,
-        timeout_s=settings.connect_timeout_s,
+        timeout_s=min(settings.tokenize_timeout_s, settings.connect_timeout_s),
         on_tokenize_failure=lambda reason: metrics.labelled(
             metrics.tokenize_failures, reason).inc(),
+        served_model=lambda: calls.model_name(Stage.DECODE),
     )
     return Placer(route_support=dialect.route_support, engine=dialect.engine,
                   rules=runner.rules, targets=runner.targets, measure=measure, cache=cache,

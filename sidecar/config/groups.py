@@ -34,7 +34,7 @@ FLAG_GROUPS: Final[tuple[FlagGroup, ...]] = (
         "prefill_cooldown_s", "prefill_breaker_failures", "prefill_breaker_open_s",
         "prefill_breaker_successes", "on_prefill_failure", "trusted_router")),
     FlagGroup("placement", "which requests are disaggregated, and how they fan out", (
-        "local_prefill_max_tokens", "prompt_length_source", "max_fanout"),
+        "local_prefill_max_tokens", "prompt_length_source", "tokenize_timeout_s", "max_fanout"),
         prefixes=("local_prefill_", "kv_events_", "placement_")),
     FlagGroup("data-parallel engines", "ranks of the local and the prefill engines", (
         "data_parallel_size", "prefill_data_parallel_size")),

@@ -69,6 +69,20 @@ class LimitsSettings(BaseModel):
         "for engines that have one). Token-id prompts are "
         "counted exactly.",
     )
+    tokenize_timeout_s: float = Field(
+        default=0.25,
+        gt=0,
+        description="The budget of one prompt's tokenize call to the local engine (the "
+        "length and cache rules' prompt facts); past it the prompt's tokens are unknown: the "
+        "request is decided without them, counted in disagg_tokenize_failures_total, and "
+        "never delayed further.",
+    )
+    placement_header: bool = Field(
+        default=True,
+        description="Answers of the PD routes carry x-disagg-placement: where the request ran "
+        "and why (the placement's outcome, the prompt's tokens and those the local engine "
+        "held, a fallback's reason); --no-placement-header leaves it out.",
+    )
     prefill_cooldown_s: float = Field(
         default=5.0,
         ge=0,

@@ -71,12 +71,19 @@ class Legs(StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class TokenizeEndpoint:
-    """An engine's tokenizer endpoint: its path, whether it takes chat messages, and the
-    chat request fields that change how it renders them (sent along when present)."""
+    """An engine's tokenizer endpoint: its path, whether it takes chat messages, and what a
+    request holds that changes the ids the engine computes or keys its KV blocks by."""
 
     path: str
     chat: bool
+    #: Chat request fields that change how the engine renders the messages (sent along).
     chat_fields: tuple[str, ...] = ()
+    #: Completions request fields that change the prompt's ids (sent along when present).
+    prompt_fields: tuple[str, ...] = ()
+    #: Request fields that, set, key the request's KV blocks apart from a plain prompt's (a
+    #: salt), or change its ids in a way the endpoint does not (a truncation): such a request's
+    #: ids are not looked up in the engine's cache.
+    unkeyed_fields: tuple[str, ...] = ()
 
 
 class PodSource(NamedTuple):

@@ -34,11 +34,17 @@ class VLLMDialect(Dialect):
     ranked = True
     rank_header = DATA_PARALLEL_RANK_HEADER
     handoff_keys = frozenset({KV_TRANSFER_PARAMS})
-    #: ``/tokenize`` takes a completions ``prompt`` or chat ``messages`` (rendered by these).
-    tokenize = TokenizeEndpoint("/tokenize", chat=True, chat_fields=(
-        "add_generation_prompt", "continue_final_message", "add_special_tokens", "chat_template",
-        "chat_template_kwargs", "tools", "mm_processor_kwargs",
-    ))
+    #: ``/tokenize`` takes a completions ``prompt`` (with ``add_special_tokens``) or chat
+    #: ``messages`` (rendered by these); a ``cache_salt`` keys a request's blocks apart, and
+    #: ``truncate_prompt_tokens`` keeps only the prompt's last ids, which ``/tokenize`` does
+    #: not apply (vLLM 0.32 ``serve/tokenize/protocol.py``, ``openai/*/protocol.py``).
+    tokenize = TokenizeEndpoint(
+        "/tokenize", chat=True,
+        chat_fields=("add_generation_prompt", "continue_final_message", "add_special_tokens",
+                     "chat_template", "chat_template_kwargs", "tools", "mm_processor_kwargs"),
+        prompt_fields=("add_special_tokens",),
+        unkeyed_fields=("cache_salt", "truncate_prompt_tokens"),
+    )
 
     @classmethod
     def no_handoff(cls, what: str) -> InvalidHandoff:

@@ -55,6 +55,8 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Final
 
 from aiohttp import hdrs, web
 from multidict import CIMultiDict
@@ -75,6 +77,7 @@ from sidecar.protocol.context import Route
 from sidecar.protocol.request import REQUEST_ID_HEADER, ClientRequest, request_id_or_new
 from sidecar.protocol.sse import answer_as_sse
 from sidecar.request.legs import PDExchange, PDRequest
+from sidecar.request.placement import Decision
 from sidecar.request.scope import LOCAL_STATE, REFUSED, UNSERVED_ROUTE, RequestScope
 from sidecar.runtime import Runtime
 from sidecar.targets.choice import RANK_HEADER, parse_rank_header
@@ -175,6 +178,8 @@ async def handle_pd(request: web.Request, route: Route) -> web.StreamResponse:
     request_id = request_id_of(request)
     api = api_of(route)
     scope = runtime.http_scopes.open(route.value, request_id, request.headers)
+    note = Placement(scope)
+    request[PLACEMENT] = note
     try:
         scope.admit()
         placer = runtime.placer
@@ -182,6 +187,7 @@ async def handle_pd(request: web.Request, route: Route) -> web.StreamResponse:
             request.headers.getall(PREFILL_TARGET_HEADER, []))
         decision = placer.route_fate(route, bool(candidates), request_id)
         if decision is not None:
+            note.decision = decision
             scope.outcome = decision.outcome
             if decision.error is not None:
                 raise decision.error
@@ -206,9 +212,11 @@ async def handle_pd(request: web.Request, route: Route) -> web.StreamResponse:
             raw=raw,
         )
         if client.sub_requests > 1:
+            note.sub_requests = client.sub_requests
             return await relay_fanout(request, runtime, scope, client, pd_request)
         decision = await placer.place(route, client.body, candidates, request_id=request_id,
                                       named_prefill_rank=named_rank)
+        note.decision = decision
         scope.outcome = decision.outcome
         if decision.error is not None:
             raise decision.error
@@ -218,6 +226,7 @@ async def handle_pd(request: web.Request, route: Route) -> web.StreamResponse:
         exchange = await runtime.runner.run(pd_request, decision)
         # The relay may still turn it into broken_stream or error (an engine's error event).
         scope.outcome = exchange.outcome
+        note.reason = exchange.fallback_reason
         try:
             scope.observe_timings(exchange.timings)
             if scope.trace.active:
@@ -391,6 +400,48 @@ async def _passthrough(request: web.Request) -> web.StreamResponse:
 # -- the application -----------------------------------------------------------------------
 
 
+#: The answer's header that says where a PD route's request ran and why.
+PLACEMENT_HEADER: Final = "x-disagg-placement"
+
+
+@dataclass(slots=True)
+class Placement:
+    """What a PD route's answer says of where it ran: the request's outcome (its scope's, as
+    it stands when the head leaves), the decision's facts, a fallback's reason."""
+
+    scope: RequestScope
+    decision: Decision | None = None
+    reason: str | None = None
+    sub_requests: int = 1
+
+    def header(self) -> str:
+        """``outcome[; reason=R][; prompt_tokens=N][; cached_tokens=M][; sub_requests=K]``."""
+        decision = self.decision
+        parts = [self.scope.outcome]
+        reason = self.reason or (decision.fallback_reason if decision is not None else None)
+        if reason is not None:
+            parts.append(f"reason={reason}")
+        if decision is not None:
+            if decision.prompt_tokens is not None:
+                parts.append(f"prompt_tokens={decision.prompt_tokens}")
+            if decision.cached_tokens is not None:
+                parts.append(f"cached_tokens={decision.cached_tokens}")
+        if self.sub_requests > 1:
+            parts.append(f"sub_requests={self.sub_requests}")
+        return "; ".join(parts)
+
+
+PLACEMENT: Final = web.RequestKey("placement", Placement)
+
+
+async def add_placement_header(request: web.BaseRequest, response: web.StreamResponse) -> None:
+    """``on_response_prepare`` (``--placement-header``): a PD route's answer, whatever it is
+    (JSON, a stream's head, a passthrough, an error), says where the request ran and why."""
+    note = request.get(PLACEMENT)
+    if note is not None:
+        response.headers[PLACEMENT_HEADER] = note.header()
+
+
 async def drop_server_header(_: web.Request, response: web.StreamResponse) -> None:
     """``on_response_prepare``: the head goes out without a ``Server`` header (aiohttp adds
     its own, with versions, when the headers are prepared, just before this signal)."""
@@ -402,6 +453,8 @@ def build_http_app(runtime: Runtime) -> web.Application:
     settings = runtime.settings
     app = web.Application(client_max_size=settings.max_body_bytes)
     app.on_response_prepare.append(drop_server_header)
+    if settings.placement_header:
+        app.on_response_prepare.append(add_placement_header)
     app[RUNTIME] = runtime
     app[BODY] = BodyReader(BodyLimits(
         max_bytes=settings.max_body_bytes, timeout_s=settings.client_body_timeout_s,

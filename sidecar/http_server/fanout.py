@@ -23,6 +23,7 @@ from dataclasses import replace
 from aiohttp import web
 
 from sidecar import jsonutil
+from sidecar.engines.tokenizer import Memo
 from sidecar.errors import DecodeFailed, SidecarError, Stage
 from sidecar.http_server.relay import SSERelay, stream_broke, stream_delivered
 from sidecar.protocol.apis import api_of, usage_of
@@ -46,12 +47,14 @@ def _sub_requests(client: ClientRequest, base: PDRequest) -> list[PDRequest]:
 
 
 def _placed(runtime: Runtime) -> StartOne:
-    """Starts one sub-request where its own placement decision puts it."""
+    """Starts one sub-request where its own placement decision puts it (the client
+    request's sub-requests share their prompts' tokenizations: n > 1 tokenizes once)."""
+    memo: Memo = {}
 
     async def start(sub: PDRequest) -> PDExchange:
         decision = await runtime.placer.place(sub.route, sub.body, sub.candidates,
                                               request_id=sub.request_id,
-                                              named_prefill_rank=sub.prefill_rank)
+                                              named_prefill_rank=sub.prefill_rank, memo=memo)
         if decision.error is not None:
             raise decision.error
         return await runtime.runner.run(sub, decision)

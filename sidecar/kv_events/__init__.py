@@ -22,6 +22,11 @@ class CachedPrefix(Protocol):
     #: Tokens per block; None until the first BlockStored told it.
     block_size: int | None
 
+    @property
+    def answers(self) -> bool:
+        """Whether ``cached_tokens`` can answer now (a prompt is tokenized for it only then)."""
+        ...
+
     def cached_tokens(self, token_ids: Sequence[int]) -> int | None:
         """The longest prefix of ``token_ids`` the engine holds, in whole blocks, as tokens (a
         multiple of ``block_size``); None when the index cannot answer truthfully."""

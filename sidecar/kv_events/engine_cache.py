@@ -112,6 +112,11 @@ class EngineKVCache:
         # Settable as the CachedPrefix protocol declares it; the events set it otherwise.
         self.index.block_size = value
 
+    @property
+    def answers(self) -> bool:
+        """Whether ``cached_tokens`` can answer now (else: do not tokenize for it)."""
+        return not self.catching_up and self.index.known
+
     def cached_tokens(self, token_ids: Sequence[int]) -> int | None:
         """The longest cached prefix of ``token_ids`` in whole blocks, as tokens; None when
         unknown."""

@@ -9,7 +9,8 @@ after a leg that failed; and the placer that gathers its facts.
     decide(facts, rules, targets)                  per request, and per fan-out sub-request
         the body names state held by one engine    ─▶ LOCAL        local_state
         the local engine is known down             ─▶ REFUSE       engine_not_ready (503)
-        prompt tokens <= max_tokens                ─▶ LOCAL        local_short
+        prompt tokens <= max_tokens or             ─▶ LOCAL        local_short
+            <= max_uncached (cached or not)
         tokens not cached <= max_uncached          ─▶ LOCAL        local_cached
         a target whose breaker lets a leg in       ─▶ PAIR         ok (target, prefill rank,
                                                                    decode rank)
@@ -49,7 +50,7 @@ from typing import Any, Final, Protocol
 
 from sidecar.dialects.base import RouteSupport
 from sidecar.engines.health import EngineHealth
-from sidecar.engines.tokenizer import PromptMeasure
+from sidecar.engines.tokenizer import Memo, PromptMeasure
 from sidecar.errors import (
     DeadlineExceeded,
     EngineNotReady,
@@ -102,7 +103,8 @@ class Decision:
     error: SidecarError | None = None
     #: A LOCAL fallback's reason (``disagg_prefill_fallbacks_total{reason}``).
     fallback_reason: str | None = None
-    #: Prompt tokens the local engine holds, when the decision knew them.
+    #: The prompt's tokens and those the local engine holds, when the decision knew them.
+    prompt_tokens: int | None = None
     cached_tokens: int | None = None
     #: Which try this is (0: the first decision; ``after_failure`` counts on).
     attempt: int = 0
@@ -190,31 +192,39 @@ def decide(facts: Facts, rules: Rules, targets: Targets) -> Decision:
             f"local engine is not ready ({facts.engine_down}); nothing was sent to a prefill "
             "engine"))
     prompt = facts.prompt
-    if rules.max_tokens > 0 and prompt.tokens is not None and prompt.tokens <= rules.max_tokens:
-        return Decision(Fate.LOCAL, LOCAL_SHORT,
-                        f"prompt of {prompt.tokens} tokens, limit {rules.max_tokens}",
-                        cached_tokens=prompt.cached)
-    if (rules.max_uncached > 0 and prompt.tokens is not None and prompt.cached is not None
-            and prompt.tokens - prompt.cached <= rules.max_uncached):
+    tokens, cached = prompt.tokens, prompt.cached
+    short = max(rules.max_tokens, rules.max_uncached)
+    if short > 0 and tokens is not None and tokens <= short:
+        # Short whatever the cache holds: at most the uncached limit is not cached, whether
+        # the index can tell or not (the same decision in both states, counted as short).
+        limit = rules.max_tokens if tokens <= rules.max_tokens else rules.max_uncached
+        return Decision(Fate.LOCAL, LOCAL_SHORT, f"prompt of {tokens} tokens, limit {limit}",
+                        prompt_tokens=tokens, cached_tokens=cached)
+    if (rules.max_uncached > 0 and tokens is not None and cached is not None
+            and tokens - cached <= rules.max_uncached):
         return Decision(Fate.LOCAL, LOCAL_CACHED,
-                        f"{prompt.tokens - prompt.cached} of {prompt.tokens} prompt tokens "
-                        f"not cached, limit {rules.max_uncached}", cached_tokens=prompt.cached)
+                        f"{tokens - cached} of {tokens} prompt tokens not cached, limit "
+                        f"{rules.max_uncached}", prompt_tokens=tokens, cached_tokens=cached)
     target = targets.pick(facts.candidates)
     if target is None:
         if rules.local_fallback:
             return Decision(Fate.LOCAL, FALLBACK, "every prefill target's breaker is open",
-                            fallback_reason=BREAKER_OPEN, cached_tokens=prompt.cached)
+                            fallback_reason=BREAKER_OPEN, prompt_tokens=tokens,
+                            cached_tokens=cached)
         return Decision(Fate.REFUSE, ERROR, "every prefill target's breaker is open",
                         error=targets.all_open(facts.candidates))
-    return pair_on(target, facts.named_prefill_rank, targets, cached_tokens=prompt.cached)
+    return pair_on(target, facts.named_prefill_rank, targets, prompt_tokens=tokens,
+                   cached_tokens=cached)
 
 
 def pair_on(target: PrefillTarget, named_prefill_rank: int | None, targets: Targets, *,
-            why: str = "", cached_tokens: int | None = None) -> Decision:
+            why: str = "", prompt_tokens: int | None = None,
+            cached_tokens: int | None = None) -> Decision:
     """A pair whose prefill runs on ``target``, with both legs' ranks."""
     return Decision(Fate.PAIR, OK, why, target=target,
                     prefill_rank=targets.prefill_rank(target, named_prefill_rank),
-                    decode_rank=targets.decode_rank(), cached_tokens=cached_tokens)
+                    decode_rank=targets.decode_rank(), prompt_tokens=prompt_tokens,
+                    cached_tokens=cached_tokens)
 
 
 #: Errors of a prefill leg a local fallback may cover (never a client's own bad request).
@@ -237,11 +247,13 @@ def after_failure(decision: Decision, error: SidecarError, candidates: Sequence[
         if target is not None:
             return replace(pair_on(target, named_prefill_rank, targets,
                                    why=f"prefill moved from {failed} to {target}",
+                                   prompt_tokens=decision.prompt_tokens,
                                    cached_tokens=decision.cached_tokens),
                            attempt=decision.attempt + 1)
     if (rules.local_fallback and not decode_sent and isinstance(error, _FALLBACK_ERRORS)
             and error.stage is not Stage.DECODE):
         return Decision(Fate.LOCAL, FALLBACK, error.message, fallback_reason=error.code,
+                        prompt_tokens=decision.prompt_tokens,
                         cached_tokens=decision.cached_tokens, decode_rank=decision.decode_rank,
                         attempt=decision.attempt + 1)
     return Decision(Fate.REFUSE, ERROR, error.message, error=error, attempt=decision.attempt + 1)
@@ -280,15 +292,17 @@ class Placer:
 
     async def place(self, route: Route, body: Mapping[str, Any],
                     candidates: tuple[PrefillTarget, ...], *, request_id: str,
-                    named_prefill_rank: int | None = None) -> Decision:
-        """The fate of one request (or sub-request) whose route may run as a pair."""
+                    named_prefill_rank: int | None = None, memo: Memo | None = None
+                    ) -> Decision:
+        """The fate of one request (or sub-request) whose route may run as a pair; ``memo``:
+        the client request's tokenizations, shared by its sub-requests."""
         state = api_of(route).runs_whole(body)
         engine_down: str | None = None
         prompt = UNKNOWN_PROMPT
         if state is None:
             engine_down = await self._engine_down()
             if engine_down is None:
-                prompt = await self._prompt(route, body)
+                prompt = await self._prompt(route, body, memo)
         decision = decide(Facts(candidates, state, engine_down, prompt, named_prefill_rank),
                           self.rules, self.targets)
         _log(request_id, decision)
@@ -300,11 +314,15 @@ class Placer:
             return None
         return health.cause or "down"
 
-    async def _prompt(self, route: Route, body: Mapping[str, Any]) -> PromptFacts:
+    async def _prompt(self, route: Route, body: Mapping[str, Any],
+                      memo: Memo | None) -> PromptFacts:
         cache = self._cache
         if self.rules.max_tokens <= 0 and cache is None:
             return UNKNOWN_PROMPT
-        prompt = await self._measure.prompt(route, body, ids=cache is not None)
+        # The ids only when the index can answer for them (else no tokenize call is made for
+        # the cache rule: the count, exact or estimated, still serves the short rule).
+        prompt = await self._measure.prompt(route, body, memo=memo,
+                                            ids=cache is not None and cache.answers)
         if cache is None or prompt.ids is None:
             return PromptFacts(prompt.tokens)
         cached = cache.cached_tokens(prompt.ids)

@@ -136,9 +136,13 @@ def test_the_route_alone_decides_passthrough_refusal_and_local_route() -> None:
     (facts(state="previous_response_id", engine_down="refused"), Rules(), "local_state"),
     (facts(prompt=PromptFacts(8)), Rules(max_tokens=8), "local_short"),
     (facts(prompt=PromptFacts(300, 256)), Rules(max_uncached=44), "local_cached"),
-    (facts(prompt=PromptFacts(8, 0)), Rules(max_uncached=8), "local_cached"),
+    # A prompt no longer than the uncached limit is short, whether the index can tell what
+    # it holds or not: the same decision in both states, counted as short.
+    (facts(prompt=PromptFacts(8, 0)), Rules(max_uncached=8), "local_short"),
+    (facts(prompt=PromptFacts(8, None)), Rules(max_uncached=8), "local_short"),
     (facts(prompt=PromptFacts(8, 0)), Rules(max_tokens=8, max_uncached=8), "local_short"),
-], ids=["state", "state-before-engine", "short", "cached", "all-uncached", "short-first"])
+], ids=["state", "state-before-engine", "short", "cached", "short-index-known",
+        "short-index-unknown", "short-first"])
 def test_local_outcomes_never_consult_the_targets(given: Facts, rules: Rules,
                                                    outcome: str) -> None:
     decision = decide(given, rules, Untouchable())
@@ -158,7 +162,7 @@ def test_a_known_down_engine_refuses_before_any_target() -> None:
     (PromptFacts(8), Rules()),  # the rule is off
     (PromptFacts(None), Rules(max_tokens=8)),  # length unknown
     (PromptFacts(300, 255), Rules(max_uncached=44)),  # one uncached token over
-    (PromptFacts(300, None), Rules(max_uncached=1000)),  # the index cannot answer
+    (PromptFacts(3000, None), Rules(max_uncached=1000)),  # the index cannot answer
     (PromptFacts(None, 256), Rules(max_uncached=1000)),  # length unknown
     (PromptFacts(300, 300), Rules(max_tokens=8)),  # cached, but that rule is off
 ], ids=["over", "off", "unknown", "uncached-over", "cache-unknown", "length-unknown",
@@ -238,6 +242,10 @@ class Index:
         self.cached = cached
         self.asked: list[list[int]] = []
 
+    @property
+    def answers(self) -> bool:
+        return self.cached is not None
+
     def cached_tokens(self, token_ids: Sequence[int]) -> int | None:
         self.asked.append(list(token_ids))
         return self.cached
@@ -295,10 +303,12 @@ async def test_the_cache_rule_asks_the_index_with_the_tokenized_ids() -> None:
     assert decision.outcome == "ok" and tokenizer.calls == 1 and found == [256, 256]
 
 
-async def test_an_index_that_cannot_answer_leaves_the_length_rule_in_charge() -> None:
-    p = placer(Rules(max_tokens=8, max_uncached=1000), index=Index(None),
-               tokenizer=Tokenizer([1, 2, 3]))
+async def test_an_index_that_cannot_answer_leaves_the_short_rule_in_charge_untokenized() -> None:
+    # No tokenize call when the index cannot answer (its ids would be of no use): the prompt's
+    # count (estimated here) decides by the short rule alone, the same as when it answers.
+    tokenizer = Tokenizer(list(range(20)))
+    p = placer(Rules(max_tokens=8, max_uncached=1000), index=Index(None), tokenizer=tokenizer)
     assert (await _place(p, Route.COMPLETIONS, {"prompt": "hi"})).outcome == "local_short"
-    long = placer(Rules(max_tokens=8, max_uncached=1000), index=Index(None),
-                  tokenizer=Tokenizer(list(range(20))))
-    assert (await _place(long, Route.COMPLETIONS, {"prompt": "hi"})).outcome == "ok"
+    long = await _place(p, Route.COMPLETIONS, {"prompt": "x" * 5000})
+    assert long.outcome == "ok" and long.prompt_tokens == 1250
+    assert tokenizer.calls == 0

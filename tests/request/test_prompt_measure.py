@@ -205,3 +205,67 @@ async def test_a_count_of_zero_is_a_count() -> None:
     decision, failures = local(Tokenizer({"count": 0}))
     assert await decision.is_short(Route.COMPLETIONS, completions_body(), "rq")
     assert failures == []
+
+
+# -- keyed like the engine (the cache rule's ids) -------------------------------------------
+
+
+def keyed(tokenizer: Tokenizer, served: str = "stub-model") -> PromptMeasure:
+    async def served_model() -> str:
+        return served
+
+    return PromptMeasure(endpoint=VLLM_TOKENIZE, post_local=tokenizer,
+                         served_model=served_model)
+
+
+IDS = {"count": 3, "tokens": [7, 8, 9]}
+
+
+async def test_a_plain_prompt_of_the_served_model_is_keyed() -> None:
+    tokenizer = Tokenizer(IDS, IDS)
+    measure = keyed(tokenizer)
+    for body in (completions_body(model="stub-model"), {"prompt": "no model named"}):
+        assert (await measure.prompt(Route.COMPLETIONS, body, ids=True)).ids == [7, 8, 9]
+
+
+@pytest.mark.parametrize("extra", [
+    {"model": "a-lora-adapter"},  # its blocks carry the adapter: never a plain prefix
+    {"cache_salt": "tenant-1"},  # salted blocks are keyed apart
+    {"truncate_prompt_tokens": 4},  # the engine keeps the last ids, the tokenizer all
+], ids=["lora", "salt", "truncation"])
+async def test_a_request_keyed_apart_from_a_plain_prompt_gets_no_ids(
+        extra: dict[str, Any]) -> None:
+    tokenizer = Tokenizer(IDS)
+    prompt = await keyed(tokenizer).prompt(
+        Route.COMPLETIONS, {**completions_body(model="stub-model"), **extra}, ids=True)
+    assert prompt.ids is None
+
+
+async def test_a_chat_with_a_part_that_is_not_text_gets_no_ids() -> None:
+    body = chat_body(model="stub-model")
+    body["messages"] = [{"role": "user", "content": [
+        {"type": "text", "text": "what is this?"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]
+    tokenizer = Tokenizer(IDS)
+    assert (await keyed(tokenizer).prompt(Route.CHAT, body, ids=True)).ids is None
+    assert tokenizer.calls == []
+
+
+async def test_the_tokenizer_gets_what_changes_a_completions_prompts_ids() -> None:
+    tokenizer = Tokenizer(IDS)
+    body = {**completions_body(model="stub-model"), "add_special_tokens": False}
+    await keyed(tokenizer).prompt(Route.COMPLETIONS, body, ids=True)
+    (_, sent, _, _), = tokenizer.calls
+    assert sent["add_special_tokens"] is False
+
+
+async def test_a_request_tokenizes_a_shared_prompt_once() -> None:
+    # A fan-out's sub-requests (n > 1) share their prompt: one tokenize call for all.
+    tokenizer = Tokenizer(IDS)
+    measure = keyed(tokenizer)
+    memo: dict[bytes, Any] = {}
+    for seed in range(8):
+        body = {**completions_body(model="stub-model"), "n": 1, "seed": seed}
+        assert (await measure.prompt(Route.COMPLETIONS, body, ids=True, memo=memo)).ids == [
+            7, 8, 9]
+    assert len(tokenizer.calls) == 1
