@@ -168,9 +168,6 @@ class TargetChoice:
         return PrefillFailed(f"circuit breaker open for {every}{which}: its legs kept "
                              f"failing; next trial in {wait:.0f} s")
 
-    def breaker_allows(self, target: PrefillTarget) -> bool:
-        return self.breakers is None or self.breakers.allows(target)
-
     @contextlib.contextmanager
     def leg(self, target: PrefillTarget) -> Iterator[LegVerdict]:
         """Count one prefill leg in flight on ``target`` while the block runs, and give its
@@ -261,8 +258,8 @@ class CoolDowns(Generic[K]):
 RANK_HEADER: Final = "x-data-parallel-rank"
 #: Longer than any rank below the size bound (1024): refused before it is read as a number.
 _MAX_DIGITS: Final = 4
-#: Engines whose rank turn is remembered (cleared whole when full: bounded memory; a router's
-#: header may name many targets).
+#: Engines whose rank turn is remembered (a router's header may name many targets): the least
+#: recently picked forgotten first (its next pick starts at rank 0 again).
 _MAX_TURNS: Final = 4096
 #: The local engine, as the engine of a rank (a prefill target names a remote one).
 LOCAL: Final = None
@@ -318,7 +315,7 @@ class RankChoice:
         self._clock = clock
         self._rank_in_flight: dict[tuple[Engine, int], int] = {}
         self._rank_cooling: CoolDowns[tuple[Engine, int]] = CoolDowns(cooldown_s, clock)
-        self._rank_turns: dict[Engine, int] = {}
+        self._rank_turns: BoundedMap[Engine, int] = BoundedMap(_MAX_TURNS)
 
     def rank_in_flight(self, engine: Engine, rank: int) -> int:
         return self._rank_in_flight.get((engine, rank), 0)
@@ -344,10 +341,8 @@ class RankChoice:
     def _turn(self, engine: Engine, size: int) -> int:
         """Where ``engine``'s next pick starts looking: one rank on from its last."""
         turns = self._rank_turns
-        turn = turns.get(engine, 0)
-        if len(turns) >= _MAX_TURNS and engine not in turns:
-            turns.clear()
-        turns[engine] = (turn + 1) % size
+        turn = turns.peek(engine) or 0
+        turns[engine] = (turn + 1) % size  # a write: the most recently picked
         return turn
 
     def _least_loaded(self, engine: Engine, size: int, start: int, *,
