@@ -58,6 +58,7 @@ class Metrics:
         """``pool_dir``: a pool's multiprocess directory; ``/metrics`` then reads them all."""
         self.registry = registry or CollectorRegistry(auto_describe=True)
         self._exposed = self.registry if pool_dir is None else _pool_registry(pool_dir)
+        self._pooled = pool_dir is not None
         self._children: dict[tuple[int, tuple[str, ...]], MetricWrapperBase] = {}
         self._counters: dict[tuple[int, tuple[str, ...]], CounterValue] = {}
         r = self.registry
@@ -171,6 +172,19 @@ class Metrics:
         if child is None:
             child = self._children[key] = metric.labels(*values)
         return cast(_M, child)
+
+    def forget(self, metric: MetricWrapperBase, *values: str) -> bool:
+        """Remove ``metric``'s series of ``values`` (what it was about is gone), and the
+        remembered child: a later ``labelled`` makes a fresh one. False in a worker pool,
+        whose series prometheus-client cannot remove (its files keep them): the caller sets
+        the series' neutral value instead."""
+        if self._pooled:
+            return False
+        key = (id(metric), values)
+        self._children.pop(key, None)
+        self._counters.pop(key, None)
+        metric.remove(*values)
+        return True
 
     def counter(self, metric: Counter, *values: str) -> CounterValue:
         """The hot path's handle on ``metric.labels(*values)`` (``prometheus_private``),

@@ -120,6 +120,11 @@ class TargetChoice:
         """The bounded metric label of ``target``: its address in the pool, else ``header``."""
         return self._pool_labels.get(target, HEADER_LABEL)
 
+    def tracks(self, label: str) -> bool:
+        """Whether a breaker is kept for a target labelled ``label``."""
+        return self.breakers is not None and any(
+            self.label(target) == label for target in self.breakers.states())
+
     def breaker_state(self, label: str) -> BreakerState:
         """The worst breaker state among the targets labelled ``label`` (open > half-open >
         closed): one value per bounded label, as ``disagg_prefill_breaker_state`` shows it."""
