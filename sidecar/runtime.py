@@ -28,6 +28,7 @@ from sidecar.config.settings import KVTransport, Settings
 from sidecar.dialects import Dialect, DialectSetup, InlineDialect, dialect_class, handoff_keys
 from sidecar.engines.calls import EngineCalls, make_session
 from sidecar.engines.health import BreakerProbes, EngineHealth, answer_timeout
+from sidecar.engines.models import Mismatch, ServedModels
 from sidecar.engines.tokenizer import PromptMeasure
 from sidecar.http1 import EngineClient
 from sidecar.kv_events.engine_cache import EngineKVCache
@@ -174,9 +175,10 @@ def _runners(settings: Settings, metrics: Metrics, calls: EngineCalls, setup: Di
 
 
 def _placer(settings: Settings, metrics: Metrics, calls: EngineCalls, runner: Runner,
-            health: EngineHealth, cache: EngineKVCache | None) -> Placer:
+            health: EngineHealth, cache: EngineKVCache | None, served: ServedModels) -> Placer:
     """The placement decision of the HTTP door's requests, over the runner's targets and
-    rules; ``cache``: the local engine's prefix cache, from its KV events."""
+    rules; ``cache``: the local engine's prefix cache, from its KV events; ``served``: which
+    targets can hand off to the local engine."""
     dialect = runner.dialect
     measure = PromptMeasure(
         source=settings.prompt_length_source,
@@ -186,10 +188,17 @@ def _placer(settings: Settings, metrics: Metrics, calls: EngineCalls, runner: Ru
         on_tokenize_failure=lambda reason: metrics.labelled(
             metrics.tokenize_failures, reason).inc(),
     )
+    choice = calls.choice
+    mismatches = metrics.prefill_mismatches
+
+    def unpaired(target: PrefillTarget, mismatch: Mismatch) -> None:
+        metrics.counter(mismatches, choice.label(target), mismatch.kind).inc()
+
     return Placer(route_support=dialect.route_support, engine=dialect.engine,
                   rules=runner.rules, targets=runner.targets, measure=measure, cache=cache,
                   health=health,
-                  on_cached_tokens=None if cache is None else cache.observe_cached_tokens)
+                  on_cached_tokens=None if cache is None else cache.observe_cached_tokens,
+                  kinship=served, on_unpaired=unpaired)
 
 
 @contextlib.asynccontextmanager
@@ -239,8 +248,16 @@ async def open_runtime(
             on_forget=breaker_forgotten,
         )
         probes.breakers = breakers
+        # What the engines serve: a pair joins only engines that can hand KV off (a target
+        # that refused a connection restarted: what it served is asked again).
+        served = ServedModels(session, settings.engine_url,
+                              timeout_s=settings.connect_timeout_s,
+                              layout=dialect_class(settings.engine,
+                                                   settings.kv_connector).kv_layout)
+        resources.push_async_callback(served.close)
         choice = TargetChoice(cooldown_s=settings.prefill_cooldown_s,
-                              pool=_literal_members(pool), breakers=breakers)
+                              pool=_literal_members(pool), breakers=breakers,
+                              on_refused=served.forget)
         ranks = RankChoice(cooldown_s=settings.prefill_cooldown_s)
         if choice.breakers is not None:
             fixed_labels.update({HEADER_LABEL, *(choice.label(t) for t in pool)})
@@ -288,8 +305,10 @@ async def open_runtime(
         if isinstance(allowlist, PodAllowlist):
 
             def pod_gone(pod: PodTarget) -> None:
-                # A pod that left the pool: its breaker and probe end.
-                breakers.forget(PrefillTarget(str(pod.address), pod.port))
+                # A pod that left the pool: its breaker and probe end, what it served goes.
+                target = PrefillTarget(str(pod.address), pod.port)
+                breakers.forget(target)
+                served.forget(target)
 
             allowlist.on_removed(pod_gone)
         selector = TargetSelector(
@@ -306,7 +325,7 @@ async def open_runtime(
             http_scopes=scopes(FrontDoor.HTTP),
             grpc_scopes=scopes(FrontDoor.GRPC),
             selector=selector,
-            placer=_placer(settings, metrics, calls, http_runner, health, kv_cache),
+            placer=_placer(settings, metrics, calls, http_runner, health, kv_cache, served),
             admission=admission,
             health=health,
             worker=worker,

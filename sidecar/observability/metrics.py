@@ -99,6 +99,15 @@ class Metrics:
             registry=r,
             multiprocess_mode="livemax",
         )
+        self.prefill_mismatches = Counter(
+            "disagg_prefill_mismatches",
+            "Prefill targets left out of a request because they cannot hand KV off to the "
+            "local engine, by target (as disagg_prefill_legs_total labels it) and kind "
+            "(model: another model or weights; kv_layout: another KV cache layout; unknown: "
+            "it does not say what it serves). Never counted against a circuit breaker.",
+            ["target", "kind"],
+            registry=r,
+        )
         self.rank_legs = Counter(
             "disagg_rank_legs",
             "Legs on data-parallel ranks (engines with --data-parallel-size above 1) by leg "

@@ -51,11 +51,25 @@ from __future__ import annotations
 import contextlib
 import random
 import time
-from collections.abc import Callable, Collection, Hashable, Iterable, Iterator, Sequence
+from collections.abc import (
+    Callable,
+    Collection,
+    Hashable,
+    Iterable,
+    Iterator,
+    Mapping,
+    Sequence,
+)
 from typing import Final, Generic, TypeVar
 
 from sidecar.bounded import BoundedMap
-from sidecar.errors import InvalidRequest, PrefillBreakerOpen, PrefillFailed, SidecarError
+from sidecar.errors import (
+    InvalidRequest,
+    PrefillBreakerOpen,
+    PrefillFailed,
+    PrefillMismatch,
+    SidecarError,
+)
 from sidecar.protocol.context import PrefillTarget
 from sidecar.targets.breaker import NORMAL, SEVERITY, BreakerState, CircuitBreakers
 
@@ -101,8 +115,10 @@ class TargetChoice:
         clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
         breakers: CircuitBreakers | None = None,
+        on_refused: Callable[[PrefillTarget], None] | None = None,
     ) -> None:
         self._cooldown_s = cooldown_s
+        self._on_refused = on_refused
         self._clock = clock
         self._rng = rng or random.Random()
         self._in_flight: dict[PrefillTarget, int] = {}
@@ -173,6 +189,29 @@ class TargetChoice:
         return PrefillFailed(f"circuit breaker open for {every}{which}: its legs kept "
                              f"failing; next trial in {wait:.0f} s")
 
+    def admissible(self, candidates: Sequence[PrefillTarget]) -> Sequence[PrefillTarget]:
+        """The candidates whose breakers let a leg in now."""
+        breakers = self.breakers
+        if breakers is None:
+            return candidates
+        return [target for target in candidates if breakers.allows(target)]
+
+    def unpaired(self, why: Mapping[PrefillTarget, str]) -> PrefillMismatch:
+        """The error of a request none of whose targets can hand KV off to this engine
+        (``why``: each one's reason; router-named targets named, pool members not)."""
+
+        def named(target: PrefillTarget) -> str:
+            return str(target) if self.label(target) == HEADER_LABEL else "a pool member"
+
+        if len(why) == 1:
+            [(target, reason)] = why.items()
+            shown = f" {target}" if self.label(target) == HEADER_LABEL else ""
+            return PrefillMismatch(f"the prefill target{shown} cannot hand KV off to this "
+                                   f"engine: {reason}; nothing was sent to it")
+        reasons = "; ".join(f"{named(target)}: {reason}" for target, reason in why.items())
+        return PrefillMismatch(f"no prefill target can hand KV off to this engine ({reasons}); "
+                               "nothing was sent to one")
+
     @contextlib.contextmanager
     def leg(self, target: PrefillTarget) -> Iterator[LegVerdict]:
         """Count one prefill leg in flight on ``target`` while the block runs, and give its
@@ -201,8 +240,11 @@ class TargetChoice:
         self._cooling.end(target)
 
     def refused(self, target: PrefillTarget) -> None:
-        """``target`` refused a connection: skip it for the cool-down."""
+        """``target`` refused a connection: skip it for the cool-down (and tell
+        ``on_refused``: what was learned of it may be stale)."""
         self._cooling.start(target)
+        if self._on_refused is not None:
+            self._on_refused(target)
 
 
 # -- cool-downs ------------------------------------------------------------------------------
@@ -451,6 +493,12 @@ class PrefillTargets:
 
     def all_open(self, candidates: Sequence[PrefillTarget]) -> SidecarError:
         return self._choice.all_open(candidates)
+
+    def admissible(self, candidates: Sequence[PrefillTarget]) -> Sequence[PrefillTarget]:
+        return self._choice.admissible(candidates)
+
+    def unpaired(self, why: Mapping[PrefillTarget, str]) -> SidecarError:
+        return self._choice.unpaired(why)
 
     def prefill_rank(self, target: PrefillTarget, named: int | None) -> int | None:
         return self.ranks.prefill(target, named)
