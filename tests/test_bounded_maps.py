@@ -1,6 +1,9 @@
 """Proves every map keyed by what routers or clients send is one ``BoundedMap`` with a
 declared bound and eviction (issue 33, "one bounded map"):
 
+- each module that makes a ``BoundedMap`` is a row of the one table in
+  docs/operating/reliability-rules.md (its bound and eviction said there), and each row's
+  module makes one;
 - the maps that were cleared whole when full keep their newest keys instead: the selector's
   remembered selections (1,025 router headers left one), the data-parallel ranks' turns,
   the prefill URLs;
@@ -12,12 +15,34 @@ tests/dialects/test_vllm_nixl_push.py; the TTL cache's: tests/test_ttl_cache.py.
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 from sidecar.engines.calls import _MAX_REMEMBERED_URLS, EngineCalls
 from sidecar.http1 import EngineClient
 from sidecar.protocol.context import PrefillTarget, Route
 from sidecar.targets.allowlist import Allowlist
 from sidecar.targets.choice import _MAX_TURNS, RankChoice
 from sidecar.targets.selector import _MAX_REMEMBERED, TargetSelector
+
+ROOT = Path(__file__).resolve().parents[1]
+TABLE = ROOT / "docs" / "operating" / "reliability-rules.md"
+_MAKES = re.compile(r"BoundedMap\(|BoundedMap\[[^\]]*\]\(")
+
+
+def _table_modules() -> set[str]:
+    text = TABLE.read_text(encoding="utf-8")
+    table = text.split("<!-- bounded-maps -->")[1].split("<!-- bounded-maps:end -->")[0]
+    return set(re.findall(r"`(sidecar/[\w/]+\.py)`", table))
+
+
+def test_every_bounded_map_is_a_row_of_the_table() -> None:
+    makers = {
+        str(path.relative_to(ROOT)) for path in (ROOT / "sidecar").rglob("*.py")
+        if path.name != "bounded.py" and _MAKES.search(path.read_text(encoding="utf-8"))
+    }
+    assert makers, "no BoundedMap found: the scan is broken"
+    assert makers == _table_modules()
 
 
 def _target(n: int) -> PrefillTarget:
