@@ -14,7 +14,7 @@ after a leg that failed; and the placer that gathers its facts.
         (the rules above: ``local_fate``; below: ``pair_fate``)
         a target that can hand off to this engine  ─▶ PAIR         ok (target, prefill rank,
         and whose breaker lets a leg in                            decode rank)
-        none can hand off, local fallback allowed  ─▶ LOCAL        fallback (prefill_mismatch)
+        none can hand off, local fallback allowed  ─▶ LOCAL        fallback (its code)
         none can hand off (another model or KV     ─▶ REFUSE       prefill_target_mismatch
         layout, or it does not say)                                (502)
         every breaker open, local fallback allowed ─▶ LOCAL        fallback (breaker_open)
