@@ -143,6 +143,16 @@ class PrefillBreakerOpen(PrefillNotRun):
     """The target's circuit breaker is open: nothing was sent to it (retryable)."""
 
 
+class PrefillMismatch(SidecarError):
+    """No prefill target of the request can hand KV off to the local engine: each serves
+    another model, or another KV layout, or does not say what it serves (HTTP 502); nothing
+    was sent to one. Never a target's health: its circuit breaker does not count it."""
+
+    code = "prefill_target_mismatch"
+    http_status = 502
+    default_stage = Stage.PREFILL
+
+
 class EngineRejected(SidecarError):
     """An engine refused the request as invalid (it answered 4xx); the client must change it."""
 

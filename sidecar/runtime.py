@@ -27,7 +27,8 @@ from sidecar.config.limits import PrefillFailurePolicy
 from sidecar.config.settings import KVTransport, Settings
 from sidecar.dialects import Dialect, DialectSetup, InlineDialect, dialect_class, handoff_keys
 from sidecar.engines.calls import EngineCalls, make_session
-from sidecar.engines.health import BreakerProbes, EngineHealth
+from sidecar.engines.health import BreakerProbes, EngineHealth, answer_timeout
+from sidecar.engines.models import Mismatch, ServedModels
 from sidecar.engines.tokenizer import PromptMeasure
 from sidecar.errors import Stage
 from sidecar.http1 import EngineClient
@@ -44,6 +45,7 @@ from sidecar.request.scope import Admission, Scopes
 from sidecar.targets.allowlist import Allowlist
 from sidecar.targets.breaker import BreakerState, CircuitBreakers
 from sidecar.targets.choice import HEADER_LABEL, LegRanks, PrefillTargets, RankChoice, TargetChoice
+from sidecar.targets.kubernetes import PodAllowlist, PodTarget
 from sidecar.targets.selector import AllowlistLike, TargetSelector, parse_prefill_url
 from sidecar.workers.identity import INFLIGHT_FILE, SOLO, WorkerIdentity
 from sidecar.workers.ports import PortInUse
@@ -174,9 +176,10 @@ def _runners(settings: Settings, metrics: Metrics, calls: EngineCalls, setup: Di
 
 
 def _placer(settings: Settings, metrics: Metrics, calls: EngineCalls, runner: Runner,
-            health: EngineHealth, cache: EngineKVCache | None) -> Placer:
+            health: EngineHealth, cache: EngineKVCache | None, served: ServedModels) -> Placer:
     """The placement decision of the HTTP door's requests, over the runner's targets and
-    rules; ``cache``: the local engine's prefix cache, from its KV events."""
+    rules; ``cache``: the local engine's prefix cache, from its KV events; ``served``: which
+    targets can hand off to the local engine."""
     dialect = runner.dialect
     measure = PromptMeasure(
         source=settings.prompt_length_source,
@@ -187,10 +190,17 @@ def _placer(settings: Settings, metrics: Metrics, calls: EngineCalls, runner: Ru
             metrics.tokenize_failures, reason).inc(),
         served_model=lambda: calls.model_name(Stage.DECODE),
     )
+    choice = calls.choice
+    mismatches = metrics.prefill_mismatches
+
+    def unpaired(target: PrefillTarget, mismatch: Mismatch) -> None:
+        metrics.counter(mismatches, choice.label(target), mismatch.kind).inc()
+
     return Placer(route_support=dialect.route_support, engine=dialect.engine,
                   rules=runner.rules, targets=runner.targets, measure=measure, cache=cache,
                   health=health,
-                  on_cached_tokens=None if cache is None else cache.observe_cached_tokens)
+                  on_cached_tokens=None if cache is None else cache.observe_cached_tokens,
+                  kinship=served, on_unpaired=unpaired)
 
 
 @contextlib.asynccontextmanager
@@ -210,26 +220,50 @@ async def open_runtime(
         pool = [parse_prefill_url(url) for url in settings.prefill_urls]
         # One view of the prefill targets for the whole process: both front doors' legs count.
         breaker_states = metrics.prefill_breaker_state
-        # An open breaker's target is probed, so a recovered engine gets legs at once.
-        probes = BreakerProbes(session, timeout_s=min(settings.connect_timeout_s, 2.0))
+        # The engines' health by one rule; an open breaker's target is probed, so a recovered
+        # engine gets legs at once.
+        health_timeout_s = answer_timeout(settings.connect_timeout_s)
+        probes = BreakerProbes(session, timeout_s=health_timeout_s)
         resources.push_async_callback(probes.close)
+        #: The labels whose breaker series stay while nothing is tracked under them.
+        fixed_labels: set[str] = set()
+
+        def export_breaker(label: str) -> None:
+            metrics.labelled(breaker_states, label).set(choice.breaker_state(label))
 
         def breaker_changed(target: PrefillTarget, _: BreakerState, new: BreakerState,
                             __: str) -> None:
-            label = choice.label(target)
-            metrics.labelled(breaker_states, label).set(choice.breaker_state(label))
+            export_breaker(choice.label(target))
             probes.changed(target, new)
+
+        def breaker_forgotten(target: PrefillTarget, _: BreakerState) -> None:
+            probes.forgotten(target)
+            label = choice.label(target)
+            if label in fixed_labels or choice.tracks(label):
+                export_breaker(label)
+            elif not metrics.forget(breaker_states, label):
+                metrics.labelled(breaker_states, label).set(BreakerState.CLOSED)
 
         breakers = CircuitBreakers(
             failures=settings.prefill_breaker_failures, open_s=settings.prefill_breaker_open_s,
             successes=settings.prefill_breaker_successes, on_change=breaker_changed,
+            on_forget=breaker_forgotten,
         )
         probes.breakers = breakers
+        # What the engines serve: a pair joins only engines that can hand KV off (a target
+        # that refused a connection restarted: what it served is asked again).
+        served = ServedModels(session, settings.engine_url,
+                              timeout_s=settings.connect_timeout_s,
+                              layout=dialect_class(settings.engine,
+                                                   settings.kv_connector).kv_layout)
+        resources.push_async_callback(served.close)
         choice = TargetChoice(cooldown_s=settings.prefill_cooldown_s,
-                              pool=_literal_members(pool), breakers=breakers)
+                              pool=_literal_members(pool), breakers=breakers,
+                              on_refused=served.forget)
         ranks = RankChoice(cooldown_s=settings.prefill_cooldown_s)
         if choice.breakers is not None:
-            for label in {HEADER_LABEL, *(choice.label(t) for t in pool)}:
+            fixed_labels.update({HEADER_LABEL, *(choice.label(t) for t in pool)})
+            for label in fixed_labels:
                 metrics.labelled(breaker_states, label).set(0)
         legs = metrics.prefill_legs
         calls = EngineCalls(
@@ -245,7 +279,7 @@ async def open_runtime(
             settings, dialect_class(settings.engine, settings.kv_connector).ranked)
         setup = DialectSetup(settings, lane=worker.index, lanes=worker.count, lookup=calls,
                              local_ranks=local_ranks, prefill_ranks=prefill_ranks)
-        health = EngineHealth(session, settings.engine_url, timeout_s=settings.connect_timeout_s)
+        health = EngineHealth(session, settings.engine_url, timeout_s=health_timeout_s)
         ranks_of_legs = LegRanks(ranks, local_size=local_ranks, prefill_size=prefill_ranks)
         targets = PrefillTargets(choice, ranks_of_legs)
         # A dialect whose decode cannot run without its prefill still falls back before any
@@ -270,6 +304,15 @@ async def open_runtime(
                 namespace=settings.prefill_pod_namespace, port_label=settings.port_label,
                 first_list_timeout_s=settings.connect_timeout_s,
             ))
+        if isinstance(allowlist, PodAllowlist):
+
+            def pod_gone(pod: PodTarget) -> None:
+                # A pod that left the pool: its breaker and probe end, what it served goes.
+                target = PrefillTarget(str(pod.address), pod.port)
+                breakers.forget(target)
+                served.forget(target)
+
+            allowlist.on_removed(pod_gone)
         selector = TargetSelector(
             allowlist, pool, resolve_timeout_s=settings.connect_timeout_s, choice=choice
         )
@@ -284,7 +327,7 @@ async def open_runtime(
             http_scopes=scopes(FrontDoor.HTTP),
             grpc_scopes=scopes(FrontDoor.GRPC),
             selector=selector,
-            placer=_placer(settings, metrics, calls, http_runner, health, kv_cache),
+            placer=_placer(settings, metrics, calls, http_runner, health, kv_cache, served),
             admission=admission,
             health=health,
             worker=worker,

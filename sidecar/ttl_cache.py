@@ -11,7 +11,10 @@ expire, bounded memory.
 - expiry: a value is served for ``ttl_s`` seconds after it arrived; expired entries are
   evicted by a sweep at most once per ``ttl_s`` (amortised into ``get``), so keys asked once
   do not stay for ever;
-- bound: at most ``max_entries`` values; past it the oldest goes first.
+- bound: at most ``max_entries`` values; past it the oldest goes first (a
+  ``sidecar.bounded.BoundedMap`` whose reads count no use: oldest learned is oldest out, and
+  with one TTL for all the expired ones are the oldest, so the sweep stops at the first that
+  is not).
 
 Built for dialects' side-channel look-ups (the Mooncake engine id; any dialect's identity
 look-up). Deliberate limits: no per-entry TTL; no negative caching.
@@ -24,6 +27,7 @@ import time
 from collections.abc import Awaitable, Callable, Hashable
 from typing import Any, Generic, TypeVar
 
+from sidecar.bounded import BoundedMap
 from sidecar.tasks import cancel_and_wait
 
 K = TypeVar("K", bound=Hashable)
@@ -38,10 +42,9 @@ class SingleFlightTTLCache(Generic[K, V]):
         if ttl_s <= 0 or max_entries < 1:
             raise ValueError("ttl_s must be > 0 and max_entries >= 1")
         self._ttl_s = ttl_s
-        self._max_entries = max_entries
         self._clock = clock
-        #: key -> (expires at, value), oldest first.
-        self._entries: dict[K, tuple[float, V]] = {}
+        #: key -> (expires at, value), oldest first (read with ``peek``: a read is no use).
+        self._entries: BoundedMap[K, tuple[float, V]] = BoundedMap(max_entries)
         self._flights: dict[K, asyncio.Task[V]] = {}
         self._next_sweep = clock() + ttl_s
 
@@ -59,7 +62,7 @@ class SingleFlightTTLCache(Generic[K, V]):
         now = self._clock()
         if now >= self._next_sweep:
             self._sweep(now)
-        entry = self._entries.get(key)
+        entry = self._entries.peek(key)
         if entry is not None and entry[0] > now:
             return entry[1]
         flight = self._flights.get(key)
@@ -77,16 +80,17 @@ class SingleFlightTTLCache(Generic[K, V]):
         finally:
             if self._flights.get(key) is asyncio.current_task():
                 del self._flights[key]
-        self._entries.pop(key, None)  # re-inserted last: the newest
+        # Written last (the newest); past the bound the oldest goes.
         self._entries[key] = (self._clock() + self._ttl_s, value)
-        while len(self._entries) > self._max_entries:
-            del self._entries[next(iter(self._entries))]
         return value
 
     def _sweep(self, now: float) -> None:
-        for key in [key for key, (expires, _) in self._entries.items() if expires <= now]:
-            del self._entries[key]
+        self._entries.evict_while(lambda _, entry: entry[0] <= now)
         self._next_sweep = now + self._ttl_s
+
+    def forget(self, key: K) -> None:
+        """Drop ``key``'s value (a look-up running for it still stores what it finds)."""
+        self._entries.pop(key, None)
 
     async def close(self) -> None:
         """Stop the look-ups still running (shutdown)."""

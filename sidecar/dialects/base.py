@@ -35,7 +35,7 @@ sources are the process's); per-request values live in ``ctx.state`` only.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from types import MappingProxyType
@@ -84,6 +84,16 @@ class TokenizeEndpoint:
     #: salt), or change its ids in a way the endpoint does not (a truncation): such a request's
     #: ids are not looked up in the engine's cache.
     unkeyed_fields: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayoutSource:
+    """Where an engine states how its KV cache is laid out (a path it answers GET on), and
+    how to read from that answer the facts two engines must share to hand KV over (None:
+    it states none). ``sidecar.engines.models`` compares them before a pair."""
+
+    path: str
+    read: Callable[[bytes], Mapping[str, str] | None]
 
 
 class PodSource(NamedTuple):
@@ -173,6 +183,9 @@ class Dialect(ABC):
     drops_max_completion_tokens: ClassVar[bool] = False
     #: The engine's tokenizer endpoint, if it has one.
     tokenize: ClassVar[TokenizeEndpoint | None] = None
+    #: Where the engine states its KV cache's layout, if it does (a pair joins engines
+    #: whose stated facts agree).
+    kv_layout: ClassVar[KVLayoutSource | None] = None
     #: The routes this engine serves as prefill/decode pairs with its hand-off fields
     #: (the routes table of docs/driving/routes.md); the others run whole on the local engine, or
     #: are refused.

@@ -10,6 +10,14 @@ pods run; one dialect per connector (chosen by the connector pod label) subclass
                       prefill target's identity is learned
     vllm_inline.py    this project's own connector (``--kv-transport inline``, gRPC only)
 
+The KV layout (``kv_layout``): vLLM states its cache's configuration on ``/metrics`` as the
+labels of ``vllm:cache_config_info`` (``vllm/v1/metrics/loggers.py``, ``log_metrics_info``;
+every field of ``CacheConfig``). Of those, two engines must share the KV cache's dtype
+(``cache_dtype``: a factor of NIXL's compatibility hash, ``compute_nixl_compatibility_hash``
+in ``nixl/metadata.py``, and what any connector's bytes mean); block sizes and tensor-parallel
+sizes may differ (NIXL's handshake maps them: ``_validate_remote_agent_handshake``, its
+``block_size_ratio`` and ``tp_ratio``).
+
 Data parallelism: vLLM's API server places a request on the rank its ``X-data-parallel-rank``
 header names (one API server for all ranks, internal load balancing); every vLLM dialect
 sends it on both legs when the engine has several ranks, and nothing otherwise.
@@ -17,14 +25,36 @@ sends it on both legs when the engine has several ranks, and nothing otherwise.
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
 from typing import Final
 
-from sidecar.dialects.base import Dialect, TokenizeEndpoint
+from sidecar.dialects.base import Dialect, KVLayoutSource, TokenizeEndpoint
 from sidecar.errors import InvalidHandoff
 
 KV_TRANSFER_PARAMS: Final = "kv_transfer_params"
 #: The header vLLM's API server reads a request's data-parallel rank from.
 DATA_PARALLEL_RANK_HEADER: Final = "X-data-parallel-rank"
+
+
+#: The metric whose labels are the engine's ``CacheConfig``.
+CACHE_CONFIG_INFO: Final = b"vllm:cache_config_info{"
+#: The cache's facts two engines must share to hand KV over.
+SHARED_CACHE_FACTS: Final = ("cache_dtype",)
+_LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+def cache_config(metrics: bytes) -> Mapping[str, str] | None:
+    """The shared facts of the KV cache, from a ``/metrics`` page (its first
+    ``vllm:cache_config_info`` sample); None when it has none."""
+    start = metrics.find(b"\n" + CACHE_CONFIG_INFO) + 1
+    if not start and not metrics.startswith(CACHE_CONFIG_INFO):
+        return None
+    end = metrics.find(b"\n", start)
+    line = metrics[start: end if end >= 0 else len(metrics)].decode("utf-8", "replace")
+    labels = dict(_LABEL.findall(line))
+    facts = {fact: labels[fact] for fact in SHARED_CACHE_FACTS if fact in labels}
+    return facts or None
 
 
 class VLLMDialect(Dialect):
@@ -45,6 +75,7 @@ class VLLMDialect(Dialect):
         prompt_fields=("add_special_tokens",),
         unkeyed_fields=("cache_salt", "truncate_prompt_tokens"),
     )
+    kv_layout = KVLayoutSource("/metrics", cache_config)
 
     @classmethod
     def no_handoff(cls, what: str) -> InvalidHandoff:

@@ -36,7 +36,6 @@ error); the gRPC door's Decode cannot resend (the prefill's answer is on the oth
 from __future__ import annotations
 
 import asyncio
-from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -45,6 +44,7 @@ from typing import Any, ClassVar, Final
 from pydantic import Field
 
 from sidecar import jsonutil
+from sidecar.bounded import BoundedMap
 from sidecar.dialects.base import DialectOptions, DialectSetup, Legs, PodSource
 from sidecar.dialects.vllm import KV_TRANSFER_PARAMS, VLLMDialect
 from sidecar.errors import InvalidHandoff, PrefillUnreachable, SidecarError
@@ -173,32 +173,30 @@ class NixlPushOptions(DialectOptions):
 
 
 class IdentityCache:
-    """Learned prefill identities by (target, rank), at most ``size``, oldest learned out
-    first; with the keys being learned right now (one learner per key: single flight)."""
+    """Learned prefill identities by (target, rank), at most ``size`` (a ``BoundedMap``: the
+    oldest learned out first; a read is no use), with the keys being learned right now (one
+    learner per key: single flight; a key leaves when its learner ends, so these are as many
+    as the requests in flight)."""
 
     def __init__(self, size: int) -> None:
-        self._size = size
-        self._entries: OrderedDict[IdentityKey, PrefillIdentity] = OrderedDict()
+        self._entries: BoundedMap[IdentityKey, PrefillIdentity] = BoundedMap(size)
         self._learning: dict[IdentityKey, asyncio.Future[None]] = {}
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def get(self, key: IdentityKey) -> PrefillIdentity | None:
-        return self._entries.get(key)
+        return self._entries.peek(key)
 
     def put(self, key: IdentityKey, identity: PrefillIdentity) -> None:
         """Keep ``identity`` for ``key`` (replacing an older one), and wake its waiters."""
-        if self._entries.get(key) != identity:
-            self._entries.pop(key, None)
-            while len(self._entries) >= self._size:
-                self._entries.popitem(last=False)
-            self._entries[key] = identity
+        if self._entries.peek(key) != identity:
+            self._entries[key] = identity  # the newest learned; past the bound the oldest goes
         self.finish_learning(key)
 
     def drop(self, key: IdentityKey, identity: PrefillIdentity | None) -> None:
         """Forget ``key``'s entry if it still is ``identity`` (a newer one stays)."""
-        if identity is not None and self._entries.get(key) == identity:
+        if identity is not None and self._entries.peek(key) == identity:
             del self._entries[key]
 
     def start_learning(self, key: IdentityKey) -> asyncio.Future[None] | None:

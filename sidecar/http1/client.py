@@ -207,6 +207,11 @@ class EngineClient:
         self._closed = False
 
     @property
+    def connect_timeout_s(self) -> float:
+        """How long a connect may take before the peer counts as unreachable."""
+        return self._connect_timeout_s
+
+    @property
     def open_connections(self) -> int:
         """Connections open now (idle or busy): what the limit counts."""
         return self._open
@@ -221,6 +226,7 @@ class EngineClient:
         content_length: int | None = None,
         timeout_s: float | None = None,
         server_hostname: str | None = None,
+        read_timeout_s: float | None = None,
     ) -> UpstreamResponse:
         """Send one request and return once the response head arrived.
 
@@ -230,13 +236,16 @@ class EngineClient:
         every body read): ``TimeoutError`` past it. It costs one timer per wait instead of
         an ``asyncio.timeout`` scope around the call. ``server_hostname``: for an https URL
         naming an address, the name its certificate must carry (default: the URL's host).
+        ``read_timeout_s``: each wait for bytes of this exchange (the head's counted from the
+        request's start, after the connect), instead of the client's read timeout.
         """
         target = target_of(url, server_hostname)
         head = encode_head(method, target, headers, framing(method, body, content_length))
         deadline = None if timeout_s is None else self._loop.time() + timeout_s
         # A warm idle connection is the usual case: taken without a coroutine of its own.
         conn = self._take_idle(target.key) or await self._acquire(target, deadline)
-        conn.start(method == "HEAD", self._read_timeout_s, deadline)
+        conn.start(method == "HEAD",
+                   self._read_timeout_s if read_timeout_s is None else read_timeout_s, deadline)
         try:
             transport = conn.transport
             if transport is None or conn.closed:

@@ -58,6 +58,7 @@ class Metrics:
         """``pool_dir``: a pool's multiprocess directory; ``/metrics`` then reads them all."""
         self.registry = registry or CollectorRegistry(auto_describe=True)
         self._exposed = self.registry if pool_dir is None else _pool_registry(pool_dir)
+        self._pooled = pool_dir is not None
         self._children: dict[tuple[int, tuple[str, ...]], MetricWrapperBase] = {}
         self._counters: dict[tuple[int, tuple[str, ...]], CounterValue] = {}
         r = self.registry
@@ -97,6 +98,15 @@ class Metrics:
             ["target"],
             registry=r,
             multiprocess_mode="livemax",
+        )
+        self.prefill_mismatches = Counter(
+            "disagg_prefill_mismatches",
+            "Prefill targets left out of a request because they cannot hand KV off to the "
+            "local engine, by target (as disagg_prefill_legs_total labels it) and kind "
+            "(model: another model or weights; kv_layout: another KV cache layout; unknown: "
+            "it does not say what it serves). Never counted against a circuit breaker.",
+            ["target", "kind"],
+            registry=r,
         )
         self.rank_legs = Counter(
             "disagg_rank_legs",
@@ -171,6 +181,19 @@ class Metrics:
         if child is None:
             child = self._children[key] = metric.labels(*values)
         return cast(_M, child)
+
+    def forget(self, metric: MetricWrapperBase, *values: str) -> bool:
+        """Remove ``metric``'s series of ``values`` (what it was about is gone), and the
+        remembered child: a later ``labelled`` makes a fresh one. False in a worker pool,
+        whose series prometheus-client cannot remove (its files keep them): the caller sets
+        the series' neutral value instead."""
+        if self._pooled:
+            return False
+        key = (id(metric), values)
+        self._children.pop(key, None)
+        self._counters.pop(key, None)
+        metric.remove(*values)
+        return True
 
     def counter(self, metric: Counter, *values: str) -> CounterValue:
         """The hot path's handle on ``metric.labels(*values)`` (``prometheus_private``),

@@ -12,13 +12,18 @@ after a leg that failed; and the placer that gathers its facts.
         prompt tokens <= max_tokens or             ─▶ LOCAL        local_short
             <= max_uncached (cached or not)
         tokens not cached <= max_uncached          ─▶ LOCAL        local_cached
-        a target whose breaker lets a leg in       ─▶ PAIR         ok (target, prefill rank,
-                                                                   decode rank)
+        (the rules above: ``local_fate``; below: ``pair_fate``)
+        a target that can hand off to this engine  ─▶ PAIR         ok (target, prefill rank,
+        and whose breaker lets a leg in                            decode rank)
+        none can hand off, local fallback allowed  ─▶ LOCAL        fallback (its code)
+        none can hand off (another model or KV     ─▶ REFUSE       prefill_target_mismatch
+        layout, or it does not say)                                (502)
         every breaker open, local fallback allowed ─▶ LOCAL        fallback (breaker_open)
         every breaker open                         ─▶ REFUSE       prefill_failed (502)
     after_failure(decision, error, ...)            a pair's leg failed before its decode began
         its prefill provably did no work, first    ─▶ PAIR         on another candidate whose
-        try, another candidate's breaker lets in                   breaker lets a leg in
+        try, another candidate's breaker lets in                   breaker lets a leg in and
+                                                                   that can hand off
         a prefill failure (the leg failed, its     ─▶ LOCAL        fallback (the error's code)
         hand-off was unusable, its deadline
         passed), the decode not sent, local
@@ -32,9 +37,20 @@ to a pair, so no local outcome ever consults a breaker. The runner
 fails; nothing else decides where a request runs.
 
 ``Placer`` gathers the facts (the body's state, the engine's readiness, the prompt's tokens
-and cached tokens), each only when the decision would read it, in the decision's own order:
-no tokenize call for a request the route or its state already decided, no engine check for
-one that runs whole. Each decision is logged at debug in one line: the outcome and why.
+and cached tokens, which targets cannot hand off to this engine), each only when the
+decision would read it, in the decision's own order: no tokenize call for a request the
+route or its state already decided, no engine check for one that runs whole, no question
+to a target for one that runs locally. Each decision is logged at debug in one line: the
+outcome and why.
+
+Which targets can hand off (``Kinship``: ``sidecar.engines.models.ServedModels``): a target
+that serves another model (name or weights) or another KV layout than the local engine, or
+does not say what it serves, never gets the request's prefill: KV computed by one model
+revision is garbage to another, and an engine that notices (vLLM's NIXL compatibility check)
+fails every such pair, which would count against a healthy target. Asked of the candidates
+whose breakers let a leg in, on the way to a pair; counted apart from health
+(``on_unpaired``: ``disagg_prefill_mismatches_total``), never against a breaker. A target
+that is down is not a mismatch: its leg fails and its breaker counts it.
 
 A prompt whose length or cached prefix is unknown (no rule needs it, a tokenize call failed,
 the KV-event index cannot answer) is never run locally by a rule that needs it.
@@ -42,6 +58,7 @@ the KV-event index cannot answer) is never run locally by a rule that needs it.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -50,18 +67,21 @@ from typing import Any, Final, Protocol
 
 from sidecar.dialects.base import RouteSupport
 from sidecar.engines.health import EngineHealth
+from sidecar.engines.models import Mismatch
 from sidecar.engines.tokenizer import Memo, PromptMeasure
 from sidecar.errors import (
     DeadlineExceeded,
     EngineNotReady,
     InvalidHandoff,
     PrefillFailed,
+    PrefillMismatch,
     PrefillNotRun,
     RouteNotServed,
     SidecarError,
     Stage,
 )
 from sidecar.kv_events import CachedPrefix
+from sidecar.observability.logs import LogEvery
 from sidecar.protocol.apis import api_of
 from sidecar.protocol.context import PrefillTarget, Route
 from sidecar.request.scope import (
@@ -80,6 +100,10 @@ logger = logging.getLogger(__name__)
 
 #: The fallback reason of a request kept from every target by open breakers.
 BREAKER_OPEN: Final = "breaker_open"
+#: The fallback reason of a request none of whose targets can hand off to this engine.
+PREFILL_MISMATCH: Final = PrefillMismatch.code
+#: Targets that cannot hand off are logged at most once per this many seconds (each counted).
+_UNPAIRED_LOG_INTERVAL_S: Final = 10.0
 
 
 class Fate(Enum):
@@ -108,6 +132,9 @@ class Decision:
     cached_tokens: int | None = None
     #: Which try this is (0: the first decision; ``after_failure`` counts on).
     attempt: int = 0
+    #: The candidates asked and able to hand off to this engine (a retry goes only to one
+    #: of them); None: none was asked (no such check).
+    able: tuple[PrefillTarget, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +162,9 @@ class Facts:
     prompt: PromptFacts = UNKNOWN_PROMPT
     #: The prefill leg's data-parallel rank as the router named it, or None.
     named_prefill_rank: int | None = None
+    #: The candidates asked whether they can hand off to this engine: None (it can) or why
+    #: not, in words; a candidate not asked gets no pair. None: no such check.
+    kin: Mapping[PrefillTarget, str | None] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,11 +190,25 @@ class Targets(Protocol):
     def all_open(self, candidates: Sequence[PrefillTarget]) -> SidecarError:
         """The error of a request whose every target's breaker is open."""
 
+    def admissible(self, candidates: Sequence[PrefillTarget]) -> Sequence[PrefillTarget]:
+        """The candidates whose breakers let a leg in now."""
+
+    def unpaired(self, why: Mapping[PrefillTarget, str]) -> SidecarError:
+        """The error of a request none of whose targets can hand off (``why``: each one's
+        reason, in words)."""
+
     def prefill_rank(self, target: PrefillTarget, named: int | None) -> int | None:
         """The prefill leg's data-parallel rank on ``target`` (None: one rank)."""
 
     def decode_rank(self) -> int | None:
         """The decode leg's data-parallel rank on the local engine (None: one rank)."""
+
+
+class Kinship(Protocol):
+    """Which prefill targets can hand KV off to the local engine."""
+
+    async def mismatch(self, target: PrefillTarget) -> Mismatch | None:
+        """Why ``target`` cannot (None: it can, or it is down)."""
 
 
 def route_fate(route: Route, support: RouteSupport, has_targets: bool,
@@ -185,6 +229,12 @@ def route_fate(route: Route, support: RouteSupport, has_targets: bool,
 
 def decide(facts: Facts, rules: Rules, targets: Targets) -> Decision:
     """The fate of a request the route lets run as a pair (see the module docstring)."""
+    return local_fate(facts, rules) or pair_fate(facts, rules, targets)
+
+
+def local_fate(facts: Facts, rules: Rules) -> Decision | None:
+    """What the request's own facts decide before any target is asked (None: a pair, if a
+    target can take it)."""
     if facts.state is not None:
         return Decision(Fate.LOCAL, LOCAL_STATE, f"{facts.state} names state on one engine")
     if facts.engine_down is not None:
@@ -205,16 +255,39 @@ def decide(facts: Facts, rules: Rules, targets: Targets) -> Decision:
         return Decision(Fate.LOCAL, LOCAL_CACHED,
                         f"{tokens - cached} of {tokens} prompt tokens not cached, limit "
                         f"{rules.max_uncached}", prompt_tokens=tokens, cached_tokens=cached)
-    target = targets.pick(facts.candidates)
+    return None
+
+
+def pair_fate(facts: Facts, rules: Rules, targets: Targets) -> Decision:
+    """A pair on a target that can hand off and whose breaker lets a leg in, else the local
+    fallback or a refusal."""
+    tokens, cached = facts.prompt.tokens, facts.prompt.cached
+    candidates = facts.candidates
+    kin = facts.kin
+    if kin is None:
+        target = targets.pick(candidates)
+        able: tuple[PrefillTarget, ...] | None = None
+    else:
+        able = tuple(candidate for candidate, why in kin.items() if why is None)
+        target = targets.pick(candidates, exclude=[
+            candidate for candidate in candidates if candidate not in able])
     if target is None:
+        unpaired = {candidate: why for candidate, why in (kin or {}).items() if why}
+        if unpaired and all(candidate in unpaired for candidate in candidates):
+            why = "no prefill target can hand off to this engine"
+            if rules.local_fallback:
+                return Decision(Fate.LOCAL, FALLBACK, why, fallback_reason=PREFILL_MISMATCH,
+                                prompt_tokens=tokens, cached_tokens=cached)
+            return Decision(Fate.REFUSE, ERROR, why, error=targets.unpaired(unpaired))
         if rules.local_fallback:
             return Decision(Fate.LOCAL, FALLBACK, "every prefill target's breaker is open",
                             fallback_reason=BREAKER_OPEN, prompt_tokens=tokens,
                             cached_tokens=cached)
         return Decision(Fate.REFUSE, ERROR, "every prefill target's breaker is open",
-                        error=targets.all_open(facts.candidates))
-    return pair_on(target, facts.named_prefill_rank, targets, prompt_tokens=tokens,
-                   cached_tokens=cached)
+                        error=targets.all_open(candidates))
+    decision = pair_on(target, facts.named_prefill_rank, targets, prompt_tokens=tokens,
+                       cached_tokens=cached)
+    return decision if able is None else replace(decision, able=able)
 
 
 def pair_on(target: PrefillTarget, named_prefill_rank: int | None, targets: Targets, *,
@@ -242,14 +315,18 @@ def after_failure(decision: Decision, error: SidecarError, candidates: Sequence[
     failed = decision.target
     if (isinstance(error, PrefillNotRun) and failed is not None
             and decision.attempt + 1 < _MAX_ATTEMPTS and len(candidates) > 1):
-        # Picked now: the first pick's alternatives may have cooled down meanwhile.
-        target = targets.pick(candidates, exclude=(failed,))
+        # Picked now: the first pick's alternatives may have cooled down meanwhile; of
+        # those asked whether they can hand off, only one that can.
+        able = decision.able
+        exclude = [failed] if able is None else [
+            candidate for candidate in candidates if candidate == failed or candidate not in able]
+        target = targets.pick(candidates, exclude=exclude)
         if target is not None:
             return replace(pair_on(target, named_prefill_rank, targets,
                                    why=f"prefill moved from {failed} to {target}",
                                    prompt_tokens=decision.prompt_tokens,
                                    cached_tokens=decision.cached_tokens),
-                           attempt=decision.attempt + 1)
+                           attempt=decision.attempt + 1, able=able)
     if (rules.local_fallback and not decode_sent and isinstance(error, _FALLBACK_ERRORS)
             and error.stage is not Stage.DECODE):
         return Decision(Fate.LOCAL, FALLBACK, error.message, fallback_reason=error.code,
@@ -273,6 +350,8 @@ class Placer:
         cache: CachedPrefix | None = None,
         health: EngineHealth | None = None,
         on_cached_tokens: Callable[[int], None] | None = None,
+        kinship: Kinship | None = None,
+        on_unpaired: Callable[[PrefillTarget, Mismatch], None] | None = None,
     ) -> None:
         self._route_support = route_support
         self._engine = engine
@@ -282,6 +361,9 @@ class Placer:
         self._cache = cache if rules.max_uncached > 0 else None
         self._health = health
         self._on_cached_tokens = on_cached_tokens
+        self._kinship = kinship
+        self._on_unpaired = on_unpaired
+        self._unpaired_log = LogEvery(_UNPAIRED_LOG_INTERVAL_S)
 
     def route_fate(self, route: Route, has_targets: bool, request_id: str) -> Decision | None:
         """What the route alone decides (None: ``place`` decides on the body)."""
@@ -303,10 +385,37 @@ class Placer:
             engine_down = await self._engine_down()
             if engine_down is None:
                 prompt = await self._prompt(route, body, memo)
-        decision = decide(Facts(candidates, state, engine_down, prompt, named_prefill_rank),
-                          self.rules, self.targets)
+        facts = Facts(candidates, state, engine_down, prompt, named_prefill_rank)
+        decision = local_fate(facts, self.rules)
+        if decision is None:
+            if self._kinship is not None:
+                facts = replace(facts, kin=await self._kin(candidates, request_id))
+            decision = pair_fate(facts, self.rules, self.targets)
         _log(request_id, decision)
         return decision
+
+    async def _kin(self, candidates: tuple[PrefillTarget, ...],
+                   request_id: str) -> dict[PrefillTarget, str | None]:
+        """Whether each candidate a leg may go to now can hand off to this engine."""
+        kinship = self._kinship
+        assert kinship is not None
+        admissible = self.targets.admissible(candidates)
+        if len(admissible) == 1:  # the usual router's one target
+            mismatches = [await kinship.mismatch(admissible[0])]
+        else:
+            mismatches = list(await asyncio.gather(*map(kinship.mismatch, admissible)))
+        kin: dict[PrefillTarget, str | None] = {}
+        for target, mismatch in zip(admissible, mismatches, strict=True):
+            kin[target] = None if mismatch is None else mismatch.why
+            if mismatch is not None:
+                if self._on_unpaired is not None:
+                    self._on_unpaired(target, mismatch)
+                left_out = self._unpaired_log.due()
+                if left_out is not None:
+                    more = f" ({left_out} more since the last such line)" if left_out else ""
+                    logger.warning("request %s: prefill target %s cannot hand off to this "
+                                   "engine: %s%s", request_id, target, mismatch.why, more)
+        return kin
 
     async def _engine_down(self) -> str | None:
         health = self._health

@@ -51,11 +51,25 @@ from __future__ import annotations
 import contextlib
 import random
 import time
-from collections.abc import Callable, Collection, Hashable, Iterable, Iterator, Sequence
+from collections.abc import (
+    Callable,
+    Collection,
+    Hashable,
+    Iterable,
+    Iterator,
+    Mapping,
+    Sequence,
+)
 from typing import Final, Generic, TypeVar
 
 from sidecar.bounded import BoundedMap
-from sidecar.errors import InvalidRequest, PrefillBreakerOpen, PrefillFailed, SidecarError
+from sidecar.errors import (
+    InvalidRequest,
+    PrefillBreakerOpen,
+    PrefillFailed,
+    PrefillMismatch,
+    SidecarError,
+)
 from sidecar.protocol.context import PrefillTarget
 from sidecar.targets.breaker import NORMAL, SEVERITY, BreakerState, CircuitBreakers
 
@@ -101,8 +115,10 @@ class TargetChoice:
         clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
         breakers: CircuitBreakers | None = None,
+        on_refused: Callable[[PrefillTarget], None] | None = None,
     ) -> None:
         self._cooldown_s = cooldown_s
+        self._on_refused = on_refused
         self._clock = clock
         self._rng = rng or random.Random()
         self._in_flight: dict[PrefillTarget, int] = {}
@@ -119,6 +135,11 @@ class TargetChoice:
     def label(self, target: PrefillTarget) -> str:
         """The bounded metric label of ``target``: its address in the pool, else ``header``."""
         return self._pool_labels.get(target, HEADER_LABEL)
+
+    def tracks(self, label: str) -> bool:
+        """Whether a breaker is kept for a target labelled ``label``."""
+        return self.breakers is not None and any(
+            self.label(target) == label for target in self.breakers.states())
 
     def breaker_state(self, label: str) -> BreakerState:
         """The worst breaker state among the targets labelled ``label`` (open > half-open >
@@ -168,8 +189,28 @@ class TargetChoice:
         return PrefillFailed(f"circuit breaker open for {every}{which}: its legs kept "
                              f"failing; next trial in {wait:.0f} s")
 
-    def breaker_allows(self, target: PrefillTarget) -> bool:
-        return self.breakers is None or self.breakers.allows(target)
+    def admissible(self, candidates: Sequence[PrefillTarget]) -> Sequence[PrefillTarget]:
+        """The candidates whose breakers let a leg in now."""
+        breakers = self.breakers
+        if breakers is None:
+            return candidates
+        return [target for target in candidates if breakers.allows(target)]
+
+    def unpaired(self, why: Mapping[PrefillTarget, str]) -> PrefillMismatch:
+        """The error of a request none of whose targets can hand KV off to this engine
+        (``why``: each one's reason; router-named targets named, pool members not)."""
+
+        def named(target: PrefillTarget) -> str:
+            return str(target) if self.label(target) == HEADER_LABEL else "a pool member"
+
+        if len(why) == 1:
+            [(target, reason)] = why.items()
+            shown = f" {target}" if self.label(target) == HEADER_LABEL else ""
+            return PrefillMismatch(f"the prefill target{shown} cannot hand KV off to this "
+                                   f"engine: {reason}; nothing was sent to it")
+        reasons = "; ".join(f"{named(target)}: {reason}" for target, reason in why.items())
+        return PrefillMismatch(f"no prefill target can hand KV off to this engine ({reasons}); "
+                               "nothing was sent to one")
 
     @contextlib.contextmanager
     def leg(self, target: PrefillTarget) -> Iterator[LegVerdict]:
@@ -199,8 +240,11 @@ class TargetChoice:
         self._cooling.end(target)
 
     def refused(self, target: PrefillTarget) -> None:
-        """``target`` refused a connection: skip it for the cool-down."""
+        """``target`` refused a connection: skip it for the cool-down (and tell
+        ``on_refused``: what was learned of it may be stale)."""
         self._cooling.start(target)
+        if self._on_refused is not None:
+            self._on_refused(target)
 
 
 # -- cool-downs ------------------------------------------------------------------------------
@@ -261,8 +305,8 @@ class CoolDowns(Generic[K]):
 RANK_HEADER: Final = "x-data-parallel-rank"
 #: Longer than any rank below the size bound (1024): refused before it is read as a number.
 _MAX_DIGITS: Final = 4
-#: Engines whose rank turn is remembered (cleared whole when full: bounded memory; a router's
-#: header may name many targets).
+#: Engines whose rank turn is remembered (a router's header may name many targets): the least
+#: recently picked forgotten first (its next pick starts at rank 0 again).
 _MAX_TURNS: Final = 4096
 #: The local engine, as the engine of a rank (a prefill target names a remote one).
 LOCAL: Final = None
@@ -318,7 +362,7 @@ class RankChoice:
         self._clock = clock
         self._rank_in_flight: dict[tuple[Engine, int], int] = {}
         self._rank_cooling: CoolDowns[tuple[Engine, int]] = CoolDowns(cooldown_s, clock)
-        self._rank_turns: dict[Engine, int] = {}
+        self._rank_turns: BoundedMap[Engine, int] = BoundedMap(_MAX_TURNS)
 
     def rank_in_flight(self, engine: Engine, rank: int) -> int:
         return self._rank_in_flight.get((engine, rank), 0)
@@ -344,10 +388,8 @@ class RankChoice:
     def _turn(self, engine: Engine, size: int) -> int:
         """Where ``engine``'s next pick starts looking: one rank on from its last."""
         turns = self._rank_turns
-        turn = turns.get(engine, 0)
-        if len(turns) >= _MAX_TURNS and engine not in turns:
-            turns.clear()
-        turns[engine] = (turn + 1) % size
+        turn = turns.peek(engine) or 0
+        turns[engine] = (turn + 1) % size  # a write: the most recently picked
         return turn
 
     def _least_loaded(self, engine: Engine, size: int, start: int, *,
@@ -451,6 +493,12 @@ class PrefillTargets:
 
     def all_open(self, candidates: Sequence[PrefillTarget]) -> SidecarError:
         return self._choice.all_open(candidates)
+
+    def admissible(self, candidates: Sequence[PrefillTarget]) -> Sequence[PrefillTarget]:
+        return self._choice.admissible(candidates)
+
+    def unpaired(self, why: Mapping[PrefillTarget, str]) -> SidecarError:
+        return self._choice.unpaired(why)
 
     def prefill_rank(self, target: PrefillTarget, named: int | None) -> int | None:
         return self.ranks.prefill(target, named)

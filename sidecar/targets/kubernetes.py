@@ -6,7 +6,10 @@
 
 A target is a Running pod with an IP, not being deleted, at its port label's value
 (docs/driving/handoffs.md#pod-labels); every resolved address must be one, unless the static
-allowlist passes the target. Before the first list, pods are refused. RBAC: get, list and
+allowlist passes the target. Before the first list, pods are refused. A target that leaves
+the set (its pod deleted, stopped, moved to another address or port, or gone from a relist)
+goes to each ``on_removed`` listener: what the sidecar learned of it is forgotten (its
+circuit breaker and probe, what it serves). RBAC: get, list and
 watch on pods (deploy/base/rbac.yaml). Deliberate limits: one namespace and one selector;
 readiness gates and container ports are not read; pods sharing an IP differ by port only.
 How the watch converges: docs/extending/design-notes.md#pod-watch
@@ -18,7 +21,7 @@ import asyncio
 import contextlib
 import ipaddress
 import logging
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -86,6 +89,16 @@ class PodAllowlist:
         #: Bumped on every change, so callers that remember verdicts know to forget them.
         self.version = 0
         self.synced = asyncio.Event()
+        self._removed_listeners: list[Callable[[PodTarget], None]] = []
+
+    def on_removed(self, listener: Callable[[PodTarget], None]) -> None:
+        """Call ``listener`` with each target that leaves the set."""
+        self._removed_listeners.append(listener)
+
+    def _removed(self, gone: Iterable[PodTarget]) -> None:
+        for target in gone:
+            for listener in self._removed_listeners:
+                listener(target)
 
     @property
     def targets(self) -> list[PodTarget]:
@@ -107,31 +120,41 @@ class PodAllowlist:
             target = pod_target(pod, self._port_label, self._default_port)
             if target is not None:
                 fresh[self._key(pod)] = target
+        old = self._pods
         self._pods = fresh
         self._rebuild()
+        gone = [target for target in old.values() if _where(target) not in self._pairs]
         self.synced.set()
         logger.info("prefill pods: %d allowed", len(fresh))
+        self._removed(gone)
 
     def apply(self, kind: str, pod: Mapping[str, Any]) -> None:
         """One WATCH event: ADDED, MODIFIED or DELETED (others are ignored)."""
         key = self._key(pod)
         target = pod_target(pod, self._port_label, self._default_port)
+        before = self._pods.get(key)
         if kind == "DELETED" or target is None:
             if self._pods.pop(key, None) is None:
                 return
         elif kind in ("ADDED", "MODIFIED"):
-            if self._pods.get(key) == target:
+            if before == target:
                 return
             self._pods[key] = target
         else:
             return
         self._rebuild()
+        if before is not None and _where(before) not in self._pairs:
+            self._removed([before])
 
     def allows(self, host: str, addresses: Sequence[IPAddress], port: int) -> bool:
         if self._static.allows(host, addresses, port):
             return True
         pairs = self._pairs
         return bool(addresses) and all(_pod_form(a, port) in pairs for a in addresses)
+
+
+def _where(target: PodTarget) -> tuple[IPAddress, int]:
+    return target.address, target.port
 
 
 def _pod_form(address: IPAddress, port: int) -> tuple[IPAddress, int]:

@@ -1,7 +1,8 @@
 """Prefill targets: strict parsing of ``x-prefiller-host-port``, the static pool, the allowlist.
 
     header "10.0.0.7:8000" ─parse_target_header()─▶ [PrefillTarget]
-        ─TargetSelector.select()─▶ resolve once ─▶ every address allowed? ─▶ PrefillTarget(ip)
+        ─TargetSelector.candidates()─▶ resolve once ─▶ every address allowed? ─▶
+        (PrefillTarget(ip), ...): the placement picks one (``sidecar.request.placement``)
     pool "https://prefill-0.svc:8443" ─parse_prefill_url()─▶ resolve ─▶
         PrefillTarget(ip, scheme https, tls_name "prefill-0.svc")
 
@@ -12,14 +13,14 @@ cannot change); names are resolved and checked on every request. Targets from th
 pool (``--prefill-url``) are trusted configuration and skip the allowlist; an ``https`` entry
 stays https (verified against its configured name), a router's header is always plain http.
 
-Of several targets (a header list, or the static pool) ``TargetChoice`` picks the one with
-the fewest prefill legs in flight and skips targets whose connect was just refused or whose
-circuit breaker is open; ``candidates()`` gives the whole checked list, so a prefill that did
-no work can move to another.
+``candidates()`` gives the whole checked list: of several targets (a header list, or the
+static pool) the placement picks one (``TargetChoice``: the fewest prefill legs in flight,
+skipping targets whose connect was just refused or whose circuit breaker is open), and a
+prefill that did no work can move to another. A resolved pool member is labelled by its
+address (``TargetChoice.add_pool_member``).
 
-Deliberate limits: one address per target is used (the first resolved); no active health
-checks of targets (the legs' own outcomes are the signal: refused connects, and the
-circuit breakers' failures).
+Deliberate limits: one address per target is used (the first resolved); targets are checked
+for health only while their circuit breaker is open (``sidecar.engines.health``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from collections.abc import Sequence
 from typing import Protocol
 from urllib.parse import urlsplit
 
+from sidecar.bounded import BoundedMap
 from sidecar.errors import InvalidRequest, PrefillFailed, TargetNotAllowed
 from sidecar.protocol.context import PrefillTarget
 from sidecar.targets.choice import TargetChoice
@@ -45,7 +47,8 @@ _HOSTNAME = re.compile(r"(?=.{1,253}\Z)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-
                        r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?")
 _PORT = re.compile(r"[0-9]{1,5}")
 _MAX_TARGETS = 16
-#: Checked literal-address selections kept (cleared whole when full: bounded memory).
+#: Checked literal-address selections kept (the oldest remembered out first: read with
+#: ``peek``, at a dict's speed, on every request).
 _MAX_REMEMBERED = 1024
 
 
@@ -127,30 +130,11 @@ class TargetSelector:
         self._resolved_pool: tuple[PrefillTarget, ...] | None = None
         self.choice = choice if choice is not None else TargetChoice(cooldown_s=0.0)
         self._resolve_timeout_s = resolve_timeout_s
-        # A header of IP literals only (no DNS: nothing to rebind) checks the same every time.
-        self._literal_selections: dict[tuple[str, ...], tuple[PrefillTarget, ...]] = {}
+        # A header of IP literals only (no DNS: nothing to rebind) checks the same every time:
+        # remembered by the header's values (a router's input: bounded).
+        self._literal_selections: BoundedMap[tuple[str, ...], tuple[PrefillTarget, ...]] = (
+            BoundedMap(_MAX_REMEMBERED))
         self._allowlist_version: object = getattr(allowlist, "version", 0)
-
-    def _remember(self, key: tuple[str, ...], checked: tuple[PrefillTarget, ...]) -> None:
-        if len(self._literal_selections) >= _MAX_REMEMBERED:
-            self._literal_selections.clear()
-        self._literal_selections[key] = checked
-
-    async def select(self, header_values: Sequence[str]) -> PrefillTarget | None:
-        """The checked target for a request (with its resolved address), or None when it
-        names none and no pool exists; one foreign entry refuses a whole list."""
-        candidates = await self.candidates(header_values)
-        return self.choose(candidates) if candidates else None
-
-    def choose(self, candidates: Sequence[PrefillTarget]) -> PrefillTarget:
-        """One of ``candidates`` (non-empty) for the next prefill leg; ``PrefillFailed`` at
-        once when every candidate's circuit breaker is open (nothing is sent anywhere)."""
-        if len(candidates) == 1 and self.choice.breaker_allows(candidates[0]):
-            return candidates[0]
-        chosen = self.choice.pick(candidates)
-        if chosen is None:  # nothing excluded: only open breakers leave none
-            raise self.choice.all_open(candidates)
-        return chosen
 
     async def candidates(self, header_values: Sequence[str]) -> tuple[PrefillTarget, ...]:
         """Every checked target a request may use (the header's, else the pool's; may be
@@ -162,12 +146,12 @@ class TargetSelector:
                 self._literal_selections.clear()
                 self._allowlist_version = version
             key = tuple(header_values)
-            checked = self._literal_selections.get(key)
+            checked = self._literal_selections.peek(key)
             if checked is None:
                 targets = parse_target_header(header_values)
                 checked = tuple([await self._check(target) for target in targets])
                 if all(_literal(target.host) is not None for target in targets):
-                    self._remember(key, checked)
+                    self._literal_selections[key] = checked
             return checked
         if self._resolved_pool is not None:
             return self._resolved_pool

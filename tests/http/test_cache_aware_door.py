@@ -55,7 +55,8 @@ async def heard(pair: PDPair, publisher: FakePublisher, *events: dict[str, objec
 
 
 def prefill_legs(pair: PDPair) -> int:
-    return len([r for r in pair.prefill.recorder.requests if r.path.startswith("/v1/")])
+    return len([r for r in pair.prefill.recorder.requests
+                if r.method == "POST" and r.path.startswith("/v1/")])
 
 
 async def test_a_mostly_cached_prompt_runs_locally(context: zmq.asyncio.Context,

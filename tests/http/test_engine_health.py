@@ -3,6 +3,10 @@ an engine down from start-up is logged at once with the cause (refused, an HTTP 
 answer; at INFO, since a pod's engine loads its model while the sidecar starts), again at a
 bounded rate while it stays down (a warning), and once when it comes up.
 
+One probe for every engine (``HealthProber``): refused and an error status are down, an
+answer later than its timeout is slow (not down: the engine is not ready, but its requests
+are not refused as a down engine's), 200 in time is up.
+
 Runs ``EngineHealth`` against real sockets (a refusing port, a stub engine) with a fake
 clock, so the rate bound is checked without waiting for it.
 """
@@ -15,7 +19,7 @@ import socket
 
 import pytest
 
-from sidecar.engines.health import EngineHealth
+from sidecar.engines.health import EngineHealth, Health, HealthProber
 from sidecar.http1 import EngineClient
 from sidecar.tools.stubs.server import run_stub
 
@@ -93,3 +97,53 @@ async def test_no_answer_within_the_deadline_is_the_cause(
             engine.faults.release_hangs()
             await asyncio.sleep(0)
     assert "no answer" in _lines(caplog)[0] and "0.2 s" in _lines(caplog)[0]
+
+
+async def test_one_probe_tells_up_slow_and_down() -> None:
+    """The one health rule of every engine (local and prefill targets): refused and an error
+    status are down, an answer later than the answer timeout is slow, 200 in time is up."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))  # bound, never listening: refuses
+    refusing = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    async with run_stub(engine="vllm", role="prefill") as engine:
+        session = EngineClient(limit=4, keepalive_s=4, connect_timeout_s=1, read_timeout_s=5)
+        prober = HealthProber(session, timeout_s=0.2)
+        try:
+            assert (await prober.probe(engine.url)).health is Health.UP
+            down = await prober.probe(refusing)
+            assert down.health is Health.DOWN and "refused" in (down.cause or "")
+            engine.faults.add("status", status=503, path="/health", times=1)
+            answer = await prober.probe(engine.url)
+            assert answer.health is Health.DOWN and "HTTP 503" in (answer.cause or "")
+            engine.faults.add("hang", path="/health", times=1)
+            slow = await prober.probe(engine.url)
+            assert slow.health is Health.SLOW and "0.2 s" in (slow.cause or "")
+            assert (Health.UP.healthy, Health.SLOW.healthy, Health.DOWN.healthy) == (
+                True, None, False)
+        finally:
+            sock.close()
+            await session.close()
+            engine.faults.release_hangs()
+            await asyncio.sleep(0)
+
+
+async def test_a_slow_local_engine_is_not_ready_yet_not_known_down() -> None:
+    """Slow is not down: an engine that answers its health check late is not ready (the
+    pod's /ready says so), but its requests are not refused at once as a down engine's are
+    (they were: no answer within the timeout counted as down)."""
+    async with run_stub(engine="vllm", role="decode") as engine:
+        session = EngineClient(limit=4, keepalive_s=4, connect_timeout_s=1, read_timeout_s=5)
+        try:
+            health = EngineHealth(session, engine.url, timeout_s=0.2, clock=FakeClock())
+            engine.faults.add("hang", path="/health", times=1)
+            assert await health.check() is False
+            assert health.known_down is False and "no answer" in (health.cause or "")
+            engine.faults.add("status", status=500, path="/health", times=1)
+            assert await health.check() is False
+            assert health.known_down is True  # an error status is down
+            assert await health.recheck() is True  # answers again: not down
+            assert health.ready and not health.known_down
+        finally:
+            await session.close()
+            engine.faults.release_hangs()
+            await asyncio.sleep(0)

@@ -62,8 +62,10 @@ def _choice_text(choice: dict[str, Any]) -> str:
 
 
 def _inference(stub: Any) -> int:
-    """Requests a stub received on the OpenAI routes (not health checks)."""
-    return len([r for r in stub.recorder.requests if r.path.startswith("/v1/")])
+    """Requests a stub received on the OpenAI routes (not health checks, nor the sidecar's
+    GET /v1/models: what it serves)."""
+    return len([r for r in stub.recorder.requests
+                if r.method == "POST" and r.path.startswith("/v1/")])
 
 
 async def _single(pair: Any, route: Route, prompt: str) -> dict[str, Any]:

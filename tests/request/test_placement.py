@@ -36,6 +36,7 @@ from sidecar.errors import (
     EngineNotReady,
     InvalidHandoff,
     PrefillFailed,
+    PrefillMismatch,
     PrefillUnreachable,
     RouteNotServed,
     SidecarError,
@@ -92,6 +93,12 @@ class Breakers:
 
     def all_open(self, candidates: Sequence[PrefillTarget]) -> SidecarError:
         return PrefillFailed("circuit breaker open for every prefill target")
+
+    def admissible(self, candidates: Sequence[PrefillTarget]) -> Sequence[PrefillTarget]:
+        return [t for t in candidates if t not in self.open]
+
+    def unpaired(self, why: Mapping[PrefillTarget, str]) -> SidecarError:
+        return PrefillMismatch("; ".join(why.values()))
 
     def _rank(self) -> int | None:
         if self.ranks <= 1:
@@ -312,3 +319,25 @@ async def test_an_index_that_cannot_answer_leaves_the_short_rule_in_charge_untok
     long = await _place(p, Route.COMPLETIONS, {"prompt": "x" * 5000})
     assert long.outcome == "ok" and long.prompt_tokens == 1250
     assert tokenizer.calls == 0
+
+
+# -- targets that cannot hand off --------------------------------------------------------
+
+
+def test_only_a_target_that_can_hand_off_gets_the_pair() -> None:
+    chosen = decide(facts(kin={A: "it serves other-model-rev2", B: None}), Rules(), Breakers())
+    assert chosen.fate is Fate.PAIR and chosen.target == B and chosen.able == (B,)
+    # A candidate not asked (its breaker kept it out then) gets no pair either.
+    assert decide(facts(kin={B: None}), Rules(), Breakers()).target == B
+
+
+def test_when_none_can_hand_off_it_is_refused_or_run_locally() -> None:
+    kin = {A: "it serves m2", B: "its KV cache has cache_dtype fp8"}
+    refused = decide(facts(kin=kin), Rules(), Breakers())
+    assert refused.fate is Fate.REFUSE and isinstance(refused.error, PrefillMismatch)
+    assert "m2" in refused.error.message and "fp8" in refused.error.message
+    local = decide(facts(kin=kin), Rules(local_fallback=True), Breakers())
+    assert local.fate is Fate.LOCAL and local.fallback_reason == "prefill_target_mismatch"
+    # One that cannot hand off, the other's breaker open: the breakers' refusal.
+    mixed = decide(facts(kin={A: "it serves m2"}), Rules(), Breakers(B))
+    assert mixed.fate is Fate.REFUSE and not isinstance(mixed.error, PrefillMismatch)

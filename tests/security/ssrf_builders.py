@@ -75,13 +75,20 @@ async def trap(host: str = "127.0.0.1", port: int = 0) -> AsyncIterator[Trap]:
 
 @contextlib.asynccontextmanager
 async def redirecting_engine(location: str) -> AsyncIterator[int]:
-    """An 'engine' on 127.0.0.1 answering every request with 307 to ``location``."""
+    """An 'engine' on 127.0.0.1 answering every request with 307 to ``location``, but
+    ``GET /v1/models``: it serves stub-model (so a sidecar pairs with it, and its legs meet
+    the redirect)."""
 
     async def redirect(request: web.Request) -> web.StreamResponse:
         await request.read()
         return web.Response(status=307, headers={"Location": location})
 
+    async def models(request: web.Request) -> web.StreamResponse:
+        return web.json_response({"object": "list", "data": [
+            {"id": "stub-model", "object": "model", "root": "stub-model"}]})
+
     app = web.Application()
+    app.router.add_get("/v1/models", models)
     app.router.add_route("*", "/{tail:.*}", redirect)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()

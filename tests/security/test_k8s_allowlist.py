@@ -175,13 +175,13 @@ async def test_selector_refuses_pods_off_the_set() -> None:
     pods = allowlist()
     pods.replace_all([pod("a", "127.0.0.1", "8000")])
     selector = TargetSelector(pods, [], resolve_timeout_s=1.0)
-    chosen = await selector.select(["127.0.0.1:8000"])
-    assert chosen is not None and chosen.port == 8000
+    chosen = await selector.candidates(["127.0.0.1:8000"])
+    assert [target.port for target in chosen] == [8000]
     with pytest.raises(TargetNotAllowed):
-        await selector.select(["127.0.0.1:8001"])
+        await selector.candidates(["127.0.0.1:8001"])
     pods.apply("DELETED", pod("a", "127.0.0.1", "8000"))
     with pytest.raises(TargetNotAllowed):
-        await selector.select(["127.0.0.1:8000"])
+        await selector.candidates(["127.0.0.1:8000"])
 
 
 class FakeKubernetesSource(FakeSource):

@@ -62,6 +62,12 @@ def add_stub_arguments(parser: argparse.ArgumentParser) -> None:
         f"{SIDECAR_BOOTSTRAP_PORT}, the sidecar's --sglang-bootstrap-port and "
         "--mooncake-bootstrap-port default)")
     add("--model", default=d.model, help="served model name (default: %(default)s)")
+    add("--model-root", default=d.model_root,
+        help="where the model's weights came from, as /v1/models says it (its root; another "
+        "revision under the same name differs here; default: the model name)")
+    add("--kv-cache-dtype", default=d.kv_cache_dtype,
+        help="vLLM: the KV cache's dtype its /metrics states (vllm:cache_config_info; "
+        "default: %(default)s)")
     add("--max-model-len", type=int, default=d.max_model_len,
         help="context length: longer prompts get the engine's 400 (default: %(default)s)")
     add("--default-max-tokens", type=int, default=d.default_max_tokens,
@@ -145,6 +151,8 @@ def config_from_args(args: argparse.Namespace) -> StubConfig:
         port=args.port,
         bootstrap_port=_bootstrap_port(args),
         model=args.model,
+        model_root=args.model_root,
+        kv_cache_dtype=args.kv_cache_dtype,
         max_model_len=args.max_model_len,
         default_max_tokens=args.default_max_tokens,
         block_size=args.block_size,

@@ -51,6 +51,11 @@ class StubConfig:
     port: int = 0
     bootstrap_port: int = 0
     model: str = "stub-model"
+    # Where the served model's weights came from, as ``/v1/models`` says it (``root``; vLLM:
+    # its --model); None: the model name. Another revision under the same name differs here.
+    model_root: str | None = None
+    # vLLM: the KV cache's dtype, as ``/metrics``' ``vllm:cache_config_info`` states it.
+    kv_cache_dtype: str = "auto"
     max_model_len: int = 4096
     default_max_tokens: int = 16
     block_size: int = 16
@@ -95,6 +100,11 @@ class StubConfig:
     prompt_tokens_details: bool = False
     # vLLM --enable-scale-out: /inference/v1/generate is served (else 403, as vLLM 0.32).
     scale_out: bool = True
+
+    @property
+    def root(self) -> str:
+        """The model's ``root`` in ``/v1/models``."""
+        return self.model_root if self.model_root is not None else self.model
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:

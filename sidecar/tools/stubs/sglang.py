@@ -176,9 +176,9 @@ class SglangEngine:
                                          chat=False))
 
     async def _models(self, request: web.Request) -> Reply:
-        model = self.config.model
         limit = self.config.max_model_len
-        return JsonReply(shapes.models_body(model, "sglang", root=model, max_model_len=limit))
+        return JsonReply(shapes.models_body(self.config.model, "sglang", root=self.config.root,
+                                            max_model_len=limit))
 
     async def _abort_request(self, request: web.Request) -> web.StreamResponse:
         try:

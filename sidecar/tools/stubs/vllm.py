@@ -5,7 +5,8 @@
       parse (vLLM-like 400s) -> decode side: connector.check_handoff -> remote | local
       -> generate -> prefill side: connector.after_prefill -> kv_transfer_params
       -> JSON (kv_transfer_params at top level) or SSE (no params, as vLLM)
-    GET /health (200, empty), /v1/models, /metrics (vllm:* lines)
+    GET /health (200, empty), /v1/models (``model``, its ``root``), /metrics (vllm:* lines;
+        ``vllm:cache_config_info`` with the KV cache's dtype)
 
 Usage as vLLM 0.32 reports it on each leg (``apis.PrefixCache``): a prompt's cached and newly
 written full blocks (in ``prompt_tokens_details`` only with ``prompt_tokens_details``, as
@@ -129,6 +130,11 @@ class VllmEngine:
             ("counter", "vllm:prompt_tokens_total", label, self.prompt_tokens),
             ("counter", "vllm:generation_tokens_total", label, self.generation_tokens),
             ("gauge", "stub_kv_blocks_held", "", self.connector.held()),
+            # Its CacheConfig as labels (vLLM: ``log_metrics_info``), the fields a sidecar
+            # reads and a few others.
+            ("gauge", "vllm:cache_config_info",
+             f'block_size="{self.config.block_size}",cache_dtype="{self.config.kv_cache_dtype}",'
+             'enable_prefix_caching="True",engine="0"', 1.0),
         ])
         if self.stub.ranks.size > 1:
             lines += self.stub.ranks.metric_lines("vllm:request_success_total",
@@ -139,9 +145,9 @@ class VllmEngine:
         self.connector.close()
 
     async def _models(self, request: web.Request) -> Reply:
-        model = self.config.model
         return JsonReply(shapes.models_body(
-            model, "vllm", root=model, parent=None, max_model_len=self.config.max_model_len,
+            self.config.model, "vllm", root=self.config.root, parent=None,
+            max_model_len=self.config.max_model_len,
             permission=[],
         ))
 

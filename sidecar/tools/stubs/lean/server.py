@@ -162,9 +162,8 @@ class Engine:
         return None
 
     def _models(self) -> bytes:
-        model = self.config.model
         return orjson.dumps(shapes.models_body(
-            model, self.flavour.owned_by, root=model, parent=None,
+            self.config.model, self.flavour.owned_by, root=self.config.root, parent=None,
             max_model_len=self.config.max_model_len, permission=[],
         ))
 
