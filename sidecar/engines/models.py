@@ -221,18 +221,19 @@ class ServedModels:
         self._fresh: SingleFlightTTLCache[PrefillTarget | None, Serves] = SingleFlightTTLCache(
             refresh_s, max_entries=max_engines, clock=clock)
         self._last: BoundedMap[PrefillTarget | None, Serves] = BoundedMap(max_engines)
-        # The verdict on each target both engines' facts gave, until ``refresh_s`` passed
-        # (read with ``peek`` at a dict's speed: every pair asks).
-        self._verdicts: BoundedMap[PrefillTarget, tuple[float, Mismatch | None]] = BoundedMap(
+        #: The verdict on each target both engines' facts gave: (valid until, by ``clock``,
+        #: the mismatch or None). Every pair asks: a fresh one is read with ``peek`` at a
+        #: dict's speed (``fresh_verdict``), a stale or missing one through ``mismatch``.
+        self.verdicts: BoundedMap[PrefillTarget, tuple[float, Mismatch | None]] = BoundedMap(
             max_engines)
         self._refresh_s = refresh_s
-        self._clock = clock
+        self.clock = clock
 
     async def mismatch(self, target: PrefillTarget) -> Mismatch | None:
         """Why ``target`` cannot hand KV off to the local engine (None: it can, or it is
         down: its leg will say so)."""
-        verdict = self._verdicts.peek(target)
-        if verdict is not None and verdict[0] > self._clock():
+        verdict = self.verdicts.peek(target)
+        if verdict is not None and verdict[0] > self.clock():
             return verdict[1]
         learned = await self.of(target)
         if isinstance(learned, NotLearned) and learned.down:
@@ -240,7 +241,7 @@ class ServedModels:
         local = await self.of(LOCAL)
         found = mismatch(local, learned)
         if isinstance(learned, Serves) and isinstance(local, Serves):
-            self._verdicts[target] = (self._clock() + self._refresh_s, found)
+            self.verdicts[target] = (self.clock() + self._refresh_s, found)
         return found
 
     async def of(self, engine: PrefillTarget | None) -> Learned:
@@ -252,7 +253,7 @@ class ServedModels:
                 # Restarted, it may serve another revision.
                 self._last.pop(engine, None)
                 if engine is not None:
-                    self._verdicts.pop(engine, None)
+                    self.verdicts.pop(engine, None)
                 return NotLearned(failed.cause, down=True)
             last = self._last.peek(engine)
             return last if last is not None else NotLearned(failed.cause)
@@ -262,7 +263,7 @@ class ServedModels:
         restarted, it may serve another revision)."""
         self._fresh.forget(target)
         self._last.pop(target, None)
-        self._verdicts.pop(target, None)
+        self.verdicts.pop(target, None)
 
     async def _learn(self, engine: PrefillTarget | None) -> Serves:
         if engine is None:

@@ -65,6 +65,7 @@ from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Any, Final, Protocol
 
+from sidecar.bounded import BoundedMap
 from sidecar.dialects.base import RouteSupport
 from sidecar.engines.health import EngineHealth
 from sidecar.engines.models import Mismatch
@@ -206,6 +207,13 @@ class Targets(Protocol):
 
 class Kinship(Protocol):
     """Which prefill targets can hand KV off to the local engine."""
+
+    @property
+    def verdicts(self) -> BoundedMap[PrefillTarget, tuple[float, Mismatch | None]]:
+        """The verdicts already given: target -> (valid until, by ``clock``; why not)."""
+
+    @property
+    def clock(self) -> Callable[[], float]: ...
 
     async def mismatch(self, target: PrefillTarget) -> Mismatch | None:
         """Why ``target`` cannot (None: it can, or it is down)."""
@@ -401,7 +409,10 @@ class Placer:
         assert kinship is not None
         admissible = self.targets.admissible(candidates)
         if len(admissible) == 1:  # the usual router's one target
-            mismatches = [await kinship.mismatch(admissible[0])]
+            # A fresh verdict is a dict's read (every pair asks); else it is learned.
+            verdict = kinship.verdicts.peek(admissible[0])
+            mismatches = ([verdict[1]] if verdict is not None and verdict[0] > kinship.clock()
+                          else [await kinship.mismatch(admissible[0])])
         else:
             mismatches = list(await asyncio.gather(*map(kinship.mismatch, admissible)))
         kin: dict[PrefillTarget, str | None] = {}
