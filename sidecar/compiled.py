@@ -1,0 +1,27 @@
+"""Which of the sidecar's modules a build compiles, and which of them run compiled here.
+
+``HOT``: the modules of the request path that ``setup.py`` compiles with Cython where a C
+compiler is present (each ``.py`` is the source of its own extension module; without a
+compiler, or with ``DISAGG_SIDECAR_PURE_PYTHON=1``, the same ``.py`` files are the build).
+``modules()``: those of them that were imported from a compiled extension in this process.
+
+Deliberate limits: no import of anything (``setup.py`` reads ``HOT`` from this file before the
+package's dependencies are installed).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Final
+
+#: The request path's modules that compile (dotted names), in the order a request meets them.
+HOT: Final[tuple[str, ...]] = ()
+
+_EXTENSION_SUFFIXES: Final = (".so", ".pyd")
+
+
+def modules() -> list[str]:
+    """The ``HOT`` modules imported in this process from a compiled extension."""
+    return [name for name in HOT
+            if (module := sys.modules.get(name)) is not None
+            and str(getattr(module, "__file__", "") or "").endswith(_EXTENSION_SUFFIXES)]
