@@ -33,11 +33,11 @@ REPO = Path(__file__).resolve().parents[2]
 
 #: Bytecodes per PD request, the smallest of 15 (``python -m bench.bytecodes --repeat 15``).
 BUDGET: dict[str, int] = {
-    "pull-json": 8_450,
-    "pull-stream": 8_918,
-    "pull-json-cache-rule": 8_629,
-    "concurrent-json": 9_653,
-    "concurrent-stream": 10_076,
+    "pull-json": 8_287,
+    "pull-stream": 8_755,
+    "pull-json-cache-rule": 8_466,
+    "concurrent-json": 9_490,
+    "concurrent-stream": 9_913,
 }
 
 #: The concurrent flow's legs answer in either order, which changes the count by a few
