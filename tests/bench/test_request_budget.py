@@ -33,11 +33,11 @@ REPO = Path(__file__).resolve().parents[2]
 
 #: Bytecodes per PD request, the smallest of 15 (``python -m bench.bytecodes --repeat 15``).
 BUDGET: dict[str, int] = {
-    "pull-json": 8_287,
-    "pull-stream": 8_755,
-    "pull-json-cache-rule": 8_466,
-    "concurrent-json": 9_490,
-    "concurrent-stream": 9_913,
+    "pull-json": 8_129,
+    "pull-stream": 8_597,
+    "pull-json-cache-rule": 8_308,
+    "concurrent-json": 9_332,
+    "concurrent-stream": 9_755,
 }
 
 #: The concurrent flow's legs answer in either order, which changes the count by a few
