@@ -90,6 +90,7 @@ class Count:
 
     total: int = 0
     by_code: Counter[types.CodeType] = field(default_factory=Counter)
+    names: dict[types.CodeType, str] = field(default_factory=dict)  # generated code's class
 
     def by_package(self) -> dict[str, int]:
         out: Counter[str] = Counter()
@@ -134,11 +135,20 @@ class OpcodeCounter:
                     by_code[frame.f_code] += 1
             return local
 
+        def on_call_named(frame: types.FrameType, event: str, _: object) -> Any:
+            # Generated code (a dataclass's __init__) is named by the class it builds.
+            code = frame.f_code
+            if code.co_filename == "<string>" and "self" in frame.f_locals:
+                names[code] = f"{type(frame.f_locals['self']).__qualname__}.{code.co_name}"
+            frame.f_trace_opcodes = True
+            return local
+
         def on_call(frame: types.FrameType, event: str, _: object) -> Any:
             frame.f_trace_opcodes = True
             return local
 
-        sys.settrace(on_call)
+        names = self.count.names
+        sys.settrace(on_call_named if per_code else on_call)
 
     def stop(self) -> Count:
         sys.settrace(None)
@@ -320,7 +330,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.top:
                 for code, n in best.by_code.most_common(args.top):
                     where = f"{Path(code.co_filename).name}:{code.co_firstlineno}"
-                    print(f"      {n:>5,}  {code.co_qualname}  ({where})")
+                    name = best.names.get(code, code.co_qualname)
+                    print(f"      {n:>5,}  {name}  ({where})")
     return 0
 
 
