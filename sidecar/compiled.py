@@ -15,7 +15,40 @@ import sys
 from typing import Final
 
 #: The request path's modules that compile (dotted names), in the order a request meets them.
-HOT: Final[tuple[str, ...]] = ()
+HOT: Final[tuple[str, ...]] = (
+    "sidecar.jsonutil",
+    "sidecar.bounded",
+    "sidecar.http_server.aiohttp_private",
+    "sidecar.http_server.app",
+    "sidecar.http_server.body",
+    "sidecar.http_server.errors",
+    "sidecar.http_server.relay",
+    "sidecar.http_server.fanout",
+    "sidecar.request.scope",
+    "sidecar.request.placement",
+    "sidecar.request.runner",
+    "sidecar.request.legs",
+    "sidecar.request.concurrent",
+    "sidecar.request.fanout",
+    "sidecar.targets.selector",
+    "sidecar.targets.choice",
+    "sidecar.targets.breaker",
+    "sidecar.protocol.context",
+    "sidecar.protocol.request",
+    "sidecar.protocol.sse",
+    "sidecar.protocol.prompt_length",
+    "sidecar.protocol.apis.base",
+    "sidecar.protocol.apis.completions",
+    "sidecar.protocol.apis.generate",
+    "sidecar.protocol.apis.messages",
+    "sidecar.protocol.apis.responses",
+    "sidecar.engines.calls",
+    "sidecar.engines.failures",
+    "sidecar.dialects.vllm_nixl",
+    "sidecar.observability.prometheus_private",
+    "sidecar.http1.connection",
+    "sidecar.http1.client",
+)
 
 _EXTENSION_SUFFIXES: Final = (".so", ".pyd")
 
