@@ -58,9 +58,13 @@ RUN groupadd --gid 10001 sidecar \
  && useradd --uid 10001 --gid 10001 --no-create-home --home-dir /nonexistent \
         --shell /usr/sbin/nologin sidecar
 COPY --from=build /opt/venv /opt/venv
+# A sidecar in a pod serves from as many worker processes as the container has cores for
+# (its CPU limit, else its CPU affinity) and memory for (96 MiB each under its memory limit),
+# one where it holds a KV-event index: docs/operating/workers.md. DISAGG_WORKERS=1 for one.
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
-    PYTHONDONTWRITEBYTECODE=1
+    PYTHONDONTWRITEBYTECODE=1 \
+    DISAGG_WORKERS=auto
 USER 10001:10001
 WORKDIR /tmp
 # HTTP (OpenAI front door, /health, /ready, /metrics), gRPC (PrefillWorker/DecodeWorker),
