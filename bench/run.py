@@ -366,7 +366,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "default: their own choice, one per core)")
     parser.add_argument("--sidecar-tree", type=Path,
                         help="run the sidecar package from this tree (e.g. `git archive` of an "
-                             "older commit) for a before/after comparison")
+                             "older commit, or a tree built in place with its hot modules "
+                             "compiled) instead of this one, in both modes")
     parser.add_argument("--mode", choices=("burst", "paced"), default="burst",
                         help="burst: zero-latency stubs (the phases above); paced: tokens at "
                              "an engine's cadence, many streams (bench.paced)")
@@ -461,7 +462,8 @@ async def run_paced(args: argparse.Namespace, result: dict[str, Any], log_dir: P
                                baseline_tree=args.baseline_tree, pin_sidecar=pin_sidecar,
                                pin_bench=pin_bench, anchor_names=anchor_names,
                                anchor_workers=args.anchor_workers,
-                               worker_cores=worker_cores) as st:
+                               worker_cores=worker_cores,
+                               sidecar_tree=args.sidecar_tree) as st:
             log(f"{flow} (paced): {st.engine}  prefill {st.prefill.url}  decode {st.decode.url}")
             note_anchors(result, flow, {n: st.relays[n] for n in st.anchors}, st.skipped, log)
             ways = paced.ways_of(plan, args.baseline_tree is not None, st.anchors)
