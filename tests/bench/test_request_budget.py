@@ -33,11 +33,11 @@ REPO = Path(__file__).resolve().parents[2]
 
 #: Bytecodes per PD request, the smallest of 15 (``python -m bench.bytecodes --repeat 15``).
 BUDGET: dict[str, int] = {
-    "pull-json": 7_780,
-    "pull-stream": 8_248,
-    "pull-json-cache-rule": 7_959,
-    "concurrent-json": 9_016,
-    "concurrent-stream": 9_439,
+    "pull-json": 7_795,
+    "pull-stream": 8_263,
+    "pull-json-cache-rule": 7_974,
+    "concurrent-json": 9_034,
+    "concurrent-stream": 9_457,
 }
 
 #: The concurrent flow's legs answer in either order, which changes the count by a few
