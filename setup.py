@@ -69,9 +69,12 @@ class OptionalBuildExt(build_ext):
         try:
             from Cython.Build import cythonize
 
-            self.extensions = cythonize(self.extensions, language_level=3, quiet=True,
-                                        nthreads=self.parallel or 0,
-                                        compiler_directives=DIRECTIVES)
+            generated = cythonize(self.extensions, language_level=3, quiet=True,
+                                  nthreads=self.parallel or 0, compiler_directives=DIRECTIVES)
+            # The C files onto setuptools' own extensions (finalized: cythonize made new ones).
+            sources = {extension.name: extension.sources for extension in generated}
+            for extension in self.extensions:
+                extension.sources = sources[extension.name]
             super().run()
         except Exception as exc:
             self._fall_back(exc)
