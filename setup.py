@@ -3,10 +3,11 @@
 Where Cython and a C compiler are present, each module named in ``sidecar/compiled.py``
 (``HOT``) is compiled from its own ``.py`` file into an extension module installed beside it;
 Python imports the extension first. Where they are not (no compiler, no Python headers), or
-with ``DISAGG_SIDECAR_PURE_PYTHON=1``, or in an editable install (``pip install -e``, where a
+with ``SIDECAR_PURE_PYTHON=1``, or in an editable install (``pip install -e``, where a
 stale extension would hide an edited source), the same ``.py`` files are the build, as aiohttp,
-yarl and multidict fall back to theirs. ``DISAGG_SIDECAR_COMPILE=1`` makes a failed compile an
-error instead (CI's compiled job), and compiles in an editable install too.
+yarl and multidict fall back to theirs. ``SIDECAR_COMPILE=1`` makes a failed compile an
+error instead (CI's compiled job), and compiles in an editable install too. (Not ``DISAGG_*``
+names: that prefix is the settings', and the sidecar warns about a variable it does not know.)
 
 Deliberate limits: the extensions are CPython-version specific (the wheel is too, once one
 compiled); the Cython directives keep Python's semantics (annotations are not enforced as C
@@ -57,7 +58,7 @@ DIRECTIVES = {
 class OptionalBuildExt(build_ext):
     """``build_ext`` that turns the hot modules' ``.py`` files into C with Cython when it
     runs (never when pip only asks for the build's metadata) and leaves the pure-Python build
-    in place when that or a compile fails (unless ``DISAGG_SIDECAR_COMPILE=1``)."""
+    in place when that or a compile fails (unless ``SIDECAR_COMPILE=1``)."""
 
     def run(self) -> None:
         if not self.extensions:
@@ -86,7 +87,7 @@ class OptionalBuildExt(build_ext):
             self._fall_back(exc)
 
     def _fall_back(self, exc: Exception) -> None:
-        if _flag("DISAGG_SIDECAR_COMPILE"):
+        if _flag("SIDECAR_COMPILE"):
             raise exc
         print(f"disagg-sidecar: not compiled ({type(exc).__name__}: {exc}); the pure-Python "
               "modules are the build", file=sys.stderr)
@@ -104,9 +105,9 @@ def _missing_toolchain() -> str | None:
 
 
 def _extensions() -> list[Extension]:
-    if _flag("DISAGG_SIDECAR_PURE_PYTHON"):
+    if _flag("SIDECAR_PURE_PYTHON"):
         return []
-    if _editable() and not _flag("DISAGG_SIDECAR_COMPILE"):
+    if _editable() and not _flag("SIDECAR_COMPILE"):
         return []
     # Cython's generated C leaves helpers unused: not worth a warning per module.
     flags = [] if sys.platform == "win32" else ["-Wno-unused-function"]

@@ -2,7 +2,7 @@
 
 ``HOT``: the modules of the request path that ``setup.py`` compiles with Cython where a C
 compiler is present (each ``.py`` is the source of its own extension module; without a
-compiler, or with ``DISAGG_SIDECAR_PURE_PYTHON=1``, the same ``.py`` files are the build).
+compiler, or with ``SIDECAR_PURE_PYTHON=1``, the same ``.py`` files are the build).
 ``modules()``: those of them that were imported from a compiled extension in this process.
 
 Deliberate limits: no import of anything (``setup.py`` reads ``HOT`` from this file before the

@@ -33,12 +33,12 @@ if [ "${SKIP_COMPILED:-0}" != "1" ]; then
   trap 'rm -rf "$compiled_tree"' EXIT
   git ls-files -z | xargs -0 tar -cf - | tar -xf - -C "$compiled_tree"
   # The C compiler's warnings about Cython's generated code go to a log, shown on failure.
-  if ! (cd "$compiled_tree" && DISAGG_SIDECAR_COMPILE=1 "$OLDPWD/.venv/bin/python" setup.py \
+  if ! (cd "$compiled_tree" && SIDECAR_COMPILE=1 "$OLDPWD/.venv/bin/python" setup.py \
       -q build_ext --inplace -j 2 >"$compiled_tree/build.log" 2>&1); then
     tail -n 40 "$compiled_tree/build.log"
     exit 1
   fi
-  (cd "$compiled_tree" && DISAGG_SIDECAR_EXPECT_COMPILED=1 PYTHONPATH="$compiled_tree" \
+  (cd "$compiled_tree" && SIDECAR_EXPECT_COMPILED=1 PYTHONPATH="$compiled_tree" \
       "$OLDPWD/.venv/bin/python" -m pytest -q -m "not real_vllm" -p no:cacheprovider \
       tests/test_compiled.py tests/http tests/request tests/http1 tests/targets \
       tests/protocol tests/faults tests/observability tests/grpc_server tests/dialects)

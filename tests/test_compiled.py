@@ -6,8 +6,8 @@ Proves: every module ``HOT`` names is a module of the package; each dataclass wh
 (names, order, defaults) and sets every one; an extension module left in
 the source tree is never older than its ``.py`` (Python imports the extension first, so a
 stale one would run code that is no longer in the source); without a C compiler the build
-succeeds with no extension (the pure-Python build), and with ``DISAGG_SIDECAR_COMPILE=1`` it
-fails instead; in CI's compiled job (``DISAGG_SIDECAR_EXPECT_COMPILED=1``) every hot module
+succeeds with no extension (the pure-Python build), and with ``SIDECAR_COMPILE=1`` it
+fails instead; in CI's compiled job (``SIDECAR_EXPECT_COMPILED=1``) every hot module
 runs compiled, so that job cannot pass on the pure build by accident.
 Does not prove the compiled modules' behaviour: the suites do, run against that build.
 """
@@ -50,11 +50,11 @@ def test_no_extension_in_the_source_tree_is_older_than_its_source() -> None:
                 stale.append(str(extension.relative_to(REPO)))
     assert not stale, (
         f"{stale}: older than the source beside it, yet imported instead of it: rebuild "
-        "(`DISAGG_SIDECAR_COMPILE=1 python setup.py build_ext --inplace`) or delete them")
+        "(`SIDECAR_COMPILE=1 python setup.py build_ext --inplace`) or delete them")
 
 
-@pytest.mark.skipif(os.environ.get("DISAGG_SIDECAR_EXPECT_COMPILED", "") in ("", "0"),
-                    reason="only in the compiled build's job (DISAGG_SIDECAR_EXPECT_COMPILED=1)")
+@pytest.mark.skipif(os.environ.get("SIDECAR_EXPECT_COMPILED", "") in ("", "0"),
+                    reason="only in the compiled build's job (SIDECAR_EXPECT_COMPILED=1)")
 def test_in_the_compiled_job_every_hot_module_runs_compiled() -> None:
     for name in compiled.HOT:
         importlib.import_module(name)
@@ -110,6 +110,6 @@ def test_without_a_compiler_the_build_is_the_pure_python_one(tmp_path: Path) -> 
     assert done.returncode == 0, done.stderr[-3000:]
     assert "not compiled (RuntimeError: no C compiler (no-such-cc))" in done.stderr
     assert not list((tree / "sidecar").glob("*.so"))
-    failed = _build_ext(tree, DISAGG_SIDECAR_COMPILE="1")
+    failed = _build_ext(tree, SIDECAR_COMPILE="1")
     assert failed.returncode != 0
     assert "no C compiler" in failed.stderr
