@@ -6,9 +6,9 @@
 # into a virtual environment at /opt/venv (extension modules stripped of their symbols);
 # "runtime" copies only that environment onto a fresh slim Python base, so no build tool, no
 # wheel cache and no source tree reach the final image. Every dependency ships manylinux
-# wheels for CPython 3.11; the sidecar's own request path is compiled with Cython in "build"
-# (gcc there only: setup.py, sidecar/compiled.py), and where the base has no Python headers
-# the wheel is the pure-Python one, which runs the same.
+# wheels for CPython 3.11, so no compiler is needed; if one ever is, install it in "build" only
+# (the sidecar's own wheel is pure Python: its optional Cython build, SIDECAR_COMPILE=1 in
+# setup.py, measured slower per request, bench/RESULTS.md).
 #
 # Build:  podman build --format docker -t disagg-sidecar:0.1.0 .    (or: docker build -t ... .)
 #         (the name and tag deploy/'s manifests pull; push it as REGISTRY/disagg-sidecar:0.1.0)
@@ -29,10 +29,9 @@ ENV PIP_NO_CACHE_DIR=1 \
     PYTHONDONTWRITEBYTECODE=1
 # binutils (strip) lives in this stage only: the wheels' extension modules ship with symbol
 # tables (uvloop's alone is 13 MB, 1.6 MB stripped). Unpinned: it only removes symbols.
-# gcc and libc6-dev compile the hot modules (setup.py), in this stage only.
 # hadolint ignore=DL3008
 RUN apt-get update \
- && apt-get install -y --no-install-recommends binutils gcc libc6-dev \
+ && apt-get install -y --no-install-recommends binutils \
  && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 # .dockerignore admits only what the wheel needs (pyproject, README, the packages, protos).

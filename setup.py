@@ -1,17 +1,20 @@
-"""The build: pyproject.toml's package, with the request path's hot modules compiled where it can.
+"""The build: pyproject.toml's package, its request path's hot modules compiled on request.
 
-Where Cython and a C compiler are present, each module named in ``sidecar/compiled.py``
-(``HOT``) is compiled from its own ``.py`` file into an extension module installed beside it;
-Python imports the extension first. Where they are not (no compiler, no Python headers), or
-with ``SIDECAR_PURE_PYTHON=1``, or in an editable install (``pip install -e``, where a
-stale extension would hide an edited source), the same ``.py`` files are the build, as aiohttp,
-yarl and multidict fall back to theirs. ``SIDECAR_COMPILE=1`` makes a failed compile an
-error instead (CI's compiled job), and compiles in an editable install too. (Not ``DISAGG_*``
-names: that prefix is the settings', and the sidecar warns about a variable it does not know.)
+``SIDECAR_COMPILE=1 pip install .`` compiles each module named in ``sidecar/compiled.py``
+(``HOT``) with Cython from its own ``.py`` file into an extension module installed beside it
+(Python imports the extension first), and fails where it cannot; ``SIDECAR_COMPILE=auto``
+compiles where Cython, a C compiler and Python's headers are present and is the pure-Python
+build elsewhere, as aiohttp, yarl and multidict fall back to theirs. Unset (the default) the
+``.py`` files are the build: measured on the bench machine, the compiled modules ran 3.8 %
+fewer instructions per PD request but took 10-28 % more CPU (bench/RESULTS.md, issue #39), so
+the faster build is the default. An editable install (``pip install -e``, where a stale
+extension would hide an edited source) compiles only with ``SIDECAR_COMPILE=1``. (Not
+``DISAGG_*`` names: that prefix is the settings', and the sidecar warns about a variable it
+does not know.)
 
-Deliberate limits: the extensions are CPython-version specific (the wheel is too, once one
-compiled); the Cython directives keep Python's semantics (annotations are not enforced as C
-types, so the test suites' fakes pass where the annotation names a class).
+Deliberate limits: the extensions are CPython-version specific (the wheel is too, whether or
+not it compiled); the Cython directives keep Python's semantics (annotations are not enforced
+as C types, so the test suites' fakes pass where the annotation names a class).
 """
 
 from __future__ import annotations
@@ -36,8 +39,10 @@ def _hot_modules() -> list[str]:
     return list(hot)
 
 
-def _flag(name: str) -> bool:
-    return os.environ.get(name, "") not in ("", "0")
+def _compile_mode() -> str:
+    """``SIDECAR_COMPILE``: "" (the pure-Python build), "auto" or "1" (compile or fail)."""
+    value = os.environ.get("SIDECAR_COMPILE", "").strip().lower()
+    return "" if value in ("", "0") else "auto" if value == "auto" else "1"
 
 
 def _editable() -> bool:
@@ -57,8 +62,8 @@ DIRECTIVES = {
 
 class OptionalBuildExt(build_ext):
     """``build_ext`` that turns the hot modules' ``.py`` files into C with Cython when it
-    runs (never when pip only asks for the build's metadata) and leaves the pure-Python build
-    in place when that or a compile fails (unless ``SIDECAR_COMPILE=1``)."""
+    runs (never when pip only asks for the build's metadata); with ``SIDECAR_COMPILE=auto`` it
+    leaves the pure-Python build in place when that or a compile fails."""
 
     def run(self) -> None:
         if not self.extensions:
@@ -87,7 +92,7 @@ class OptionalBuildExt(build_ext):
             self._fall_back(exc)
 
     def _fall_back(self, exc: Exception) -> None:
-        if _flag("SIDECAR_COMPILE"):
+        if _compile_mode() != "auto":
             raise exc
         print(f"disagg-sidecar: not compiled ({type(exc).__name__}: {exc}); the pure-Python "
               "modules are the build", file=sys.stderr)
@@ -105,9 +110,8 @@ def _missing_toolchain() -> str | None:
 
 
 def _extensions() -> list[Extension]:
-    if _flag("SIDECAR_PURE_PYTHON"):
-        return []
-    if _editable() and not _flag("SIDECAR_COMPILE"):
+    mode = _compile_mode()
+    if not mode or (_editable() and mode != "1"):
         return []
     # Cython's generated C leaves helpers unused: not worth a warning per module.
     flags = [] if sys.platform == "win32" else ["-Wno-unused-function"]

@@ -1,8 +1,9 @@
 """Which of the sidecar's modules a build compiles, and which of them run compiled here.
 
-``HOT``: the modules of the request path that ``setup.py`` compiles with Cython where a C
-compiler is present (each ``.py`` is the source of its own extension module; without a
-compiler, or with ``SIDECAR_PURE_PYTHON=1``, the same ``.py`` files are the build).
+``HOT``: the modules of the request path that ``setup.py`` compiles with Cython when
+``SIDECAR_COMPILE`` asks (each ``.py`` is the source of its own extension module; by default,
+and where nothing compiles under ``SIDECAR_COMPILE=auto``, the same ``.py`` files are the
+build).
 ``modules()``: those of them that were imported from a compiled extension in this process.
 
 Deliberate limits: no import of anything (``setup.py`` reads ``HOT`` from this file before the

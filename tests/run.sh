@@ -32,6 +32,7 @@ if [ "${SKIP_COMPILED:-0}" != "1" ]; then
   compiled_tree=$(mktemp -d)
   trap 'rm -rf "$compiled_tree"' EXIT
   git ls-files -z | xargs -0 tar -cf - | tar -xf - -C "$compiled_tree"
+  # The optional compiled build (setup.py, SIDECAR_COMPILE): kept working by the same suites.
   # The C compiler's warnings about Cython's generated code go to a log, shown on failure.
   if ! (cd "$compiled_tree" && SIDECAR_COMPILE=1 "$OLDPWD/.venv/bin/python" setup.py \
       -q build_ext --inplace -j 2 >"$compiled_tree/build.log" 2>&1); then
