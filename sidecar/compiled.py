@@ -45,7 +45,6 @@ HOT: Final[tuple[str, ...]] = (
     "sidecar.protocol.apis.responses",
     "sidecar.engines.calls",
     "sidecar.engines.failures",
-    "sidecar.dialects.vllm_nixl",
     "sidecar.observability.prometheus_private",
     "sidecar.http1.connection",
     "sidecar.http1.client",
