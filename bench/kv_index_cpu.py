@@ -127,9 +127,13 @@ async def measure(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
         started: list[procs.Proc] = []
         publisher: Publisher | None = None
         try:
-            prefill = procs.start_stub("kv-prefill", "vllm", "prefill", "shfs", log_dir=log_dir)
+            # A context long enough for the longest prompt asked for.
+            context = ("--max-model-len", str(max(4096, 2 * args.prompt_tokens)))
+            prefill = procs.start_stub("kv-prefill", "vllm", "prefill", "shfs", *context,
+                                       log_dir=log_dir)
             started.append(prefill)
-            decode = procs.start_stub("kv-decode", "vllm", "decode", "shfs", log_dir=log_dir)
+            decode = procs.start_stub("kv-decode", "vllm", "decode", "shfs", *context,
+                                      log_dir=log_dir)
             started.append(decode)
             flags = procs.sidecar_flags("vllm", "shfs", prefill, decode, 64)
             off = procs.start_sidecar("kv-off", flags, log_dir=log_dir, prefix=[])

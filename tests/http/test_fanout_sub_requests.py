@@ -41,7 +41,8 @@ class Placer:
         self.asked: list[tuple[Any, tuple[PrefillTarget, ...], str]] = []
 
     async def place(self, route: Route, body: Any, candidates: tuple[PrefillTarget, ...], *,
-                    request_id: str, named_prefill_rank: int | None = None) -> Decision:
+                    request_id: str, named_prefill_rank: int | None = None,
+                    memo: Any = None) -> Decision:
         self.asked.append((body, candidates, request_id))
         if self.refuse:
             return Decision(Fate.REFUSE, "error", "down", error=EngineNotReady("down"))
