@@ -23,9 +23,15 @@ Cases (``CASES``), all ``POST /v1/completions`` with ``x-prefiller-host-port``, 
 
     pull-json, pull-stream                 vLLM NixlConnector: prefill, then decode pulling
     concurrent-json, concurrent-stream     SGLang: both legs at once (bootstrap room)
-    pull-json-cache-rule                   the cache rule on (``--max-uncached-tokens``) with
-                                           an index that cannot answer: what the rule costs a
-                                           request it cannot place locally
+    pull-json-cache-rule                   the cache rule on (``--local-prefill-max-uncached-
+                                           tokens``) with an index that cannot answer (no
+                                           events): what the rule costs a request it cannot
+                                           judge
+    pull-json-cache-hit                    the same with an index that answers: the bench
+                                           publishes KV events (``IndexFeed``, vLLM's format)
+                                           saying the decode engine holds 8 of a 40-token
+                                           prompt's ids (over the rule's 8 not held: a pair),
+                                           what the look-up adds
 
 Why bytecodes: per request the sidecar is CPython running about 8,000 of them (the profile in
 bench/RESULTS.md: 74 % of the instructions inside the interpreter), so their count follows
@@ -34,8 +40,9 @@ compiled build (Cython) runs fewer: the budget is the pure-Python build's, and t
 itself when the hot modules are compiled.
 
 Deliberate limits: the stubs answer at once, so a streamed answer reaches the (slowed,
-traced) sidecar in one read; one request at a time; the cache rule with an index that answers
-needs KV events from the stubs (not yet), so that case measures the rule's cost without a hit.
+traced) sidecar in one read; one request at a time; the index is fed by the bench, not by the
+stub engine (the stubs publish no KV events yet), and its prompt is token ids (text would need
+a tokenize call the lean stubs do not serve).
 """
 
 from __future__ import annotations
@@ -56,6 +63,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import orjson
+
 from bench import flows, procs
 from bench.http_clients import open_clients
 
@@ -72,6 +81,9 @@ class Case:
     stream: bool
     flags: tuple[str, ...] = ()
     tokens: int = 8
+    #: The KV-event index answers: the bench publishes the prompt's leading blocks as the
+    #: decode engine would (``IndexFeed``), and the prompt is token ids (no tokenize call).
+    fed_index: bool = False
 
 
 CASES: dict[str, Case] = {
@@ -81,7 +93,48 @@ CASES: dict[str, Case] = {
     "concurrent-stream": Case("conc", True),
     "pull-json-cache-rule": Case("seq", False, ("--local-prefill-max-uncached-tokens", "4",
                                                 "--kv-events-endpoint", "tcp://127.0.0.1:{free}")),
+    "pull-json-cache-hit": Case("seq", False, ("--local-prefill-max-uncached-tokens", "8",
+                                               "--kv-events-topic", "kv",
+                                               "--kv-events-endpoint", "{feed}"),
+                                fed_index=True),
 }
+
+#: The fed index's prompt (token ids) and what the feed says the engine holds of it: two of
+#: its ten blocks, so 32 tokens are not held, over the rule's 8: the request runs as a pair.
+FED_PROMPT = list(range(100, 140))
+FED_BLOCK = 4
+FED_HELD = 8
+
+
+class IndexFeed:
+    """The decode engine's KV-event publisher, as vLLM 0.32 sends (one XPUB socket the
+    sidecar's subscriber connects to): one batch storing the prompt's leading blocks."""
+
+    def __init__(self, endpoint: str) -> None:
+        import zmq
+        import zmq.asyncio
+
+        self.endpoint = endpoint
+        self._context = zmq.asyncio.Context()
+        self._socket = self._context.socket(zmq.XPUB)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.bind(endpoint)
+
+    async def publish(self) -> None:
+        """Once the sidecar subscribed: the batch (sequence 0)."""
+        import msgspec
+
+        await asyncio.wait_for(self._socket.recv(), 30)  # the subscription
+        held = FED_PROMPT[:FED_HELD]
+        stored = {"type": "BlockStored", "block_hashes": list(range(1, FED_HELD // FED_BLOCK + 1)),
+                  "parent_block_hash": None, "token_ids": held, "block_size": FED_BLOCK,
+                  "lora_id": None, "medium": "GPU", "lora_name": None, "group_idx": 0}
+        batch = msgspec.msgpack.encode([1.0, [stored], 0])
+        await self._socket.send_multipart([b"kv", (0).to_bytes(8, "big"), batch])
+
+    def close(self) -> None:
+        self._socket.close(linger=0)
+        self._context.term()
 
 
 @dataclass
@@ -252,10 +305,35 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+async def _applied(url: str) -> None:
+    """Until the sidecar has applied a KV-event batch (its own counter says so; bounded)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 30
+    line = 'disagg_kv_event_batches_total{outcome="applied"} 1.0'
+    while loop.time() < deadline:
+        text = await loop.run_in_executor(None, _get, url + "/metrics")
+        if line in text:
+            return
+        await asyncio.sleep(0.05)
+    raise RuntimeError("the sidecar did not apply the fed KV-event batch")
+
+
+def _get(url: str) -> str:
+    import urllib.request
+
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    with opener.open(url, timeout=10) as response:
+        return str(response.read().decode())
+
+
 async def _counted_requests(sidecar: SidecarThread, flow: flows.Flow, *, warm_up: int,
-                            repeat: int, per_code: bool) -> list[Count]:
+                            repeat: int, per_code: bool, feed: IndexFeed | None = None,
+                            url: str = "") -> list[Count]:
     counter = OpcodeCounter(per_code)
     counts: list[Count] = []
+    if feed is not None:
+        await feed.publish()
+        await _applied(url)
     async with open_clients("lean", 1) as new_http:
         http = new_http()
         for _ in range(warm_up):
@@ -285,12 +363,23 @@ def measure(names: list[str], *, warm_up: int = 20, repeat: int = 5,
             with stubs(flow_name, Path(tmp)) as (prefill, decode):
                 for name in cases:
                     case = CASES[name]
-                    with SidecarThread(sidecar_flags(flow_name, prefill, decode,
-                                                     case.flags)) as sidecar:
-                        url = f"http://127.0.0.1:{sidecar.ports.result()['http']}"
-                        flow = flows.Sidecar(url, prefill.port, case.tokens, case.stream)
-                        out[name] = asyncio.run(_counted_requests(
-                            sidecar, flow, warm_up=warm_up, repeat=repeat, per_code=per_code))
+                    feed = IndexFeed(f"ipc://{tmp}/kv-{name}") if case.fed_index else None
+                    flags = tuple(f.replace("{feed}", feed.endpoint if feed else "")
+                                  for f in case.flags)
+                    try:
+                        with SidecarThread(sidecar_flags(flow_name, prefill, decode,
+                                                         flags)) as sidecar:
+                            url = f"http://127.0.0.1:{sidecar.ports.result()['http']}"
+                            flow = flows.Sidecar(url, prefill.port, case.tokens, case.stream)
+                            if case.fed_index:
+                                flow.body = orjson.dumps({**flows.client_body(
+                                    case.tokens, case.stream), "prompt": FED_PROMPT})
+                            out[name] = asyncio.run(_counted_requests(
+                                sidecar, flow, warm_up=warm_up, repeat=repeat,
+                                per_code=per_code, feed=feed, url=url))
+                    finally:
+                        if feed is not None:
+                            feed.close()
     return out
 
 
