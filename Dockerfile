@@ -6,7 +6,9 @@
 # into a virtual environment at /opt/venv (extension modules stripped of their symbols);
 # "runtime" copies only that environment onto a fresh slim Python base, so no build tool, no
 # wheel cache and no source tree reach the final image. Every dependency ships manylinux
-# wheels for CPython 3.11, so no compiler is needed; if one ever is, install it in "build" only.
+# wheels for CPython 3.11, so no compiler is needed; if one ever is, install it in "build" only
+# (the sidecar's own wheel is pure Python: its optional Cython build, SIDECAR_COMPILE=1 in
+# setup.py, measured slower per request, bench/RESULTS.md).
 #
 # Build:  podman build --format docker -t disagg-sidecar:0.1.0 .    (or: docker build -t ... .)
 #         (the name and tag deploy/'s manifests pull; push it as REGISTRY/disagg-sidecar:0.1.0)
@@ -55,9 +57,13 @@ RUN groupadd --gid 10001 sidecar \
  && useradd --uid 10001 --gid 10001 --no-create-home --home-dir /nonexistent \
         --shell /usr/sbin/nologin sidecar
 COPY --from=build /opt/venv /opt/venv
+# A sidecar in a pod serves from as many worker processes as the container has cores for
+# (its CPU limit, else its CPU affinity) and memory for (96 MiB each under its memory limit),
+# one where it holds a KV-event index: docs/operating/workers.md. DISAGG_WORKERS=1 for one.
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
-    PYTHONDONTWRITEBYTECODE=1
+    PYTHONDONTWRITEBYTECODE=1 \
+    DISAGG_WORKERS=auto
 USER 10001:10001
 WORKDIR /tmp
 # HTTP (OpenAI front door, /health, /ready, /metrics), gRPC (PrefillWorker/DecodeWorker),

@@ -134,7 +134,7 @@ def paced_stack(
     flow: str, plan: PacedPlan, log_dir: Path, *, max_connections: int,
     baseline_tree: Path | None, pin_sidecar: str, pin_bench: str,
     anchor_names: tuple[str, ...] = (), anchor_workers: int | None = None,
-    worker_cores: dict[int, str] | None = None,
+    worker_cores: dict[int, str] | None = None, sidecar_tree: Path | None = None,
 ) -> Iterator[PacedStack]:
     """``worker_cores``: ``--pin-workers``' taskset CPU list per worker count (``bench.pinning``);
     otherwise every sidecar gets ``pin_sidecar``."""
@@ -164,7 +164,7 @@ def paced_stack(
         trees: list[tuple[str, Path, int]] = []
         if baseline_tree is not None:
             trees.append((BEFORE, baseline_tree, 1))
-        trees += [(sidecar_way(n), procs.REPO_ROOT, n) for n in plan.workers]
+        trees += [(sidecar_way(n), sidecar_tree or procs.REPO_ROOT, n) for n in plan.workers]
         for way, tree, workers in trees:
             extra = ["--workers", str(workers)] if workers > 1 else []
             cores = (worker_cores or {}).get(workers)

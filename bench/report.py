@@ -186,6 +186,27 @@ def anchors_markdown(result: dict[str, Any]) -> list[str]:
     return [*lines, ""] if lines else []
 
 
+def before_markdown(result: dict[str, Any]) -> list[str]:
+    """With ``--baseline-tree``: each phase's CPU per request (and per token) of the sidecar
+    from that tree (``before``) against this tree's, measured in the same run."""
+    rows: list[str] = []
+    for flow_name, flow in result["flows"].items():
+        for phase, sides in flow["phases"].items():
+            before, after = sides.get("before"), sides.get("sidecar")
+            if before is None or after is None:
+                continue
+            b, a = before.get("relay_cpu_us_per_req"), after.get("relay_cpu_us_per_req")
+            bt, at = before.get("relay_cpu_us_per_token"), after.get("relay_cpu_us_per_token")
+            rows.append(f"| {flow_name} | {phase} | {_fmt(b, 0)} | {_fmt(a, 0)} | "
+                        f"{_fmt(_ratio(a, b))} | {_fmt(bt, 2)} | {_fmt(at, 2)} |")
+    if not rows:
+        return []
+    return ["**Before and after** (`--baseline-tree`: the sidecar from that tree, `before`, "
+            "and this tree's, each phase in turn in the same run; CPU of the sidecar process):",
+            "", "| flow | phase | before CPU us/req | after CPU us/req | after / before "
+            "| before us/token | after us/token |", "|---|---|---|---|---|---|---|", *rows, ""]
+
+
 def markdown(result: dict[str, Any]) -> str:
     m = result["machine"]
     lines = [
@@ -196,6 +217,7 @@ def markdown(result: dict[str, Any]) -> str:
         "Stubs, sidecar and load generator are separate processes sharing those cores.",
         "",
         *anchors_markdown(result),
+        *before_markdown(result),
         "**One request at a time** (ms; TTFB = time to the first body byte):",
         "",
         "| flow | format | direct p50 | sidecar p50 | added p50 | direct p99 | sidecar p99 "

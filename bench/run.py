@@ -63,7 +63,9 @@ from bench.pinning import plan_pinning as pinning_of
 from bench.thread_meter import ThreadMeter
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-MODES = ("direct", "sidecar", *anchors.ANCHORS)
+#: ``before``: a second sidecar from ``--baseline-tree`` (another commit), in the same run.
+BEFORE = "before"
+MODES = ("direct", "sidecar", BEFORE, *anchors.ANCHORS)
 
 
 @dataclass(frozen=True)
@@ -97,11 +99,13 @@ class Stack:
     stubs: str = "lean"
     anchors: dict[str, procs.Proc] = dataclasses.field(default_factory=dict)
     skipped: dict[str, str] = dataclasses.field(default_factory=dict)  # anchor -> why
+    before: procs.Proc | None = None  # the sidecar from --baseline-tree
 
     @property
     def pids(self) -> dict[str, int]:
         return {
             "sidecar": procs.server_pid(self.sidecar),
+            **({BEFORE: procs.server_pid(self.before)} if self.before is not None else {}),
             "prefill_stub": self.prefill.pid,
             "decode_stub": self.decode.pid,
             **{name: proc.pid for name, proc in self.anchors.items()},
@@ -110,6 +114,10 @@ class Stack:
     def make(self, mode: str, max_tokens: int, stream: bool) -> flows.Flow:
         if mode == "sidecar":
             return flows.Sidecar(self.sidecar.url, self.prefill.port, max_tokens, stream)
+        if mode == BEFORE and self.before is not None:
+            flow = flows.Sidecar(self.before.url, self.prefill.port, max_tokens, stream)
+            flow.name = BEFORE
+            return flow
         if mode in self.anchors:
             return flows.Router(mode, self.anchors[mode].url, max_tokens, stream)
         if self.flow == "seq":
@@ -142,7 +150,8 @@ def _flow_parts(flow: str, conc_engine: str) -> tuple[str, str]:
 def stack(flow: str, conc_engine: str, log_dir: Path, max_connections: int,
           sidecar_prefix: list[str], code_root: Path = procs.REPO_ROOT,
           stubs: str = "lean", modes: tuple[str, ...] = (),
-          anchor_workers: int | None = None) -> Iterator[Stack]:
+          anchor_workers: int | None = None,
+          baseline_tree: Path | None = None) -> Iterator[Stack]:
     """One flow's stubs and sidecar, and the anchors named in ``modes`` that can run on it
     (the others land in ``Stack.skipped`` with the reason)."""
     engine, connector = _flow_parts(flow, conc_engine)
@@ -162,6 +171,10 @@ def stack(flow: str, conc_engine: str, log_dir: Path, max_connections: int,
                                       prefix=sidecar_prefix, code_root=code_root)
         started.append(sidecar)
         st = Stack(flow, engine, connector, prefill, decode, sidecar, stubs=stubs)
+        if baseline_tree is not None and BEFORE in modes:
+            st.before = procs.start_sidecar(f"{flow}-before", flags, log_dir=log_dir,
+                                            prefix=sidecar_prefix, code_root=baseline_tree)
+            started.append(st.before)
         for name in (m for m in modes if m in anchors.ANCHORS):
             why = anchors.unavailable(name, engine, connector)
             if why is not None:
@@ -248,7 +261,8 @@ async def measure_flow(
 
     if st.engine == "vllm" and st.connector == "mooncake":
         st.engine_id = await _engine_id(int(st.prefill.info["bootstrap_port"]))
-    modes = tuple(m for m in modes if m not in anchors.ANCHORS or m in st.anchors)
+    modes = tuple(m for m in modes if (m not in anchors.ANCHORS or m in st.anchors)
+                  and (m != BEFORE or st.before is not None))
     meter = ThreadMeter(st.pids, trees=frozenset(st.anchors))
     out: dict[str, Any] = {
         "engine": st.engine, "connector": st.connector, "modes": list(modes), "phases": {},
@@ -352,7 +366,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "default: their own choice, one per core)")
     parser.add_argument("--sidecar-tree", type=Path,
                         help="run the sidecar package from this tree (e.g. `git archive` of an "
-                             "older commit) for a before/after comparison")
+                             "older commit, or a tree built in place with its hot modules "
+                             "compiled) instead of this one, in both modes")
     parser.add_argument("--mode", choices=("burst", "paced"), default="burst",
                         help="burst: zero-latency stubs (the phases above); paced: tokens at "
                              "an engine's cadence, many streams (bench.paced)")
@@ -373,8 +388,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-bare", action="store_true",
                         help="paced: skip the bare uvloop relay (the floor)")
     parser.add_argument("--baseline-tree", type=Path,
-                        help="paced: also run a sidecar from this tree (`git archive` of the "
-                             "commit before), as the way `before`, in the same run")
+                        help="also run a sidecar from this tree (`git archive` of the commit "
+                             "before), as the mode (burst) or way (paced) `before`, in the "
+                             "same run: each phase runs it right after this tree's sidecar")
     parser.add_argument("--pin-sidecar", default="",
                         help="paced: taskset CPU list for the sidecars and the bare relay")
     parser.add_argument("--pin-bench", default="",
@@ -446,7 +462,8 @@ async def run_paced(args: argparse.Namespace, result: dict[str, Any], log_dir: P
                                baseline_tree=args.baseline_tree, pin_sidecar=pin_sidecar,
                                pin_bench=pin_bench, anchor_names=anchor_names,
                                anchor_workers=args.anchor_workers,
-                               worker_cores=worker_cores) as st:
+                               worker_cores=worker_cores,
+                               sidecar_tree=args.sidecar_tree) as st:
             log(f"{flow} (paced): {st.engine}  prefill {st.prefill.url}  decode {st.decode.url}")
             note_anchors(result, flow, {n: st.relays[n] for n in st.anchors}, st.skipped, log)
             ways = paced.ways_of(plan, args.baseline_tree is not None, st.anchors)
@@ -484,7 +501,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     for flow in [f.strip() for f in args.flows.split(",") if f.strip()]:
         with stack(flow, args.conc_engine, log_dir, args.max_connections, prefix,
                    args.sidecar_tree or procs.REPO_ROOT, args.stubs, modes,
-                   args.anchor_workers) as st:
+                   args.anchor_workers, args.baseline_tree) as st:
             log(f"{flow}: {st.engine}/{st.connector}  prefill {st.prefill.url}  "
                 f"decode {st.decode.url}  sidecar {st.sidecar.url}"
                 + "".join(f"  {name} {proc.url}" for name, proc in st.anchors.items()))

@@ -31,9 +31,9 @@ from enum import StrEnum
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Final
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from sidecar.config.cores import available_cores
+from sidecar.config.cores import auto_workers
 from sidecar.config.data_parallel import DATA_PARALLEL_POD_SOURCES, DataParallelSettings
 from sidecar.config.kv_events_settings import KV_EVENTS_POD_SOURCES, KVEventsSettings
 from sidecar.config.limits import LimitsSettings, PrefillFailurePolicy, PromptLengthSource
@@ -161,7 +161,9 @@ class ServingSettings(BaseModel):
         le=MAX_WORKERS,
         description="Processes serving the same HTTP and gRPC ports (SO_REUSEPORT), each with "
         f"its own event loop and engine connections; auto: the cores the container may use "
-        f"(CPU affinity and cgroup quota), 1..{MAX_WORKERS}. One supervisor restarts a worker "
+        f"(CPU affinity and cgroup quota), as many as its memory limit holds (96 MiB each), "
+        f"1..{MAX_WORKERS}, and 1 with --kv-events-endpoint; the container image sets auto. "
+        "One supervisor restarts a worker "
         "that dies; /metrics and --max-inflight cover them all.",
     )
 
@@ -259,12 +261,18 @@ class ServingSettings(BaseModel):
     )
     log_format: str = Field(default="text", description="Log format: text or json.")
 
-    @field_validator("workers", mode="before")
+    @model_validator(mode="before")
     @classmethod
-    def _workers_auto(cls, value: object) -> object:
-        if isinstance(value, str) and value.strip().lower() == "auto":
-            return min(available_cores(), MAX_WORKERS)
-        return value
+    def _workers_auto(cls, values: object) -> object:
+        # auto: the container's cores and memory, but one process where one must hold the
+        # KV-event index (check_kv_events refuses an explicit count above 1 there).
+        if not isinstance(values, dict):
+            return values
+        workers = values.get("workers")
+        if isinstance(workers, str) and workers.strip().lower() == "auto":
+            one = bool(values.get("kv_events_endpoint"))
+            values = {**values, "workers": 1 if one else min(auto_workers(), MAX_WORKERS)}
+        return values
 
     @field_validator("engine")
     @classmethod

@@ -20,6 +20,14 @@
    The runner also wraps ``web.Server.request_handler``: a request target that is no path
    (``CONNECT host:port``, ``OPTIONS *``, which aiohttp's router answers with a text/plain 404)
    is refused with 400 ``invalid_request`` JSON before routing.
+   And it dispatches the application's plain-path POST routes (the PD routes) itself: one
+   dict look-up by the raw path, then the route's handler with the request's ``_match_info``
+   set to one frozen ``UrlMappingMatchInfo`` per route, built at start (what
+   ``Application._handle`` would build for each request: the same ``request.app`` and
+   ``on_response_prepare`` signals), instead of the router's resolve, a new match info and
+   ``Application._handle`` for every request. Anything else (another method or path, a path
+   with a query or not in its canonical form, an ``Expect`` header, an application with
+   middlewares) goes through the application as before.
 2. ``StreamWithHead``: a stream's head leaves with its first chunk (``_send_headers_immediately``).
 3. ``ClientSocket``: relayed bytes written straight onto the client's transport in aiohttp's
    framing, after aiohttp wrote the head and first chunk; a full socket waits on ``drain``.
@@ -40,6 +48,7 @@ from typing import Any, Final
 from aiohttp import hdrs, web
 from aiohttp.http_exceptions import BadHttpMethod, HttpProcessingError, LineTooLong
 from aiohttp.web_protocol import RequestHandler, RequestPayloadError
+from aiohttp.web_urldispatcher import UrlMappingMatchInfo
 
 from sidecar.errors import InvalidRequest, SidecarError
 from sidecar.http_server.errors import error_response
@@ -75,6 +84,34 @@ def _origin_form_only(handler: _Handler) -> _Handler:
         return await handler(request)
 
     return serve
+
+
+def _direct_posts(app: web.Application, handler: _Handler) -> _Handler:
+    """``handler`` (the application's), with the application's plain-path POST routes
+    dispatched by their raw path, skipping the router (the module docstring, touch 1)."""
+    if app.middlewares:
+        return handler
+    direct: dict[str, tuple[_Handler, UrlMappingMatchInfo]] = {}
+    for resource in app.router.resources():
+        if not isinstance(resource, web.PlainResource):
+            continue
+        for route in resource:
+            if route.method == hdrs.METH_POST:
+                match_info = UrlMappingMatchInfo({}, route)
+                match_info.add_app(app)
+                match_info.freeze()
+                direct[resource.canonical] = (route.handler, match_info)  # type: ignore[assignment]
+    if not direct:
+        return handler
+
+    async def dispatch(request: web.BaseRequest) -> web.StreamResponse:
+        route = direct.get(request.raw_path) if request.method == hdrs.METH_POST else None
+        if route is None or hdrs.EXPECT in request.headers:
+            return await handler(request)
+        request._match_info = route[1]  # type: ignore[attr-defined]
+        return await route[0](request)
+
+    return dispatch
 
 
 class _HeadTimeoutHandler(RequestHandler):
@@ -193,7 +230,8 @@ class HeadTimeoutAppRunner(web.AppRunner):
         assert isinstance(server, _HeadTimeoutServer)
         server.head_timeout_s = self._head_timeout_s
         server.refusals = LogEvery(REFUSAL_LOG_INTERVAL_S)
-        server.request_handler = _origin_form_only(server.request_handler)
+        server.request_handler = _origin_form_only(
+            _direct_posts(self.app, server.request_handler))
         return server
 
 

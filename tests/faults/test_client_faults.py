@@ -133,6 +133,24 @@ async def test_body_over_the_cap_sent_chunked_is_refused_while_reading() -> None
         await r.check_recovered()
 
 
+async def test_a_chunked_body_over_the_cap_that_arrived_whole_is_the_taxonomys_413() -> None:
+    """A chunked body (no declared length) already received in full when its handler reads
+    it: refused as ``body_too_large`` JSON, as one read while it arrives is (aiohttp's own
+    read would answer its text/plain 413)."""
+    async with rig(max_body_bytes=2000) as r:
+        body = jsonutil.dumps({**client_body(), "prompt": "x" * 4000})
+        chunked = b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
+        async with raw_connection(r) as (reader, writer):
+            writer.write(request_head(r, content_length=None, extra="Connection: close\r\n")
+                         + chunked)
+            await writer.drain()
+            status_line, answer = await read_answer(reader)
+        assert status_line.split()[1] == b"413", status_line
+        assert answer["error"]["code"] == "body_too_large", answer
+        assert inference_calls(r) == 0
+        await r.check_recovered()
+
+
 async def test_oversized_header_is_refused_and_the_sidecar_still_serves() -> None:
     async with rig() as r:
         async with raw_connection(r) as (reader, writer):

@@ -18,7 +18,9 @@ against the installed aiohttp, one test per touch, on real loopback sockets:
    (``_request_count`` grows) while ``_current_request`` still reads its body: plain aiohttp
    leaves that read waiting, the runner's handler fails it;
 7. ``web.Server.request_handler`` is what each connection's handler calls: wrapped, it sees
-   ``CONNECT`` and ``OPTIONS *`` before routing.
+   ``CONNECT`` and ``OPTIONS *`` before routing; and the application's plain-path POST
+   routes reach their handlers without the router's resolve, with the same ``request.app``,
+   match info and response signals (``UrlMappingMatchInfo``, ``request._match_info``).
 
 When one fails after an aiohttp upgrade, the module docstring of ``aiohttp_private`` says
 what relies on it; pyproject.toml pins the minor versions these tests passed on.
@@ -29,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import aiohttp
 import pytest
@@ -286,3 +289,57 @@ async def test_the_wrapped_request_handler_sees_connect_and_asterisk_first() -> 
         assert raw.endswith(b"ok")
     finally:
         await runner.cleanup()
+
+
+async def test_plain_post_routes_skip_the_router_with_the_same_request() -> None:
+    """Touch 1 (direct dispatch): a plain-path POST reaches its handler without the router's
+    resolve, with the ``request.app``, ``match_info.route`` and ``on_response_prepare``
+    signals the router would have given it; a query, another method, an ``Expect`` header
+    go through the router (the counts can fail: the plain runner resolves every request)."""
+    key = web.AppKey("key", str)
+    seen: list[tuple[str, str | None]] = []
+
+    async def post(request: web.Request) -> web.Response:
+        seen.append((request.app[key], request.match_info.route.resource.canonical
+                     if request.match_info.route.resource else None))
+        return web.Response(text="posted")
+
+    async def mark(_: web.Request, response: web.StreamResponse) -> None:
+        response.headers["x-signal"] = "1"
+
+    for runner_class, resolved_posts in ((HeadTimeoutAppRunner, 2), (web.AppRunner, 4)):
+        app = web.Application()
+        app[key] = "app"
+        app.router.add_post("/p", post)
+        app.router.add_get("/p", _ok)
+        app.on_response_prepare.append(mark)
+        resolves: list[str] = []
+        resolve = app.router.resolve
+
+        async def counting(request: web.Request, resolve: Any = resolve,
+                           resolves: list[str] = resolves) -> Any:
+            resolves.append(request.method)
+            return await resolve(request)
+
+        app.router.resolve = counting  # type: ignore[method-assign]
+        options: dict[str, object] = ({"head_timeout_s": None}
+                                      if runner_class is HeadTimeoutAppRunner else {})
+        runner = runner_class(app, handler_cancellation=True, **options)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = next(a[1] for a in runner.addresses if isinstance(a, tuple))
+        try:
+            close = b"Host: x\r\nConnection: close\r\nContent-Length: 2\r\n"
+            for head in (b"POST /p HTTP/1.1\r\n" + close,
+                         b"POST /p HTTP/1.1\r\n" + close,
+                         b"POST /p?q=1 HTTP/1.1\r\n" + close,
+                         b"POST /p HTTP/1.1\r\nExpect: 100-continue\r\n" + close):
+                raw = await _exchange(port, head + b"\r\n{}")
+                assert raw.endswith(b"posted") and b"x-signal: 1" in raw.lower(), raw
+            raw = await _exchange(port, b"GET /p HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            assert raw.endswith(b"ok")
+        finally:
+            await runner.cleanup()
+        assert resolves == ["POST"] * resolved_posts + ["GET"], runner_class
+    assert seen == [("app", "/p")] * 8

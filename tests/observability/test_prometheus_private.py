@@ -62,6 +62,21 @@ def test_in_process_the_handles_expose_what_the_public_methods_expose() -> None:
         generate_latest(private))
 
 
+def test_in_process_a_value_is_a_float_behind_a_lock_the_handles_add_to() -> None:
+    """What the in-process handles write: ``MutexValue._value``, a float (its lock is the
+    public methods'); a histogram's sum and buckets are value objects of the same kind."""
+    from prometheus_client.values import MutexValue
+
+    counter, _, histogram = _families(CollectorRegistry())
+    for value in (counter.labels("http")._value, histogram.labels("http")._sum,
+                  *histogram.labels("http")._buckets):
+        assert type(value) is MutexValue
+        assert isinstance(value._value, float)
+    handle = CounterValue(counter.labels("http"))
+    handle.inc(2.5)
+    assert counter.labels("http")._value.get() == 2.5
+
+
 def test_nan_lands_in_no_bucket_as_with_the_public_observe() -> None:
     public, private = CollectorRegistry(), CollectorRegistry()
     histogram = _families(public)[2]

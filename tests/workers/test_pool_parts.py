@@ -20,7 +20,13 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from sidecar.config.cores import available_cores, cgroup_cpu_limit
+from sidecar.config.cores import (
+    WORKER_BYTES,
+    auto_workers,
+    available_cores,
+    cgroup_cpu_limit,
+    cgroup_memory_limit,
+)
 from sidecar.config.loader import add_settings_arguments, load_settings
 from sidecar.config.settings import Settings
 from sidecar.dialects.sglang import INT32_ROOMS, RoomAllocator
@@ -149,11 +155,51 @@ def test_available_cores_is_the_smaller_of_affinity_and_quota(tmp_path: Path) ->
     assert available_cores(tmp_path) == 1
 
 
+@pytest.mark.parametrize(
+    ("files", "limit"),
+    [
+        ({"memory.max": "1073741824\n"}, 1 << 30),
+        ({"memory.max": "max\n"}, None),
+        ({"memory.max": "garbage\n"}, None),
+        ({"memory/memory.limit_in_bytes": "536870912\n"}, 1 << 29),
+        ({"memory/memory.limit_in_bytes": "9223372036854771712\n"}, None),
+        ({}, None),
+    ],
+)
+def test_cgroup_memory_limit(tmp_path: Path, files: dict[str, str], limit: int | None) -> None:
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert cgroup_memory_limit(tmp_path) == limit
+
+
+def test_auto_workers_are_as_many_as_the_memory_limit_holds(tmp_path: Path) -> None:
+    """A container without a CPU limit on a many-core node gets the workers its memory holds;
+    with room for more, the cores decide; never none."""
+    (tmp_path / "cpu.max").write_text("6400000 100000\n")  # 64 cores' quota
+    cores = available_cores(tmp_path)
+    (tmp_path / "memory.max").write_text(f"{1 << 30}\n")  # deploy/'s 1 GiB
+    assert auto_workers(tmp_path) == min(cores, 10)
+    (tmp_path / "memory.max").write_text(f"{WORKER_BYTES}\n")
+    assert auto_workers(tmp_path) == 1
+    (tmp_path / "memory.max").write_text("max\n")
+    assert auto_workers(tmp_path) == cores
+
+
+def test_auto_is_one_worker_where_one_process_holds_the_kv_event_index() -> None:
+    parser = argparse.ArgumentParser()
+    add_settings_arguments(parser)
+    loaded = load_settings(parser.parse_args(
+        ["--kv-events-endpoint", "tcp://127.0.0.1:5557", "--engine", "vllm"]),
+        {"DISAGG_WORKERS": "auto"})
+    assert loaded.settings.workers == 1
+
+
 def test_workers_setting_auto_and_range() -> None:
     parser = argparse.ArgumentParser()
     add_settings_arguments(parser)
     loaded = load_settings(parser.parse_args(["--workers", "auto"]), {})
-    assert loaded.settings.workers == min(available_cores(), MAX_WORKERS)
+    assert loaded.settings.workers == min(auto_workers(), MAX_WORKERS)
     assert loaded.sources["workers"] == "flag --workers"
     assert load_settings(parser.parse_args([]), {"DISAGG_WORKERS": "3"}).settings.workers == 3
     assert Settings().workers == 1
