@@ -50,18 +50,6 @@ HOT: Final[tuple[str, ...]] = (
     "sidecar.http1.client",
 )
 
-#: Dataclasses of the hot modules made for every request whose ``__init__`` is written out
-#: (``init=False``): the compiled build compiles it, where a generated one stays bytecode.
-#: tests/test_compiled.py holds each to its fields ("module:Class").
-WRITTEN_INITS: Final[tuple[str, ...]] = (
-    "sidecar.protocol.request:ClientRequest",
-    "sidecar.protocol.context:HandoffContext",
-    "sidecar.request.placement:Facts",
-    "sidecar.request.placement:Decision",
-    "sidecar.engines.calls:PrefillLeg",
-    "sidecar.request.scope:Timings",
-)
-
 _EXTENSION_SUFFIXES: Final = (".so", ".pyd")
 
 

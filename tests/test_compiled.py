@@ -1,9 +1,7 @@
 """The compiled build of the hot modules and its pure-Python fallback (``setup.py``,
 ``sidecar/compiled.py``).
 
-Proves: every module ``HOT`` names is a module of the package; each dataclass whose
-``__init__`` is written out (``WRITTEN_INITS``) takes its fields as the generated one would
-(names, order, defaults) and sets every one; an extension module left in
+Proves: every module ``HOT`` names is a module of the package; an extension module left in
 the source tree is never older than its ``.py`` (Python imports the extension first, so a
 stale one would run code that is no longer in the source); the build is the pure-Python one
 unless ``SIDECAR_COMPILE`` asks, and without a C compiler ``SIDECAR_COMPILE=auto`` falls back
@@ -15,9 +13,7 @@ Does not prove the compiled modules' behaviour: the suites do, run against that 
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
-import inspect
 import os
 import shutil
 import subprocess
@@ -61,24 +57,6 @@ def test_in_the_compiled_job_every_hot_module_runs_compiled() -> None:
         importlib.import_module(name)
     assert compiled.modules() == list(compiled.HOT), (
         f"pure Python: {sorted(set(compiled.HOT) - set(compiled.modules()))}")
-
-
-@pytest.mark.parametrize("where", compiled.WRITTEN_INITS)
-def test_a_written_out_init_takes_and_sets_every_field_as_dataclass_would(where: str) -> None:
-    module_name, _, class_name = where.partition(":")
-    assert module_name in compiled.HOT
-    cls = getattr(importlib.import_module(module_name), class_name)
-    assert cls.__init__.__qualname__ == f"{class_name}.__init__"  # not dataclass-generated
-    fields = [f for f in dataclasses.fields(cls) if f.init]
-    parameters = list(inspect.signature(cls.__init__).parameters.values())[1:]
-    assert [(p.name, p.default, p.kind) for p in parameters] == [
-        (f.name, inspect.Parameter.empty if f.default is dataclasses.MISSING else f.default,
-         inspect.Parameter.POSITIONAL_OR_KEYWORD) for f in fields]
-    sentinels = {f.name: object() for f in fields}
-    made = cls(**sentinels)
-    assert {name: getattr(made, name) for name in sentinels} == sentinels
-    assert dataclasses.replace(made, **{fields[0].name: 1}) == cls(**{**sentinels,
-                                                                     fields[0].name: 1})
 
 
 def _build_copy(tmp_path: Path) -> Path:

@@ -234,7 +234,7 @@ def rank_outcome(error: BaseException | None) -> str:
     return "failed"
 
 
-@dataclass(frozen=True, slots=True, init=False)
+@dataclass(frozen=True, slots=True)
 class PrefillLeg:
     """One prefill engine call: where, what, with which headers, within which deadline, and
     in which request's trace."""
@@ -250,29 +250,6 @@ class PrefillLeg:
     trace: RequestTrace = NOOP_TRACE
     #: The data-parallel rank of the leg's engine (``target``, else the local one), if any.
     rank: int | None = None
-
-    def __init__(
-        self,
-        url: str,
-        body: Mapping[str, Any],
-        headers: Mapping[str, str],
-        timeout_s: float,
-        server_hostname: str | None = None,
-        target: PrefillTarget | None = None,
-        trace: RequestTrace = NOOP_TRACE,
-        rank: int | None = None,
-    ) -> None:
-        # Written out (init=False): the compiled build compiles it, a generated one stays
-        # bytecode (sidecar/compiled.py, WRITTEN_INITS).
-        _set = object.__setattr__
-        _set(self, "url", url)
-        _set(self, "body", body)
-        _set(self, "headers", headers)
-        _set(self, "timeout_s", timeout_s)
-        _set(self, "server_hostname", server_hostname)
-        _set(self, "target", target)
-        _set(self, "trace", trace)
-        _set(self, "rank", rank)
 
 
 class EngineCalls:

@@ -70,7 +70,7 @@ class FrontDoor(StrEnum):
     GRPC = "grpc"
 
 
-@dataclass(frozen=True, slots=True, init=False)
+@dataclass(frozen=True, slots=True)
 class HandoffContext:
     """What every request has besides its bodies, and its dialect's own state.
 
@@ -92,29 +92,6 @@ class HandoffContext:
     state: Any = None
     prefill_rank: int | None = None
     decode_rank: int | None = None
-
-    def __init__(
-        self,
-        route: Route,
-        request_id: str,
-        prefill: PrefillTarget,
-        advertise_host: str,
-        front_door: FrontDoor = FrontDoor.HTTP,
-        state: Any = None,
-        prefill_rank: int | None = None,
-        decode_rank: int | None = None,
-    ) -> None:
-        # Written out (init=False): the compiled build compiles it, a generated one stays
-        # bytecode (sidecar/compiled.py, WRITTEN_INITS).
-        _set = object.__setattr__
-        _set(self, "route", route)
-        _set(self, "request_id", request_id)
-        _set(self, "prefill", prefill)
-        _set(self, "advertise_host", advertise_host)
-        _set(self, "front_door", front_door)
-        _set(self, "state", state)
-        _set(self, "prefill_rank", prefill_rank)
-        _set(self, "decode_rank", decode_rank)
 
     def with_state(self, state: object) -> HandoffContext:
         """A copy holding the dialect's ``state``."""

@@ -55,7 +55,7 @@ from sidecar.protocol.context import Route
 __all__ = ["CONTROL_KEYS", "BodyChecks", "ClientRequest"]
 
 
-@dataclass(frozen=True, slots=True, init=False)
+@dataclass(frozen=True, slots=True)
 class ClientRequest:
     """A checked client request: its route, parsed body and whether it streams."""
 
@@ -66,23 +66,6 @@ class ClientRequest:
     batch: list[str | list[int]] | None = None
     #: Choices asked per prompt (``n``; 1 when absent or below 1, which the engine judges).
     n: int = 1
-
-    def __init__(
-        self,
-        route: Route,
-        body: dict[str, Any],
-        stream: bool,
-        batch: list[str | list[int]] | None = None,
-        n: int = 1,
-    ) -> None:
-        # Written out (init=False): the compiled build compiles it, a generated one stays
-        # bytecode (sidecar/compiled.py, WRITTEN_INITS).
-        _set = object.__setattr__
-        _set(self, "route", route)
-        _set(self, "body", body)
-        _set(self, "stream", stream)
-        _set(self, "batch", batch)
-        _set(self, "n", n)
 
     @property
     def sub_requests(self) -> int:

@@ -114,7 +114,7 @@ class Fate(Enum):
     REFUSE = "refuse"  # a typed error; nothing is sent
 
 
-@dataclass(frozen=True, slots=True, init=False)
+@dataclass(frozen=True, slots=True)
 class Decision:
     """One request's fate, with the outcome it is counted with and why, in words (a pair
     chosen the usual way leaves ``why`` empty: "prefill on <its target>", said when logged)."""
@@ -137,35 +137,6 @@ class Decision:
     #: of them); None: none was asked (no such check).
     able: tuple[PrefillTarget, ...] | None = None
 
-    def __init__(
-        self,
-        fate: Fate,
-        outcome: str,
-        why: str,
-        target: PrefillTarget | None = None,
-        prefill_rank: int | None = None,
-        decode_rank: int | None = None,
-        error: SidecarError | None = None,
-        fallback_reason: str | None = None,
-        prompt_tokens: int | None = None,
-        cached_tokens: int | None = None,
-        attempt: int = 0,
-    ) -> None:
-        # Written out (init=False): the compiled build compiles it, a generated one stays
-        # bytecode (sidecar/compiled.py, WRITTEN_INITS).
-        _set = object.__setattr__
-        _set(self, "fate", fate)
-        _set(self, "outcome", outcome)
-        _set(self, "why", why)
-        _set(self, "target", target)
-        _set(self, "prefill_rank", prefill_rank)
-        _set(self, "decode_rank", decode_rank)
-        _set(self, "error", error)
-        _set(self, "fallback_reason", fallback_reason)
-        _set(self, "prompt_tokens", prompt_tokens)
-        _set(self, "cached_tokens", cached_tokens)
-        _set(self, "attempt", attempt)
-
 
 @dataclass(frozen=True, slots=True)
 class PromptFacts:
@@ -180,7 +151,7 @@ class PromptFacts:
 UNKNOWN_PROMPT: Final = PromptFacts()
 
 
-@dataclass(frozen=True, slots=True, init=False)
+@dataclass(frozen=True, slots=True)
 class Facts:
     """The facts of one request (or fan-out sub-request) its fate is decided on."""
 
@@ -195,23 +166,6 @@ class Facts:
     #: The candidates asked whether they can hand off to this engine: None (it can) or why
     #: not, in words; a candidate not asked gets no pair. None: no such check.
     kin: Mapping[PrefillTarget, str | None] | None = None
-
-    def __init__(
-        self,
-        candidates: tuple[PrefillTarget, ...],
-        state: str | None = None,
-        engine_down: str | None = None,
-        prompt: PromptFacts = UNKNOWN_PROMPT,
-        named_prefill_rank: int | None = None,
-    ) -> None:
-        # Written out (init=False): the compiled build compiles it, a generated one stays
-        # bytecode (sidecar/compiled.py, WRITTEN_INITS).
-        _set = object.__setattr__
-        _set(self, "candidates", candidates)
-        _set(self, "state", state)
-        _set(self, "engine_down", engine_down)
-        _set(self, "prompt", prompt)
-        _set(self, "named_prefill_rank", named_prefill_rank)
 
 
 @dataclass(frozen=True, slots=True)

@@ -133,21 +133,13 @@ class Admission:
         return True
 
 
-@dataclass(slots=True, init=False)
+@dataclass(slots=True)
 class Timings:
     """Seconds spent per stage of a PD request (None: the stage did not run or did not end)."""
 
     prefill: float | None = None
     handoff: float | None = None
     decode_first_byte: float | None = None
-
-    def __init__(self, prefill: float | None = None, handoff: float | None = None,
-                 decode_first_byte: float | None = None) -> None:
-        # Written out (init=False): the compiled build compiles it, a generated one stays
-        # bytecode (sidecar/compiled.py, WRITTEN_INITS).
-        self.prefill = prefill
-        self.handoff = handoff
-        self.decode_first_byte = decode_first_byte
 
 
 class Scopes:
