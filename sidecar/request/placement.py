@@ -61,7 +61,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Final, Protocol
 
@@ -293,19 +293,18 @@ def pair_fate(facts: Facts, rules: Rules, targets: Targets) -> Decision:
                             cached_tokens=cached)
         return Decision(Fate.REFUSE, ERROR, "every prefill target's breaker is open",
                         error=targets.all_open(candidates))
-    decision = pair_on(target, facts.named_prefill_rank, targets, prompt_tokens=tokens,
-                       cached_tokens=cached)
-    return decision if able is None else replace(decision, able=able)
+    return pair_on(target, facts.named_prefill_rank, targets, prompt_tokens=tokens,
+                   cached_tokens=cached, able=able)
 
 
 def pair_on(target: PrefillTarget, named_prefill_rank: int | None, targets: Targets, *,
-            why: str = "", prompt_tokens: int | None = None,
-            cached_tokens: int | None = None) -> Decision:
+            why: str = "", prompt_tokens: int | None = None, cached_tokens: int | None = None,
+            attempt: int = 0, able: tuple[PrefillTarget, ...] | None = None) -> Decision:
     """A pair whose prefill runs on ``target``, with both legs' ranks."""
     return Decision(Fate.PAIR, OK, why, target=target,
                     prefill_rank=targets.prefill_rank(target, named_prefill_rank),
                     decode_rank=targets.decode_rank(), prompt_tokens=prompt_tokens,
-                    cached_tokens=cached_tokens)
+                    cached_tokens=cached_tokens, attempt=attempt, able=able)
 
 
 #: Errors of a prefill leg a local fallback may cover (never a client's own bad request).
@@ -330,10 +329,10 @@ def after_failure(decision: Decision, error: SidecarError, candidates: Sequence[
             candidate for candidate in candidates if candidate == failed or candidate not in able]
         target = targets.pick(candidates, exclude=exclude)
         if target is not None:
-            return replace(pair_on(target, named_prefill_rank, targets,
-                                   why=f"prefill moved from {failed} to {target}",
-                                   prompt_tokens=decision.prompt_tokens,
-                                   cached_tokens=decision.cached_tokens),
+            return pair_on(target, named_prefill_rank, targets,
+                           why=f"prefill moved from {failed} to {target}",
+                           prompt_tokens=decision.prompt_tokens,
+                           cached_tokens=decision.cached_tokens,
                            attempt=decision.attempt + 1, able=able)
     if (rules.local_fallback and not decode_sent and isinstance(error, _FALLBACK_ERRORS)
             and error.stage is not Stage.DECODE):
@@ -397,7 +396,8 @@ class Placer:
         decision = local_fate(facts, self.rules)
         if decision is None:
             if self._kinship is not None:
-                facts = replace(facts, kin=await self._kin(candidates, request_id))
+                facts = Facts(candidates, state, engine_down, prompt, named_prefill_rank,
+                              kin=await self._kin(candidates, request_id))
             decision = pair_fate(facts, self.rules, self.targets)
         _log(request_id, decision)
         return decision

@@ -34,12 +34,12 @@ REPO = Path(__file__).resolve().parents[2]
 
 #: Bytecodes per PD request, the smallest of 25 (``python -m bench.bytecodes --repeat 25``).
 BUDGET: dict[str, int] = {
-    "pull-json": 7_795,
-    "pull-stream": 8_263,
-    "pull-json-cache-rule": 7_974,
-    "pull-json-cache-hit": 10_079,
-    "concurrent-json": 9_034,
-    "concurrent-stream": 9_457,
+    "pull-json": 8_089,
+    "pull-stream": 8_557,
+    "pull-json-cache-rule": 8_268,
+    "pull-json-cache-hit": 10_373,
+    "concurrent-json": 9_325,
+    "concurrent-stream": 9_748,
 }
 
 #: The concurrent flow's legs answer in either order, and a stream's events arrive in one
