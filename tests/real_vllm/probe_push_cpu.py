@@ -104,8 +104,6 @@ def probe_way(way: str, requests: int, timeout_s: float) -> dict[str, Any]:
     environ = WAYS[way]
     side_channel_port = free_port()
     decode_side_channel_port = free_port()
-    while decode_side_channel_port == side_channel_port:
-        decode_side_channel_port = free_port()
     lease = {"kv_connector_extra_config": {"kv_lease_duration": 120}}
     with EngineGroup(EngineEnv.locate()) as group:
         started = time.monotonic()
