@@ -351,6 +351,8 @@ def _engine_environ(
             "UCX_NET_DEVICES": "lo",
             "VLLM_CPU_OMP_THREADS_BIND": str(spec.cpu),
             "DISAGG_NIXL_PTHR_DELAY_US": str(NIXL_PTHR_DELAY_US),
+            # A NIXL worker stays on its engine's core (vLLM would move it to the last core).
+            "DISAGG_NIXL_KEEP_CORES": "1",
         }
     )
     if side_port is not None:
