@@ -10,6 +10,14 @@ proxies compare. The answer goes through as the engine writes it (a stream stays
 except its last bytes, which wait until the passage is recorded: a caller holding the whole
 answer finds its passage in ``seen()``, and never had it before ``answered``.
 
+A client that closes its connection before the answer is whole (the sidecar stopping a
+decode leg) closes the proxy's connection to the engine too, as it would have closed the
+engine's own (vLLM aborts a request whose client went away); that passage is recorded with
+``completed`` False, ``answered`` the time the client left, and the status of the engine's
+answer head if one had come (else None). Without this, a leg the sidecar stopped went on in
+the engine behind the proxy: a push decode stopped for a stale identity waited there for KV
+that never came, and held up the decode engine's next request for about 30 s.
+
 Used to observe, from outside the sidecar, that a decode leg reached the decode engine
 before the prefill leg's answer left the prefill engine.
 
@@ -38,7 +46,10 @@ class Passage:
     request_id: str
     arrived: float
     answered: float
-    status: int
+    #: The engine's status; None when the client left before the engine's answer head came.
+    status: int | None
+    #: False when the client left before the answer was whole (the engine's request aborted).
+    completed: bool = True
 
 
 class RecordingProxy:
@@ -52,36 +63,54 @@ class RecordingProxy:
         with self._lock:
             return [p for p in self._passages if path is None or p.path == path]
 
+    def _record(self, passage: Passage) -> None:
+        with self._lock:
+            self._passages.append(passage)
+
     async def _forward(self, request: web.Request) -> web.StreamResponse:
         arrived = time.monotonic()
-        body = await request.read()
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
-        session: aiohttp.ClientSession = request.app["session"]
-        async with session.request(request.method, self.upstream + request.path_qs,
-                                   data=body, headers=headers) as upstream:
-            response = web.StreamResponse(status=upstream.status)
-            for name, value in upstream.headers.items():
-                if name.lower() not in _HOP_HEADERS:
-                    response.headers[name] = value
-            await response.prepare(request)
-            # The last bytes are held back until the passage is recorded: whoever reads the
-            # answer cannot have it whole before ``answered``, nor before ``seen()`` has it.
-            last = b""
-            if upstream.headers.get("Content-Type", "").startswith("text/event-stream"):
-                async for chunk in upstream.content.iter_any():
-                    if last:
-                        await response.write(last)
-                    last = chunk
-            else:
-                last = await upstream.read()
-            passage = Passage(request.path, request.headers.get("X-Request-Id", ""), arrived,
-                              time.monotonic(), upstream.status)
-            with self._lock:
-                self._passages.append(passage)
-            if last:
-                await response.write(last)
-            await response.write_eof()
-        return response
+        request_id = request.headers.get("X-Request-Id", "")
+        status: int | None = None
+        recorded = False
+        try:
+            body = await request.read()
+            headers = {k: v for k, v in request.headers.items()
+                       if k.lower() not in _HOP_HEADERS}
+            session: aiohttp.ClientSession = request.app["session"]
+            async with session.request(request.method, self.upstream + request.path_qs,
+                                       data=body, headers=headers) as upstream:
+                status = upstream.status
+                response = web.StreamResponse(status=upstream.status)
+                for name, value in upstream.headers.items():
+                    if name.lower() not in _HOP_HEADERS:
+                        response.headers[name] = value
+                await response.prepare(request)
+                # The last bytes are held back until the passage is recorded: whoever reads
+                # the answer cannot have it whole before ``answered``, nor before ``seen()``
+                # has it.
+                last = b""
+                if upstream.headers.get("Content-Type", "").startswith("text/event-stream"):
+                    async for chunk in upstream.content.iter_any():
+                        if last:
+                            await response.write(last)
+                        last = chunk
+                else:
+                    last = await upstream.read()
+                self._record(Passage(request.path, request_id, arrived, time.monotonic(),
+                                     status))
+                recorded = True
+                if last:
+                    await response.write(last)
+                await response.write_eof()
+            return response
+        except (asyncio.CancelledError, ConnectionResetError):
+            # The client went away: this handler is cancelled (``handler_cancellation``) or a
+            # write fails, and leaving the ``session.request`` block has closed the
+            # connection to the engine, which aborts the request there.
+            if not recorded:
+                self._record(Passage(request.path, request_id, arrived, time.monotonic(),
+                                     status, completed=False))
+            raise
 
 
 @contextlib.contextmanager
@@ -98,7 +127,8 @@ def recording_proxy(upstream: str) -> Iterator[RecordingProxy]:
         app = web.Application(client_max_size=64 * 1024 * 1024)
         app["session"] = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
         app.router.add_route("*", "/{tail:.*}", proxy._forward)
-        runner = web.AppRunner(app, access_log=None)
+        # A client's close cancels its handler, which closes the connection to the engine.
+        runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
