@@ -18,8 +18,15 @@ answer head if one had come (else None). Without this, a leg the sidecar stopped
 the engine behind the proxy: a push decode stopped for a stale identity waited there for KV
 that never came, and held up the decode engine's next request for about 30 s.
 
+``hold_s`` (default 0) holds each whole answer that long before its last bytes leave, and
+``answered`` is then the time they leave: in front of a prefill engine it widens the window in
+which a decode leg sent at the same time must reach its engine, so that a machine's
+scheduling jitter (a prefill of tens of milliseconds, a loaded machine) cannot reorder the
+two, while a sidecar that waits for the prefill's answer still cannot send the decode before
+``answered``.
+
 Used to observe, from outside the sidecar, that a decode leg reached the decode engine
-before the prefill leg's answer left the prefill engine.
+before the prefill leg's answer left the prefill engine's proxy.
 
 Deliberate limits: POST and GET only, one upstream, no TLS; the proxy's own hop adds well
 under a millisecond on loopback.
@@ -53,8 +60,9 @@ class Passage:
 
 
 class RecordingProxy:
-    def __init__(self, upstream: str) -> None:
+    def __init__(self, upstream: str, hold_s: float = 0.0) -> None:
         self.upstream = upstream.rstrip("/")
+        self.hold_s = hold_s
         self.url = ""
         self._passages: list[Passage] = []
         self._lock = threading.Lock()
@@ -96,6 +104,8 @@ class RecordingProxy:
                         last = chunk
                 else:
                     last = await upstream.read()
+                if self.hold_s:
+                    await asyncio.sleep(self.hold_s)  # a delay injected, not a wait for state
                 self._record(Passage(request.path, request_id, arrived, time.monotonic(),
                                      status))
                 recorded = True
@@ -114,9 +124,9 @@ class RecordingProxy:
 
 
 @contextlib.contextmanager
-def recording_proxy(upstream: str) -> Iterator[RecordingProxy]:
+def recording_proxy(upstream: str, hold_s: float = 0.0) -> Iterator[RecordingProxy]:
     """Run a ``RecordingProxy`` to ``upstream`` on a free loopback port, in its own thread."""
-    proxy = RecordingProxy(upstream)
+    proxy = RecordingProxy(upstream, hold_s)
     loop = asyncio.new_event_loop()
     started = threading.Event()
     stop: asyncio.Event | None = None
