@@ -66,14 +66,27 @@ class RecordingProxy:
         self.url = ""
         self._passages: list[Passage] = []
         self._lock = threading.Lock()
+        self._recorded = threading.Condition(self._lock)
 
     def seen(self, path: str | None = None) -> list[Passage]:
         with self._lock:
             return [p for p in self._passages if path is None or p.path == path]
 
+    def passages_of(self, request_id: str, path: str, timeout_s: float) -> list[Passage]:
+        """The passages of ``request_id`` on ``path``, once there is one (a held answer, or
+        one a stream's client did not wait for, is recorded when it leaves); [] after
+        ``timeout_s``."""
+        def mine() -> list[Passage]:
+            return [p for p in self._passages if p.request_id == request_id and p.path == path]
+
+        with self._recorded:
+            self._recorded.wait_for(mine, timeout_s)
+            return mine()
+
     def _record(self, passage: Passage) -> None:
-        with self._lock:
+        with self._recorded:
             self._passages.append(passage)
+            self._recorded.notify_all()
 
     async def _forward(self, request: web.Request) -> web.StreamResponse:
         arrived = time.monotonic()

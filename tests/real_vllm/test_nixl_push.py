@@ -162,11 +162,15 @@ def send(push: PushStack, kind: str, body: dict[str, Any], request_id: str,
                    headers={"X-Request-Id": request_id}, timeout=CLIENT_TIMEOUT_S)
 
 
+def prefill_legs_of(push: PushStack, path: str, request_id: str) -> list[Any]:
+    # A streamed request's client can have its whole answer before the prefill's answer
+    # (held by its proxy) has left: wait for it to be recorded.
+    return push.prefill_proxy.passages_of(request_id, path, PREFILL_HOLD_S + CLIENT_TIMEOUT_S)
+
+
 def legs_of(push: PushStack, kind: str, request_id: str) -> tuple[Any, Any]:
     """The one prefill and the one decode passage of ``request_id`` (asserts one each)."""
-    path = ROUTES[kind]
-    prefills = [p for p in push.prefill_proxy.seen(path) if p.request_id == request_id]
-    decodes = [p for p in push.decode_proxy.seen(path) if p.request_id == request_id]
+    prefills, decodes = legs_of_all(push, kind, request_id)
     assert len(prefills) == 1, prefills
     assert len(decodes) == 1, decodes
     return prefills[0], decodes[0]
@@ -174,7 +178,7 @@ def legs_of(push: PushStack, kind: str, request_id: str) -> tuple[Any, Any]:
 
 def legs_of_all(push: PushStack, kind: str, request_id: str) -> tuple[list[Any], list[Any]]:
     path = ROUTES[kind]
-    return ([p for p in push.prefill_proxy.seen(path) if p.request_id == request_id],
+    return (prefill_legs_of(push, path, request_id),
             [p for p in push.decode_proxy.seen(path) if p.request_id == request_id])
 
 
