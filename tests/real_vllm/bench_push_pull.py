@@ -4,8 +4,9 @@
     (run from tests/, or with tests/ on PYTHONPATH; the engine environment of setup_env.sh)
 
 One run, two phases on the same machine, each with its own engine pair (the same model and
-flags: ``--enforce-eager --block-size 32``, CPU KV buffer, UCX on ``lo``, no NIXL poll delay,
-no core pinning, decode without prefix caching):
+flags: ``--enforce-eager --block-size 32``, CPU KV buffer, UCX on ``lo``, the suite's 100 ms
+NIXL poll delay, the prefill pinned to core 0 and the decode to core 1 with each NIXL worker
+kept on its engine's core (see ``test_nixl_push.py``), decode without prefix caching):
 
 1. pull: NixlConnector producer/consumer, the sidecar's ``--kv-connector shfs`` (prefill,
    then decode; the decode engine reads the KV);
@@ -14,7 +15,7 @@ no core pinning, decode without prefix caching):
    identity is learned; the prefill engine writes the KV) and ``--kv-connector shfs`` (the
    same push engines driven one leg after the other: what the overlap alone is worth).
 
-Each request is a streamed completion of a prompt of its own (about 150 tokens, so the
+Each request is a streamed completion of a prompt of its own (about 170 tokens, so the
 prefill engine's prefix cache never helps), one at a time; TTFT is the client's time from
 sending to the first content byte through the sidecar. A warm-up request per sidecar is not
 counted (it learns the identity, opens connections). Prints p50 and p90 per way, in ms, as
@@ -23,7 +24,8 @@ soon as each phase ends; a request past ``REQUEST_TIMEOUT_S`` is counted as time
 Deliberate limits: CPU engines and a tiny model: a prefill takes tens of milliseconds and the
 hop the push saves is a loopback round trip plus the decode's own scheduling, so the figure
 shows the order of the saving, not a GPU's; the machine is shared, so the phases see
-different background load (the push phase's two ways alternate, so those two compare best).
+different background load (the push phase's two ways alternate, so those two compare best);
+the NIXL poll delay bounds how long a transfer's completion can wait unseen, on both ways.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -50,13 +53,8 @@ from real_vllm.harness import (
 )
 from real_vllm.sidecar_process import PREFILL_HEADER, Sidecar, sidecar_process
 
-ENGINE_ENV = {"DISAGG_NIXL_PTHR_DELAY_US": "", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
-#: A cold engine's first prefill on a loaded machine can take over the default 30 s.
-SLOW_PREFILL = ("--prefill-timeout-s", "120")
-
-
-#: A request's bound: past it the request is counted as timed out (push engines on a
-#: 2-core CPU machine stall for minutes now and then; see probe_push_cpu.py).
+#: A request's bound: past it the request is counted as timed out (a stall; see
+#: probe_push_cpu.py).
 REQUEST_TIMEOUT_S = 120.0
 
 
@@ -93,8 +91,8 @@ def pair(group: EngineGroup, config: str) -> Iterator[tuple[str, str]]:
         prefill_cfg = nixl_push_config("kv_producer", f"bench-{uuid.uuid4().hex[:8]}")
         decode_cfg = nixl_push_config("kv_consumer")
     engines = group.start([
-        EngineSpec(f"{config}-prefill", prefill_cfg, extra_env=ENGINE_ENV),
-        EngineSpec(f"{config}-decode", decode_cfg, prefix_caching=False, extra_env=ENGINE_ENV),
+        EngineSpec(f"{config}-prefill", prefill_cfg, cpu=0),
+        EngineSpec(f"{config}-decode", decode_cfg, cpu=1, prefix_caching=False),
     ])
     try:
         yield engines[f"{config}-decode"].url, f"127.0.0.1:{engines[f'{config}-prefill'].port}"
@@ -114,7 +112,9 @@ def percentiles(values: list[float | None]) -> str:
 
 
 def report(name: str, values: list[float | None]) -> None:
-    print(f"{name:40s} TTFT ms  {percentiles(values)}", flush=True)
+    load = os.getloadavg()[0]
+    print(f"{name:40s} TTFT ms  {percentiles(values)}  "
+          f"[{time.strftime('%H:%M:%S', time.gmtime())} UTC, load {load:.1f}]", flush=True)
 
 
 def run(requests: int) -> dict[str, list[float | None]]:
@@ -126,7 +126,7 @@ def run(requests: int) -> dict[str, list[float | None]]:
     with EngineGroup(EngineEnv.locate()) as group:
         with pair(group, "pull") as (decode, target):
             for sidecar in sidecar_process(tmp / "pull", "--engine", "vllm", "--kv-connector",
-                                           "shfs", "--engine-url", decode, *SLOW_PREFILL):
+                                           "shfs", "--engine-url", decode):
                 ttft_ms(sidecar, target, "warm-pull")
                 results["pull engines, shfs (sequential)"] = [
                     ttft_ms(sidecar, target, f"pull-{i}") for i in range(requests)]
@@ -139,7 +139,7 @@ def run(requests: int) -> dict[str, list[float | None]]:
                 for name, connector in ways.items():
                     sidecars[name] = stack.enter_context(contextlib.contextmanager(
                         sidecar_process)(tmp / connector, "--engine", "vllm", "--kv-connector",
-                                         connector, "--engine-url", decode, *SLOW_PREFILL))
+                                         connector, "--engine-url", decode))
                     ttft_ms(sidecars[name], target, f"warm-{connector}")
                     results[name] = []
                 for i in range(requests):

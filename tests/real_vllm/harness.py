@@ -7,9 +7,10 @@ Owns: where the engine environment lives (``EngineEnv``), what one engine is
           --poll GET /health until 200, bounded deadline, fail fast on exit--> ready
           --stop: SIGTERM the group, wait, SIGKILL the group--> gone (temp dir removed)
 
-Every engine gets its own temp dir (caches, TMPDIR, HOME, log), ports chosen free by the OS,
-loopback-only networking (UCX on ``lo``, NIXL side channel and Mooncake's transfer engine on
-127.0.0.1; a Mooncake producer's bootstrap server on its own free port) and one pinned core.
+Every engine gets its own temp dir (caches, TMPDIR, HOME, log), ports chosen free by the OS
+and held for it (see Ports below), loopback-only networking (UCX on ``lo``, NIXL side channel
+and Mooncake's transfer engine on 127.0.0.1; a Mooncake producer's bootstrap server on its own
+free port) and one pinned core.
 Nothing survives: ``EngineGroup`` is a context manager, a module ``atexit`` hook kills any
 group still alive, and each engine asks the kernel to SIGTERM it if the test process dies
 (``PR_SET_PDEATHSIG``; engines are spawned from the main thread for that reason).
@@ -20,9 +21,18 @@ request 403 (``tests/fixtures/vllm/0.32.0/routes/generate_disabled.json``), and
 ``--enable-prompt-tokens-details``, without which usage carries no prompt-cache figures (the
 usage rule then has none to tell).
 
-Deliberate limits: Linux only; a free port is found by binding port 0 and closing it, so a
-tiny window exists in which another process could take it (the engine then fails to start
-and the failure says so); the engine environment is built by setup_env.sh, never here.
+Ports: ``free_port()`` reserves a loopback port and holds it (a socket bound to it, not
+listening, ``SO_REUSEADDR``) until the group whose engine took it closes, or the test process
+ends. While it is held the kernel hands it to no one else (``bind`` to port 0 skips it, and so
+does a ``connect``'s ephemeral port), and a socket that binds it without ``SO_REUSEADDR``
+fails; the engines' own listeners (vLLM's API server, the ZeroMQ side channels, uvicorn's
+Mooncake bootstrap server) set ``SO_REUSEADDR`` and bind and listen on it as if it were free.
+Releasing a probed port before its engine bound it let another engine's ephemeral port take
+it in between (seen: a side-channel port equal to another engine's, that engine never healthy).
+A restarted engine takes its ports again from the same reservation.
+
+Deliberate limits: Linux only (the reservation relies on Linux's bind rules); the engine
+environment is built by setup_env.sh, never here.
 """
 
 from __future__ import annotations
@@ -188,30 +198,66 @@ class Engine:
         return "\n".join(text.splitlines()[-lines:])
 
 
+#: Reserved ports, by number: the socket that holds each (see the module docstring).
+_RESERVED: dict[int, socket.socket] = {}
+
+
+def _hold(port: int) -> socket.socket:
+    """Bind ``port`` (0: any) exclusively, then let its engine's ``SO_REUSEADDR`` bind in.
+
+    The bind itself goes without ``SO_REUSEADDR``, so it fails while any other socket has the
+    port; the flag set afterwards is what lets the engine's listener share it (Linux checks
+    the holder's flag when the second socket binds).
+    """
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind(("127.0.0.1", port))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 def free_port() -> int:
-    """A port the OS says is free on loopback right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+    """A loopback port reserved for this process (held until ``release_port`` or exit)."""
+    sock = _hold(0)
+    port: int = sock.getsockname()[1]
+    _RESERVED[port] = sock
+    return port
+
+
+def release_port(port: int) -> None:
+    """Give a reserved port back to the OS (nothing if it is not reserved)."""
+    sock = _RESERVED.pop(port, None)
+    if sock is not None:
+        sock.close()
 
 
 def free_port_run(count: int) -> int:
-    """A base port such that ``base .. base + count - 1`` are free on loopback right now (a
+    """A base port such that ``base .. base + count - 1`` are reserved for this process (a
     data-parallel NIXL engine listens on its side-channel port + rank)."""
     for _ in range(200):
         base = free_port()
-        if base + count > 65535:
+        held = [base]
+        try:
+            for port in range(base + 1, base + count):
+                if port > 65535:
+                    raise OSError(f"port {port} out of range")
+                _RESERVED[port] = _hold(port)
+                held.append(port)
+        except OSError:
+            for port in held:
+                release_port(port)
             continue
-        with contextlib.ExitStack() as held:
-            try:
-                for port in range(base, base + count):
-                    sock = held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
-                    sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return base
+        return base
     raise RuntimeError(f"no run of {count} free loopback ports found")
+
+
+@atexit.register
+def _release_all_ports() -> None:
+    for port in list(_RESERVED):
+        release_port(port)
 
 
 def nixl_config(role: str) -> dict[str, Any]:
@@ -305,6 +351,8 @@ def _engine_environ(
             "UCX_NET_DEVICES": "lo",
             "VLLM_CPU_OMP_THREADS_BIND": str(spec.cpu),
             "DISAGG_NIXL_PTHR_DELAY_US": str(NIXL_PTHR_DELAY_US),
+            # A NIXL worker stays on its engine's core (vLLM would move it to the last core).
+            "DISAGG_NIXL_KEEP_CORES": "1",
         }
     )
     if side_port is not None:
@@ -381,6 +429,9 @@ class EngineGroup:
     env: EngineEnv
     root: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="real-vllm-")))
     engines: dict[str, Engine] = field(default_factory=dict)
+    #: The ports this group's engines took (released when the group closes, not when an
+    #: engine stops: a restart takes them again).
+    ports: set[int] = field(default_factory=set)
 
     def __enter__(self) -> EngineGroup:
         _LIVE_GROUPS.add(self)
@@ -405,6 +456,7 @@ class EngineGroup:
         if reuse is not None:
             side_port = reuse.side_channel_port
         bootstrap_port = free_port() if spec.serves_mooncake_bootstrap else None
+        self.ports.update(p for p in (port, side_port, bootstrap_port) if p is not None)
         log = (workdir / "engine.log").open("wb")
         try:
             process = subprocess.Popen(
@@ -478,7 +530,8 @@ class EngineGroup:
         return {e.spec.name: e for e in started}
 
     def stop(self, name: str) -> Engine:
-        """Stop one engine (its ports are free again) and forget it; the engine it was."""
+        """Stop one engine and forget it (its ports stay reserved for the group, so the same
+        engine can start on them again); the engine it was."""
         engine = self.engines.pop(name)
         stop_process_group(engine.process)
         return engine
@@ -493,6 +546,9 @@ class EngineGroup:
         # REAL_VLLM_KEEP_LOGS=1 keeps the engines' logs and caches for a failure's reader.
         if os.environ.get("REAL_VLLM_KEEP_LOGS") != "1":
             shutil.rmtree(self.root, ignore_errors=True)
+        for port in self.ports:
+            release_port(port)
+        self.ports.clear()
         _LIVE_GROUPS.discard(self)
 
     def __hash__(self) -> int:

@@ -1,17 +1,21 @@
-"""Probes how vLLM 0.32's NIXL push engines behave on this machine's CPUs (issue #30).
+"""Probes how vLLM 0.32's NIXL push engines behave on this machine's CPUs (issues #30, #38).
 
     cd tests && flock /tmp/real-vllm.lock ../.venv/bin/python -m real_vllm.probe_push_cpu \\
-        [--ways spin,delay] [--requests N] [--out FILE]
+        [--ways spin,vllm-cores,own-cores] [--requests N] [--out FILE]
 
-Per way, a NixlPushConnector pair (``kv_producer`` with a fixed ``engine_id`` and a 120 s
-lease, ``kv_consumer`` without prefix caching; ``kv_buffer_device: cpu``, no core pinning), then:
-- the CPU each idle engine takes (psutil, all its processes, over 5 s), and
+Per way, a NixlPushConnector pair (``kv_producer`` with a fixed ``engine_id``, ``kv_consumer``
+without prefix caching; ``kv_buffer_device: cpu``, vLLM's default 30 s lease), then:
+- the cores each engine's worker process's main thread may run on (it runs the model, and
+  every NIXL thread the worker starts inherits its cores), and the CPU each idle engine
+  takes (psutil, all its processes, over 5 s);
 - N requests, one at a time, both legs at once straight to the engines (no sidecar): the
   seconds until each leg's answer, or ``null`` where a leg passed ``--timeout-s``.
 
-Ways (NIXL's progress thread, set through the suite's start-up hook, ``nixl_hook.py``):
-``spin``: no poll delay (NIXL's default; what ``test_nixl_push.py`` runs);
-``delay``: the suite's 100 ms poll delay (what every other NIXL engine of the suite runs).
+Ways (set through the harness and the suite's start-up hook, ``nixl_hook.py``):
+``spin``: no core pinning, no NIXL poll delay (how ``test_nixl_push.py`` ran until issue #38);
+``vllm-cores``: the prefill pinned to core 0 and the decode to core 1, the suite's 100 ms poll
+delay, and vLLM's own placement of its NIXL worker (moved to the machine's last core);
+``own-cores``: the same, each NIXL worker kept on its engine's core (the suite's setting).
 
 Prints one JSON object per way, and all of them to ``--out``.
 
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 import urllib.error
@@ -36,7 +41,6 @@ import psutil
 
 from real_vllm.client import block_prompt, completion_body, timed_out
 from real_vllm.harness import (
-    NIXL_PTHR_DELAY_US,
     Engine,
     EngineEnv,
     EngineGroup,
@@ -46,10 +50,12 @@ from real_vllm.harness import (
 )
 
 PREFILL_ENGINE_ID = "probe-push-prefill"
-UNPINNED = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
-WAYS = {
-    "spin": {"DISAGG_NIXL_PTHR_DELAY_US": "", **UNPINNED},
-    "delay": {"DISAGG_NIXL_PTHR_DELAY_US": str(NIXL_PTHR_DELAY_US), **UNPINNED},
+#: Engine environment per way, over the harness's (pinned, 100 ms delay, workers kept).
+WAYS: dict[str, dict[str, str]] = {
+    "spin": {"DISAGG_NIXL_PTHR_DELAY_US": "", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+             "DISAGG_NIXL_KEEP_CORES": ""},
+    "vllm-cores": {"DISAGG_NIXL_KEEP_CORES": ""},
+    "own-cores": {},
 }
 IDLE_SAMPLE_S = 5.0
 
@@ -62,6 +68,13 @@ def idle_cpu_percent(engine: Engine) -> int:
         process.cpu_percent(None)
     time.sleep(IDLE_SAMPLE_S)  # a sampling window, not a wait for state
     return round(sum(process.cpu_percent(None) for process in processes))
+
+
+def worker_cores(engine: Engine) -> list[list[int]]:
+    """The cores of each worker process's main thread (its tid is its pid)."""
+    root = psutil.Process(engine.process.pid)
+    return [sorted(os.sched_getaffinity(process.pid))
+            for process in root.children(recursive=True) if "Worker" in process.name()]
 
 
 def timed_post(url: str, body: dict[str, Any], request_id: str,
@@ -104,26 +117,27 @@ def probe_way(way: str, requests: int, timeout_s: float) -> dict[str, Any]:
     environ = WAYS[way]
     side_channel_port = free_port()
     decode_side_channel_port = free_port()
-    while decode_side_channel_port == side_channel_port:
-        decode_side_channel_port = free_port()
-    lease = {"kv_connector_extra_config": {"kv_lease_duration": 120}}
     with EngineGroup(EngineEnv.locate()) as group:
         started = time.monotonic()
         group.start([
-            EngineSpec("probe-prefill", {**nixl_push_config("kv_producer", PREFILL_ENGINE_ID),
-                                         **lease},
-                       side_channel_port=side_channel_port, extra_env=environ),
-            EngineSpec("probe-decode", nixl_push_config("kv_consumer"), prefix_caching=False,
-                       side_channel_port=decode_side_channel_port, extra_env=environ),
+            EngineSpec("probe-prefill", nixl_push_config("kv_producer", PREFILL_ENGINE_ID),
+                       cpu=0, side_channel_port=side_channel_port, extra_env=environ),
+            EngineSpec("probe-decode", nixl_push_config("kv_consumer"), cpu=1,
+                       prefix_caching=False, side_channel_port=decode_side_channel_port,
+                       extra_env=environ),
         ])
         prefill, decode = group.engines["probe-prefill"], group.engines["probe-decode"]
         result: dict[str, Any] = {
             "way": way, "ready_s": round(time.monotonic() - started, 1),
+            "load_before": os.getloadavg()[0],
+            "worker_cores": {"prefill": worker_cores(prefill),
+                             "decode": worker_cores(decode)},
             "idle_cpu_percent": {"prefill": idle_cpu_percent(prefill),
                                  "decode": idle_cpu_percent(decode)},
         }
         runs = [push_request(prefill, decode, side_channel_port, i, timeout_s)
                 for i in range(requests)]
+    result["load_after"] = os.getloadavg()[0]
     answered = sorted(run["decode_s"] for run in runs if run["decode_s"] is not None)
     result["requests"] = runs
     result["decode_timed_out"] = requests - len(answered)
@@ -135,7 +149,7 @@ def probe_way(way: str, requests: int, timeout_s: float) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--ways", default="spin,delay",
+    parser.add_argument("--ways", default="spin,vllm-cores,own-cores",
                         help=f"comma-separated, of: {', '.join(WAYS)}")
     parser.add_argument("--requests", type=int, default=6)
     parser.add_argument("--timeout-s", type=float, default=300.0,

@@ -6,7 +6,9 @@ the ``kv_transfer_params`` skeleton) then decode (the returned params, ``remote_
 streamed, on a prompt of several 32-token blocks; the KV really moves (NIXL transfer and
 external prefix-cache metrics grow) and is really used (reversing ``remote_block_ids``
 changes the output); ExampleConnector gives the baseline output too; the bodies built here
-pass vLLM's own request models; the NIXL start-up hook is active in the engines.
+pass vLLM's own request models; the NIXL start-up hook is active in the engines: NIXL's
+progress thread has its poll delay, and each NIXL worker's main thread (the one that runs the
+model) is on its engine's core, not moved by vLLM to the machine's last core.
 
 Does not prove anything about the sidecar: it only fixes what the sidecar must reproduce.
 """
@@ -14,8 +16,10 @@ Does not prove anything about the sidecar: it only fixes what the sidecar must r
 from __future__ import annotations
 
 import copy
+import os
 from typing import Any
 
+import psutil
 import pytest
 
 from real_vllm.client import (
@@ -129,3 +133,15 @@ def test_pd_bodies_pass_vllm_request_models(real_vllm: RealVllm, vllm_schema: Vl
 def test_nixl_engines_run_with_progress_thread_delay(real_vllm: RealVllm) -> None:
     for engine in (real_vllm.nixl.prefill_engine, real_vllm.nixl.decode_engine):
         assert "disagg_nixl_hook: NIXL pthrDelay=" in engine.log_path.read_text(errors="replace")
+
+
+def test_nixl_workers_stay_on_their_engines_cores(real_vllm: RealVllm) -> None:
+    for engine in (real_vllm.nixl.prefill_engine, real_vllm.nixl.decode_engine):
+        workers = [p for p in psutil.Process(engine.process.pid).children(recursive=True)
+                   if "Worker" in p.name()]
+        assert len(workers) == 1, workers
+        # The worker process's main thread (its tid is the pid): vLLM's NIXL worker would
+        # have moved it to the last core (core 1 here) whatever the engine's pinning.
+        assert os.sched_getaffinity(workers[0].pid) == {engine.spec.cpu}, engine.spec
+        assert "disagg_nixl_hook: NIXL worker keeps its cores" in engine.log_path.read_text(
+            errors="replace")
