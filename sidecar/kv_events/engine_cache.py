@@ -202,9 +202,9 @@ class EngineKVCache:
         if self._counts is not None:
             self._counts.batch(outcome)
 
-    def _evicted(self) -> None:
+    def _evicted(self, blocks: int) -> None:
         if self._counts is not None:
-            self._counts.evictions.inc()
+            self._counts.evictions.inc(blocks)
 
     def _size(self) -> None:
         if self._counts is not None:

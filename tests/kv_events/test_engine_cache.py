@@ -27,6 +27,7 @@ from kv_event_builders import (
     chain,
     map_cleared,
     map_removed,
+    map_stored,
     payload,
 )
 
@@ -148,8 +149,10 @@ def test_sglang_array_events_are_counted_by_kind() -> None:
 def test_metrics() -> None:
     metrics = Metrics()
     cache = EngineKVCache(2, topic=b"kv", metrics=metrics)
-    cache.receive(message(0, chain(TOKENS[:12], BS), map_removed([3]), map_cleared()))
-    assert sample(metrics, "disagg_kv_events_total", kind="block_stored") == 1
+    # Two blocks fill the cap; a third, unrelated, evicts the least recent of them.
+    cache.receive(message(0, chain(TOKENS[:8], BS), map_stored([10], None, [5] * BS, BS),
+                          map_removed([1]), map_cleared()))
+    assert sample(metrics, "disagg_kv_events_total", kind="block_stored") == 2
     assert sample(metrics, "disagg_kv_events_total", kind="block_removed") == 1
     assert sample(metrics, "disagg_kv_events_total", kind="all_blocks_cleared") == 1
     assert sample(metrics, "disagg_kv_index_evictions_total") == 1
