@@ -44,6 +44,7 @@ CAUSE_MISSED = "missed"
 CAUSE_RESTARTED = "restarted"
 CAUSE_DISCONNECTED = "disconnected"
 CAUSE_MALFORMED = "malformed"
+CAUSE_READER_FAILED = "reader_failed"
 
 
 _KINDS: Final = ((BlockStored, "block_stored"), (BlockRemoved, "block_removed"),
@@ -169,10 +170,12 @@ class EngineKVCache:
             self._counts.applied(message.batch.events)
         self._size()
 
-    def forget(self, cause: str) -> None:
+    def forget(self, cause: str, *, log: bool = True) -> None:
         """Drop every block and answer None until the next batch (something may be stale);
-        the next batch starts a new numbering."""
-        logger.info("kv events: index forgotten (%s)", cause)
+        the next batch starts a new numbering. ``log``: False where the caller's own line
+        says why."""
+        if log:
+            logger.info("kv events: index forgotten (%s)", cause)
         self.index.forget()
         self._sequence = SequenceCheck()
         self._rank = None

@@ -5,7 +5,11 @@
         task: frames ─decode─▶ EngineKVCache.receive ─▶ Gap? ─replay─▶ apply missed, then it
                                                               └─ no replay / incomplete: forget
               monitor: connection closed ─▶ EngineKVCache.disconnected (forget)
-    exit ─▶ the task cancelled, every socket closed (linger 0), the context's sockets gone
+        a receive that raises (either socket) ─▶ forget (``reader_failed``, one warning), close
+              the sockets, open them again after a back-off (0.1 s, doubling to 5 s while
+              nothing is heard), read on
+    exit ─▶ the task cancelled and waited for, every socket closed (linger 0), the context's
+            sockets gone; the caller's own cancellation is raised after that
 
 Gaps: with a replay endpoint the missed batches are asked for (DEALER ``[b"", first
 sequence]``; the engine's ROUTER answers each buffered batch from that number as ``[b"",
@@ -15,8 +19,13 @@ answer within ``replay_timeout_s``) the index forgets and restarts from the wait
 Without a replay endpoint a gap forgets. A numbering that went back (an engine restart) always
 forgets.
 
+A reader that fails must not leave the index answering from a state it stopped following:
+until the events are heard again the index answers None, and the length rule decides.
+
 Deliberate limits: one process binds the endpoint, so a pool of workers is refused at start
-(``sidecar.config.checks``); a batch is applied on the event loop (microseconds per block).
+(``sidecar.config.checks``); a batch is applied on the event loop (microseconds per block);
+while the sockets are reopened a bound TCP port may be briefly held by the closed socket (the
+next try after the back-off takes it).
 """
 
 from __future__ import annotations
@@ -34,6 +43,7 @@ from zmq.utils.monitor import parse_monitor_message
 from sidecar.kv_events.endpoint import is_ipv6, sidecar_binds
 from sidecar.kv_events.engine_cache import (
     CAUSE_MISSED,
+    CAUSE_READER_FAILED,
     CAUSE_RESTARTED,
     EngineKVCache,
     Gap,
@@ -47,12 +57,17 @@ from sidecar.kv_events.wire import (
     decode_sequence,
 )
 from sidecar.observability.metrics import Metrics
+from sidecar.tasks import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 
 #: Batches the SUB socket queues before ZMQ drops (the publishers' own default).
 RECEIVE_HWM: Final = 100_000
 REPLAY_TIMEOUT_S: Final = 2.0
+#: After a failed receive: the first wait before the sockets are opened again, and the most
+#: (the wait doubles while nothing is heard between failures).
+REOPEN_FIRST_S: Final = 0.1
+REOPEN_MAX_S: Final = 5.0
 #: Replay outcomes (``disagg_kv_events_replays_total{outcome}``).
 REPLAY_COMPLETE = "complete"
 REPLAY_INCOMPLETE = "incomplete"
@@ -75,47 +90,58 @@ class KVEventsSubscriber:
     """The SUB socket at the events endpoint, its monitor, the replay DEALER, the reading task."""
 
     def __init__(self, cache: EngineKVCache, endpoint: str, replay_endpoint: str | None,
-                 replay_timeout_s: float = REPLAY_TIMEOUT_S) -> None:
+                 replay_timeout_s: float = REPLAY_TIMEOUT_S,
+                 reopen_s: tuple[float, float] = (REOPEN_FIRST_S, REOPEN_MAX_S)) -> None:
         self.cache = cache
         self._context = zmq.asyncio.Context()
         self._replay_endpoint = replay_endpoint
         self._replay_timeout_s = replay_timeout_s
+        self._reopen_first_s, self._reopen_max_s = reopen_s
         self._replay: zmq.asyncio.Socket | None = None
-        self._tasks: list[asyncio.Task[None]] = []
+        self._sub: zmq.asyncio.Socket | None = None
+        self._monitor: zmq.asyncio.Socket | None = None
+        self._task: asyncio.Task[None] | None = None
+        #: Messages handled since the sockets were (re)opened.
+        self._heard = 0
         #: Set after each message or connection event handled (``wait_until``).
         self._handled = asyncio.Event()
-        self._sub = _socket(self._context, zmq.SUB, endpoint)
         try:
-            self._sub.setsockopt(zmq.RCVHWM, RECEIVE_HWM)
-            self._sub.setsockopt(zmq.SUBSCRIBE, cache.topic)
-            self._monitor: zmq.asyncio.Socket | None = self._sub.get_monitor_socket(
-                zmq.EVENT_DISCONNECTED)
-            try:
-                if sidecar_binds(endpoint):
-                    self._sub.bind(endpoint)
-                else:
-                    self._sub.connect(endpoint)
-            except zmq.ZMQError as exc:
-                raise EndpointUnavailable(
-                    f"--kv-events-endpoint {endpoint}: {exc.strerror}") from None
+            self._open(endpoint)
+            assert self._sub is not None
             #: The endpoint as bound (port 0: the port the OS chose) or connected.
-            self.endpoint = self._sub.getsockopt_string(zmq.LAST_ENDPOINT) or endpoint
+            self.endpoint: str = self._sub.getsockopt_string(zmq.LAST_ENDPOINT) or endpoint
         except BaseException:
             self.close()
             raise
 
+    def _open(self, endpoint: str) -> None:
+        """The SUB socket bound or connected at ``endpoint``, with its monitor."""
+        sub = self._sub = _socket(self._context, zmq.SUB, endpoint)
+        sub.setsockopt(zmq.RCVHWM, RECEIVE_HWM)
+        sub.setsockopt(zmq.SUBSCRIBE, self.cache.topic)
+        self._monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        try:
+            if sidecar_binds(endpoint):
+                sub.bind(endpoint)
+            else:
+                sub.connect(endpoint)
+        except zmq.ZMQError as exc:
+            raise EndpointUnavailable(
+                f"--kv-events-endpoint {endpoint}: {exc.strerror}") from None
+        self._heard = 0
+
     def start(self) -> None:
-        self._tasks = [asyncio.ensure_future(self._read()),
-                       asyncio.ensure_future(self._watch_connections())]
+        self._task = asyncio.ensure_future(self._run())
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        self._tasks = []
-        self.close()
+        """End the reading task and close every socket; the caller's own cancellation, if it
+        comes meanwhile, is raised after both."""
+        try:
+            if self._task is not None:
+                await cancel_and_wait(self._task)
+        finally:
+            self._task = None
+            self.close()
 
     async def wait_until(self, predicate: Callable[[], bool]) -> None:
         """Return once ``predicate()`` holds, checked after each message or connection event
@@ -126,21 +152,69 @@ class KVEventsSubscriber:
 
     def close(self) -> None:
         """Close every socket and the context (idempotent)."""
+        self._close_sockets()
+        self._context.term()
+
+    def _close_sockets(self) -> None:
         if self._replay is not None:
             self._replay.close(linger=0)
             self._replay = None
-        monitor = getattr(self, "_monitor", None)
-        if monitor is not None:
-            with contextlib.suppress(zmq.ZMQError):
-                self._sub.disable_monitor()
-            monitor.close(linger=0)
+        if self._sub is not None:
+            if self._monitor is not None:
+                with contextlib.suppress(zmq.ZMQError):
+                    self._sub.disable_monitor()
+            self._sub.close(linger=0)
+            self._sub = None
+        if self._monitor is not None:
+            self._monitor.close(linger=0)
             self._monitor = None
-        self._sub.close(linger=0)
-        self._context.term()
+
+    async def _run(self) -> None:
+        """Read until cancelled; after a failed receive, forget and open the sockets again."""
+        failures = 0  # in a row, nothing heard in between
+        while True:
+            failure = await self._read_until_failure()
+            failures = failures + 1 if self._heard == 0 else 1
+            wait_s = min(self._reopen_first_s * 2 ** (failures - 1), self._reopen_max_s)
+            logger.warning("kv events: receiving failed (%s); the index answers unknown "
+                           "until events are heard again; reopening %s in %.1f s",
+                           failure, self.endpoint, wait_s)
+            self.cache.forget(CAUSE_READER_FAILED, log=False)
+            self._handled.set()
+            self._close_sockets()
+            while True:
+                await asyncio.sleep(wait_s)
+                try:
+                    self._open(self.endpoint)
+                    self._handled.set()
+                    break
+                except (EndpointUnavailable, zmq.ZMQError) as exc:
+                    # The closed socket may still hold a bound port for a moment.
+                    self._close_sockets()
+                    wait_s = min(2 * wait_s, self._reopen_max_s)
+                    logger.debug("kv events: reopening failed (%s); next try in %.1f s",
+                                 exc, wait_s)
+
+    async def _read_until_failure(self) -> str:
+        """Run the reading loops until one of them fails; what failed, in a few words."""
+        tasks = [asyncio.ensure_future(self._read()),
+                 asyncio.ensure_future(self._watch_connections())]
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            await cancel_and_wait(*tasks)
+        ended = done.pop()
+        if ended.cancelled():
+            return "the receive was cancelled"
+        error = ended.exception()
+        return "the loop ended" if error is None else f"{type(error).__name__}: {error}"
 
     async def _read(self) -> None:
+        sub = self._sub
+        assert sub is not None
         while True:
-            frames = await self._sub.recv_multipart()
+            frames = await sub.recv_multipart()
+            self._heard += 1
             try:
                 await self._handle(frames)
             except Exception:

@@ -141,7 +141,8 @@ class Metrics:
         self.kv_events_gaps = Counter(
             "disagg_kv_events_gaps",
             "Times the index forgot everything, by cause (missed: batches missing and not "
-            "replayed, restarted: the numbering went back, disconnected, malformed).",
+            "replayed, restarted: the numbering went back, disconnected, malformed, "
+            "reader_failed: receiving raised, the sockets were opened again).",
             ["cause"], registry=r)
         self.kv_events_replays = Counter(
             "disagg_kv_events_replays",
