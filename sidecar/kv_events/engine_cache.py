@@ -21,6 +21,7 @@ batches may have removed blocks.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final
@@ -61,6 +62,7 @@ class _Counts:
         self.blocks = GaugeValue(metrics.kv_index_blocks)
         self.evictions = CounterValue(metrics.kv_index_evictions)
         self.cached = HistogramValues(metrics.cached_prompt_tokens)
+        self.lag = HistogramValues(metrics.kv_event_lag)
 
     def batch(self, outcome: str) -> None:
         handle = self._batches.get(outcome)
@@ -163,11 +165,14 @@ class EngineKVCache:
 
     def apply(self, message: Message) -> None:
         """Apply ``message`` (next in order, or a replayed one) and expect the one after it."""
-        self.index.apply(message.batch.events)
+        batch = message.batch
+        self.index.apply(batch.events)
         self._sequence.accept(message.sequence)
         if self._counts is not None:
             self._counts.batch(APPLIED)
-            self._counts.applied(message.batch.events)
+            self._counts.applied(batch.events)
+            if batch.ts > 0:
+                self._counts.lag.observe(max(0.0, time.time() - batch.ts))
         self._size()
 
     def forget(self, cause: str, *, log: bool = True) -> None:

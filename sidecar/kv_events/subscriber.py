@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Final
 
@@ -214,16 +215,17 @@ class KVEventsSubscriber:
         assert sub is not None
         while True:
             frames = await sub.recv_multipart()
+            received = time.time()
             self._heard += 1
             try:
-                await self._handle(frames)
+                await self._handle(frames, received)
             except Exception:
                 # A bug must not leave the index answering from a state it stopped following.
                 logger.exception("kv events: a message could not be handled; index forgotten")
                 self.cache.malformed()
             self._handled.set()
 
-    async def _handle(self, frames: list[bytes]) -> None:
+    async def _handle(self, frames: list[bytes], received: float) -> None:
         if frames and not self.cache.wants(frames[0]):
             return
         try:
@@ -235,6 +237,11 @@ class KVEventsSubscriber:
         gap = self.cache.receive(message)
         if gap is not None:
             await self._close_gap(gap)
+        if logger.isEnabledFor(logging.DEBUG):
+            stamp = message.batch.ts
+            logger.debug("kv events: batch %d stamped %.6f received +%.1f ms handled +%.1f ms",
+                         message.sequence, stamp, (received - stamp) * 1000,
+                         (time.time() - stamp) * 1000)
 
     async def _close_gap(self, gap: Gap) -> None:
         if gap.restarted or self._replay_endpoint is None:

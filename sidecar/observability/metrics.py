@@ -148,6 +148,11 @@ class Metrics:
             "disagg_kv_events_replays",
             "Replays of missed KV event batches, by outcome (complete, incomplete, failed).",
             ["outcome"], registry=r)
+        self.kv_event_lag = Histogram(
+            "disagg_kv_event_lag_seconds",
+            "Seconds from the engine's stamp on a KV event batch (its clock, which is this "
+            "node's) to the batch applied to the index: how far the index trails the engine.",
+            buckets=_LATENCY_BUCKETS, registry=r)
         self.kv_index_blocks = Gauge(
             "disagg_kv_index_blocks", "Blocks of the local engine's cache the index holds.",
             registry=r, multiprocess_mode="livesum")
