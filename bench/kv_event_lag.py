@@ -1,0 +1,166 @@
+"""How far the sidecar's index trails the engine on real vLLM (CPU), batch by batch, and how
+its placements agree with what the engine held.
+
+    flock /tmp/real-vllm.lock .venv/bin/python -m bench.kv_event_lag [--iterations 12]
+        [--no-restart] [--out FILE]
+
+Needs the real-vLLM engine environment (``bash tests/real_vllm/setup_env.sh``). Starts, with
+the test suite's harness, a baseline engine, a NIXL prefill engine and the cache workload's
+decode engine (tests/real_vllm/cache_workload.py: prefix caching, a 40-block KV cache, KV
+events to the sidecar's bound TCP endpoint, and the measuring hook
+tests/real_vllm/kv_event_timing_hook.py), one sidecar (``--kv-events-endpoint``,
+``--local-prefill-max-uncached-tokens 96``, debug log), and runs the workload's two phases
+(the decode engine killed and started again between them unless ``--no-restart``).
+
+Each batch's path, in ms after the engine's stamp (``ts``, its ``time.time()`` at the end of
+the step that made the batch), from the hook's lines and the sidecar's per-batch debug lines:
+
+    removal -> stamp     the step: a block is evicted while the step is scheduled, the batch
+                         is stamped when the step ends (batches that removed blocks)
+    stamp -> sent        the engine's publisher thread takes the batch from its queue and
+                         hands it to its ZMQ socket
+    stamp -> received    ... through ZMQ to the sidecar's receive (the socket, its I/O
+                         thread, the sidecar's event loop waking its reading task)
+    stamp -> handled     ... decoded and applied to the index
+
+And per request (the workload's records): where it ran, the cached tokens the sidecar found
+against the engine's own count (requests run whole on the engine), requests run locally on a
+belief the engine no longer held (its cached tokens below the prompt less the limit).
+
+Deliberate limits: one run on the shared 2-core machine (other sessions' engines run too);
+the stamps are compared across processes on one clock (``time.time()``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+TESTS = Path(__file__).resolve().parent.parent / "tests"
+# The engines' harness lives with the real-vLLM suite; the benchmark starts them the same way.
+sys.path.insert(0, str(TESTS))
+
+from real_vllm.cache_workload import (  # noqa: E402
+    DECODE,
+    MAX_UNCACHED,
+    Record,
+    Stack,
+    Workload,
+    decode_spec,
+    lags,
+    quantiles,
+    rounds,
+)
+from real_vllm.harness import (  # noqa: E402
+    ROUTE_FLAGS,
+    EngineEnv,
+    EngineGroup,
+    EngineSpec,
+    _signal_group,
+    free_port,
+    nixl_config,
+)
+from real_vllm.sidecar_process import sidecar_process  # noqa: E402
+
+
+def lag_table(timing_log: Path, sidecar_log: Path) -> tuple[str, dict[str, Any]]:
+    batches = list(lags(timing_log, sidecar_log))
+    rows = {
+        "removal -> stamp": [b.removal_to_stamp_ms for b in batches],
+        "stamp -> sent": [b.sent_ms for b in batches],
+        "stamp -> received": [b.received_ms for b in batches],
+        "stamp -> handled": [b.handled_ms for b in batches],
+    }
+    lines = ["| segment (ms) | batches | median | p90 | max |", "|---|---|---|---|---|"]
+    figures: dict[str, Any] = {"batches": len(batches),
+                               "with_removals": sum(1 for b in batches if b.removed)}
+    for name, values in rows.items():
+        present = [v for v in values if v is not None]
+        median, p90, top = quantiles(present)
+        figures[name] = {"n": len(present), "median": median, "p90": p90, "max": top}
+        lines.append(f"| {name} | {len(present)} | {median:.1f} | {p90:.1f} | {top:.1f} |")
+    return "\n".join(lines), figures
+
+
+def agreement(records: list[Record]) -> tuple[str, dict[str, Any]]:
+    local = [r for r in records if r.outcome == "local_cached"]
+    equal = sum(1 for r in local if r.sidecar_cached == r.engine_cached)
+    fewer = sum(1 for r in local if (r.sidecar_cached or 0) < (r.engine_cached or 0))
+    stale = [r for r in local
+             if (r.engine_cached or 0) < r.prompt_tokens - MAX_UNCACHED]
+    outputs = sum(1 for r in records if r.text == r.baseline_text)
+    outcomes: dict[str, int] = {}
+    for r in records:
+        outcomes[r.outcome] = outcomes.get(r.outcome, 0) + 1
+    shared_alone = [r for r in records if r.request.kind == "shared" and r.alone]
+    resident = [r for r in shared_alone
+                if (r.decode_hits or 0) >= r.prompt_tokens - MAX_UNCACHED]
+    resident_local = sum(1 for r in resident if r.outcome == "local_cached")
+    figures = {
+        "requests": len(records), "outcomes": outcomes, "outputs_equal": outputs,
+        "local_cached": len(local), "sidecar_equals_engine": equal,
+        "sidecar_below_engine": fewer, "stale_local": len(stale),
+        "stale_shortfall_tokens": [r.prompt_tokens - MAX_UNCACHED - (r.engine_cached or 0)
+                                   for r in stale],
+        "shared_alone": len(shared_alone), "shared_alone_resident": len(resident),
+        "shared_alone_resident_local": resident_local,
+    }
+    text = (f"requests {len(records)} ({outcomes}); outputs equal to the baseline's: "
+            f"{outputs}; local_cached {len(local)}: sidecar's cached tokens = engine's in "
+            f"{equal}, fewer in {fewer}; run locally on a stale belief: {len(stale)}; "
+            f"shared users sent alone {len(shared_alone)}, the prefix resident for "
+            f"{len(resident)}, of which run locally {resident_local}")
+    return text, figures
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--iterations", type=int, default=12)
+    parser.add_argument("--no-restart", action="store_true")
+    parser.add_argument("--out", type=Path, default=None, help="JSON figures")
+    args = parser.parse_args()
+    env = EngineEnv.locate()
+    work = Path(tempfile.mkdtemp(prefix="kv-event-lag-"))
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    with EngineGroup(env) as group:
+        started = group.start([
+            EngineSpec("lag-baseline", None, cpu=0, extra_args=ROUTE_FLAGS),
+            EngineSpec("lag-prefill", nixl_config("kv_producer"), cpu=0,
+                       extra_args=ROUTE_FLAGS),
+        ])
+        group.spawn(decode_spec(endpoint, work))
+        decode = group.engines[DECODE]
+        for _ in sidecar_process(
+            work, "--engine", "vllm", "--kv-connector", "shfs", "--engine-url", decode.url,
+            "--kv-events-endpoint", endpoint, "--kv-events-topic", "kv",
+            "--local-prefill-max-uncached-tokens", str(MAX_UNCACHED), "--log-level", "debug",
+        ):
+            group.wait_ready([DECODE])
+            ports = json.loads((work / "ports.json").read_text())
+            stack = Stack(f"http://127.0.0.1:{ports['http']}", work / "sidecar.log",
+                          decode.url, started["lag-baseline"].url,
+                          f"127.0.0.1:{started['lag-prefill'].port}", work / "timing.log")
+            workload = Workload(stack)
+            workload.run(1, rounds(workload, 1, args.iterations))
+            if not args.no_restart:
+                _signal_group(group.engines[DECODE].process, signal.SIGKILL)
+                group.restart(DECODE)
+                stack.decode_url = group.engines[DECODE].url
+            workload.run(2, rounds(workload, 2, args.iterations))
+            table, lag_figures = lag_table(stack.timing_log, stack.sidecar_log)
+            text, agree = agreement(workload.records)
+            print(table)
+            print(text)
+            if args.out is not None:
+                args.out.write_text(json.dumps({"lag": lag_figures, "agreement": agree},
+                                               indent=2))
+            print(f"logs: {work}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
