@@ -13,12 +13,14 @@
 - the side: with the sidecar's ``tcp://127.0.0.1:PORT`` the stub connects to the port the
   sidecar's subscriber binds; ``ipc://`` it binds;
 - end to end: the sidecar's index, fed by a stub on ``--kv-events-endpoint``, finds a second
-  turn's cached tokens equal to what the stub reports, and forgets what the stub evicted;
+  turn's cached tokens equal to what the stub reports, and forgets what the stub evicted; a
+  running sidecar in front of a stub pair runs a chat's first turn as a pair and its second
+  turn whole on the decode stub (``local_cached``), the prefill stub seeing nothing of it;
 - the command line: the flags build the config, each with a help text; a refused endpoint
   exits 2 with one line.
 
 It does not prove the stub against vLLM's own encoder (tests/real_vllm/test_kv_events_format.py
-does) nor a sidecar placing requests on it (the cache-aware door's tests).
+does).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import msgspec
 import pytest
 import zmq
 import zmq.asyncio
+from sidecar_builders import decode_sidecar_settings, running_sidecar, stub_pair
 from stub_builders import chat
 
 from sidecar.kv_events.subscriber import KVEventsSubscriber, open_kv_events
@@ -244,8 +247,9 @@ def test_the_flags_build_the_config() -> None:
     add_stub_arguments(parser)
     config = config_from_args(parser.parse_args([
         "--kv-events-endpoint", "tcp://127.0.0.1:5557", "--kv-events-topic", "kv",
-        "--kv-cache-blocks", "40", "--block-size", "32"]))
+        "--kv-cache-blocks", "40", "--block-size", "32", "--enable-prompt-tokens-details"]))
     assert config.kv_events_endpoint == "tcp://127.0.0.1:5557"
+    assert config.prompt_tokens_details is True
     assert (config.kv_events_topic, config.kv_cache_blocks, config.block_size) == ("kv", 40, 32)
     defaults = config_from_args(parser.parse_args([]))
     assert defaults.kv_events_endpoint is None
@@ -261,3 +265,50 @@ async def test_a_refused_endpoint_exits_2() -> None:
     _, stderr = await asyncio.wait_for(process.communicate(), 60)
     assert process.returncode == 2
     assert stderr.decode().startswith("stub-engine: --kv-events-endpoint tcp://nowhere")
+
+
+async def test_a_second_turn_runs_locally_through_the_sidecar(
+    session: aiohttp.ClientSession, tmp_path: Path,
+) -> None:
+    endpoint = f"ipc://{tmp_path}/kv-events"  # the stub binds, the sidecar connects
+    decode = {"block_size": BS, "kv_events_endpoint": endpoint, "kv_events_topic": "kv",
+              "prompt_tokens_details": True}
+    async with stub_pair("vllm", decode=decode) as (prefill, decode_stub):
+        settings = decode_sidecar_settings(
+            "vllm", "shfs", prefill, decode_stub, kv_events_endpoint=endpoint,
+            # The stub's tokens are bytes: the reply and the next message are ~50 tokens.
+            kv_events_topic="kv", local_prefill_max_uncached_tokens=16 * BS)
+        async with running_sidecar(**settings) as sidecar:
+            # The stub's first batches may go before the sidecar's subscription is up.
+            for attempt in range(100):
+                async with session.post(decode_stub.url + "/v1/completions", json={
+                        "model": "stub-model", "prompt": [attempt + 1] * 9,
+                        "max_tokens": 1}):
+                    pass
+                if await sidecar.metric("disagg_kv_event_batches_total", outcome="applied"):
+                    break
+                await asyncio.sleep(0.01)
+            headers = {"x-prefiller-host-port": f"127.0.0.1:{prefill.port}"}
+            first = chat("a first turn that the decode engine will hold", max_tokens=4)
+            applied = await sidecar.metric("disagg_kv_event_batches_total", outcome="applied")
+            async with session.post(sidecar.url + "/v1/chat/completions", json=first,
+                                    headers=headers) as response:
+                reply = (await response.json())["choices"][0]["message"]["content"]
+            assert len(prefill.recorder.requests) == 1  # turn one: a pair
+            # The batch of turn one's blocks travels on its own, maybe after the answer.
+            async with asyncio.timeout(WAIT_S):
+                # Metrics are only observable by scraping: there is no event to wait on.
+                while await sidecar.metric(  # noqa: ASYNC110
+                        "disagg_kv_event_batches_total", outcome="applied") == applied:
+                    await asyncio.sleep(0.01)
+            second = {**first, "messages": [*first["messages"],
+                                            {"role": "assistant", "content": reply},
+                                            {"role": "user", "content": "and?"}]}
+            prefill_legs = len(prefill.recorder.requests)
+            async with session.post(sidecar.url + "/v1/chat/completions", json=second,
+                                    headers=headers) as response:
+                answer = await response.json()
+            assert len(prefill.recorder.requests) == prefill_legs  # nothing for the prefill
+            assert await sidecar.metric("disagg_requests_total", outcome="local_cached") == 1
+            cached = answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+            assert cached == await sidecar.metric("disagg_cached_prompt_tokens_sum") > 0

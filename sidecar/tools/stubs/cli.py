@@ -80,6 +80,9 @@ def add_stub_arguments(parser: argparse.ArgumentParser) -> None:
     add("--kv-events-topic", default=d.kv_events_topic,
         help="vLLM: the topic of each KV event message, as --kv-events-config's topic "
         "(default: none)")
+    add("--enable-prompt-tokens-details", action="store_true",
+        help="vLLM: usage reports the prefix cache's figures (prompt_tokens_details."
+        "cached_tokens), as vLLM's flag of that name (default: off)")
     add("--eos-rate", type=int, default=d.eos_rate,
         help="stop with EOS with chance 1/N at each token after the first (deterministic "
         "per prompt), 0: never (default: %(default)s)")
@@ -179,6 +182,7 @@ def config_from_args(args: argparse.Namespace) -> StubConfig:
         tls_cert_file=args.tls_cert_file,
         tls_key_file=args.tls_key_file,
         tls_client_ca_file=args.tls_client_ca_file,
+        prompt_tokens_details=args.enable_prompt_tokens_details,
         kv_cache_blocks=args.kv_cache_blocks,
         kv_events_endpoint=args.kv_events_endpoint,
         kv_events_topic=args.kv_events_topic,
