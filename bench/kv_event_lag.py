@@ -27,6 +27,13 @@ And per request (the workload's records): where it ran, the cached tokens the si
 against the engine's own count (requests run whole on the engine), requests run locally on a
 belief the engine no longer held (its cached tokens below the prompt less the limit).
 
+``--observer``: the engine binds an ``ipc://`` endpoint instead, the sidecar connects, and
+so does an observer (a process that only receives, blocking, and notes when): the sidecar's
+receive against the observer's is the sidecar's own share (its loop and its process), the
+observer's against the engine's send the engine's ZMQ I/O thread and the socket.
+``--unpin-zmq``: the engine's ZMQ I/O threads may run on every CPU (the hook's experiment):
+what the engine's pinning to one core costs the events.
+
 Deliberate limits: one run on the shared 2-core machine (other sessions' engines run too);
 the stamps are compared across processes on one clock (``time.time()``).
 """
@@ -34,8 +41,9 @@ the stamps are compared across processes on one clock (``time.time()``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
-import signal
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -61,21 +69,54 @@ from real_vllm.harness import (  # noqa: E402
     EngineEnv,
     EngineGroup,
     EngineSpec,
-    _signal_group,
     free_port,
     nixl_config,
 )
+from real_vllm.kv_event_timing_hook import UNPIN_ENV_VAR  # noqa: E402
 from real_vllm.sidecar_process import sidecar_process  # noqa: E402
 
+_OBSERVER = """
+import sys, time, msgspec, zmq
+context = zmq.Context()
+sub = context.socket(zmq.SUB)
+sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+sub.connect(sys.argv[1])
+with open(sys.argv[2], "a", buffering=1) as out:
+    while True:
+        topic, sequence, payload = sub.recv_multipart()
+        now = time.time()
+        out.write(f"{now:.6f} {msgspec.msgpack.decode(payload)[0]:.6f}\\n")
+"""
 
-def lag_table(timing_log: Path, sidecar_log: Path) -> tuple[str, dict[str, Any]]:
+
+def observed(path: Path) -> dict[str, float]:
+    """The observer's receive time of each batch, by the batch's stamp."""
+    seen: dict[str, float] = {}
+    for line in path.read_text().splitlines() if path.exists() else ():
+        at, stamp = line.split()
+        seen[stamp] = float(at)
+    return seen
+
+
+def lag_table(timing_log: Path, sidecar_log: Path, observer_log: Path | None = None,
+              ) -> tuple[str, dict[str, Any]]:
     batches = list(lags(timing_log, sidecar_log))
     rows = {
         "removal -> stamp": [b.removal_to_stamp_ms for b in batches],
         "stamp -> sent": [b.sent_ms for b in batches],
         "stamp -> received": [b.received_ms for b in batches],
         "stamp -> handled": [b.handled_ms for b in batches],
+        "sent -> received": [None if b.received_ms is None or b.sent_ms is None
+                             else b.received_ms - b.sent_ms for b in batches],
     }
+    if observer_log is not None:
+        seen = observed(observer_log)
+        at = [(seen.get(f"{b.stamp_at:.6f}"), b) for b in batches if b.stamp_at is not None]
+        rows["stamp -> observer received"] = [
+            None if o is None else (o - b.stamp_at) * 1000 for o, b in at if b.stamp_at]
+        rows["observer -> sidecar received"] = [
+            None if o is None or b.received_ms is None or not b.stamp_at
+            else b.received_ms - (o - b.stamp_at) * 1000 for o, b in at]
     lines = ["| segment (ms) | batches | median | p90 | max |", "|---|---|---|---|---|"]
     figures: dict[str, Any] = {"batches": len(batches),
                                "with_removals": sum(1 for b in batches if b.removed)}
@@ -122,19 +163,31 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--iterations", type=int, default=12)
     parser.add_argument("--no-restart", action="store_true")
+    parser.add_argument("--observer", action="store_true",
+                        help="an ipc endpoint the engine binds, and a second subscriber")
+    parser.add_argument("--unpin-zmq", action="store_true",
+                        help="the engine's ZMQ I/O threads on every CPU (an experiment)")
     parser.add_argument("--out", type=Path, default=None, help="JSON figures")
     args = parser.parse_args()
     env = EngineEnv.locate()
     work = Path(tempfile.mkdtemp(prefix="kv-event-lag-"))
-    endpoint = f"tcp://127.0.0.1:{free_port()}"
-    with EngineGroup(env) as group:
+    endpoint = f"ipc://{work}/kv-events.sock" if args.observer else \
+        f"tcp://127.0.0.1:{free_port()}"
+    more_env = {UNPIN_ENV_VAR: "1"} if args.unpin_zmq else {}
+    observer_log = work / "observer.log" if args.observer else None
+    with contextlib.ExitStack() as held, EngineGroup(env) as group:
         started = group.start([
             EngineSpec("lag-baseline", None, cpu=0, extra_args=ROUTE_FLAGS),
             EngineSpec("lag-prefill", nixl_config("kv_producer"), cpu=0,
                        extra_args=ROUTE_FLAGS),
         ])
-        group.spawn(decode_spec(endpoint, work))
+        group.spawn(decode_spec(endpoint, work, **more_env))
         decode = group.engines[DECODE]
+        if observer_log is not None:
+            observer = subprocess.Popen([sys.executable, "-c", _OBSERVER, endpoint,
+                                         str(observer_log)])
+            held.callback(observer.wait)
+            held.callback(observer.kill)
         for _ in sidecar_process(
             work, "--engine", "vllm", "--kv-connector", "shfs", "--engine-url", decode.url,
             "--kv-events-endpoint", endpoint, "--kv-events-topic", "kv",
@@ -148,11 +201,10 @@ def main() -> None:
             workload = Workload(stack)
             workload.run(1, rounds(workload, 1, args.iterations))
             if not args.no_restart:
-                _signal_group(group.engines[DECODE].process, signal.SIGKILL)
-                group.restart(DECODE)
+                group.restart(DECODE, kill=True)
                 stack.decode_url = group.engines[DECODE].url
             workload.run(2, rounds(workload, 2, args.iterations))
-            table, lag_figures = lag_table(stack.timing_log, stack.sidecar_log)
+            table, lag_figures = lag_table(stack.timing_log, stack.sidecar_log, observer_log)
             text, agree = agreement(workload.records)
             print(table)
             print(text)

@@ -63,6 +63,9 @@ MAX_UNCACHED = 3 * BLOCK_SIZE
 DECODE_BLOCKS = 40
 PREFIX_HITS = "vllm:prefix_cache_hits_total"
 SYSTEM = block_prompt("the system prompt every user of this assistant shares", items=16)
+#: A conversation whose prompt passed this starts afresh (a turn adds up to about 100 tokens
+#: with its reply, the context is 512).
+CONVERSATION_TOKENS = 360
 CATCH_UP_S = 60.0
 POLL_S = 0.02
 
@@ -71,9 +74,10 @@ _BATCH = re.compile(r"kv events: batch (\d+) stamped ([\d.]+) received \+([\d.-]
                     r"handled \+([\d.-]+) ms")
 
 
-def decode_spec(endpoint: str, timing_dir: Path) -> EngineSpec:
+def decode_spec(endpoint: str, timing_dir: Path, **more_env: str) -> EngineSpec:
     """The decode engine: NIXL consumer, prefix caching, a 40-block cache, KV events to the
-    sidecar's endpoint, the timing hook writing to ``timing_dir / "timing.log"``."""
+    sidecar's endpoint, the timing hook writing to ``timing_dir / "timing.log"`` (and
+    ``more_env`` for it, e.g. its unpinning experiment)."""
     events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint,
               "topic": "kv"}
     site = install_dir(timing_dir / "site")
@@ -81,7 +85,8 @@ def decode_spec(endpoint: str, timing_dir: Path) -> EngineSpec:
         DECODE, nixl_config("kv_consumer"), cpu=1, prefix_caching=True,
         extra_args=(*ROUTE_FLAGS, "--kv-events-config", json.dumps(events),
                     "--num-gpu-blocks-override", str(DECODE_BLOCKS + 1)),
-        extra_env={"PYTHONPATH": str(site), TIMING_ENV: str(timing_dir / "timing.log")})
+        extra_env={"PYTHONPATH": str(site), TIMING_ENV: str(timing_dir / "timing.log"),
+                   **more_env})
 
 
 @dataclass(frozen=True)
@@ -90,6 +95,8 @@ class Request:
     kind: str  # shared | turn | one_off
     path: str
     body: dict[str, Any]
+    #: The conversation a turn continues.
+    conversation: int | None = None
 
     @property
     def stream(self) -> bool:
@@ -114,8 +121,15 @@ class Record:
 
 @dataclass
 class Conversation:
-    name: str
+    number: int
+    #: How many times it started afresh (a conversation near the context ends; its user
+    #: starts another).
+    generation: int = 0
     messages: list[dict[str, str]] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return f"conversation {self.number}.{self.generation}"
 
 
 def _body(path: str, prompt: str | list[dict[str, str]], stream: bool, max_tokens: int
@@ -156,7 +170,7 @@ class Workload:
         self.stack = stack
         self.records: list[Record] = []
         self._count = 0
-        self._conversations = [Conversation(f"conversation {c}") for c in range(4)]
+        self._conversations = [Conversation(c) for c in range(4)]
 
     # -- the requests ------------------------------------------------------------------
 
@@ -180,25 +194,24 @@ class Workload:
             conversation.messages = [{"role": "system", "content": SYSTEM}]
         ask = f"{conversation.name}, turn {len(conversation.messages) // 2}: go on, please."
         messages = [*conversation.messages, {"role": "user", "content": ask}]
-        return Request(self._rid("turn"), "turn", CHAT, _body(CHAT, messages, stream, 12))
+        return Request(self._rid("turn"), "turn", CHAT, _body(CHAT, messages, stream, 12),
+                       conversation=number)
 
     def one_off(self, number: int, *, stream: bool = False) -> Request:
         return Request(self._rid("one_off"), "one_off", COMPLETIONS,
                        _body(COMPLETIONS, one_off_text(f"number {number}"), stream, 4))
 
-    def _answered(self, request: Request, text: str) -> None:
-        if request.kind != "turn":
+    def _answered(self, request: Request, record: Record) -> None:
+        if request.conversation is None:
             return
-        messages = request.body["messages"]
-        for conversation in self._conversations:
-            if conversation.messages and messages[:len(conversation.messages)] == \
-                    conversation.messages and messages[-1]["content"].startswith(
-                        conversation.name):
-                # Conversations stop short of the context (a turn adds about 40 tokens).
-                if len(conversation.messages) < 11:
-                    conversation.messages = [*messages,
-                                             {"role": "assistant", "content": text}]
-                return
+        conversation = self._conversations[request.conversation]
+        if record.prompt_tokens > CONVERSATION_TOKENS:
+            # The next turn might not fit the context: this user starts another.
+            conversation.generation += 1
+            conversation.messages = []
+        else:
+            conversation.messages = [*request.body["messages"],
+                                     {"role": "assistant", "content": record.text}]
 
     # -- sending -----------------------------------------------------------------------
 
@@ -250,7 +263,7 @@ class Workload:
         details = usage.get("prompt_tokens_details") or {}
         cached = details.get("cached_tokens")
         record.engine_cached = None if cached is None else int(cached)
-        self._answered(request, record.text)
+        self._answered(request, record)
         return record
 
     # -- evidence ----------------------------------------------------------------------
@@ -305,6 +318,8 @@ class BatchLag:
     """One batch's path, in ms after the engine stamped it (None: not seen there)."""
 
     sequence: int
+    #: The engine's stamp, as ``time.time()``.
+    stamp_at: float | None
     removed: int  # blocks it removed
     sent_ms: float | None
     received_ms: float | None
@@ -337,7 +352,8 @@ def lags(timing_log: Path, sidecar_log: Path) -> Iterator[BatchLag]:
     for stamp, (sequence, sent_at, removed) in sent.items():
         received, handled = seen.get(stamp, (None, None))
         removal = first_removal.get(stamp)
-        yield BatchLag(sequence, removed, (sent_at - float(stamp)) * 1000, received, handled,
+        yield BatchLag(sequence, float(stamp), removed, (sent_at - float(stamp)) * 1000,
+                       received, handled,
                        None if removal is None else (float(stamp) - removal) * 1000)
 
 

@@ -14,6 +14,10 @@ engine's ``time.time()`` (the clock of the batches' own stamp):
                                     the publisher thread hands batch <seq> (stamped <stamp>
                                     when the step ended) of <n> events to its ZMQ socket
 
+With ``DISAGG_KV_EVENT_UNPIN=1`` as well (an experiment, not a setting of vLLM's): the
+publisher's ZMQ I/O threads may run on every CPU instead of inheriting the engine's pinning to
+one core (``VLLM_CPU_OMP_THREADS_BIND``), where they wait for the model's own work.
+
 How: a meta-path finder patches ``vllm.v1.core.block_pool`` and ``vllm.distributed.kv_events``
 right after they load (``BlockPool._emit_block_removed_events``; the PUB socket of
 ``ZmqEventPublisher`` wrapped after ``_socket_setup``). The engine core is a child process of
@@ -37,6 +41,7 @@ from types import ModuleType
 from typing import Any
 
 ENV_VAR = "DISAGG_KV_EVENT_TIMING"
+UNPIN_ENV_VAR = "DISAGG_KV_EVENT_UNPIN"
 _BLOCK_POOL = "vllm.v1.core.block_pool"
 _KV_EVENTS = "vllm.distributed.kv_events"
 # Loaded by its path: the suite's directory never goes on the engine's sys.path.
@@ -107,6 +112,8 @@ def _patch_kv_events(module: ModuleType, log: _Log) -> None:
         if self._pub is not None and not isinstance(self._pub, _TimedSocket):
             log.line("publisher", f"{time.time():.6f}", os.getpid())
             self._pub = _TimedSocket(self._pub, log)
+            if os.environ.get(UNPIN_ENV_VAR) == "1":
+                _unpin_zmq_threads(log)
 
     def publish(self: Any, events: Any) -> None:
         log.line("published", f"{time.time():.6f}", f"{events.ts:.6f}")
@@ -114,6 +121,16 @@ def _patch_kv_events(module: ModuleType, log: _Log) -> None:
 
     publisher._socket_setup = socket_setup
     publisher.publish = publish
+
+
+def _unpin_zmq_threads(log: _Log) -> None:
+    """Let this process's ZMQ background threads run on every CPU."""
+    everywhere = set(range(os.cpu_count() or 1))
+    for task in Path("/proc/self/task").iterdir():
+        name = (task / "comm").read_text().strip()
+        if name.startswith("ZMQbg"):
+            os.sched_setaffinity(int(task.name), everywhere)
+            log.line("unpinned", f"{time.time():.6f}", task.name, name)
 
 
 class _PatchingLoader(importlib.abc.Loader):
