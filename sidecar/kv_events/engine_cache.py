@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Final
 
@@ -103,6 +103,8 @@ class EngineKVCache:
         self._rank_warned = False
         #: True while a replay of missed batches runs (answers are None meanwhile).
         self.catching_up = False
+        #: Called before each lookup: the subscriber applies what has reached its socket.
+        self.refresh: Callable[[], None] | None = None
 
     # What the placement decision reads (CachedPrefix).
 
@@ -117,7 +119,9 @@ class EngineKVCache:
 
     def cached_tokens(self, token_ids: Sequence[int]) -> int | None:
         """The longest cached prefix of ``token_ids`` in whole blocks, as tokens; None when
-        unknown."""
+        unknown. What has reached the subscriber's socket is applied first."""
+        if self.refresh is not None:
+            self.refresh()
         if self.catching_up:
             return None
         return self.index.cached_tokens(token_ids)

@@ -2,8 +2,11 @@
 
     open_kv_events(endpoint, ...) ─▶ SUB bound (or connected) at the endpoint, topic filter
                                      + its connection monitor (+ DEALER to the replay endpoint)
-        task: frames ─decode─▶ EngineKVCache.receive ─▶ Gap? ─replay─▶ apply missed, then it
+        task: socket readable ─▶ drain(): every message waiting, in order, without blocking:
+              frames ─decode─▶ EngineKVCache.receive ─▶ Gap? ─replay─▶ apply missed, then it
                                                               └─ no replay / incomplete: forget
+        lookup (cached_tokens) ─▶ drain() first: what reached the socket is applied before the
+              index answers, however busy the event loop is
               monitor: connection closed ─▶ EngineKVCache.disconnected (forget)
         a receive that raises (either socket) ─▶ forget (``reader_failed``, one warning), close
               the sockets, open them again after a back-off (0.1 s, doubling to 5 s while
@@ -21,6 +24,13 @@ forgets.
 
 A reader that fails must not leave the index answering from a state it stopped following:
 until the events are heard again the index answers None, and the length rule decides.
+
+Why a lookup drains: the batches reach the socket on ZMQ's own I/O thread, but the reading
+task applies them only when the event loop gets to it, and a loop busy with requests got to
+it up to tens of milliseconds later (bench/RESULTS.md, "the index's lag"); the placement
+decision is the one moment the index must be current, so it takes what has arrived itself
+(a non-blocking receive: about a microsecond when nothing waits). A gap that needs a replay
+is left to the task (the index answers None meanwhile).
 
 Deliberate limits: one process binds the endpoint, so a pool of workers is refused at start
 (``sidecar.config.checks``); a batch is applied on the event loop (microseconds per block);
@@ -65,6 +75,9 @@ logger = logging.getLogger(__name__)
 #: Batches the SUB socket queues before ZMQ drops (the publishers' own default).
 RECEIVE_HWM: Final = 100_000
 REPLAY_TIMEOUT_S: Final = 2.0
+#: The reading task looks at the socket at least this often even when nothing woke it (a
+#: failure a lookup's drain met is acted on by then).
+POLL_MS: Final = 1000
 #: After a failed receive: the first wait before the sockets are opened again, and the most
 #: (the wait doubles while nothing is heard between failures).
 REOPEN_FIRST_S: Final = 0.1
@@ -100,7 +113,12 @@ class KVEventsSubscriber:
         self._reopen_first_s, self._reopen_max_s = reopen_s
         self._replay: zmq.asyncio.Socket | None = None
         self._sub: zmq.asyncio.Socket | None = None
+        #: The SUB socket's blocking twin (the same socket): drains without a future.
+        self._sync: zmq.Socket[bytes] | None = None
         self._monitor: zmq.asyncio.Socket | None = None
+        #: A gap waiting for its replay (the task's), and a failure a lookup's drain met.
+        self._gap: Gap | None = None
+        self._failure: str | None = None
         self._task: asyncio.Task[None] | None = None
         #: Messages handled since the sockets were (re)opened.
         self._heard = 0
@@ -129,7 +147,11 @@ class KVEventsSubscriber:
         except zmq.ZMQError as exc:
             raise EndpointUnavailable(
                 f"--kv-events-endpoint {endpoint}: {exc.strerror}") from None
+        self._sync = zmq.Socket.shadow(sub.underlying)
         self._heard = 0
+        self._gap = None
+        self._failure = None
+        self.cache.refresh = self._drain_for_lookup
 
     def start(self) -> None:
         self._task = asyncio.ensure_future(self._run())
@@ -157,6 +179,8 @@ class KVEventsSubscriber:
         self._context.term()
 
     def _close_sockets(self) -> None:
+        self.cache.refresh = None
+        self._sync = None  # a shadow: closing the SUB socket closes it
         if self._replay is not None:
             self._replay.close(linger=0)
             self._replay = None
@@ -180,7 +204,8 @@ class KVEventsSubscriber:
             logger.warning("kv events: receiving failed (%s); the index answers unknown "
                            "until events are heard again; reopening %s in %.1f s",
                            failure, self.endpoint, wait_s)
-            self.cache.forget(CAUSE_READER_FAILED, log=False)
+            if self._failure is None:  # else the lookup that met it forgot already
+                self.cache.forget(CAUSE_READER_FAILED, log=False)
             self._handled.set()
             self._close_sockets()
             while True:
@@ -214,41 +239,78 @@ class KVEventsSubscriber:
         sub = self._sub
         assert sub is not None
         while True:
-            frames = await sub.recv_multipart()
+            await sub.poll(POLL_MS)
+            if self._failure is not None:
+                raise ConnectionError(self._failure)
+            self.drain()
+            gap = self._gap
+            if gap is not None:
+                await self._replay_gap(gap)
+                self._gap = None
+                self._handled.set()
+
+    def drain(self) -> None:
+        """Apply every message waiting in the socket, in order, without blocking; stops at a
+        gap that needs a replay (the task replays it). A receive that fails raises."""
+        sync = self._sync
+        if sync is None or self._gap is not None:
+            return
+        while True:
+            try:
+                frames = sync.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
             received = time.time()
             self._heard += 1
             try:
-                await self._handle(frames, received)
+                self._gap = self._take(frames, received)
             except Exception:
                 # A bug must not leave the index answering from a state it stopped following.
                 logger.exception("kv events: a message could not be handled; index forgotten")
                 self.cache.malformed()
             self._handled.set()
+            if self._gap is not None:
+                return
 
-    async def _handle(self, frames: list[bytes], received: float) -> None:
-        if frames and not self.cache.wants(frames[0]):
+    def _drain_for_lookup(self) -> None:
+        """``drain`` for the index's lookup: a failure makes the index unknown at once (the
+        task, at its next look, says why and reopens); nothing is raised to the caller."""
+        if self._failure is not None:
             return
+        try:
+            self.drain()
+        except Exception as exc:  # the task's own drain meets it again and reopens
+            self._failure = f"{type(exc).__name__}: {exc}"
+            self.cache.forget(CAUSE_READER_FAILED, log=False)
+
+    def _take(self, frames: list[bytes], received: float) -> Gap | None:
+        """Apply one message (or drop it); the gap it opened if that needs a replay."""
+        if frames and not self.cache.wants(frames[0]):
+            return None
         try:
             message = decode_message(frames)
         except MalformedMessage as exc:
             logger.warning("kv events: dropped a message: %s", exc)
             self.cache.malformed()
-            return
+            return None
         gap = self.cache.receive(message)
         if gap is not None:
-            await self._close_gap(gap)
+            if gap.restarted or self._replay_endpoint is None:
+                self.cache.forget(CAUSE_RESTARTED if gap.restarted else CAUSE_MISSED)
+                self.cache.apply(gap.message)
+                gap = None
+            else:
+                self.cache.catching_up = True  # answers None until the replay is done
         if logger.isEnabledFor(logging.DEBUG):
             stamp = message.batch.ts
             logger.debug("kv events: batch %d stamped %.6f received +%.1f ms handled +%.1f ms",
                          message.sequence, stamp, (received - stamp) * 1000,
                          (time.time() - stamp) * 1000)
+        return gap
 
-    async def _close_gap(self, gap: Gap) -> None:
-        if gap.restarted or self._replay_endpoint is None:
-            self.cache.forget(CAUSE_RESTARTED if gap.restarted else CAUSE_MISSED)
-            self.cache.apply(gap.message)
-            return
-        self.cache.catching_up = True
+    async def _replay_gap(self, gap: Gap) -> None:
+        """Ask for the batches a gap missed and apply them, then the one waiting; forget when
+        they do not all come (the index answered None meanwhile: ``catching_up``)."""
         try:
             missed = await self._ask_replay(gap.first)
         finally:

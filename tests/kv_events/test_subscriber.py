@@ -15,6 +15,9 @@ loopback and ipc, against a fake engine publisher speaking vLLM's wire format
   counted (``reader_failed``) and said in one warning; the sockets are opened again on the
   same port and the publisher's next batches fill the index; a reopening that fails (the
   port held) is tried again; ``stop`` raises nothing of the reader's;
+- a lookup applies the batches that reached the socket before it answers, however long ago
+  the event loop last ran the reading task; a lookup whose receive fails answers unknown at
+  once (counted once) and the reader reopens;
 - on exit the tasks end and the sockets close: the port can be bound again, also when the
   caller of ``stop`` is cancelled meanwhile (its cancellation is raised, after the close); a
   port already bound stops start-up with one line naming the flag, also through
@@ -208,7 +211,8 @@ async def test_the_publisher_going_away_forgets(context: zmq.asyncio.Context) ->
 
 class FailingReceive:
     """A socket whose receive raises a ZMQ error once ``armed`` is set (a receive waiting
-    then raises too); the rest is the real socket's."""
+    then raises too); the rest is the real socket's. ``recv_multipart`` is awaitable (the
+    monitor's) or blocking (the SUB socket's twin the reader drains), as the real one."""
 
     def __init__(self, real: Any, armed: bool = False) -> None:
         self._real = real
@@ -219,7 +223,14 @@ class FailingReceive:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._real, name)
 
-    async def recv_multipart(self) -> list[bytes]:
+    def recv_multipart(self, flags: int = 0) -> Any:
+        if isinstance(self._real, zmq.asyncio.Socket):
+            return self._recv_async()
+        if self.armed.is_set():
+            raise zmq.ZMQError(zmq.EFSM)
+        return self._real.recv_multipart(flags)
+
+    async def _recv_async(self) -> list[bytes]:
         receive = asyncio.ensure_future(self._real.recv_multipart())
         armed = asyncio.ensure_future(self.armed.wait())
         try:
@@ -233,7 +244,7 @@ class FailingReceive:
         raise zmq.ZMQError(zmq.EFSM)
 
 
-@pytest.mark.parametrize("which", ["_sub", "_monitor"])
+@pytest.mark.parametrize("which", ["_sync", "_monitor"])
 async def test_a_failed_receive_forgets_and_reads_again(
     context: zmq.asyncio.Context, caplog: pytest.LogCaptureFixture, which: str,
 ) -> None:
@@ -250,6 +261,7 @@ async def test_a_failed_receive_forgets_and_reads_again(
         await publisher.send(0, [chain(TOKENS[:8], BS)])
         await wait(subscriber, lambda: cache.cached_tokens(TOKENS) == 8)
         failing.armed.set()
+        await publisher.send(1, [])  # wakes the reader (the monitor's receive fails at once)
         await wait(subscriber, lambda: sample(metrics, "disagg_kv_events_gaps_total",
                                               cause="reader_failed") == 1)
         # Whatever it held is not believed: the reader stopped following the engine.
@@ -263,7 +275,7 @@ async def test_a_failed_receive_forgets_and_reads_again(
             while await publisher.subscribed() != b"\x01kv":
                 pass
         assert subscriber.endpoint == endpoint
-        await publisher.send(1, [chain(TOKENS[:12], BS)])
+        await publisher.send(2, [chain(TOKENS[:12], BS)])
         await wait(subscriber, lambda: cache.cached_tokens(TOKENS) == 12)
         assert sample(metrics, "disagg_kv_events_gaps_total", cause="reader_failed") == 1
         publisher.close()
@@ -276,7 +288,7 @@ async def test_reopening_is_tried_again_until_it_succeeds(
 ) -> None:
     cache = EngineKVCache(100, topic=b"kv")
     subscriber = KVEventsSubscriber(cache, "tcp://127.0.0.1:0", None, reopen_s=(0.01, 0.05))
-    subscriber._sub = FailingReceive(subscriber._sub, armed=True)  # type: ignore[assignment]
+    subscriber._sync = FailingReceive(subscriber._sync, armed=True)  # type: ignore[assignment]
     opened: list[str] = []
     really_open = subscriber._open
 
@@ -294,6 +306,51 @@ async def test_reopening_is_tried_again_until_it_succeeds(
         publisher = await connected(context, subscriber)
         await publisher.send(0, [chain(TOKENS[:8], BS)])
         await wait(subscriber, lambda: cache.cached_tokens(TOKENS) == 8)
+        publisher.close()
+    finally:
+        await subscriber.stop()
+
+
+async def test_a_lookup_applies_what_reached_the_socket(context: zmq.asyncio.Context) -> None:
+    """The event loop has not run the reading task since the batch arrived (nothing awaited
+    in between): the lookup applies it itself. (Before: the index answered from before it.)"""
+    async with open_kv_events("tcp://127.0.0.1:0", None, topic="kv",
+                              max_blocks=100) as subscriber:
+        cache = subscriber.cache
+        publisher = await connected(context, subscriber)
+        await publisher.send(0, [chain(TOKENS[:8], BS)])
+        await wait(subscriber, lambda: cache.cached_tokens(TOKENS) == 8)
+        await publisher.send(1, [map_removed([2])])
+        assert subscriber._sub is not None
+        peek = zmq.Socket.shadow(subscriber._sub.underlying)
+        assert peek.poll(int(WAIT_S * 1000))  # blocking: the loop runs nothing meanwhile
+        assert cache.cached_tokens(TOKENS) == 4
+        publisher.close()
+
+
+async def test_a_lookup_that_meets_a_failed_receive_answers_unknown(
+    context: zmq.asyncio.Context,
+) -> None:
+    metrics = Metrics()
+    cache = EngineKVCache(100, topic=b"kv", metrics=metrics)
+    subscriber = KVEventsSubscriber(cache, "tcp://127.0.0.1:0", None)
+    failing = FailingReceive(subscriber._sync)
+    subscriber._sync = failing  # type: ignore[assignment]
+    subscriber.start()
+    try:
+        publisher = await connected(context, subscriber)
+        await publisher.send(0, [chain(TOKENS[:8], BS)])
+        await wait(subscriber, lambda: cache.cached_tokens(TOKENS) == 8)
+        failing.armed.set()
+        assert cache.cached_tokens(TOKENS) is None  # at once, not after the task's next look
+        assert sample(metrics, "disagg_kv_events_gaps_total", cause="reader_failed") == 1
+        # The task reopens (counted once) and the publisher's batches are heard again.
+        async with asyncio.timeout(WAIT_S):
+            while await publisher.subscribed() != b"\x01kv":
+                pass
+        await publisher.send(1, [chain(TOKENS[:12], BS)])
+        await wait(subscriber, lambda: cache.cached_tokens(TOKENS) == 12)
+        assert sample(metrics, "disagg_kv_events_gaps_total", cause="reader_failed") == 1
         publisher.close()
     finally:
         await subscriber.stop()
