@@ -18,7 +18,8 @@ the step that made the batch), from the hook's lines and the sidecar's per-batch
     removal -> stamp     the step: a block is evicted while the step is scheduled, the batch
                          is stamped when the step ends (batches that removed blocks)
     stamp -> sent        the engine's publisher thread takes the batch from its queue and
-                         hands it to its ZMQ socket
+                         hands it to its ZMQ socket (... send returned: the three frames
+                         handed over, pyzmq letting go of the GIL and taking it back for each)
     stamp -> received    ... through ZMQ to the sidecar's receive (the socket, its I/O
                          thread, the sidecar's event loop waking its reading task)
     stamp -> handled     ... decoded and applied to the index
@@ -43,9 +44,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import re
 import subprocess
 import sys
 import tempfile
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -104,6 +107,7 @@ def lag_table(timing_log: Path, sidecar_log: Path, observer_log: Path | None = N
     rows = {
         "removal -> stamp": [b.removal_to_stamp_ms for b in batches],
         "stamp -> sent": [b.sent_ms for b in batches],
+        "stamp -> send returned": [b.send_done_ms for b in batches],
         "stamp -> received": [b.received_ms for b in batches],
         "stamp -> handled": [b.handled_ms for b in batches],
         "sent -> received": [None if b.received_ms is None or b.sent_ms is None
@@ -126,6 +130,52 @@ def lag_table(timing_log: Path, sidecar_log: Path, observer_log: Path | None = N
         figures[name] = {"n": len(present), "median": median, "p90": p90, "max": top}
         lines.append(f"| {name} | {len(present)} | {median:.1f} | {p90:.1f} | {top:.1f} |")
     return "\n".join(lines), figures
+
+
+_LOGGED = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) DEBUG sidecar\.core\.placer: "
+                     r"request (\S+): ")
+
+
+def decision_staleness(timing_log: Path, sidecar_log: Path, observer_log: Path,
+                       ) -> tuple[str, dict[str, Any]]:
+    """At each placement decision: batches the engine had stamped that the sidecar had not
+    applied, split into those already on this machine (the observer had them: the sidecar's
+    share) and those not yet (the engine's and the socket's)."""
+    seen = observed(observer_log)
+    handled = {f"{b.stamp_at:.6f}": b.stamp_at + b.handled_ms / 1000
+               for b in lags(timing_log, sidecar_log)
+               if b.stamp_at is not None and b.handled_ms is not None}
+    stamps = sorted(float(s) for s in handled)
+    waiting_here: list[float] = []
+    not_here: list[float] = []
+    decisions = 0
+    for line in sidecar_log.read_text(errors="replace").splitlines():
+        match = _LOGGED.match(line)
+        if match is None:
+            continue
+        decisions += 1
+        # The log's clock is to the millisecond: the decision is within it.
+        at = datetime.strptime(match[1], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+        before, after = at - 0.001, at + 0.002
+        for stamp in stamps:
+            if stamp > before:
+                break
+            key = f"{stamp:.6f}"
+            if handled[key] <= after:
+                continue
+            arrived = seen.get(key)
+            if arrived is not None and arrived < before:
+                waiting_here.append((at - arrived) * 1000)
+            elif arrived is None or arrived > after:
+                not_here.append((at - stamp) * 1000)
+    here_q, away_q = quantiles(waiting_here), quantiles(not_here)
+    text = (f"decisions {decisions}; batches on this machine but not yet applied at a "
+            f"decision: {len(waiting_here)} (waiting median {here_q[0]:.1f} ms, max "
+            f"{here_q[2]:.1f}); stamped but not yet here: {len(not_here)} (median "
+            f"{away_q[0]:.1f} ms, max {away_q[2]:.1f})")
+    return text, {"decisions": decisions, "waiting_here": len(waiting_here),
+                  "waiting_here_ms": here_q, "not_here": len(not_here),
+                  "not_here_ms": away_q}
 
 
 def agreement(records: list[Record]) -> tuple[str, dict[str, Any]]:
@@ -208,9 +258,13 @@ def main() -> None:
             text, agree = agreement(workload.records)
             print(table)
             print(text)
+            results: dict[str, Any] = {"lag": lag_figures, "agreement": agree}
+            if observer_log is not None:
+                stale_text, results["at_decisions"] = decision_staleness(
+                    stack.timing_log, stack.sidecar_log, observer_log)
+                print(stale_text)
             if args.out is not None:
-                args.out.write_text(json.dumps({"lag": lag_figures, "agreement": agree},
-                                               indent=2))
+                args.out.write_text(json.dumps(results, indent=2))
             print(f"logs: {work}", file=sys.stderr)
 
 

@@ -322,6 +322,8 @@ class BatchLag:
     stamp_at: float | None
     removed: int  # blocks it removed
     sent_ms: float | None
+    #: When the publisher's send returned.
+    send_done_ms: float | None
     received_ms: float | None
     handled_ms: float | None
     #: The earliest removal in it, before the stamp (the engine's step).
@@ -330,7 +332,7 @@ class BatchLag:
 
 def lags(timing_log: Path, sidecar_log: Path) -> Iterator[BatchLag]:
     """Every batch of every engine start, matched by its stamp (unique per batch)."""
-    sent: dict[str, tuple[int, float, int]] = {}
+    sent: dict[str, tuple[int, float, float, int]] = {}
     removal_at: dict[str, float] = {}
     first_removal: dict[str, float] = {}
     for words in (line.split() for line in timing_log.read_text().splitlines()):
@@ -339,8 +341,8 @@ def lags(timing_log: Path, sidecar_log: Path) -> Iterator[BatchLag]:
                 removal_at[block] = float(words[1])
         elif words[0] == "sent":
             stamp = words[3]
-            removed = words[5:]
-            sent[stamp] = (int(words[2]), float(words[1]), len(removed))
+            removed = words[6:]
+            sent[stamp] = (int(words[2]), float(words[1]), float(words[5]), len(removed))
             times = [removal_at[b] for b in removed if b in removal_at]
             if times:
                 first_removal[stamp] = min(times)
@@ -349,11 +351,11 @@ def lags(timing_log: Path, sidecar_log: Path) -> Iterator[BatchLag]:
         match = _BATCH.search(line)
         if match is not None:
             seen[f"{float(match[2]):.6f}"] = (float(match[3]), float(match[4]))
-    for stamp, (sequence, sent_at, removed) in sent.items():
+    for stamp, (sequence, sent_at, done_at, removed) in sent.items():
         received, handled = seen.get(stamp, (None, None))
         removal = first_removal.get(stamp)
         yield BatchLag(sequence, float(stamp), removed, (sent_at - float(stamp)) * 1000,
-                       received, handled,
+                       (done_at - float(stamp)) * 1000, received, handled,
                        None if removal is None else (float(stamp) - removal) * 1000)
 
 

@@ -10,9 +10,11 @@ engine's ``time.time()`` (the clock of the batches' own stamp):
                                     engine evicted them, during a step's scheduling)
     published <t> <stamp>           the scheduler queued a batch for the publisher thread (at
                                     the end of a step, before the step's outputs leave)
-    sent <t> <seq> <stamp> <n> <removed hash hex> ...
+    sent <t> <seq> <stamp> <n> <t done> <removed hash hex> ...
                                     the publisher thread hands batch <seq> (stamped <stamp>
-                                    when the step ended) of <n> events to its ZMQ socket
+                                    when the step ended) of <n> events to its ZMQ socket at
+                                    <t>; the send returned at <t done> (pyzmq lets go of the
+                                    GIL for each of the three frames and takes it back)
 
 With ``DISAGG_KV_EVENT_UNPIN=1`` as well (an experiment, not a setting of vLLM's): the
 publisher's ZMQ I/O threads may run on every CPU instead of inheriting the engine's pinning to
@@ -93,14 +95,17 @@ class _TimedSocket:
     def send_multipart(self, frames: Sequence[bytes], *args: Any, **kwargs: Any) -> Any:
         import msgspec
 
-        now = time.time()
+        # Noted after the send: the note's own write must not delay the batch.
+        started = time.time()
+        result = self._socket.send_multipart(frames, *args, **kwargs)
+        done = time.time()
         _, sequence, payload = frames
         stamp, events = msgspec.msgpack.decode(payload)[:2]
         removed = [_hex(h) for e in events if isinstance(e, dict)
                    and e.get("type") == "BlockRemoved" for h in e.get("block_hashes", [])]
-        self._log.line("sent", f"{now:.6f}", int.from_bytes(sequence, "big"),
-                       f"{stamp:.6f}", len(events), *removed)
-        return self._socket.send_multipart(frames, *args, **kwargs)
+        self._log.line("sent", f"{started:.6f}", int.from_bytes(sequence, "big"),
+                       f"{stamp:.6f}", len(events), f"{done:.6f}", *removed)
+        return result
 
 
 def _patch_kv_events(module: ModuleType, log: _Log) -> None:
