@@ -13,8 +13,8 @@ engine's ``time.time()`` (the clock of the batches' own stamp):
     sent <t> <seq> <stamp> <n> <t done> <removed hash hex> ...
                                     the publisher thread hands batch <seq> (stamped <stamp>
                                     when the step ended) of <n> events to its ZMQ socket at
-                                    <t>; the send returned at <t done> (pyzmq lets go of the
-                                    GIL for each of the three frames and takes it back)
+                                    <t>; the send returned at <t done> (three frames, pyzmq
+                                    letting go of the GIL for each)
 
 With ``DISAGG_KV_EVENT_UNPIN=1`` as well (an experiment, not a setting of vLLM's): the
 publisher's ZMQ I/O threads may run on every CPU instead of inheriting the engine's pinning to
