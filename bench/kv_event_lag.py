@@ -48,6 +48,8 @@ import re
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -57,14 +59,13 @@ TESTS = Path(__file__).resolve().parent.parent / "tests"
 sys.path.insert(0, str(TESTS))
 
 from real_vllm.cache_workload import (  # noqa: E402
+    BATCH_LINE,
     DECODE,
     MAX_UNCACHED,
     Record,
     Stack,
     Workload,
     decode_spec,
-    lags,
-    quantiles,
     rounds,
 )
 from real_vllm.harness import (  # noqa: E402
@@ -77,6 +78,63 @@ from real_vllm.harness import (  # noqa: E402
 )
 from real_vllm.kv_event_timing_hook import UNPIN_ENV_VAR  # noqa: E402
 from real_vllm.sidecar_process import sidecar_process  # noqa: E402
+
+
+@dataclass(frozen=True)
+class BatchLag:
+    """One batch's path, in ms after the engine stamped it (None: not seen there)."""
+
+    sequence: int
+    #: The engine's stamp, as ``time.time()``.
+    stamp_at: float | None
+    removed: int  # blocks it removed
+    sent_ms: float | None
+    #: When the publisher's send returned.
+    send_done_ms: float | None
+    received_ms: float | None
+    handled_ms: float | None
+    #: The earliest removal in it, before the stamp (the engine's step).
+    removal_to_stamp_ms: float | None
+
+
+def lags(timing_log: Path, sidecar_log: Path) -> Iterator[BatchLag]:
+    """Every batch of every engine start, matched by its stamp (unique per batch)."""
+    sent: dict[str, tuple[int, float, float, int]] = {}
+    removal_at: dict[str, float] = {}
+    first_removal: dict[str, float] = {}
+    for words in (line.split() for line in timing_log.read_text().splitlines()):
+        if words[0] == "removed":
+            for block in words[2:]:
+                removal_at[block] = float(words[1])
+        elif words[0] == "sent":
+            stamp = words[3]
+            removed = words[6:]
+            sent[stamp] = (int(words[2]), float(words[1]), float(words[5]), len(removed))
+            times = [removal_at[b] for b in removed if b in removal_at]
+            if times:
+                first_removal[stamp] = min(times)
+    seen: dict[str, tuple[float, float]] = {}
+    for line in sidecar_log.read_text(errors="replace").splitlines():
+        match = BATCH_LINE.search(line)
+        if match is not None:
+            seen[f"{float(match[2]):.6f}"] = (float(match[3]), float(match[4]))
+    for stamp, (sequence, sent_at, done_at, removed) in sent.items():
+        received, handled = seen.get(stamp, (None, None))
+        removal = first_removal.get(stamp)
+        yield BatchLag(sequence, float(stamp), removed, (sent_at - float(stamp)) * 1000,
+                       (done_at - float(stamp)) * 1000, received, handled,
+                       None if removal is None else (float(stamp) - removal) * 1000)
+
+
+def quantiles(values: list[float]) -> tuple[float, float, float]:
+    """Median, p90 and max of ``values``."""
+    ordered = sorted(values)
+    if not ordered:
+        return (float("nan"),) * 3
+    return (ordered[len(ordered) // 2], ordered[min(len(ordered) - 1,
+                                                    int(len(ordered) * 0.9))], ordered[-1])
+
+
 
 _OBSERVER = """
 import sys, time, msgspec, zmq

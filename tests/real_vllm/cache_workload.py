@@ -3,7 +3,6 @@
     stack = CacheWorkloadStack(...)           decode engine (small KV cache, KV events, the
                                               timing hook), the sidecar, the prefill engine
     records = Workload(stack).run(phase)      the requests of one phase through the sidecar
-    lags(stack)                               the events' path, batch by batch
 
 The requests (deterministic texts, greedy, ``ignore_eos``; block size 32):
 
@@ -37,7 +36,7 @@ import json
 import re
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,7 +69,8 @@ CATCH_UP_S = 60.0
 POLL_S = 0.02
 
 _DECISION = re.compile(r"request (\S+): (\w+): .*?(?: \(cached prompt tokens: (\d+)\))?$")
-_BATCH = re.compile(r"kv events: batch (\d+) stamped ([\d.]+) received \+([\d.-]+) ms "
+#: The sidecar's per-batch debug line (sidecar/kv_events/subscriber.py).
+BATCH_LINE = re.compile(r"kv events: batch (\d+) stamped ([\d.]+) received \+([\d.-]+) ms "
                     r"handled \+([\d.-]+) ms")
 
 
@@ -307,66 +307,10 @@ def published_count(timing_log: Path) -> int:
 def last_handled(sidecar_log: Path) -> int | None:
     last = None
     for line in sidecar_log.read_text(errors="replace").splitlines():
-        match = _BATCH.search(line)
+        match = BATCH_LINE.search(line)
         if match is not None:
             last = int(match[1])
     return last
-
-
-@dataclass(frozen=True)
-class BatchLag:
-    """One batch's path, in ms after the engine stamped it (None: not seen there)."""
-
-    sequence: int
-    #: The engine's stamp, as ``time.time()``.
-    stamp_at: float | None
-    removed: int  # blocks it removed
-    sent_ms: float | None
-    #: When the publisher's send returned.
-    send_done_ms: float | None
-    received_ms: float | None
-    handled_ms: float | None
-    #: The earliest removal in it, before the stamp (the engine's step).
-    removal_to_stamp_ms: float | None
-
-
-def lags(timing_log: Path, sidecar_log: Path) -> Iterator[BatchLag]:
-    """Every batch of every engine start, matched by its stamp (unique per batch)."""
-    sent: dict[str, tuple[int, float, float, int]] = {}
-    removal_at: dict[str, float] = {}
-    first_removal: dict[str, float] = {}
-    for words in (line.split() for line in timing_log.read_text().splitlines()):
-        if words[0] == "removed":
-            for block in words[2:]:
-                removal_at[block] = float(words[1])
-        elif words[0] == "sent":
-            stamp = words[3]
-            removed = words[6:]
-            sent[stamp] = (int(words[2]), float(words[1]), float(words[5]), len(removed))
-            times = [removal_at[b] for b in removed if b in removal_at]
-            if times:
-                first_removal[stamp] = min(times)
-    seen: dict[str, tuple[float, float]] = {}
-    for line in sidecar_log.read_text(errors="replace").splitlines():
-        match = _BATCH.search(line)
-        if match is not None:
-            seen[f"{float(match[2]):.6f}"] = (float(match[3]), float(match[4]))
-    for stamp, (sequence, sent_at, done_at, removed) in sent.items():
-        received, handled = seen.get(stamp, (None, None))
-        removal = first_removal.get(stamp)
-        yield BatchLag(sequence, float(stamp), removed, (sent_at - float(stamp)) * 1000,
-                       (done_at - float(stamp)) * 1000, received, handled,
-                       None if removal is None else (float(stamp) - removal) * 1000)
-
-
-def quantiles(values: list[float]) -> tuple[float, float, float]:
-    """Median, p90 and max of ``values``."""
-    ordered = sorted(values)
-    if not ordered:
-        return (float("nan"),) * 3
-    return (ordered[len(ordered) // 2], ordered[min(len(ordered) - 1,
-                                                    int(len(ordered) * 0.9))], ordered[-1])
-
 
 
 Round = list[Callable[[], Request]]
