@@ -10,9 +10,11 @@ not), the decode engine killed (SIGKILL) and started again between them. Proves:
 
 - eviction really happens: the engine published BlockRemoved events (the hook's ``removed``
   lines) and the sidecar applied them (``disagg_kv_events_total{kind="block_removed"}``);
-- no stale belief: every request the sidecar ran ``local_cached`` found at least its prompt's
-  tokens less the limit in the engine's own cache (``usage.prompt_tokens_details.
-  cached_tokens``), and the sidecar never found more than the engine did;
+- no stale belief: every request the sidecar ran ``local_cached`` (its debug line for the
+  request's id; ``disagg_requests_total{outcome="local_cached"}`` counts as many) found at
+  least its prompt's tokens less the limit in the engine's own cache
+  (``usage.prompt_tokens_details.cached_tokens``), and the sidecar never found more than the
+  engine did;
 - the shared prompt runs locally while it is resident: every shared user sent alone whose
   prompt the decode engine held but for at most the limit (its prefix-cache hits while the
   request ran) ran ``local_cached``; any other did not;
@@ -61,6 +63,7 @@ class Run:
     gaps_before_restart: float
     gaps_after_restart: float
     removed_applied: float
+    local_cached_counted: float
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +91,8 @@ def workload_run(real_vllm: RealVllm, engine_env: EngineEnv,
                                       cause="disconnected")
             workload.run(2, rounds(workload, 2))
             removed = metric_value(sidecar.url, "disagg_kv_events_total", kind="block_removed")
-            yield Run(workload.records, stack, gaps, gaps_after, removed)
+            counted = metric_value(sidecar.url, "disagg_requests_total", outcome="local_cached")
+            yield Run(workload.records, stack, gaps, gaps_after, removed, counted)
 
 
 def explain(record: Record) -> str:
@@ -107,6 +111,7 @@ def test_eviction_really_happens(workload_run: Run) -> None:
 def test_every_local_run_found_what_the_sidecar_believed(workload_run: Run) -> None:
     local = [r for r in workload_run.records if r.outcome == "local_cached"]
     assert len(local) >= 10, [explain(r) for r in workload_run.records]
+    assert workload_run.local_cached_counted == len(local)  # the metric agrees with the log
     for record in local:
         assert record.engine_cached is not None, explain(record)
         assert record.engine_cached >= record.prompt_tokens - MAX_UNCACHED, explain(record)
