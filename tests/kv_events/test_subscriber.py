@@ -223,6 +223,11 @@ class FailingReceive:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._real, name)
 
+    def getsockopt(self, option: int) -> Any:
+        if self.armed.is_set() and not isinstance(self._real, zmq.asyncio.Socket):
+            raise zmq.ZMQError(zmq.EFSM)  # a broken socket fails whatever is asked of it
+        return self._real.getsockopt(option)
+
     def recv_multipart(self, flags: int = 0) -> Any:
         if isinstance(self._real, zmq.asyncio.Socket):
             return self._recv_async()
