@@ -5,9 +5,9 @@
         task: socket readable ─▶ drain(): every message waiting, in order, without blocking:
               frames ─decode─▶ EngineKVCache.receive ─▶ Gap? ─replay─▶ apply missed, then it
                                                               └─ no replay / incomplete: forget
+              monitor: connection closed ─▶ EngineKVCache.disconnected (forget)
         lookup (cached_tokens) ─▶ drain() first: what reached the socket is applied before the
               index answers, however busy the event loop is
-              monitor: connection closed ─▶ EngineKVCache.disconnected (forget)
         a receive that raises (either socket) ─▶ forget (``reader_failed``, one warning), close
               the sockets, open them again after a back-off (0.1 s, doubling to 5 s while
               nothing is heard), read on
@@ -27,7 +27,7 @@ until the events are heard again the index answers None, and the length rule dec
 
 Why a lookup drains: the batches reach the socket on ZMQ's own I/O thread, but the reading
 task applies them only when the event loop gets to it, and a loop busy with requests got to
-it up to tens of milliseconds later (bench/RESULTS.md, "the index's lag"); the placement
+it tens of milliseconds later, once 778 ms (bench/RESULTS.md, "The index's lag"); the placement
 decision is the one moment the index must be current, so it takes what has arrived itself
 (a look at the socket, 5 us on the test machine when nothing waits). A gap that needs a replay
 is left to the task (the index answers None meanwhile).
