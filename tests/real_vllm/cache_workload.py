@@ -39,6 +39,7 @@ import urllib.request
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -290,6 +291,33 @@ class Workload:
                 raise AssertionError(f"the sidecar handled batch {handled} of {published} "
                                      f"after {CATCH_UP_S} s")
             time.sleep(POLL_S)  # the files are the only signal; this bounds how often
+
+
+def engine_batches(timing_log: Path) -> list[float]:
+    """The stamp of every batch the engine published (every start)."""
+    return [float(words[2]) for words in (line.split() for line in
+                                          timing_log.read_text().splitlines())
+            if words and words[0] == "published"]
+
+
+def sidecar_batches(sidecar_log: Path) -> dict[float, float]:
+    """When the sidecar applied each batch, by its stamp (``time.time()``)."""
+    applied: dict[float, float] = {}
+    for line in sidecar_log.read_text(errors="replace").splitlines():
+        match = BATCH_LINE.search(line)
+        if match is not None:
+            stamp = float(match[2])
+            applied[stamp] = stamp + float(match[4]) / 1000
+    return applied
+
+
+def decision_time(sidecar_log: Path, rid: str) -> float:
+    """When the sidecar logged its decision on request ``rid`` (to the millisecond)."""
+    for line in sidecar_log.read_text(errors="replace").splitlines():
+        match = _DECISION.search(line)
+        if match is not None and match[1] == rid:
+            return datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+    raise AssertionError(f"no decision logged for {rid}")
 
 
 def _timing_lines(timing_log: Path) -> list[list[str]]:

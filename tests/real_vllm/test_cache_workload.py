@@ -10,11 +10,13 @@ not), the decode engine killed (SIGKILL) and started again between them. Proves:
 
 - eviction really happens: the engine published BlockRemoved events (the hook's ``removed``
   lines) and the sidecar applied them (``disagg_kv_events_total{kind="block_removed"}``);
-- no stale belief: every request the sidecar ran ``local_cached`` (its debug line for the
-  request's id; ``disagg_requests_total{outcome="local_cached"}`` counts as many) found at
-  least its prompt's tokens less the limit in the engine's own cache
-  (``usage.prompt_tokens_details.cached_tokens``), and the sidecar never found more than the
-  engine did;
+- no stale belief: every request sent alone that the sidecar ran ``local_cached`` (its debug
+  line for the request's id; ``disagg_requests_total{outcome="local_cached"}`` counts as
+  many) found at least its prompt's tokens less the limit in the engine's own cache
+  (``usage.prompt_tokens_details.cached_tokens``), exactly the cached tokens the sidecar
+  found; a request sent with others may find fewer (another request's step can evict its
+  blocks after the decision, which no belief can know), but was placed on a current belief:
+  every batch the engine stamped more than ``DELIVERY_S`` before the decision was applied;
 - the shared prompt runs locally while it is resident: every shared user sent alone whose
   prompt the decode engine held but for at most the limit (its prefix-cache hits while the
   request ran) ran ``local_cached``; any other did not;
@@ -44,8 +46,11 @@ from real_vllm.cache_workload import (
     Record,
     Stack,
     Workload,
+    decision_time,
     decode_spec,
+    engine_batches,
     rounds,
+    sidecar_batches,
 )
 from real_vllm.client import metric_value
 from real_vllm.harness import EngineEnv, EngineGroup, free_port
@@ -54,6 +59,9 @@ from real_vllm.stack import RealVllm
 
 #: The whole workload: two engines' starts on two cores and about a hundred requests.
 pytestmark = pytest.mark.timeout(900)
+#: The engine's own delivery of a batch, stamp to the sidecar's socket, allowed for: up to
+#: 779 ms measured on this machine under load (bench/RESULTS.md, "The index's lag").
+DELIVERY_S = 2.0
 
 
 @dataclass
@@ -108,15 +116,35 @@ def test_eviction_really_happens(workload_run: Run) -> None:
     assert workload_run.removed_applied >= 20
 
 
-def test_every_local_run_found_what_the_sidecar_believed(workload_run: Run) -> None:
+def test_every_local_run_alone_found_what_the_sidecar_believed(workload_run: Run) -> None:
     local = [r for r in workload_run.records if r.outcome == "local_cached"]
     assert len(local) >= 10, [explain(r) for r in workload_run.records]
     assert workload_run.local_cached_counted == len(local)  # the metric agrees with the log
     for record in local:
         assert record.engine_cached is not None, explain(record)
-        assert record.engine_cached >= record.prompt_tokens - MAX_UNCACHED, explain(record)
         assert record.sidecar_cached is not None, explain(record)
-        assert record.sidecar_cached <= record.engine_cached, explain(record)
+        if record.alone:
+            assert record.engine_cached >= record.prompt_tokens - MAX_UNCACHED, explain(record)
+            assert record.sidecar_cached == record.engine_cached, explain(record)
+
+
+def test_requests_at_once_were_placed_on_a_current_belief(workload_run: Run) -> None:
+    """A request placed while others run may find fewer blocks than the sidecar did: another
+    request's step can evict them after the decision (seen once: 22 and 32 ms after it), which
+    no belief can know. What the sidecar answers for is its belief at the decision: every
+    batch the engine stamped a while before (the engine's own delivery, a few to a few hundred
+    milliseconds on this loaded machine, aside) was applied by then."""
+    stamped = engine_batches(workload_run.stack.timing_log)
+    handled = sidecar_batches(workload_run.stack.sidecar_log)
+    for record in workload_run.records:
+        if record.alone or record.outcome != "local_cached":
+            continue
+        decided = decision_time(workload_run.stack.sidecar_log, record.request.rid)
+        # A batch never handled was dropped before a connection was up (or forgotten by a
+        # gap): it makes the index know less, never stale.
+        late = [stamp for stamp in stamped if stamp < decided - DELIVERY_S
+                and stamp in handled and handled[stamp] > decided]
+        assert not late, (explain(record), late)
 
 
 def test_the_shared_prompt_runs_locally_while_resident(workload_run: Run) -> None:
