@@ -103,6 +103,8 @@ class FakePublisher:
         self.topic = topic
         self.socket = context.socket(zmq.XPUB)
         self.socket.setsockopt(zmq.LINGER, 0)
+        # Every subscription passed on, also a reconnected subscriber's repeated one.
+        self.socket.setsockopt(zmq.XPUB_VERBOSE, 1)
         if bind:
             self.socket.bind(endpoint)
         else:

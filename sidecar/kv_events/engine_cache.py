@@ -21,7 +21,8 @@ batches may have removed blocks.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Final
 
@@ -44,6 +45,7 @@ CAUSE_MISSED = "missed"
 CAUSE_RESTARTED = "restarted"
 CAUSE_DISCONNECTED = "disconnected"
 CAUSE_MALFORMED = "malformed"
+CAUSE_READER_FAILED = "reader_failed"
 
 
 _KINDS: Final = ((BlockStored, "block_stored"), (BlockRemoved, "block_removed"),
@@ -60,6 +62,7 @@ class _Counts:
         self.blocks = GaugeValue(metrics.kv_index_blocks)
         self.evictions = CounterValue(metrics.kv_index_evictions)
         self.cached = HistogramValues(metrics.cached_prompt_tokens)
+        self.lag = HistogramValues(metrics.kv_event_lag)
 
     def batch(self, outcome: str) -> None:
         handle = self._batches.get(outcome)
@@ -100,6 +103,8 @@ class EngineKVCache:
         self._rank_warned = False
         #: True while a replay of missed batches runs (answers are None meanwhile).
         self.catching_up = False
+        #: Called before each lookup: the subscriber applies what has reached its socket.
+        self.refresh: Callable[[], None] | None = None
 
     # What the placement decision reads (CachedPrefix).
 
@@ -119,7 +124,9 @@ class EngineKVCache:
 
     def cached_tokens(self, token_ids: Sequence[int]) -> int | None:
         """The longest cached prefix of ``token_ids`` in whole blocks, as tokens; None when
-        unknown."""
+        unknown. What has reached the subscriber's socket is applied first."""
+        if self.refresh is not None:
+            self.refresh()
         if self.catching_up:
             return None
         return self.index.cached_tokens(token_ids)
@@ -167,17 +174,22 @@ class EngineKVCache:
 
     def apply(self, message: Message) -> None:
         """Apply ``message`` (next in order, or a replayed one) and expect the one after it."""
-        self.index.apply(message.batch.events)
+        batch = message.batch
+        self.index.apply(batch.events)
         self._sequence.accept(message.sequence)
         if self._counts is not None:
             self._counts.batch(APPLIED)
-            self._counts.applied(message.batch.events)
+            self._counts.applied(batch.events)
+            if batch.ts > 0:
+                self._counts.lag.observe(max(0.0, time.time() - batch.ts))
         self._size()
 
-    def forget(self, cause: str) -> None:
+    def forget(self, cause: str, *, log: bool = True) -> None:
         """Drop every block and answer None until the next batch (something may be stale);
-        the next batch starts a new numbering."""
-        logger.info("kv events: index forgotten (%s)", cause)
+        the next batch starts a new numbering. ``log``: False where the caller's own line
+        says why."""
+        if log:
+            logger.info("kv events: index forgotten (%s)", cause)
         self.index.forget()
         self._sequence = SequenceCheck()
         self._rank = None
@@ -207,9 +219,9 @@ class EngineKVCache:
         if self._counts is not None:
             self._counts.batch(outcome)
 
-    def _evicted(self) -> None:
+    def _evicted(self, blocks: int) -> None:
         if self._counts is not None:
-            self._counts.evictions.inc()
+            self._counts.evictions.inc(blocks)
 
     def _size(self) -> None:
         if self._counts is not None:

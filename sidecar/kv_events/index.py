@@ -21,12 +21,20 @@ Blocks that never match a plain prompt are not indexed: blocks stored with a LoR
 inputs, cache salt, prompt embeddings; the engine publishes plain blocks' entries as None, or
 no list at all), blocks of another medium than the engine's own memory (an offloading tier:
 ``medium`` other than None or ``GPU``), and blocks whose size differs from the first one seen.
-A block chained after one of those (its parent is one) is indexed but unreachable from the
-root, as its hash in the engine is.
+A block chained after one of those is not indexed either (see below).
 
-The cap (``max_blocks``): at the cap, storing a block first forgets the block stored longest
-ago. The engine may still hold it, so the index then reports fewer cached tokens than the
-engine has (a prompt runs as a pair although it could have run locally), never more.
+Removals take their chains: a block removed (BlockRemoved, or forgotten at the cap) takes
+every block chained under it, and a block whose parent the index does not hold is not indexed.
+Neither could be found again: the walk cannot get past a missing parent, and the engine, whose
+own lookup stops at the same place, recomputes and stores anew (announcing them again) the
+blocks after it.
+
+The cap (``max_blocks``) evicts what the engine would: the least recently used block, where
+storing a block or finding it in a lookup uses it, and a block with children is never the one
+evicted (a request that used a child used its parent too; the engine frees a request's blocks
+last one first). So a prefix every request shares stays while requests use it. The engine may
+still hold what the cap forgot, so the index then reports fewer cached tokens than the engine
+has (a prompt runs as a pair although it could have run locally), never more.
 
 The engine computes at least the last prompt token itself, so a prompt whose every block is
 cached finds one block fewer: ``cached_tokens`` counts the blocks within all tokens but the
@@ -35,6 +43,7 @@ last, as the engine's own prefix lookup does.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Final
 
@@ -50,6 +59,8 @@ _OWN_MEDIA: Final = frozenset({None, "GPU"})
 _PACK: Final = msgspec.msgpack.Encoder().encode
 
 _Key = tuple[BlockHash | None, bytes]
+#: A block's children: one hash (most blocks continue one chain) or a set of them.
+_Children = BlockHash | set[BlockHash]
 
 
 def _plain_extra(extra_keys: list[object] | None, position: int) -> bool:
@@ -63,21 +74,27 @@ def _plain_extra(extra_keys: list[object] | None, position: int) -> bool:
 class PrefixIndex:
     """The engine's cached blocks, keyed by what the engine hashes (see the module doc)."""
 
-    def __init__(self, max_blocks: int, on_evict: Callable[[], None] | None = None) -> None:
+    def __init__(self, max_blocks: int, on_evict: Callable[[int], None] | None = None) -> None:
         if max_blocks < 1:
             raise ValueError("max_blocks must be at least 1")
         self.max_blocks = max_blocks
         #: Tokens per block, None until a BlockStored told it.
         self.block_size: int | None = None
+        #: Called with the number of blocks each eviction at the cap forgot.
         self._on_evict = on_evict
-        #: Block hash -> its key; insertion order is store order (the cap forgets the oldest).
-        self._blocks: dict[BlockHash, _Key] = {}
+        #: Block hash -> its key, least recently used first.
+        self._blocks: OrderedDict[BlockHash, _Key] = OrderedDict()
         self._by_key: dict[_Key, BlockHash] = {}
+        #: The indexed children of each block that has some.
+        self._children: dict[BlockHash, _Children] = {}
         self._known = False
         self._several_groups = False
 
     def __len__(self) -> int:
         return len(self._blocks)
+
+    def __contains__(self, block: object) -> bool:
+        return block in self._blocks
 
     @property
     def known(self) -> bool:
@@ -104,7 +121,7 @@ class PrefixIndex:
 
     def cached_tokens(self, token_ids: Sequence[int]) -> int | None:
         """The longest prefix of ``token_ids`` the engine holds, in whole blocks, as tokens;
-        None when unknown."""
+        None when unknown. The blocks found count as used (the engine will use them)."""
         if not self.known:
             return None
         size = self.block_size
@@ -113,17 +130,20 @@ class PrefixIndex:
         blocks = (len(token_ids) - 1) // size
         by_key, pack = self._by_key, _PACK
         parent: BlockHash | None = None
-        found = 0
+        found: list[BlockHash] = []
         try:
             for start in range(0, blocks * size, size):
                 block = by_key.get((parent, pack(token_ids[start:start + size])))
                 if block is None:
                     break
+                found.append(block)
                 parent = block
-                found += 1
         except (TypeError, OverflowError):
             pass  # an id no block can hold: the blocks before it are what is cached
-        return found * size
+        use = self._blocks.move_to_end
+        for block in reversed(found):  # the first block last: the most recently used
+            use(block)
+        return len(found) * size
 
     def _store(self, event: BlockStored) -> None:
         if event.group_idx not in (None, 0):
@@ -141,26 +161,110 @@ class PrefixIndex:
             self.block_size = size
         elif size != self.block_size:
             return
-        tokens, parent = event.token_ids, event.parent_block_hash
+        parent = event.parent_block_hash
+        if parent is not None and parent not in self._blocks:
+            return  # unreachable: see the module doc
+        first_parent, tokens = parent, event.token_ids
+        stored: list[BlockHash] = []
         for position, block in enumerate(event.block_hashes):
-            if _plain_extra(event.extra_keys, position):
-                self._put(block, (parent, _PACK(tokens[position * size:(position + 1) * size])))
+            if not _plain_extra(event.extra_keys, position):
+                break  # it and every block after it are keyed: never a plain prompt's
+            if not self._put(block, (parent, _PACK(tokens[position * size:(position + 1) * size]))):
+                break
+            stored.append(block)
             parent = block
+        # Used as the engine frees a request's blocks: the chain's last one first, so the
+        # first (and the parent the request reached it through) are the most recently used.
+        use = self._blocks.move_to_end
+        for block in reversed(stored):
+            use(block)
+        if stored and first_parent is not None and first_parent in self._blocks:
+            use(first_parent)
 
-    def _put(self, block: BlockHash, key: _Key) -> None:
-        if block in self._blocks:
-            self._drop(block)  # stored again: its place moves to the newest
-        elif len(self._blocks) >= self.max_blocks:
-            self._drop(next(iter(self._blocks)))
-            if self._on_evict is not None:
-                self._on_evict()
-        self._blocks[block] = key
+    def _put(self, block: BlockHash, key: _Key) -> bool:
+        """Index ``block``; False when it does not fit (the index is its own chain, at the
+        cap: the blocks after it are then not indexed either)."""
+        blocks = self._blocks
+        known = blocks.get(block)
+        if known == key:
+            return True  # stored again (another copy of it)
+        if known is not None:
+            self._drop(block)  # the same hash after another parent: the newer one holds
+        parent = key[0]
+        if parent is not None and parent not in blocks:
+            return False  # the drop just above took it (a publisher looping its hashes)
+        if not self._make_room(keep=parent):
+            return False
+        if parent is not None:
+            self._adopt(parent, block)
+        blocks[block] = key
         self._by_key[key] = block
+        return True
 
-    def _drop(self, block: BlockHash) -> None:
-        key = self._blocks.pop(block, None)
-        if key is not None and self._by_key.get(key) == block:
-            del self._by_key[key]
+    def _make_room(self, keep: BlockHash | None) -> bool:
+        """Evict least recently used childless blocks (never ``keep``) until one more fits;
+        False when none can go (the index is one chain ending at ``keep``)."""
+        blocks, children = self._blocks, self._children
+        evicted = 0
+        looked = 0
+        while len(blocks) >= self.max_blocks:
+            if looked > len(blocks):
+                break
+            oldest = next(iter(blocks))
+            if oldest in children or oldest == keep:
+                # Its children were used after it, and so was it: not the one to go.
+                blocks.move_to_end(oldest)
+                looked += 1
+                continue
+            evicted += self._drop(oldest)
+            looked = 0
+        if evicted and self._on_evict is not None:
+            self._on_evict(evicted)
+        return len(blocks) < self.max_blocks
+
+    def _adopt(self, parent: BlockHash, child: BlockHash) -> None:
+        children = self._children
+        siblings = children.get(parent)
+        if siblings is None:
+            children[parent] = child
+        elif isinstance(siblings, set):
+            siblings.add(child)
+        elif siblings != child:
+            children[parent] = {siblings, child}
+
+    def _disown(self, parent: BlockHash, child: BlockHash) -> None:
+        children = self._children
+        siblings = children.get(parent)
+        if isinstance(siblings, set):
+            siblings.discard(child)
+            if len(siblings) == 1:
+                children[parent] = next(iter(siblings))
+        elif siblings == child:
+            del children[parent]
+
+    def _drop(self, block: BlockHash) -> int:
+        """Forget ``block`` and every block chained under it; how many were forgotten."""
+        key = self._blocks.get(block)
+        if key is None:
+            return 0
+        parent = key[0]
+        if parent is not None:
+            self._disown(parent, block)
+        dropped = 0
+        pending = [block]
+        blocks, by_key, children = self._blocks, self._by_key, self._children
+        while pending:
+            gone = pending.pop()
+            gone_key = blocks.pop(gone)
+            if by_key.get(gone_key) == gone:
+                del by_key[gone_key]
+            dropped += 1
+            under = children.pop(gone, None)
+            if isinstance(under, set):
+                pending.extend(under)
+            elif under is not None:
+                pending.append(under)
+        return dropped
 
     def _remove(self, event: BlockRemoved) -> None:
         if event.group_idx not in (None, 0) or event.medium not in _OWN_MEDIA:
@@ -171,3 +275,4 @@ class PrefixIndex:
     def _clear(self) -> None:
         self._blocks.clear()
         self._by_key.clear()
+        self._children.clear()

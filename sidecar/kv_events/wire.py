@@ -109,11 +109,13 @@ class _ArrayBatch(msgspec.Struct, array_like=True, gc=False):
 
 
 class Batch(msgspec.Struct, frozen=True, gc=False):
-    """One decoded batch: its events in order and the publisher's data-parallel rank (None:
-    the publisher sends none)."""
+    """One decoded batch: its events in order, the publisher's data-parallel rank (None: the
+    publisher sends none) and its stamp (the publisher's ``time.time()`` when it made the
+    batch)."""
 
     events: list[Event]
     data_parallel_rank: int | None
+    ts: float = 0.0
 
 
 class Message(msgspec.Struct, frozen=True, gc=False):
@@ -139,7 +141,7 @@ def decode_batch(payload: bytes) -> Batch:
         event.as_event() if isinstance(event, _BlockStoredArray) else event
         for event in decoded.events
     ]
-    return Batch(events, decoded.data_parallel_rank)
+    return Batch(events, decoded.data_parallel_rank, decoded.ts)
 
 
 def decode_sequence(frame: bytes) -> int:

@@ -155,12 +155,18 @@ class Metrics:
         self.kv_events_gaps = Counter(
             "disagg_kv_events_gaps",
             "Times the index forgot everything, by cause (missed: batches missing and not "
-            "replayed, restarted: the numbering went back, disconnected, malformed).",
+            "replayed, restarted: the numbering went back, disconnected, malformed, "
+            "reader_failed: receiving raised, the sockets were opened again).",
             ["cause"], registry=r)
         self.kv_events_replays = Counter(
             "disagg_kv_events_replays",
             "Replays of missed KV event batches, by outcome (complete, incomplete, failed).",
             ["outcome"], registry=r)
+        self.kv_event_lag = Histogram(
+            "disagg_kv_event_lag_seconds",
+            "Seconds from the engine's stamp on a KV event batch (its clock, which is this "
+            "node's) to the batch applied to the index: how far the index trails the engine.",
+            buckets=_LATENCY_BUCKETS, registry=r)
         self.kv_index_blocks = Gauge(
             "disagg_kv_index_blocks", "Blocks of the local engine's cache the index holds.",
             registry=r, multiprocess_mode="livesum")

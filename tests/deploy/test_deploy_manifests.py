@@ -204,7 +204,8 @@ def test_vllm_engines_serve_every_pd_route(overlay: str) -> None:
 def test_vllm_decode_engine_publishes_kv_events_to_its_sidecar() -> None:
     """The decode engine's --kv-events-config names the sidecar's --kv-events-endpoint and
     topic (a non-wildcard TCP address: the engine connects, the sidecar binds), with prefix
-    caching on; the prefill side has neither."""
+    caching on, and the sidecar's cache rule is on (the index alone places nothing); the
+    prefill side has neither."""
     deps = deployments(render_overlay("vllm"))
     decode = deps["pd-decode"]
     engine = container(decode, "engine")
@@ -214,6 +215,7 @@ def test_vllm_decode_engine_publishes_kv_events_to_its_sidecar() -> None:
     sidecar = container(decode, "sidecar")
     assert engine_flag(sidecar, "--kv-events-endpoint") == config["endpoint"]
     assert engine_flag(sidecar, "--kv-events-topic") == config["topic"]
+    assert int(engine_flag(sidecar, "--local-prefill-max-uncached-tokens")) > 0
     assert config["endpoint"].startswith("tcp://127.0.0.1:")
     prefill = deps["pd-prefill"]
     for ctr in prefill["spec"]["template"]["spec"]["containers"]:

@@ -10,13 +10,15 @@
 - ``catching_up`` answers None; a malformed batch forgets;
 - another topic and another data-parallel rank are dropped without touching the sequence;
 - the metrics: index size, events by kind (both encodings), batches by outcome, gaps by
-  cause, evictions, and the cached-token histogram ``observe_cached_tokens`` feeds.
+  cause, evictions, the cached-token histogram ``observe_cached_tokens`` feeds, and each
+  applied batch's lag from the engine's stamp.
 
 It does not prove the sockets or the replay exchange (test_subscriber.py).
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from kv_event_builders import (
@@ -27,6 +29,7 @@ from kv_event_builders import (
     chain,
     map_cleared,
     map_removed,
+    map_stored,
     payload,
 )
 
@@ -148,8 +151,10 @@ def test_sglang_array_events_are_counted_by_kind() -> None:
 def test_metrics() -> None:
     metrics = Metrics()
     cache = EngineKVCache(2, topic=b"kv", metrics=metrics)
-    cache.receive(message(0, chain(TOKENS[:12], BS), map_removed([3]), map_cleared()))
-    assert sample(metrics, "disagg_kv_events_total", kind="block_stored") == 1
+    # Two blocks fill the cap; a third, unrelated, evicts the least recent of them.
+    cache.receive(message(0, chain(TOKENS[:8], BS), map_stored([10], None, [5] * BS, BS),
+                          map_removed([1]), map_cleared()))
+    assert sample(metrics, "disagg_kv_events_total", kind="block_stored") == 2
     assert sample(metrics, "disagg_kv_events_total", kind="block_removed") == 1
     assert sample(metrics, "disagg_kv_events_total", kind="all_blocks_cleared") == 1
     assert sample(metrics, "disagg_kv_index_evictions_total") == 1
@@ -164,3 +169,13 @@ def test_metrics() -> None:
     cache.forget("missed")
     assert sample(metrics, "disagg_kv_index_blocks") == 0
     assert sample(metrics, "disagg_kv_events_gaps_total", cause="missed") == 1
+
+
+def test_the_lag_from_the_engines_stamp_is_measured() -> None:
+    metrics = Metrics()
+    cache = EngineKVCache(100, topic=b"kv", metrics=metrics)
+    stamped = time.time() - 0.3  # the engine made this batch 0.3 s before it arrives
+    cache.receive(Message(b"kv", 0, decode_batch(payload([chain(TOKENS[:8], BS)], ts=stamped))))
+    assert sample(metrics, "disagg_kv_event_lag_seconds_count") == 1
+    assert sample(metrics, "disagg_kv_event_lag_seconds_sum") >= 0.3
+    assert sample(metrics, "disagg_kv_event_lag_seconds_bucket", le="0.25") == 0

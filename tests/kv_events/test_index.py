@@ -5,8 +5,9 @@
 - BlockStored makes the prompt's leading whole blocks found, chained from the parent (also a
   chain stored over two events), in tokens, never a partial block, and never the block that
   holds the prompt's last token; a different token anywhere stops the walk there;
-- BlockRemoved forgets a block (and so everything after it in the walk); a block stored again
-  after a removal is found again; AllBlocksCleared forgets all;
+- BlockRemoved forgets a block and every block chained under it (siblings of a removed branch
+  stay), a block whose parent is not held is not indexed, a chain stored again after a
+  removal is found again; AllBlocksCleared forgets all;
 - blocks stored with a LoRA adapter (name or id), with a non-null ``extra_keys`` entry (cache
   salt, multimodal) or in another medium never match a plain prompt, nor do blocks chained
   after them; ``extra_keys`` as a list of nulls (vLLM's plain blocks) or None match;
@@ -14,8 +15,10 @@
   (``CPU_PINNED``) never matches, a plain one does;
 - blocks of a second KV-cache group make the answers unknown; a block size other than the
   first one's is ignored; an event whose token count does not fit its blocks is ignored;
-- the cap: storing past ``max_blocks`` forgets the block stored longest ago (counted), so the
-  answer is shorter, never longer; a block stored again is the newest.
+- the cap: storing past ``max_blocks`` forgets the least recently used block (counted), where
+  a lookup uses what it found and storing a block again uses it, never a block with children;
+  a system prompt every request finds survives conversations past the cap (and the newest
+  conversation is found whole); the answer is shorter than the engine's, never longer.
 
 It does not prove decoding (test_wire.py) nor the sequence rules (test_engine_cache.py).
 """
@@ -89,17 +92,44 @@ def test_bytes_hashes_as_vllm_sends_them() -> None:
     assert index.cached_tokens(TOKENS) == 4
 
 
-def test_removed_block_ends_the_walk_and_comes_back_when_stored() -> None:
+def test_a_removed_block_takes_its_chain() -> None:
     index = PrefixIndex(100)
     apply(index, chain(TOKENS[:12], BS))
     apply(index, map_removed([2]))
     assert index.cached_tokens(TOKENS) == 4
-    assert len(index) == 2
+    # Block 3 is unreachable, in the engine too: it goes with its parent and fills nothing.
+    assert len(index) == 1 and 3 not in index
+    # The engine recomputes what follows a missing block and announces it again.
     apply(index, map_stored([2], 1, TOKENS[4:8], BS))
-    assert index.cached_tokens(TOKENS) == 12  # block 3 was never removed
-    apply(index, map_removed([1, 2, 3, 12345]))  # an unknown hash is no error
+    assert index.cached_tokens(TOKENS) == 8
+    apply(index, map_stored([3], 2, TOKENS[8:12], BS))
+    assert index.cached_tokens(TOKENS) == 12
+    apply(index, map_removed([1, 12345]))  # an unknown hash is no error
     assert index.cached_tokens(TOKENS) == 0
     assert len(index) == 0
+
+
+def test_a_branch_goes_with_its_parent_and_spares_its_siblings() -> None:
+    index = PrefixIndex(100)
+    apply(index, chain(TOKENS[:8], BS))  # 1, 2
+    other = [*TOKENS[:4], 7, 7, 7, 7, 8, 8, 8, 8, 9]
+    apply(index, map_stored([20, 21], 1, other[4:12], BS))  # a second branch under 1
+    apply(index, map_stored([3], 2, TOKENS[8:12], BS))
+    assert index.cached_tokens(other) == 12
+    apply(index, map_removed([20]))
+    assert index.cached_tokens(other) == 4
+    assert index.cached_tokens(TOKENS) == 12
+    assert len(index) == 3
+    apply(index, map_removed([1]))
+    assert len(index) == 0
+
+
+def test_a_block_whose_parent_is_not_held_is_not_indexed() -> None:
+    index = PrefixIndex(100)
+    # Its parent was stored before the sidecar listened (or was keyed): never reachable.
+    apply(index, map_stored([3, 4], 2, TOKENS[8:16], BS))
+    assert len(index) == 0
+    assert index.cached_tokens(TOKENS) == 0
 
 
 def test_all_blocks_cleared_is_known_and_empty() -> None:
@@ -184,22 +214,61 @@ def test_other_block_sizes_and_misfit_events_are_ignored() -> None:
     assert len(index) == 2
 
 
-def test_the_cap_forgets_the_oldest_block_and_counts_it() -> None:
+def test_the_cap_forgets_the_least_recently_used_block_and_counts_it() -> None:
     evicted: list[int] = []
-    index = PrefixIndex(3, on_evict=lambda: evicted.append(1))
-    apply(index, chain(TOKENS[:12], BS))  # 1, 2, 3
-    apply(index, map_stored([10], None, [5, 5, 5, 5], BS))  # forgets block 1
-    assert len(index) == 3
+    index = PrefixIndex(3, on_evict=evicted.append)
+    apply(index, chain(TOKENS[:8], BS))  # 1, 2
+    apply(index, map_stored([10], None, [5, 5, 5, 5], BS))
+    assert index.cached_tokens(TOKENS) == 8  # uses 2, then 1: 10 is the least recent
+    apply(index, map_stored([11], None, [6, 6, 6, 6], BS))  # forgets 10
     assert evicted == [1]
-    assert index.cached_tokens(TOKENS) == 0  # shorter than the engine's, never longer
-    assert index.cached_tokens([5, 5, 5, 5, 6]) == 4
-    # A block stored again moves to the newest place: then block 3 is the oldest, not 2.
-    apply(index, map_stored([2], 1, TOKENS[4:8], BS))  # 3, 10, 2
-    apply(index, map_stored([11], None, [6, 6, 6, 6], BS))  # 10, 2, 11
+    assert index.cached_tokens([5, 5, 5, 5, 6]) == 0  # shorter than the engine's, never longer
+    assert index.cached_tokens(TOKENS) == 8
+    assert index.cached_tokens([6, 6, 6, 6, 7]) == 4  # uses 11: 2 is the least recent
+    apply(index, map_stored([12], None, [7, 7, 7, 7], BS))  # forgets 2
     assert evicted == [1, 1]
-    apply(index, map_stored([1], None, TOKENS[:4], BS))  # 2, 11, 1
-    assert index.cached_tokens(TOKENS) == 8  # blocks 1 and 2; 3 is gone
-    assert index.cached_tokens([5, 5, 5, 5, 6]) == 0
+    assert index.cached_tokens(TOKENS) == 4
+    assert index.cached_tokens([6, 6, 6, 6, 7]) == 4
+    # Blocks stored again are used: then 1 is the least recent.
+    apply(index, map_stored([11], None, [6, 6, 6, 6], BS))
+    apply(index, map_stored([12], None, [7, 7, 7, 7], BS))
+    apply(index, map_stored([13], None, [8, 8, 8, 8], BS))
+    assert index.cached_tokens(TOKENS) == 0
+    assert len(index) == 3
+
+
+def test_a_parent_outlives_its_children_at_the_cap() -> None:
+    index = PrefixIndex(3)
+    apply(index, map_stored([1], None, TOKENS[:4], BS))
+    apply(index, map_stored([2], 1, TOKENS[4:8], BS))  # uses 2, then 1
+    apply(index, map_stored([3], 2, TOKENS[8:12], BS))  # uses 3, then 2: 1 is the oldest
+    # 1 is the least recent, but a request that used its child used it too: 3, the oldest
+    # block without children, goes.
+    apply(index, map_stored([10], None, [5, 5, 5, 5], BS))
+    assert index.cached_tokens(TOKENS) == 8
+    assert 1 in index and 2 in index and 3 not in index
+
+
+def test_a_shared_prefix_survives_conversations_past_the_cap() -> None:
+    """Many conversations under one system prompt, 1.2 times the cap in all: the prompt every
+    request finds, and the newest conversation, stay. (Before: the system prompt, stored
+    first, went first, and the newest conversation found nothing of its indexed blocks.)"""
+    cap = 100
+    index = PrefixIndex(cap)
+    system = list(range(5000, 5000 + 8 * BS))  # 8 blocks
+    apply(index, map_stored(list(range(1, 9)), None, system, BS))
+    next_hash = 100
+    conversations = []
+    while next_hash - 100 < cap * 1.2 - 8:
+        turn = system + [7000 + next_hash + i for i in range(4 * BS)] + [1]
+        assert index.cached_tokens(turn) == 8 * BS  # every request finds the system prompt
+        hashes = list(range(next_hash, next_hash + 4))
+        apply(index, map_stored(hashes, 8, turn[8 * BS:12 * BS], BS))
+        conversations.append(turn)
+        next_hash += 4
+    assert len(index) == cap
+    assert index.cached_tokens(conversations[-1]) == 12 * BS
+    assert index.cached_tokens(conversations[0]) == 8 * BS  # the oldest went, whole
 
 
 def test_a_huge_cap_is_not_preallocated() -> None:
@@ -215,3 +284,12 @@ def test_an_id_no_block_can_hold_finds_nothing() -> None:
     apply(index, chain(TOKENS[:8], BS))
     assert index.cached_tokens([2**70, *TOKENS]) == 0
     assert msgspec  # the builders encode with msgspec; this module only decodes
+
+
+def test_a_chain_longer_than_the_cap_keeps_its_beginning() -> None:
+    evicted: list[int] = []
+    index = PrefixIndex(2, on_evict=evicted.append)
+    apply(index, chain(TOKENS[:12], BS))
+    # Evicting its own blocks would make the rest unreachable: the chain stops at the cap.
+    assert index.cached_tokens(TOKENS) == 8
+    assert len(index) == 2 and evicted == []

@@ -11,8 +11,17 @@ loopback and ipc, against a fake engine publisher speaking vLLM's wire format
   order (vLLM's four-frame answers and SGLang's three-frame ones); answers that do not reach
   back to the gap, or no answer in time, forget (counted by outcome);
 - the publisher's connection closing (an engine stopping) forgets at once;
-- on exit the tasks end and the sockets close: the port can be bound again; a port already
-  bound stops start-up with one line naming the flag, also through ``open_runtime``.
+- a receive that raises (the SUB socket's or the monitor's) makes the index unknown at once,
+  counted (``reader_failed``) and said in one warning; the sockets are opened again on the
+  same port and the publisher's next batches fill the index; a reopening that fails (the
+  port held) is tried again; ``stop`` raises nothing of the reader's;
+- a lookup applies the batches that reached the socket before it answers, however long ago
+  the event loop last ran the reading task; a lookup whose receive fails answers unknown at
+  once (counted once) and the reader reopens;
+- on exit the tasks end and the sockets close: the port can be bound again, also when the
+  caller of ``stop`` is cancelled meanwhile (its cancellation is raised, after the close); a
+  port already bound stops start-up with one line naming the flag, also through
+  ``open_runtime``.
 
 It does not prove real vLLM's publisher (tests/real_vllm/test_kv_events_format.py for the
 format; the cache-aware suite for the engine).
@@ -21,14 +30,17 @@ format; the cache-aware suite for the engine).
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import zmq
 import zmq.asyncio
 from kv_event_builders import TOKENS, FakePublisher, FakeReplay, chain, map_removed
 
+from sidecar.kv_events.engine_cache import EngineKVCache
 from sidecar.kv_events.subscriber import (
     EndpointUnavailable,
     KVEventsSubscriber,
@@ -197,16 +209,191 @@ async def test_the_publisher_going_away_forgets(context: zmq.asyncio.Context) ->
         publisher.close()
 
 
+class FailingReceive:
+    """A socket whose receive raises a ZMQ error once ``armed`` is set (a receive waiting
+    then raises too); the rest is the real socket's. ``recv_multipart`` is awaitable (the
+    monitor's) or blocking (the SUB socket's twin the reader drains), as the real one."""
+
+    def __init__(self, real: Any, armed: bool = False) -> None:
+        self._real = real
+        self.armed = asyncio.Event()
+        if armed:
+            self.armed.set()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+    def getsockopt(self, option: int) -> Any:
+        if self.armed.is_set() and not isinstance(self._real, zmq.asyncio.Socket):
+            raise zmq.ZMQError(zmq.EFSM)  # a broken socket fails whatever is asked of it
+        return self._real.getsockopt(option)
+
+    def recv_multipart(self, flags: int = 0) -> Any:
+        if isinstance(self._real, zmq.asyncio.Socket):
+            return self._recv_async()
+        if self.armed.is_set():
+            raise zmq.ZMQError(zmq.EFSM)
+        return self._real.recv_multipart(flags)
+
+    async def _recv_async(self) -> list[bytes]:
+        receive = asyncio.ensure_future(self._real.recv_multipart())
+        armed = asyncio.ensure_future(self.armed.wait())
+        try:
+            await asyncio.wait({receive, armed}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            armed.cancel()
+        if receive.done():
+            frames: list[bytes] = receive.result()
+            return frames
+        receive.cancel()
+        raise zmq.ZMQError(zmq.EFSM)
+
+
+@pytest.mark.parametrize("which", ["_sync", "_monitor"])
+async def test_a_failed_receive_forgets_and_reads_again(
+    context: zmq.asyncio.Context, caplog: pytest.LogCaptureFixture, which: str,
+) -> None:
+    metrics = Metrics()
+    cache = EngineKVCache(100, topic=b"kv", metrics=metrics)
+    subscriber = KVEventsSubscriber(cache, "tcp://127.0.0.1:0", None)
+    endpoint = subscriber.endpoint
+    failing = FailingReceive(getattr(subscriber, which))
+    setattr(subscriber, which, failing)
+    caplog.set_level(logging.INFO, logger="sidecar.kv_events")
+    subscriber.start()
+    try:
+        publisher = await connected(context, subscriber)
+        await publisher.send(0, [chain(TOKENS[:8], BS)])
+        await wait(subscriber, lambda: cache.cached_tokens(TOKENS) == 8)
+        failing.armed.set()
+        await publisher.send(1, [])  # wakes the reader (the monitor's receive fails at once)
+        await wait(subscriber, lambda: sample(metrics, "disagg_kv_events_gaps_total",
+                                              cause="reader_failed") == 1)
+        # Whatever it held is not believed: the reader stopped following the engine.
+        assert cache.cached_tokens(TOKENS) is None
+        failures = [r for r in caplog.records if "receiving failed" in r.getMessage()]
+        assert len(failures) == 1 and failures[0].levelno == logging.WARNING
+        assert "ZMQError" in failures[0].getMessage()
+        # The sockets open again on the same port; the publisher reconnects by itself (its
+        # XPUB first passes on the closed socket's unsubscription).
+        async with asyncio.timeout(WAIT_S):
+            while await publisher.subscribed() != b"\x01kv":
+                pass
+        assert subscriber.endpoint == endpoint
+        await publisher.send(2, [chain(TOKENS[:12], BS)])
+        await wait(subscriber, lambda: cache.cached_tokens(TOKENS) == 12)
+        assert sample(metrics, "disagg_kv_events_gaps_total", cause="reader_failed") == 1
+        publisher.close()
+    finally:
+        await subscriber.stop()  # nothing of the reader's is raised here
+
+
+async def test_reopening_is_tried_again_until_it_succeeds(
+    context: zmq.asyncio.Context,
+) -> None:
+    cache = EngineKVCache(100, topic=b"kv")
+    subscriber = KVEventsSubscriber(cache, "tcp://127.0.0.1:0", None, reopen_s=(0.01, 0.05))
+    subscriber._sync = FailingReceive(subscriber._sync, armed=True)  # type: ignore[assignment]
+    opened: list[str] = []
+    really_open = subscriber._open
+
+    def open_held_twice(endpoint: str) -> None:
+        opened.append(endpoint)
+        if len(opened) <= 2:  # the closed socket still holds the port, say
+            raise EndpointUnavailable(f"--kv-events-endpoint {endpoint}: Address in use")
+        really_open(endpoint)
+
+    subscriber._open = open_held_twice  # type: ignore[method-assign]
+    subscriber.start()
+    try:
+        await wait(subscriber, lambda: len(opened) == 3)
+        assert opened == [subscriber.endpoint] * 3
+        publisher = await connected(context, subscriber)
+        await publisher.send(0, [chain(TOKENS[:8], BS)])
+        await wait(subscriber, lambda: cache.cached_tokens(TOKENS) == 8)
+        publisher.close()
+    finally:
+        await subscriber.stop()
+
+
+async def test_a_lookup_applies_what_reached_the_socket(context: zmq.asyncio.Context) -> None:
+    """The event loop has not run the reading task since the batch arrived (nothing awaited
+    in between): the lookup applies it itself. (Before: the index answered from before it.)"""
+    async with open_kv_events("tcp://127.0.0.1:0", None, topic="kv",
+                              max_blocks=100) as subscriber:
+        cache = subscriber.cache
+        publisher = await connected(context, subscriber)
+        await publisher.send(0, [chain(TOKENS[:8], BS)])
+        await wait(subscriber, lambda: cache.cached_tokens(TOKENS) == 8)
+        await publisher.send(1, [map_removed([2])])
+        assert subscriber._sub is not None
+        peek = zmq.Socket.shadow(subscriber._sub.underlying)
+        assert peek.poll(int(WAIT_S * 1000))  # blocking: the loop runs nothing meanwhile
+        assert cache.cached_tokens(TOKENS) == 4
+        publisher.close()
+
+
+async def test_a_lookup_that_meets_a_failed_receive_answers_unknown(
+    context: zmq.asyncio.Context,
+) -> None:
+    metrics = Metrics()
+    cache = EngineKVCache(100, topic=b"kv", metrics=metrics)
+    subscriber = KVEventsSubscriber(cache, "tcp://127.0.0.1:0", None)
+    failing = FailingReceive(subscriber._sync)
+    subscriber._sync = failing  # type: ignore[assignment]
+    subscriber.start()
+    try:
+        publisher = await connected(context, subscriber)
+        await publisher.send(0, [chain(TOKENS[:8], BS)])
+        await wait(subscriber, lambda: cache.cached_tokens(TOKENS) == 8)
+        failing.armed.set()
+        assert cache.cached_tokens(TOKENS) is None  # at once, not after the task's next look
+        assert sample(metrics, "disagg_kv_events_gaps_total", cause="reader_failed") == 1
+        # The task reopens (counted once) and the publisher's batches are heard again.
+        async with asyncio.timeout(WAIT_S):
+            while await publisher.subscribed() != b"\x01kv":
+                pass
+        await publisher.send(1, [chain(TOKENS[:12], BS)])
+        await wait(subscriber, lambda: cache.cached_tokens(TOKENS) == 12)
+        assert sample(metrics, "disagg_kv_events_gaps_total", cause="reader_failed") == 1
+        publisher.close()
+    finally:
+        await subscriber.stop()
+
+
+async def test_stop_raises_the_callers_cancellation_after_closing(
+    context: zmq.asyncio.Context,
+) -> None:
+    cache = EngineKVCache(10)
+    subscriber = KVEventsSubscriber(cache, "tcp://127.0.0.1:0", None)
+    subscriber.start()
+    reading = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+
+    async def stop_while_cancelled() -> None:
+        current = asyncio.current_task()
+        assert current is not None
+        current.cancel()  # the caller is cancelled while stop() waits for the reader
+        await subscriber.stop()
+
+    stopping = asyncio.ensure_future(stop_while_cancelled())
+    await asyncio.wait({stopping})
+    assert stopping.cancelled()  # before: swallowed, the caller ran on as if never cancelled
+    assert reading and all(task.done() for task in reading)
+    again = context.socket(zmq.SUB)
+    again.bind(subscriber.endpoint)  # closed: free again
+    again.close(linger=0)
+
+
 async def test_exit_closes_the_socket_and_a_held_port_is_one_line(
     context: zmq.asyncio.Context,
 ) -> None:
     async with open_kv_events("tcp://127.0.0.1:0", None, topic="", max_blocks=10) as subscriber:
         endpoint = subscriber.endpoint
-        tasks = list(subscriber._tasks)
+        task = subscriber._task
         with pytest.raises(EndpointUnavailable, match=r"^--kv-events-endpoint tcp://127\.0\.0\.1"):
             async with open_kv_events(endpoint, None, topic="", max_blocks=10):
                 pass
-    assert all(task.done() for task in tasks)
+    assert task is not None and task.done()
     again = context.socket(zmq.SUB)
     again.bind(endpoint)  # free again
     again.close(linger=0)

@@ -2,8 +2,8 @@
 
 - a batch recorded from vLLM 0.32's own ``KVEventBatch`` encoding (map events tagged
   ``"type"``, bytes and int hashes, ``extra_keys`` of nulls, ``group_idx``, rank 0) decodes to
-  the same events (tests/real_vllm/test_kv_events_format.py re-encodes with vLLM's classes on
-  every run, so a format change breaks that test);
+  the same events and the batch's stamp (tests/real_vllm/test_kv_events_format.py re-encodes
+  with vLLM's classes on every run, so a format change breaks that test);
 - SGLang's shapes (array events with the tag first, int hashes, with and without a medium,
   the cache salt's metadata map after it, a batch with and without a rank) decode to the
   same types, missing fields None, the metadata as the blocks' extra key;
@@ -39,6 +39,7 @@ from sidecar.kv_events.wire import (
 def test_vllm_0_32_batch() -> None:
     batch = decode_batch(VLLM_0_32_BATCH)
     assert batch.data_parallel_rank == 0
+    assert batch.ts == 1.5  # the engine's stamp
     stored, removed, cleared = batch.events
     assert isinstance(stored, BlockStored)
     assert stored.block_hashes == [b"\x01" * 32, 7]

@@ -512,10 +512,14 @@ class EngineGroup:
             # Readiness is only observable by asking; this bounds how often we ask.
             time.sleep(HEALTH_POLL_S)
 
-    def restart(self, name: str, deadline_s: float = START_DEADLINE_S) -> Engine:
-        """Stop engine ``name`` and start it again on the same ports (its clients see the same
-        engine restarted, with an empty cache), then wait until it is healthy."""
+    def restart(self, name: str, deadline_s: float = START_DEADLINE_S, *,
+                kill: bool = False) -> Engine:
+        """Stop engine ``name`` (``kill``: SIGKILL to its process group at once, as a crash)
+        and start it again on the same ports (its clients see the same engine restarted,
+        with an empty cache), then wait until it is healthy."""
         old = self.engines.pop(name)
+        if kill:
+            _signal_group(old.process, signal.SIGKILL)
         stop_process_group(old.process)
         engine = self.spawn(old.spec, reuse=old)
         self.wait_ready([name], deadline_s)

@@ -3,14 +3,16 @@
 A helper process in the engine venv imports ``vllm.distributed.kv_events`` (vLLM 0.32.0) and
 answers one JSON command per stdin line with one ``RESULT`` line:
 
-    ["encode", events]                 -> hex of msgspec-msgpack(KVEventBatch(events, rank 0))
+    ["encode", events, ts?]            -> hex of msgspec-msgpack(KVEventBatch(events, rank 0),
+                                          stamped ts, else now)
     ["start", endpoint, replay, topic] -> a ZmqEventPublisher (connects to a non-wildcard TCP
                                           endpoint, binds its replay ROUTER)
     ["publish", events]                -> one batch published (queued to its thread)
 
 ``events`` are plain JSON: ``{"stored": {...}}`` (hashes as ints or ``"b:<hex>"`` bytes, the
 extra keys in vLLM's tagged form, published through vLLM's ``to_event_extra_keys``),
-``{"removed": {...}}``, ``{"cleared": {}}``. So the events the sidecar decodes are built by
+``{"removed": {...}}``, ``{"cleared": {}}`` (``spec_kind``: the ``kv_cache_spec_kind`` the
+engine's KV-cache manager adds to each BlockStored). So the events the sidecar decodes are built by
 vLLM's classes and encoders: a change of vLLM's format breaks the tests that use this.
 
 Deliberate limits: the publisher runs until the helper exits (closing stdin stops it).
@@ -52,20 +54,21 @@ def event(spec):
             token_ids=fields["tokens"], block_size=fields["block_size"],
             lora_id=fields.get("lora_id"), medium=fields.get("medium", "GPU"),
             lora_name=fields.get("lora_name"), extra_keys=extra(fields.get("extra")),
-            group_idx=fields.get("group_idx", 0))
+            group_idx=fields.get("group_idx", 0), kv_cache_spec_kind=fields.get("spec_kind"))
     if kind == "removed":
         return BlockRemoved(block_hashes=[block_hash(h) for h in fields["hashes"]],
                             medium=fields.get("medium", "GPU"), group_idx=0)
     return AllBlocksCleared()
 
-def batch(specs):
-    return KVEventBatch(ts=time.time(), events=[event(s) for s in specs], data_parallel_rank=0)
+def batch(specs, ts=None):
+    return KVEventBatch(ts=time.time() if ts is None else ts, events=[event(s) for s in specs],
+                        data_parallel_rank=0)
 
 publisher = None
 for line in sys.stdin:
     command, *args = json.loads(line)
     if command == "encode":
-        result = msgspec.msgpack.encode(batch(args[0])).hex()
+        result = msgspec.msgpack.encode(batch(*args)).hex()
     elif command == "start":
         endpoint, replay, topic = args
         publisher = ZmqEventPublisher(data_parallel_rank=0, endpoint=endpoint,
@@ -116,8 +119,8 @@ class VllmEventPublisher:
             f"vLLM event helper exited ({self._proc.wait()}):\n"
             f"{self._stderr_path.read_text(errors='replace')[-3000:]}")
 
-    def encode(self, events: list[dict[str, Any]]) -> bytes:
-        return bytes.fromhex(self.call("encode", events))
+    def encode(self, events: list[dict[str, Any]], ts: float | None = None) -> bytes:
+        return bytes.fromhex(self.call("encode", events, ts))
 
     def close(self) -> None:
         if self._proc.stdin is not None:

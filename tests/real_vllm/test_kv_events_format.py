@@ -10,6 +10,10 @@ events are made by vLLM's classes in the engine venv (kv_events_publisher.py), n
   answers the sidecar's DEALER with the batches it buffered, in order, which the sidecar reads
   (the four-frame answers and the end mark).
 
+- the vLLM stub (sidecar/tools/stubs/kv_events.py) encodes a batch byte for byte as vLLM
+  does: the same events (a salted prompt's blocks as the engine's KV-cache manager annotates
+  them, a removal, a reset), the same stamp.
+
 It does not prove a running engine publishes when it caches blocks (the cache-aware suite).
 """
 
@@ -19,6 +23,7 @@ import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgspec
 import pytest
 from kv_event_builders import VLLM_0_32_BATCH
 
@@ -27,6 +32,7 @@ from real_vllm.kv_events_publisher import VllmEventPublisher
 from sidecar.kv_events.index import PrefixIndex
 from sidecar.kv_events.subscriber import open_kv_events
 from sidecar.kv_events.wire import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
+from sidecar.tools.stubs import kv_events as stub_events
 
 TOKENS = list(range(500, 532))
 BS = 8
@@ -97,7 +103,9 @@ def test_the_recorded_batch_is_vllms_encoding(vllm_events: VllmEventPublisher) -
         {"removed": {"hashes": [7]}},
         {"cleared": {}},
     ]))
-    assert again == decode_batch(VLLM_0_32_BATCH)
+    recorded = decode_batch(VLLM_0_32_BATCH)
+    assert again.events == recorded.events
+    assert again.data_parallel_rank == recorded.data_parallel_rank
 
 
 async def test_vllms_publisher_and_replay(vllm_events: VllmEventPublisher,
@@ -125,3 +133,21 @@ async def test_vllms_publisher_and_replay(vllm_events: VllmEventPublisher,
         stored_events = answers[1].batch.events
         assert isinstance(stored_events[0], BlockStored)
         assert stored_events[0].block_hashes == [3]
+
+
+def test_the_stub_encodes_as_vllm_does(vllm_events: VllmEventPublisher) -> None:
+    first, second = b"\x11" * 32, b"\x22" * 32
+    ts = 1765000000.25
+    vllm = vllm_events.encode([
+        {"stored": {"hashes": ["b:" + first.hex(), "b:" + second.hex()], "parent": None,
+                    "tokens": TOKENS[:16], "block_size": BS, "extra": [[["salt", "s"]], None],
+                    "spec_kind": "full_attention"}},
+        {"removed": {"hashes": ["b:" + first.hex()]}},
+        {"cleared": {}},
+    ], ts)
+    stub = msgspec.msgpack.encode([ts, [
+        stub_events.stored([first, second], None, TOKENS[:16], BS, [["s"], None]),
+        stub_events.removed(first),
+        stub_events.cleared(),
+    ], 0])
+    assert stub == vllm

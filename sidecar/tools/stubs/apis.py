@@ -2,8 +2,9 @@
 answers shaped as the engines write them (pure, no I/O).
 
     parse_api(body, kind, config)   kind "responses" | "messages" | "generate" -> GenRequest
-    PrefixCache / CacheFigures      what the engine's prefix cache did for a prompt (vLLM's
-                                    figures: full blocks read, full blocks newly written)
+    CacheFigures                    what the engine's prefix cache did for a prompt (vLLM's
+                                    figures: full blocks read, full blocks newly written;
+                                    ``prefix_cache`` keeps the blocks)
     api_usage(kind, ...)            the usage object of each route, with the cache figures
                                     where the engine reports them (``prompt_tokens_details``)
     render_*_body / *_events        JSON answers and SSE events per route, in a ``style``:
@@ -151,27 +152,6 @@ class CacheFigures:
 
     cached: int = 0
     created: int = 0
-
-
-class PrefixCache:
-    """Full blocks of prompts seen before, as vLLM's prefix cache counts them: a prompt's
-    longest run of cached full blocks is read (never the whole prompt: its last token is
-    always computed), its other full blocks are written."""
-
-    def __init__(self, block_size: int) -> None:
-        self.block_size = block_size
-        self._blocks: set[int] = set()
-
-    def use(self, ids: list[int]) -> CacheFigures:
-        size = self.block_size
-        full = len(ids) // size
-        keys = [textgen.prompt_digest(ids[: (b + 1) * size]) for b in range(full)]
-        hit = 0
-        while hit < full and keys[hit] in self._blocks:
-            hit += 1
-        cached = min(hit * size, (len(ids) - 1) // size * size)
-        self._blocks.update(keys)
-        return CacheFigures(cached=cached, created=(full - hit) * size)
 
 
 def openai_details(kind: str, cache: CacheFigures) -> dict[str, Any]:

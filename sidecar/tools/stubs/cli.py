@@ -5,7 +5,8 @@
        {"event": "listening", "engine": "vllm", ..., "port": 8100, "bootstrap_port": null}
     and runs until SIGINT or SIGTERM. ``--transport lean`` serves the same behaviour on the
     benchmark's cheap server (vLLM NIXL and SGLang only); ``--faults-endpoint`` serves
-    ``/_stub/faults`` (aiohttp only), which is off by default.
+    ``/_stub/faults`` (aiohttp only), which is off by default; ``--kv-events-endpoint``
+    publishes the vLLM stub's prefix cache (``--kv-cache-blocks``) as vLLM's KV events.
 
 ``add_stub_arguments(parser)`` adds the flags to any argparse parser (the sidecar's
 ``stub-engine`` subcommand); ``run_stub_command(args)`` runs it and returns the exit code.
@@ -73,7 +74,22 @@ def add_stub_arguments(parser: argparse.ArgumentParser) -> None:
     add("--default-max-tokens", type=int, default=d.default_max_tokens,
         help="tokens generated when a request names none (default: %(default)s)")
     add("--block-size", type=int, default=d.block_size,
-        help="KV block size in tokens, for the hand-off's block ids (default: %(default)s)")
+        help="KV block size in tokens: the hand-off's block ids, the prefix cache's blocks "
+        "(default: %(default)s)")
+    add("--kv-cache-blocks", type=int, default=d.kv_cache_blocks,
+        help="vLLM: the prefix cache's size in blocks of --block-size tokens; a request "
+        "that needs room evicts the least recently used (default: %(default)s)")
+    add("--kv-events-endpoint", default=None, metavar="URL",
+        help="vLLM: publish the prefix cache's KV events (BlockStored, BlockRemoved, "
+        "AllBlocksCleared) as vLLM 0.32's --kv-events-config does, to this ZMQ endpoint: "
+        "connects to tcp://IP:PORT (e.g. the sidecar's --kv-events-endpoint, which the "
+        "sidecar binds), binds tcp://*:PORT, [::] and ipc:// ones (default: none)")
+    add("--kv-events-topic", default=d.kv_events_topic,
+        help="vLLM: the topic of each KV event message, as --kv-events-config's topic "
+        "(default: none)")
+    add("--enable-prompt-tokens-details", action="store_true",
+        help="vLLM: usage reports the prefix cache's figures (prompt_tokens_details."
+        "cached_tokens), as vLLM's flag of that name (default: off)")
     add("--eos-rate", type=int, default=d.eos_rate,
         help="stop with EOS with chance 1/N at each token after the first (deterministic "
         "per prompt), 0: never (default: %(default)s)")
@@ -175,6 +191,10 @@ def config_from_args(args: argparse.Namespace) -> StubConfig:
         tls_cert_file=args.tls_cert_file,
         tls_key_file=args.tls_key_file,
         tls_client_ca_file=args.tls_client_ca_file,
+        prompt_tokens_details=args.enable_prompt_tokens_details,
+        kv_cache_blocks=args.kv_cache_blocks,
+        kv_events_endpoint=args.kv_events_endpoint,
+        kv_events_topic=args.kv_events_topic,
     )
 
 
@@ -198,6 +218,9 @@ async def run_stub_command(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"stub-engine: cannot listen: {exc}", file=sys.stderr)
         return 1
+    except ValueError as exc:  # an endpoint ZMQ refused
+        print(f"stub-engine: {exc}", file=sys.stderr)
+        return 2
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)

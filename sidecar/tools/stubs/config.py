@@ -100,6 +100,11 @@ class StubConfig:
     prompt_tokens_details: bool = False
     # vLLM --enable-scale-out: /inference/v1/generate is served (else 403, as vLLM 0.32).
     scale_out: bool = True
+    # vLLM: the prefix cache's size in blocks (least recently used evicted first), and where
+    # its KV events go (--kv-events-config's endpoint and topic; None: not published).
+    kv_cache_blocks: int = 4096
+    kv_events_endpoint: str | None = None
+    kv_events_topic: str = ""
 
     @property
     def root(self) -> str:
@@ -124,6 +129,11 @@ class StubConfig:
             raise ValueError("block_size must be >= 1")
         if self.data_parallel_size < 1:
             raise ValueError("data_parallel_size must be >= 1")
+        if self.kv_cache_blocks < 1:
+            raise ValueError("kv_cache_blocks must be >= 1")
+        if self.kv_events_endpoint is not None and self.engine != "vllm":
+            raise ValueError("kv_events_endpoint: the vLLM stub publishes KV events, not "
+                             f"{self.engine!r}")
         if self.transport not in TRANSPORTS:
             raise ValueError(
                 f"unknown transport {self.transport!r}; known: {', '.join(TRANSPORTS)}"
@@ -150,6 +160,8 @@ class StubConfig:
             raise ValueError("the lean transport serves plain HTTP only")
         if self.data_parallel_size != 1:
             raise ValueError("the lean transport has one data-parallel rank")
+        if self.kv_events_endpoint is not None:
+            raise ValueError("the lean transport publishes no KV events")
 
     @property
     def has_bootstrap_server(self) -> bool:

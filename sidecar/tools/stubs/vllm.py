@@ -8,8 +8,10 @@
     GET /health (200, empty), /v1/models (``model``, its ``root``), /metrics (vllm:* lines;
         ``vllm:cache_config_info`` with the KV cache's dtype)
 
-Usage as vLLM 0.32 reports it on each leg (``apis.PrefixCache``): a prompt's cached and newly
-written full blocks (in ``prompt_tokens_details`` only with ``prompt_tokens_details``, as
+Usage as vLLM 0.32 reports it on each leg (``prefix_cache.PrefixCache``, a fixed number of
+blocks evicted least recently used first, whose KV events go to ``kv_events_endpoint`` as
+vLLM's ``--kv-events-config`` sends them: ``kv_events``): a prompt's cached and newly written
+full blocks (in ``prompt_tokens_details`` only with ``prompt_tokens_details``, as
 ``--enable-prompt-tokens-details``; Responses always); a NIXL decode reports the prefill's
 hits (``remote_prefill_cached_tokens``), a Mooncake decode the whole prompt, and neither
 reports what the cache wrote. The Responses route keeps no state: ``previous_response_id``
@@ -41,10 +43,12 @@ from typing import TYPE_CHECKING, Any, Final
 from aiohttp import web
 
 from sidecar.tools.stubs import apis, openai, shapes, textgen
-from sidecar.tools.stubs.apis import API_PATHS, ApiAnswer, CacheFigures, PrefixCache
+from sidecar.tools.stubs.apis import API_PATHS, ApiAnswer, CacheFigures
 from sidecar.tools.stubs.faults import FaultKind
 from sidecar.tools.stubs.handoff import Verdict
+from sidecar.tools.stubs.kv_events import KVEventsPublisher
 from sidecar.tools.stubs.openai import BadRequest, GenRequest
+from sidecar.tools.stubs.prefix_cache import PrefixCache
 from sidecar.tools.stubs.ranks import VLLM_RANK_HEADER
 from sidecar.tools.stubs.replies import SSE_DONE, JsonReply, Reply, StreamReply, sse
 from sidecar.tools.stubs.server import request_fault, request_json
@@ -101,7 +105,10 @@ class VllmEngine:
         self.stub = stub
         self.config = stub.config
         self.connector = make_connector(stub)
-        self.cache = PrefixCache(stub.config.block_size)
+        config = stub.config
+        self.publisher = None if config.kv_events_endpoint is None else KVEventsPublisher(
+            config.kv_events_endpoint, config.kv_events_topic)
+        self.cache = PrefixCache(config.block_size, config.kv_cache_blocks, self.publisher)
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.running = 0
@@ -143,6 +150,8 @@ class VllmEngine:
 
     def close(self) -> None:
         self.connector.close()
+        if self.publisher is not None:
+            self.publisher.close()
 
     async def _models(self, request: web.Request) -> Reply:
         return JsonReply(shapes.models_body(
@@ -172,7 +181,11 @@ class VllmEngine:
         return gen
 
     def _cache_figures(self, gen: GenRequest, verdict: Verdict) -> CacheFigures:
-        """What this leg reports of the prompt's cache (see the module docstring)."""
+        """What this leg reports of the prompt's cache (see the module docstring); the
+        prompt's blocks are in the cache afterwards either way (a decode keeps what it
+        pulled, as vLLM's does)."""
+        salt = gen.body.get("cache_salt")
+        local = self.cache.use(gen.prompt_ids, salt if isinstance(salt, str) else None)
         params = gen.body.get("kv_transfer_params")
         if (isinstance(params, dict) and params.get("do_remote_prefill")
                 and verdict.kind is PrefillKind.REMOTE):
@@ -180,7 +193,7 @@ class VllmEngine:
                 return CacheFigures(cached=len(gen.prompt_ids))
             cached = params.get("remote_prefill_cached_tokens")
             return CacheFigures(cached=cached if isinstance(cached, int) else 0)
-        return self.cache.use(gen.prompt_ids)
+        return local
 
     async def _generate(self, request: web.Request, *, kind: str) -> Reply:
         body = request_json(request)
