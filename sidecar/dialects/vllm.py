@@ -10,6 +10,13 @@ pods run; one dialect per connector (chosen by the connector pod label) subclass
                       prefill target's identity is learned
     vllm_inline.py    this project's own connector (``--kv-transport inline``, gRPC only)
 
+Migration (``sidecar.request.migration``): with ``return_token_ids`` vLLM's completions and
+chat streams carry each chunk's ``token_ids`` and the prompt's in the first chunk (on the
+choice; at the chunk's top for chat; both ``null`` when not asked: the fixtures under
+``tests/fixtures/vllm``); ``/inference/v1/generate`` always carries them. A prefill engine
+(``kv_producer``) runs a request without hand-off fields whole, so it can take a moved one;
+``/detokenize`` reads ids back as text. The Responses and Messages streams carry no ids.
+
 Data parallelism: vLLM's API server places a request on the rank its ``X-data-parallel-rank``
 header names (one API server for all ranks, internal load balancing); every vLLM dialect
 sends it on both legs when the engine has several ranks, and nothing otherwise.
@@ -17,14 +24,31 @@ sends it on both legs when the engine has several ranks, and nothing otherwise.
 
 from __future__ import annotations
 
-from typing import Final
+from collections.abc import Mapping
+from typing import Any, Final
 
-from sidecar.dialects.base import Dialect, TokenizeEndpoint
+from sidecar.dialects.base import Dialect, IdsText, TokenizeEndpoint
+from sidecar.dialects.continuation import (
+    VLLM_CHAT,
+    VLLM_GENERATE,
+    completions_places,
+    continuation_body,
+    refusal,
+)
 from sidecar.errors import InvalidHandoff
+from sidecar.protocol.context import Route
+from sidecar.protocol.continuation import TokenIdPlaces
 
 KV_TRANSFER_PARAMS: Final = "kv_transfer_params"
 #: The header vLLM's API server reads a request's data-parallel rank from.
 DATA_PARALLEL_RANK_HEADER: Final = "X-data-parallel-rank"
+
+#: Where vLLM's streams carry token ids, by route.
+TOKEN_ID_PLACES: Final[Mapping[Route, TokenIdPlaces]] = {
+    Route.COMPLETIONS: completions_places(unasked_null=True),
+    Route.CHAT: VLLM_CHAT,
+    Route.GENERATE: VLLM_GENERATE,
+}
 
 
 class VLLMDialect(Dialect):
@@ -39,6 +63,19 @@ class VLLMDialect(Dialect):
         "add_generation_prompt", "continue_final_message", "add_special_tokens", "chat_template",
         "chat_template_kwargs", "tools", "mm_processor_kwargs",
     ))
+    prefill_decodes = True
+    ids_text = IdsText("/detokenize", ids_field="tokens", text_field="prompt")
+
+    def token_ids(self, route: Route) -> TokenIdPlaces | None:
+        return TOKEN_ID_PLACES.get(route)
+
+    def continuation_refusal(self, route: Route, body: Mapping[str, Any]) -> str | None:
+        return refusal(route, body)
+
+    def continuation(self, route: Route, body: Mapping[str, Any], prompt_ids: list[int],
+                     ids: list[int]) -> tuple[Route, dict[str, Any]]:
+        return continuation_body(route, body, prompt_ids, ids,
+                                              TOKEN_ID_PLACES[route])
 
     @classmethod
     def no_handoff(cls, what: str) -> InvalidHandoff:
