@@ -104,6 +104,18 @@ def tokenize(body: Any, max_model_len: int, *, chat: bool) -> dict[str, Any]:
     return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids}
 
 
+def ids_text(body: Any) -> str:
+    """What a body's ``tokens`` read as (vLLM's ``/detokenize``, SGLang's
+    ``/v1/detokenize``): the stub tokenizer's text of each id."""
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    ids = body.get("tokens")
+    if not isinstance(ids, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+        raise BadRequest("tokens must be a list of non-negative integers")
+    return textgen.decode_tokens(ids)
+
+
 def check_limits(
     body: dict[str, Any],
     prompt_tokens: int,
@@ -288,8 +300,10 @@ async def render_events(
                     }
                 ],
             }
-            if r.vllm_token_ids and gen.return_token_ids:
-                first["prompt_token_ids"] = gen.prompt_ids
+            if r.vllm_token_ids:
+                # vLLM writes both in the role chunk, null when not asked.
+                first["prompt_token_ids"] = gen.prompt_ids if gen.return_token_ids else None
+                first["prompt_text"] = None
             yield sse(first)
         for i, token in enumerate(tokens):
             await pace(config, i)
@@ -313,10 +327,13 @@ async def render_events(
                     "finish_reason": finish if last else None,
                     "stop_reason": None,
                 }
-            if r.vllm_token_ids and gen.return_token_ids:
-                choice["token_ids"] = [token]
-                if not chat and i == 0:
-                    choice["prompt_token_ids"] = gen.prompt_ids
+            if r.vllm_token_ids:
+                # vLLM writes the keys in every chunk (null when not asked); the prompt's ids
+                # in the first completions chunk only.
+                asked = gen.return_token_ids
+                if not chat:
+                    choice["prompt_token_ids"] = gen.prompt_ids if asked and i == 0 else None
+                choice["token_ids"] = [token] if asked else None
             choice.update(r.chunk_choice_extra)
             chunk: dict[str, Any] = {**head, "choices": [choice]}
             if gen.include_usage and gen.continuous_usage:
