@@ -349,6 +349,10 @@ async def _continue(relay: SSERelay, migrations: Migrations, scope: RequestScope
     """Continue a stream that broke with ``error`` on other engines until one ends it; the
     error it ends with raised when it does not move (``sidecar.request.migration``)."""
     plan, decision = answer.plan, answer.decision
+    if exchange.decode is not None:
+        # An engine that reported its failure (or stalled) may still be writing: it sees the
+        # request go now (its legs' abort comes when the request ends).
+        exchange.decode.close()
     kept = relay.kept
     overflowed = kept is None or kept.overflowed
     so_far = (plan.read_back(bytes(kept.kept), client.body)

@@ -239,14 +239,16 @@ class Migrations:
             return Resumed(exchange, join, following)
 
     def _refused(self, request: PDRequest, error: SidecarError, reason: str) -> NotMigrated:
-        """The error a stream that does not move ends with, counted and logged."""
+        return NotMigrated(self.refused(request.request_id, error, reason))
+
+    def refused(self, request_id: str, error: SidecarError, reason: str) -> SidecarError:
+        """The error a stream that does not move ends with (its message names why), counted
+        and logged."""
         self._count(NOT_MOVED, reason)
         if reason == DISABLED:
-            return NotMigrated(error)
-        logger.warning("request %s: %s; not migrated: %s", request.request_id, error.message,
-                       reason)
-        said = type(error)(f"{error.message}; not migrated: {reason}", stage=error.stage)
-        return NotMigrated(said)
+            return error
+        logger.warning("request %s: %s; not migrated: %s", request_id, error.message, reason)
+        return type(error)(f"{error.message}; not migrated: {reason}", stage=error.stage)
 
     def count_failed(self, reason: str) -> None:
         """A continuation that broke its promise (it diverged from the answer so far)."""

@@ -128,10 +128,13 @@ async def read(pair: PDPair, route: Route, body: dict[str, Any], *,
         async with session.post(pair.sidecar.url + route.value, json=body,
                                 headers=sent) as response:
             broken = False
+            pieces: list[bytes] = []
             try:
-                raw = await response.read()
+                async for piece in response.content.iter_any():
+                    pieces.append(piece)
             except aiohttp.ClientPayloadError:
-                broken, raw = True, b""
+                broken = True  # the sidecar ended it with an error event and closed
+            raw = b"".join(pieces)
             reply = Reply(response.status, raw, broken=broken)
     if body.get("stream"):
         for line in raw.decode().split("\n"):
@@ -158,3 +161,48 @@ def prompt_ids(prompt: str = PROMPT) -> list[int]:
 
 def chat_prompt_ids(prompt: str = PROMPT) -> list[int]:
     return textgen.encode_text(textgen.chat_template([{"role": "user", "content": prompt}]))
+
+
+@contextlib.asynccontextmanager
+async def open_stream(pair: PDPair, route: Route, body: dict[str, Any], *,
+                      with_target: bool = True) -> AsyncIterator[aiohttp.ClientResponse]:
+    """A stream through the sidecar, open for reading event by event (``next_event``)."""
+    sent = {"x-prefiller-host-port": pair.target} if with_target else {}
+    async with aiohttp.ClientSession() as session:
+        async with session.post(pair.sidecar.url + route.value, json=body,
+                                headers=sent) as response:
+            yield response
+
+
+async def next_event(response: aiohttp.ClientResponse) -> Any:
+    """The next ``data:`` payload of an open stream (parsed; ``[DONE]`` as the string)."""
+    while True:
+        line = (await response.content.readuntil(b"\n")).decode().strip()
+        if line.startswith("data: "):
+            payload = line[len("data: "):]
+            return payload if payload == "[DONE]" else json.loads(payload)
+
+
+def route_body(route: Route, *, stream: bool = True, max_tokens: int = 8,
+               **extra: Any) -> dict[str, Any]:
+    """A greedy body of ``route`` for the stubs (token-in: ``GENERATE_IDS``)."""
+    body: dict[str, Any] = {"model": "stub-model"}
+    if route is Route.COMPLETIONS:
+        body.update(prompt=PROMPT, max_tokens=max_tokens)
+    elif route is Route.CHAT:
+        body.update(messages=[{"role": "user", "content": PROMPT}], max_tokens=max_tokens)
+    elif route is Route.RESPONSES:
+        body.update(input=PROMPT, max_output_tokens=max_tokens)
+    elif route is Route.MESSAGES:
+        body.update(messages=[{"role": "user", "content": PROMPT}], max_tokens=max_tokens)
+    else:
+        body.update(token_ids=GENERATE_IDS, sampling_params={"max_tokens": max_tokens})
+    body["temperature"] = 0
+    if stream:
+        body["stream"] = True
+    body.update(extra)
+    return body
+
+
+#: The token-in route's prompt.
+GENERATE_IDS = [17, 29, 31, 43, 51, 67, 71, 83, 97, 101]

@@ -206,6 +206,8 @@ class Rendering:
     choice_extra: dict[str, Any] = field(default_factory=dict)
     chunk_choice_extra: dict[str, Any] = field(default_factory=dict)
     vllm_token_ids: bool = False  # vLLM return_token_ids placement
+    #: The id keys of a chunk that carries none are left out (SGLang), not null (vLLM).
+    null_ids_left_out: bool = False
     #: ``usage.prompt_tokens_details`` (vLLM with --enable-prompt-tokens-details), else None.
     prompt_details: dict[str, Any] | None = None
 
@@ -334,6 +336,10 @@ async def render_events(
                 if not chat:
                     choice["prompt_token_ids"] = gen.prompt_ids if asked and i == 0 else None
                 choice["token_ids"] = [token] if asked else None
+                if r.null_ids_left_out:
+                    for key in ("prompt_token_ids", "token_ids"):
+                        if choice[key] is None:
+                            del choice[key]
             choice.update(r.chunk_choice_extra)
             chunk: dict[str, Any] = {**head, "choices": [choice]}
             if gen.include_usage and gen.continuous_usage:

@@ -501,6 +501,7 @@ class SglangEngine:
         # SGLang's completions carry token_ids (the delta, per streamed chunk) and
         # prompt_token_ids only when asked (return_token_ids), where vLLM puts them.
         rendering.vllm_token_ids = kind == "completion" and gen.return_token_ids
+        rendering.null_ids_left_out = True
         if gen.stream:
             self.running += 1
             return StreamReply(

@@ -1,0 +1,270 @@
+"""Migration on real vLLM (CPU): the decode engine is killed (SIGKILL to its whole process
+group) in the middle of long greedy answers, and each client still gets the baseline's.
+
+A NIXL pair of its own (the kills must not disturb the session's stack), three sidecar
+processes before its decode engine: ``pd`` (a pair per request, ``--migration-limit 1``),
+``off`` (``--migration-limit 0``) and ``local`` (every prompt run whole on the decode
+engine: ``--local-prefill-max-tokens``). Two kills, each restarting the decode engine after:
+
+1. through ``pd``, at once: a completions stream that asks for its token ids, a chat stream
+   that does not, a JSON completion. The decode engine is killed once both streams have
+   ``KILL_AFTER`` tokens. Each stream completes with exactly the baseline's greedy tokens
+   and text (the chat stream with no ids in sight), one ``[DONE]``, the baseline's usage
+   counts; the JSON answer is the baseline's; ``disagg_migrations_total{migrated}`` counts
+   the three.
+2. a stream through ``off`` and one through ``local``, at once: the first ends with the
+   typed error event (``decode_failed``) and no ``[DONE]``; the second (never paired)
+   continues on the prefill engine with the baseline's tokens.
+
+The baseline: each request whole on the decode engine before any kill (a request it runs
+whole is the answer a pair gives: tests/real_vllm/test_sidecar_http.py). The model writes
+many multi-byte characters and invalid byte runs, so the join is made at a character
+boundary more often than not (an engine that dies holds back an unfinished character).
+
+Also measured (printed, and in bench/RESULTS.md): for each stream, the gap around the kill
+(its last token from the dead engine to its first continued token).
+
+Does not prove other connectors (one pair is the cost the suite can bear), SGLang or
+TensorRT-LLM (their stubs do: tests/migration), nor a kill of the prefill engine.
+"""
+
+from __future__ import annotations
+
+import http.client
+import itertools
+import json
+import os
+import signal
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from real_vllm.client import block_prompt, chat_body, completion_body, post_json, post_stream
+from real_vllm.harness import ROUTE_FLAGS, Engine, EngineEnv, EngineGroup, EngineSpec, nixl_config
+from real_vllm.sidecar_process import PREFILL_HEADER, Sidecar, sidecar_process
+
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+#: Tokens of each answer: long (the model's context is 512), so the kill lands early on.
+MAX_TOKENS = 360
+#: Tokens each stream must have before the kill.
+KILL_AFTER = 24
+READY_DEADLINE_S = 60.0
+PREFILL, DECODE = "migration-prefill", "migration-decode"
+
+
+@pytest.fixture(scope="module")
+def nixl_group(engine_env: EngineEnv) -> Iterator[EngineGroup]:
+    with EngineGroup(engine_env) as group:
+        group.start([
+            EngineSpec(PREFILL, nixl_config("kv_producer"), cpu=0, extra_args=ROUTE_FLAGS),
+            EngineSpec(DECODE, nixl_config("kv_consumer"), cpu=1, prefix_caching=False,
+                       extra_args=ROUTE_FLAGS),
+        ])
+        yield group
+
+
+@dataclass
+class Streamed:
+    """One stream read through a sidecar, with each chunk's arrival time."""
+
+    events: list[Any] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)
+    complete: bool = True
+    started: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def chunks(self) -> list[dict[str, Any]]:
+        return [e for e in self.events if isinstance(e, dict)]
+
+    @property
+    def text(self) -> str:
+        return "".join((c.get("text") if "text" in c else (c.get("delta") or {}).get("content"))
+                       or "" for chunk in self.chunks for c in chunk.get("choices") or [])
+
+    @property
+    def ids(self) -> list[int]:
+        return [i for chunk in self.chunks for c in chunk.get("choices") or []
+                for i in c.get("token_ids") or []]
+
+    @property
+    def usage(self) -> dict[str, Any] | None:
+        found = [chunk["usage"] for chunk in self.chunks if chunk.get("usage")]
+        return found[-1] if found else None
+
+    @property
+    def done(self) -> int:
+        return self.events.count("[DONE]")
+
+    def gap_after(self, moment: float) -> float:
+        """The longest wait for a chunk after ``moment``: from the dead engine's last token
+        to the first continued one."""
+        later = [t for t in self.times if t >= moment]
+        before = [t for t in self.times if t < moment]
+        points = ([before[-1]] if before else []) + later
+        return max((b - a for a, b in itertools.pairwise(points)), default=0.0)
+
+
+def stream(sidecar: Sidecar, path: str, body: dict[str, Any], target: str,
+           out: Streamed) -> Streamed:
+    """Read a stream through ``sidecar`` line by line, noting when each chunk came;
+    ``out.started`` is set once ``KILL_AFTER`` tokens have come."""
+    host, port = sidecar.url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=300)
+    tokens = 0
+    try:
+        conn.request("POST", path, json.dumps(body),
+                     {"Content-Type": "application/json", PREFILL_HEADER: target})
+        response = conn.getresponse()
+        assert response.status == 200, response.read()
+        try:
+            for raw in response:
+                line = raw.decode().strip()
+                if not line.startswith("data: "):
+                    continue
+                payload = line[len("data: "):]
+                out.times.append(time.monotonic())
+                event = payload if payload == "[DONE]" else json.loads(payload)
+                out.events.append(event)
+                if isinstance(event, dict) and event.get("choices"):
+                    tokens += 1
+                    if tokens >= KILL_AFTER:
+                        out.started.set()
+        except (http.client.IncompleteRead, ConnectionError):
+            out.complete = False
+    finally:
+        out.started.set()  # a stream that ended early must not keep the kill waiting
+        conn.close()
+    return out
+
+
+def kill(group: EngineGroup, name: str) -> float:
+    """SIGKILL engine ``name``'s whole process group; when."""
+    engine = group.engines[name]
+    killed_at = time.monotonic()
+    os.killpg(engine.process.pid, signal.SIGKILL)
+    return killed_at
+
+
+def wait_ready(sidecar: Sidecar) -> None:
+    """Until the sidecar's engine is ready again (its /ready: the health watch saw it)."""
+    deadline = time.monotonic() + READY_DEADLINE_S
+    while True:
+        try:
+            with urllib.request.urlopen(sidecar.url + "/ready", timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        assert time.monotonic() < deadline, "the sidecar's engine is not ready again"
+        # Readiness is only observable by asking (the sidecar's watch runs every 2 s).
+        time.sleep(0.25)
+
+
+def migrations(sidecar: Sidecar, outcome: str) -> float:
+    text = urllib.request.urlopen(sidecar.url + "/metrics", timeout=10).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("disagg_migrations_total{") and f'outcome="{outcome}"' in line)
+
+
+def baseline_stream(engine: Engine, path: str, body: dict[str, Any]) -> Streamed:
+    events: list[Any] = post_stream(engine.url + path, {**body, "return_token_ids": True},
+                                    timeout=300)
+    return Streamed(events=[*events, "[DONE]"])
+
+
+@pytest.fixture(scope="module")
+def sidecars(nixl_group: EngineGroup, tmp_path_factory: pytest.TempPathFactory,
+             ) -> Iterator[dict[str, Sidecar]]:
+    decode = nixl_group.engines[DECODE]
+    common = ("--engine", "vllm", "--kv-connector", "shfs", "--engine-url", decode.url)
+    configs = {
+        "pd": ("--migration-limit", "1"),
+        "off": ("--migration-limit", "0"),
+        "local": ("--migration-limit", "1", "--local-prefill-max-tokens", "100000"),
+    }
+    running = {name: sidecar_process(tmp_path_factory.mktemp(name), *common, *args)
+               for name, args in configs.items()}
+    try:
+        yield {name: next(process) for name, process in running.items()}
+    finally:
+        for process in running.values():
+            process.close()
+
+
+def test_a_killed_decode_engine_s_answers_complete_elsewhere(
+        nixl_group: EngineGroup, sidecars: dict[str, Sidecar]) -> None:
+    target = f"127.0.0.1:{nixl_group.engines[PREFILL].port}"
+    decode = nixl_group.engines[DECODE]
+    options = {"stream": True, "stream_options": {"include_usage": True}}
+    cmpl = completion_body(block_prompt("migration cmpl", 3), MAX_TOKENS, **options,
+                           return_token_ids=True)
+    chat = chat_body(block_prompt("migration chat", 3), MAX_TOKENS, **options)
+    whole = completion_body(block_prompt("migration json", 3), MAX_TOKENS)
+    expected_cmpl = baseline_stream(decode, COMPLETIONS, cmpl)
+    expected_chat = baseline_stream(decode, CHAT, chat)
+    expected_json = post_json(decode.url + COMPLETIONS, whole, timeout=300)
+    pd = sidecars["pd"]
+    wait_ready(pd)
+
+    with ThreadPoolExecutor(3) as pool:
+        answer = pool.submit(post_json, pd.url + COMPLETIONS, whole, timeout=300)
+        got_cmpl, got_chat = Streamed(), Streamed()
+        reading = [pool.submit(stream, pd, COMPLETIONS, cmpl, target, got_cmpl),
+                   pool.submit(stream, pd, CHAT, chat, target, got_chat)]
+        assert got_cmpl.started.wait(120) and got_chat.started.wait(120)
+        killed_at = kill(nixl_group, DECODE)
+        for done in reading:
+            done.result()
+        got_json = answer.result()
+
+    print(f"failure to first continued token: completions {got_cmpl.gap_after(killed_at):.3f} s,"
+          f" chat {got_chat.gap_after(killed_at):.3f} s")
+    assert got_cmpl.complete and got_cmpl.done == 1 and got_cmpl.events[-1] == "[DONE]"
+    assert got_cmpl.ids == expected_cmpl.ids
+    assert got_cmpl.text == expected_cmpl.text
+    assert got_chat.complete and got_chat.done == 1
+    assert got_chat.text == expected_chat.text
+    assert got_chat.ids == []  # not asked: written as the engine writes them unasked
+    assert {c["id"] for c in got_cmpl.chunks} == {got_cmpl.chunks[0]["id"]}
+    for got, expected in ((got_cmpl, expected_cmpl), (got_chat, expected_chat)):
+        assert got.usage is not None and expected.usage is not None
+        counts = ("prompt_tokens", "completion_tokens", "total_tokens")
+        assert {k: got.usage[k] for k in counts} == {k: expected.usage[k] for k in counts}
+    assert got_json["choices"][0]["text"] == expected_json["choices"][0]["text"]
+    assert got_json["usage"]["completion_tokens"] == MAX_TOKENS
+    assert migrations(pd, "migrated") == 3
+
+    nixl_group.restart(DECODE)
+    off, local = sidecars["off"], sidecars["local"]
+    wait_ready(off)
+    wait_ready(local)
+    local_body = completion_body(block_prompt("migration local", 3), MAX_TOKENS, **options,
+                                 return_token_ids=True)
+    expected_local = baseline_stream(nixl_group.engines[DECODE], COMPLETIONS, local_body)
+    cut_body = completion_body(block_prompt("migration off", 3), MAX_TOKENS, **options)
+    with ThreadPoolExecutor(2) as pool:
+        got_off, got_local = Streamed(), Streamed()
+        reading = [pool.submit(stream, off, COMPLETIONS, cut_body, target, got_off),
+                   pool.submit(stream, local, COMPLETIONS, local_body, target, got_local)]
+        assert got_off.started.wait(120) and got_local.started.wait(120)
+        killed_at = kill(nixl_group, DECODE)
+        for done in reading:
+            done.result()
+
+    print(f"failure to first continued token: local {got_local.gap_after(killed_at):.3f} s")
+    assert got_off.done == 0
+    assert got_off.chunks[-1]["error"]["code"] == "decode_failed"
+    assert "not migrated" not in got_off.chunks[-1]["error"]["message"]
+    assert got_local.complete and got_local.done == 1
+    assert got_local.ids == expected_local.ids
+    assert got_local.text == expected_local.text
+    assert migrations(local, "migrated") == 1
+    assert migrations(off, "migrated") == 0
+    nixl_group.restart(DECODE)  # the group is left as it was found
