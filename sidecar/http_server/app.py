@@ -231,7 +231,8 @@ async def handle_pd(request: web.Request, route: Route) -> web.StreamResponse:
             # The engine that holds the state answers, as it would without a prefill target.
             return await proxy_to_engine(request, runtime.calls, request_id, raw)
         migrations = runtime.migrations
-        plan = OFF if migrations is None else migrations.plan(route, client.body, client.stream)
+        plan = (OFF if migrations is None else migrations.whole if not client.stream
+                else migrations.plan(route, client.body, True))
         if plan.engine_fields:
             pd_request = replace(pd_request, engine_fields=plan.engine_fields)
         exchange = await runtime.runner.run(pd_request, decision)

@@ -145,6 +145,9 @@ class Migrations:
         self.limit = limit
         self._count = counter
         self._strippers: dict[Route, Callable[[bytes], bytes]] = {}
+        #: A JSON request's plan (it runs again whole: nothing to keep), read without a call
+        #: on the JSON path.
+        self.whole = OFF if limit <= 0 else Plan(Route.COMPLETIONS)
 
     # -- before a request runs ---------------------------------------------------------------
 
@@ -153,7 +156,7 @@ class Migrations:
         if self.limit <= 0:
             return OFF
         if not stream:
-            return Plan(route)  # a JSON answer runs again whole: nothing to keep
+            return self.whole
         places = self.dialect.token_ids(route) if route in CONTINUABLE else None
         if places is None:
             return Plan(route, refusal=NO_TOKEN_IDS)

@@ -15,18 +15,23 @@ does), nor the join at an unfinished character (the stubs' tokens are whole char
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from migration_builders import (
+    PDPair,
     chat_prompt_ids,
     drop,
     metric_reaches,
     moving_pair,
     prompt_ids,
     read,
+    route_body,
     text,
     tokens,
 )
 from openai_builders import client_body
+from sidecar_builders import decode_sidecar_settings, running_sidecar, stub_pair
 
 from sidecar.protocol.context import Route
 from sidecar.tools.stubs.textgen import PrefillKind
@@ -96,3 +101,40 @@ async def test_token_ids_reach_the_client_only_when_it_asked(asked: bool) -> Non
         prompts = [choice["prompt_token_ids"] for chunk in reply.chunks
                    for choice in chunk["choices"]]
         assert prompts == ([prompt] if asked else [None]) + [None] * (MAX_TOKENS - 1)
+
+
+@pytest.mark.parametrize(("engine", "route", "extra"), [
+    ("vllm", Route.COMPLETIONS, {}),
+    ("vllm", Route.COMPLETIONS, {"stream_options": {"include_usage": True}}),
+    ("vllm", Route.COMPLETIONS, {"return_token_ids": True}),
+    ("vllm", Route.CHAT, {}),
+    ("vllm", Route.CHAT, {"return_token_ids": True}),
+    ("vllm", Route.GENERATE, {}),
+    ("sglang", Route.COMPLETIONS, {}),
+    ("sglang", Route.COMPLETIONS, {"return_token_ids": True}),
+])
+async def test_without_a_failure_the_client_sees_what_it_saw_without_migration(
+        engine: str, route: Route, extra: dict[str, object]) -> None:
+    """The ids asked for the sidecar's own sake never reach a client that did not ask: its
+    stream is the very bytes a sidecar without migration relays."""
+    async with stub_pair(engine) as (prefill, decode):
+        replies = []
+        for limit in (0, 1):
+            settings = decode_sidecar_settings(engine, "shfs", prefill, decode,
+                                               migration_limit=limit)
+            async with running_sidecar(**settings) as sidecar:
+                pair = PDPair(prefill, decode, sidecar)
+                reply = await read(pair, route, route_body(route, **extra),
+                                   headers={"X-Request-Id": "same"})
+                replies.append(_comparable(reply.raw))
+        assert replies[0] == replies[1]
+        asked = [r for r in decode.recorder.on_path(route.value)]
+        if route is not Route.GENERATE and "return_token_ids" not in extra:
+            assert [r.json.get("return_token_ids") for r in asked] == [None, True]
+
+
+def _comparable(raw: bytes) -> bytes:
+    """``raw`` with what differs between two runs of one request (the clock, an engine's
+    random room in SGLang's ids) made equal."""
+    raw = re.sub(rb'"created":\d+', b'"created":0', raw)
+    return re.sub(rb'"id":"same-\d+"', b'"id":"same"', raw)
