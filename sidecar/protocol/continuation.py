@@ -139,6 +139,8 @@ class SoFar:
     several: bool = False
     #: The stream carried text (False: a token-in stream of ids only).
     has_text: bool = True
+    #: Events the client got (0: none; a continuation then starts the answer afresh).
+    events: int = 0
 
 
 def data_payloads(events: bytes) -> Iterable[bytes]:
@@ -175,6 +177,7 @@ def note_chunk(so_far: SoFar, chunk: dict[str, Any], places: TokenIdPlaces, *,
                first: bool) -> None:
     """Add one chunk the client received to ``so_far``."""
     route = so_far.route
+    so_far.events += 1
     if first:
         keys = (REQUEST_ID,) if route is Route.GENERATE else OPENAI_HEAD
         so_far.head = {key: chunk[key] for key in keys if key in chunk}
@@ -246,6 +249,11 @@ class Join:
     #: Tell usage: ``details(usage)`` the prompt's cache figures the client is told (the
     #: usage rule), or None to leave what the continuation says.
     details: Callable[[Mapping[str, Any]], dict[str, Any]] | None = None
+    #: The client got no event before: the continuation is the client's request run again
+    #: whole, relayed as its engine writes it (``strip``: the ids it did not ask for, as an
+    #: engine writes them unasked).
+    fresh: bool = False
+    strip: Callable[[bytes], bytes] | None = None
     _ids_seen: int = 0
 
     def event(self, payload: bytes) -> bytes:
@@ -256,6 +264,10 @@ class Join:
         chunk = jsonutil.loads(payload)
         if not isinstance(chunk, dict):
             raise Diverged("a continuation event is not a JSON object")
+        if self.fresh:
+            note_chunk(self.so_far, chunk, self.places, first=self.so_far.events == 0)
+            event = DATA_FIELD + b" " + payload + b"\n\n"
+            return self.strip(event) if self.strip is not None else event
         out = self.chunk(chunk)
         return b"" if out is None else DATA_FIELD + b" " + jsonutil.dumps(out) + b"\n\n"
 

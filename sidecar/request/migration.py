@@ -216,15 +216,24 @@ class Migrations:
                 span.set(MIGRATION_REASON, following.reason or error.code)
             if following.fate is not Fate.MOVE:
                 raise self._refused(request, error, following.reason or JOIN)
-            assert so_far is not None and so_far.prompt_ids is not None and plan.places
-            try:
-                produced, skip_text = await self._aligned(so_far, following.target)
-            except _NotAligned:
-                raise self._refused(request, error, JOIN) from None
-            if _spans_stop(request.body, plan.route, so_far.text, len(skip_text)):
-                raise self._refused(request, error, STOP_STRINGS)
-            route, body = self.dialect.continuation(plan.route, request.body,
-                                                    so_far.prompt_ids, so_far.ids[:produced])
+            assert so_far is not None and plan.places is not None
+            fresh = so_far.events == 0
+            route: Route
+            body: Mapping[str, Any] | bytes
+            produced, skip_text = 0, ""
+            if fresh:  # nothing reached the client: its own request, whole, elsewhere
+                route, body = plan.route, request.engine_body()
+            else:
+                assert so_far.prompt_ids is not None
+                try:
+                    produced, skip_text = await self._aligned(so_far, following.target)
+                except _NotAligned:
+                    raise self._refused(request, error, JOIN) from None
+                if _spans_stop(request.body, plan.route, so_far.text, len(skip_text)):
+                    raise self._refused(request, error, STOP_STRINGS)
+                route, body = self.dialect.continuation(plan.route, request.body,
+                                                        so_far.prompt_ids,
+                                                        so_far.ids[:produced])
             try:
                 exchange = await runner.move(request, following, route, body)
             except SidecarError as failure:
@@ -238,7 +247,8 @@ class Migrations:
                 continue
             self._count(MOVED, error.code)
             join = Join(so_far, route, plan.places, plan.asked, produced,
-                        skip_text=skip_text, skip_ids=so_far.ids[produced:], details=details)
+                        skip_text=skip_text, skip_ids=so_far.ids[produced:],
+                        details=None if fresh else details, fresh=fresh, strip=plan.strip)
             return Resumed(exchange, join, following)
 
     def _refused(self, request: PDRequest, error: SidecarError, reason: str) -> NotMigrated:
@@ -305,7 +315,11 @@ class _NotAligned(Exception):
 
 def _refusal(so_far: SoFar | None) -> str | None:
     """Why what the client has cannot be continued (the stream's own reasons)."""
-    if so_far is None or so_far.prompt_ids is None:
+    if so_far is None:
+        return NO_TOKEN_IDS
+    if so_far.events == 0:
+        return None  # nothing reached the client: it runs again whole
+    if so_far.prompt_ids is None:
         return NO_TOKEN_IDS
     if so_far.several:
         return FANNED_OUT

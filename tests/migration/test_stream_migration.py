@@ -138,3 +138,21 @@ def _comparable(raw: bytes) -> bytes:
     random room in SGLang's ids) made equal."""
     raw = re.sub(rb'"created":\d+', b'"created":0', raw)
     return re.sub(rb'"id":"same-\d+"', b'"id":"same"', raw)
+
+
+@pytest.mark.parametrize("route", [Route.COMPLETIONS, Route.CHAT])
+async def test_a_stream_that_broke_before_its_first_event_runs_again_whole(
+        route: Route) -> None:
+    # The head left, no event did (a local run dies while computing the prompt): the
+    # client's own request, whole on the target, relayed as that engine writes it.
+    async with moving_pair(decode_faults=[drop(0)]) as pair:
+        reply = await read(pair, route, route_body(route, max_tokens=MAX_TOKENS))
+        prompt = prompt_ids() if route is Route.COMPLETIONS else chat_prompt_ids()
+
+        assert reply.status == 200 and reply.done == 1
+        assert reply.text == text(tokens(prompt, MAX_TOKENS, PrefillKind.LOCAL))
+        assert reply.ids == []  # not asked: written as the engine writes them unasked
+        whole = [r.json for r in pair.prefill.recorder.on_path(route.value)
+                 if r.json.get("kv_transfer_params") is None]
+        assert whole == [{**route_body(route, max_tokens=MAX_TOKENS), "return_token_ids": True}]
+        await metric_reaches(pair.sidecar, "disagg_migrations_total", 1, outcome="migrated")
