@@ -9,8 +9,9 @@
       ├─ trace.span(HANDOFF_SPAN)
       ├─ trace.span(DECODE_FIRST_BYTE_SPAN, client=True)  leg.headers(h) ─▶ the decode engine's
       ├─ trace.span(RELAY_SPAN)   relayed bytes (HTTP) or tokens (gRPC)
-      │    └─ trace.span(MIGRATION_SPAN)  a broken stream moved: why, from which token, the
-      │                                   continuation's opening (its own leg span) inside
+      ├─ trace.span(MIGRATION_SPAN)  a broken stream moved (or not): why, the move's
+      │                           number, the token it continued from; the continuation's
+      │                           opening is a DECODE_FIRST_BYTE_SPAN of its own
       └─ trace.end(outcome, error)
 
 Off, every request gets ``NOOP_TRACE`` (``active`` False) and a client's own ``traceparent``
