@@ -77,8 +77,25 @@ _CHAT_ONLY: Final = frozenset({
 _NOT_CONTINUED: Final = ("echo", "suffix", "truncate_prompt_tokens", "n", "best_of")
 
 
+#: Every top-level field a refusal reads but the messages: a body with none of them is
+#: continued (one set intersection, the common case, on every streamed request).
+_READ: Final = frozenset({"n", "best_of", *_GUIDED, "response_format", "tool_choice",
+                          *_LOGPROBS, *_PENALTIES, "tools", *_STATE, "features",
+                          "content_parts", SAMPLING_PARAMS})
+
+
 def refusal(route: Route, body: Mapping[str, Any]) -> str | None:
     """Why ``body`` cannot be continued token for token on another engine, or None."""
+    if not _READ.isdisjoint(body):
+        reason = _fields_refusal(route, body)
+        if reason is not None:
+            return reason
+    if route is Route.CHAT and _has_media(body.get("messages")):
+        return ENGINE_STATE
+    return None
+
+
+def _fields_refusal(route: Route, body: Mapping[str, Any]) -> str | None:
     params = body.get(SAMPLING_PARAMS) if route is Route.GENERATE else body
     fields = params if isinstance(params, Mapping) else {}
     if any(fields.get(key) not in (None, False, 1) for key in ("n", "best_of")):
@@ -94,7 +111,7 @@ def refusal(route: Route, body: Mapping[str, Any]) -> str | None:
         return PENALTIES
     if route is Route.CHAT and _set(body.get("tools")) and choice != "none":
         return TOOLS
-    if any(_set(body.get(key)) for key in _STATE) or _has_media(body.get("messages")):
+    if any(_set(body.get(key)) for key in _STATE):
         return ENGINE_STATE
     if route is Route.GENERATE and any(_set(body.get(key)) for key in ("features",
                                                                         "content_parts")):

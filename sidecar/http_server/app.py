@@ -59,7 +59,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import hdrs, web
@@ -208,6 +208,10 @@ async def handle_pd(request: web.Request, route: Route) -> web.StreamResponse:
                                        runtime.runner.ranks.prefill_size)
         headers = forwardable_headers(request.headers.items(), drop=("accept-encoding",))
         headers[REQUEST_ID_HEADER] = request_id
+        migrations = runtime.migrations
+        plan = (OFF if migrations is None or client.sub_requests > 1
+                else migrations.whole if not client.stream
+                else migrations.plan(route, client.body, True))
         pd_request = PDRequest(
             route=route,
             body=client.body,
@@ -219,6 +223,7 @@ async def handle_pd(request: web.Request, route: Route) -> web.StreamResponse:
             trace=scope.trace,
             prefill_rank=named_rank,
             raw=raw,
+            engine_fields=plan.engine_fields,
         )
         if client.sub_requests > 1:
             return await relay_fanout(request, runtime, scope, client, pd_request)
@@ -230,11 +235,6 @@ async def handle_pd(request: web.Request, route: Route) -> web.StreamResponse:
         if decision.outcome == LOCAL_STATE:
             # The engine that holds the state answers, as it would without a prefill target.
             return await proxy_to_engine(request, runtime.calls, request_id, raw)
-        migrations = runtime.migrations
-        plan = (OFF if migrations is None else migrations.whole if not client.stream
-                else migrations.plan(route, client.body, True))
-        if plan.engine_fields:
-            pd_request = replace(pd_request, engine_fields=plan.engine_fields)
         exchange = await runtime.runner.run(pd_request, decision)
         # The relay may still turn it into broken_stream or error (an engine's error event).
         scope.outcome = exchange.outcome

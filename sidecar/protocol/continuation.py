@@ -94,7 +94,11 @@ class TokenIdPlaces:
 
     def asked_by(self, body: Mapping[str, Any]) -> bool:
         """True when ``body`` itself asks for the ids (the client sees them)."""
-        return all(body.get(key) == value for key, value in self.ask.items())
+        # A loop, not all() over a generator: this runs on every streamed request.
+        for key, value in self.ask.items():  # noqa: SIM110
+            if body.get(key) != value:
+                return False
+        return True
 
 
 def ids_stripper(places: TokenIdPlaces) -> Callable[[bytes], bytes]:
@@ -102,14 +106,36 @@ def ids_stripper(places: TokenIdPlaces) -> Callable[[bytes], bytes]:
     each id list (the answer's and the prompt's) ``null`` or gone, nothing else touched.
 
     An id list is digits and commas in brackets, and a key's quotes are never bare inside
-    generated text (JSON escapes them), so one substitution per read is exact.
+    generated text (JSON escapes them), so one substitution per read is exact. Written
+    ``null``, the two keys' common tail (``token_ids``) leads the pattern: the regular
+    expression engine then searches for it as a literal, about a search's cost per read (a
+    pattern led by the alternation costs five times as much).
     """
-    keys = b"|".join(re.escape(key.encode()) for key in (places.prompt_key, places.ids_key))
+    keys = (places.prompt_key.encode(), places.ids_key.encode())
+    alternation = b"|".join(re.escape(key) for key in keys)
     if places.unasked_null:
-        pattern = re.compile(rb'"(' + keys + rb')":\[[0-9,\s]*\]')
-        return lambda data: pattern.sub(rb'"\1":null', data)
-    pattern = re.compile(rb',"(?:' + keys + rb')":\[[0-9,\s]*\]')
-    return lambda data: pattern.sub(b"", data)
+        tail = _common_tail(*keys)
+        if tail and all(key == tail or key.endswith(tail) for key in keys):
+            pattern = re.compile(re.escape(tail) + rb'":\[[0-9,\s]*\]')
+            written = tail + b'":null'
+            return lambda data: pattern.sub(written, data)
+        led = re.compile(rb'"(' + alternation + rb')":\[[0-9,\s]*\]')
+        return lambda data: led.sub(rb'"\1":null', data)
+    gone = re.compile(rb',"(?:' + alternation + rb')":\[[0-9,\s]*\]')
+    return lambda data: gone.sub(b"", data)
+
+
+def _common_tail(first: bytes, second: bytes) -> bytes:
+    """The longest tail both keys end with that begins a key (after an underscore, or
+    whole)."""
+    size = 0
+    while size < min(len(first), len(second)) and first[-1 - size] == second[-1 - size]:
+        size += 1
+    tail = first[len(first) - size:]
+    for key in (first, second):
+        if key != tail and not key[: len(key) - len(tail)].endswith(b"_"):
+            return b""
+    return tail
 
 
 # -- reading the stream back ------------------------------------------------------------

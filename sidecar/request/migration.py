@@ -144,7 +144,9 @@ class Migrations:
         self.runner = runner
         self.limit = limit
         self._count = counter
-        self._strippers: dict[Route, Callable[[bytes], bytes]] = {}
+        #: The plans of requests that may move, by route and whether the client asked for
+        #: the ids itself (made once: a request's plan is a look-up).
+        self._plans: dict[tuple[Route, bool], Plan] = {}
         #: A JSON request's plan (it runs again whole: nothing to keep), read without a call
         #: on the JSON path.
         self.whole = OFF if limit <= 0 else Plan(Route.COMPLETIONS)
@@ -163,12 +165,16 @@ class Migrations:
         refusal = self.dialect.continuation_refusal(route, body)
         if refusal is not None:
             return Plan(route, places, refusal)
-        if places.asked_by(body) or not places.ask:
-            return Plan(route, places, asked=True)
-        strip = self._strippers.get(route)
-        if strip is None:
-            strip = self._strippers[route] = ids_stripper(places)
-        return Plan(route, places, engine_fields=places.ask, strip=strip)
+        asked = places.asked_by(body)
+        plan = self._plans.get((route, asked))
+        if plan is None:
+            if asked or not places.ask:
+                plan = Plan(route, places, asked=True)
+            else:
+                plan = Plan(route, places, engine_fields=places.ask,
+                            strip=ids_stripper(places))
+            self._plans[route, asked] = plan
+        return plan
 
     # -- after its stream broke ------------------------------------------------------------
 

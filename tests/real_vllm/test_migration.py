@@ -45,7 +45,15 @@ from typing import Any
 
 import pytest
 
-from real_vllm.client import block_prompt, chat_body, completion_body, post_json, post_stream
+from real_vllm.client import (
+    METRIC_POLL_S,
+    block_prompt,
+    chat_body,
+    completion_body,
+    metric_value,
+    post_json,
+    post_stream,
+)
 from real_vllm.harness import ROUTE_FLAGS, Engine, EngineEnv, EngineGroup, EngineSpec, nixl_config
 from real_vllm.sidecar_process import PREFILL_HEADER, Sidecar, sidecar_process
 
@@ -173,6 +181,20 @@ def migrations(sidecar: Sidecar, outcome: str) -> float:
                if line.startswith("disagg_migrations_total{") and f'outcome="{outcome}"' in line)
 
 
+def answered_at(url: str, body: dict[str, Any]) -> tuple[dict[str, Any], float]:
+    """A JSON answer, and when it came."""
+    reply = post_json(url, body, timeout=300)
+    return reply, time.monotonic()
+
+
+def running_on(engine: Engine, count: int) -> None:
+    """Until ``engine`` runs ``count`` requests (its scheduler's gauge, published each step)."""
+    deadline = time.monotonic() + READY_DEADLINE_S
+    while metric_value(engine.url, "vllm:num_requests_running") < count:
+        assert time.monotonic() < deadline, f"{engine.url} never ran {count} requests at once"
+        time.sleep(METRIC_POLL_S)  # only observable by asking
+
+
 def baseline_stream(engine: Engine, path: str, body: dict[str, Any]) -> Streamed:
     events: list[Any] = post_stream(engine.url + path, {**body, "return_token_ids": True},
                                     timeout=300)
@@ -189,13 +211,20 @@ def sidecars(nixl_group: EngineGroup, tmp_path_factory: pytest.TempPathFactory,
         "off": ("--migration-limit", "0"),
         "local": ("--migration-limit", "1", "--local-prefill-max-tokens", "100000"),
     }
-    running = {name: sidecar_process(tmp_path_factory.mktemp(name), *common, *args)
+    dirs = {name: tmp_path_factory.mktemp(name) for name in configs}
+    running = {name: sidecar_process(dirs[name], *common, *args)
                for name, args in configs.items()}
     try:
         yield {name: next(process) for name, process in running.items()}
     finally:
         for process in running.values():
             process.close()
+        # For a failure's reader: what each sidecar said about its moves.
+        for name, directory in dirs.items():
+            lines = (directory / "sidecar.log").read_text(errors="replace").splitlines()
+            print(f"--- sidecar {name}:", *[line for line in lines
+                                             if "migrat" in line or "request" in line][-20:],
+                  sep="\n")
 
 
 def test_a_killed_decode_engine_s_answers_complete_elsewhere(
@@ -214,15 +243,17 @@ def test_a_killed_decode_engine_s_answers_complete_elsewhere(
     wait_ready(pd)
 
     with ThreadPoolExecutor(3) as pool:
-        answer = pool.submit(post_json, pd.url + COMPLETIONS, whole, timeout=300)
+        answer = pool.submit(answered_at, pd.url + COMPLETIONS, whole)
         got_cmpl, got_chat = Streamed(), Streamed()
         reading = [pool.submit(stream, pd, COMPLETIONS, cmpl, target, got_cmpl),
                    pool.submit(stream, pd, CHAT, chat, target, got_chat)]
         assert got_cmpl.started.wait(120) and got_chat.started.wait(120)
+        # The JSON request is decoding too (its 360 tokens are far from done).
+        running_on(decode, 3)
         killed_at = kill(nixl_group, DECODE)
         for done in reading:
             done.result()
-        got_json = answer.result()
+        got_json, json_at = answer.result()
 
     print(f"failure to first continued token: completions {got_cmpl.gap_after(killed_at):.3f} s,"
           f" chat {got_chat.gap_after(killed_at):.3f} s")
@@ -237,6 +268,7 @@ def test_a_killed_decode_engine_s_answers_complete_elsewhere(
         assert got.usage is not None and expected.usage is not None
         counts = ("prompt_tokens", "completion_tokens", "total_tokens")
         assert {k: got.usage[k] for k in counts} == {k: expected.usage[k] for k in counts}
+    assert json_at > killed_at, "the JSON answer came before the kill"
     assert got_json["choices"][0]["text"] == expected_json["choices"][0]["text"]
     assert got_json["usage"]["completion_tokens"] == MAX_TOKENS
     assert migrations(pd, "migrated") == 3
