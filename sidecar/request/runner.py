@@ -50,7 +50,14 @@ from sidecar.engines.health import EngineHealth
 from sidecar.errors import DecodeFailed, SidecarError, Stage
 from sidecar.http1 import UpstreamResponse
 from sidecar.observability.logs import LogEvery
-from sidecar.observability.tracing import NOOP_TRACE, RequestTrace
+from sidecar.observability.tracing import (
+    MIGRATION_FROM_TOKEN,
+    MIGRATION_MOVES,
+    MIGRATION_REASON,
+    MIGRATION_SPAN,
+    NOOP_TRACE,
+    RequestTrace,
+)
 from sidecar.protocol.context import FrontDoor, HandoffContext, PrefillTarget, Route
 from sidecar.request import concurrent
 from sidecar.request.legs import (
@@ -204,7 +211,7 @@ class Runner:
                 if decision.fate is Fate.LOCAL:
                     return await self._run_local(request, decision)
                 if decision.fate is Fate.MOVE:
-                    return await self.move(request, decision)
+                    return await self._moved(request, decision)
                 if decision.fate is not Fate.PAIR or decision.target is None:
                     raise decision.error or RuntimeError(f"not a pair: {decision.outcome}")
                 return await self._run_pair(request, decision)
@@ -274,6 +281,18 @@ class Runner:
         else:
             ready = not health.known_down or await health.recheck()
         return MoveFacts(failed, request.candidates, refusal, ready)
+
+    async def _moved(self, request: PDRequest, decision: Decision) -> PDExchange:
+        """A request moved before its answer began: whole where ``decision`` sends it (in
+        its migration span when traced)."""
+        trace = request.trace
+        if not trace.active:
+            return await self.move(request, decision)
+        with trace.span(MIGRATION_SPAN) as span:
+            span.set(MIGRATION_REASON, MIGRATED)
+            span.set(MIGRATION_MOVES, decision.moves)
+            span.set(MIGRATION_FROM_TOKEN, 0)
+            return await self.move(request, decision)
 
     async def move(self, request: PDRequest, decision: Decision, route: Route | None = None,
                    body: Mapping[str, Any] | bytes | None = None) -> PDExchange:

@@ -71,3 +71,21 @@ async def test_a_stream_that_could_not_move_marks_its_migration_span(
     (migration,) = [s for s in spans if s.name == MIGRATION_SPAN]
     assert migration.attributes["disagg.migration.reason"] == "logprobs"
     assert migration.status_code == 2  # ERROR
+
+
+async def test_a_json_request_moved_before_its_answer_traces_its_move(
+        receiver: OtlpReceiver) -> None:
+    async with traced_pd("vllm", otlp_endpoint=receiver.endpoint, migration_limit=1) as pd:
+        pd.decode_stub.faults.set(Fault(kind=FaultKind.STATUS, status=500, times=1))
+        status, _ = await pd.http(body=client_body(Route.COMPLETIONS, max_tokens=8))
+        assert status == 200
+        port = pd.prefill_stub.port
+    spans = receiver.wait_for(lambda spans: any(s.name == MIGRATION_SPAN for s in spans))
+    (migration,) = [s for s in spans if s.name == MIGRATION_SPAN]
+    assert migration.attributes == {"disagg.migration.reason": "migrated",
+                                    "disagg.migration.moves": 1,
+                                    "disagg.migration.from_token": 0}
+    opened = [s for s in spans if s.name == DECODE_FIRST_BYTE_SPAN
+              and s.trace_id == migration.trace_id
+              and s.attributes.get("server.port") == port]
+    assert len(opened) == 1  # the request whole on the prefill target
