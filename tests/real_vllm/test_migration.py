@@ -16,6 +16,9 @@ engine: ``--local-prefill-max-tokens``). Two kills, each restarting the decode e
    typed error event (``decode_failed``) and no ``[DONE]``; the second (never paired)
    continues on the prefill engine with the baseline's tokens.
 
+Before the kills: a stream through ``pd`` without a failure is byte for byte the one
+through ``off`` (the ids asked for the sidecar's sake reach no client that did not ask).
+
 The baseline: each request whole on the decode engine before any kill (a request it runs
 whole is the answer a pair gives: tests/real_vllm/test_sidecar_http.py). The model writes
 many multi-byte characters and invalid byte runs, so the join is made at a character
@@ -34,6 +37,7 @@ import http.client
 import itertools
 import json
 import os
+import re
 import signal
 import threading
 import time
@@ -55,6 +59,7 @@ from real_vllm.client import (
     post_stream,
 )
 from real_vllm.harness import ROUTE_FLAGS, Engine, EngineEnv, EngineGroup, EngineSpec, nixl_config
+from real_vllm.raw_http import post_raw
 from real_vllm.sidecar_process import PREFILL_HEADER, Sidecar, sidecar_process
 
 COMPLETIONS = "/v1/completions"
@@ -225,6 +230,26 @@ def sidecars(nixl_group: EngineGroup, tmp_path_factory: pytest.TempPathFactory,
             print(f"--- sidecar {name}:", *[line for line in lines
                                              if "migrat" in line or "request" in line][-20:],
                   sep="\n")
+
+
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
+def test_without_a_failure_the_client_sees_the_bytes_it_saw_without_migration(
+        nixl_group: EngineGroup, sidecars: dict[str, Sidecar], path: str) -> None:
+    """The token ids the ``pd`` sidecar asks for its own sake reach no client that did not
+    ask: its stream is byte for byte the ``off`` sidecar's (vLLM's keys written ``null``)."""
+    target = f"127.0.0.1:{nixl_group.engines[PREFILL].port}"
+    prompt = block_prompt(f"migration bytes {path}", 3)
+    body = (completion_body(prompt, 40, stream=True) if path == COMPLETIONS
+            else chat_body(prompt, 40, stream=True))
+    replies = []
+    for name in ("off", "pd"):
+        wait_ready(sidecars[name])
+        reply = post_raw(sidecars[name].url + path, body, timeout=120,
+                         headers={PREFILL_HEADER: target, "X-Request-Id": f"bytes-{path}"})
+        assert reply.status == 200 and reply.complete
+        replies.append(re.sub(r'"created":\d+', '"created":0', reply.body))
+    assert '"token_ids":null' in replies[0]
+    assert replies[1] == replies[0]
 
 
 def test_a_killed_decode_engine_s_answers_complete_elsewhere(
