@@ -280,8 +280,8 @@ class KeptStream:
 
     def take(self, chunk: bytes) -> bytes:
         data = self._partial + chunk if self._partial else chunk
-        end = data.rfind(b"\n\n") + 2
-        if end < 2:
+        end = _boundary(data)
+        if not end:
             self._partial = data
             if len(data) <= MAX_EVENT_BYTES:
                 return b""
@@ -339,8 +339,8 @@ class ContinuedEvents:
         if self.failure is not None:
             return b""
         data = self._partial + chunk if self._partial else chunk
-        end = data.rfind(b"\n\n") + 2
-        if end < 2:
+        end = _boundary(data)
+        if not end:
             self._partial = data
             if len(data) > MAX_EVENT_BYTES:
                 self.failure = DecodeFailed("continuation event exceeds the size cap",
