@@ -105,7 +105,9 @@ class SSERelay:
         bare = (usage is None and not markers.named_events and isinstance(markers.done, bytes)
                 and (error_event is None or isinstance(error_event, bytes)))
         self._events = None if bare else WholeEvents(markers, self._api, usage)
-        self._error_event = error_event if bare and isinstance(error_event, bytes) else None
+        # A kept stream's reads are searched for an engine's error event by ``KeptStream``.
+        self._error_event = (error_event if bare and isinstance(error_event, bytes)
+                             and kept is None else None)
         self._socket: ClientSocket | None = None
         self._held: bytes | None = None  # bytes waiting for catch_up (head not sent, or gone)
         self._started = False  # the first chunk (with the head) went through aiohttp
@@ -146,6 +148,8 @@ class SSERelay:
                 if chunk:
                     self._relay(chunk)
                 raise kept.failure
+            if kept.reported:
+                self.engine_error = True
             if not chunk:
                 return True
         return self._relay(chunk)
@@ -267,7 +271,7 @@ class KeptStream:
     whole events the client gets, keeping the engine's bytes (up to ``cap``); ``failure`` is
     set once the engine reported a failure of its own (the events before it are returned)."""
 
-    __slots__ = ("_cap", "_partial", "_strip", "failure", "kept", "overflowed")
+    __slots__ = ("_cap", "_partial", "_strip", "failure", "kept", "overflowed", "reported")
 
     def __init__(self, cap: int, strip: Callable[[bytes], bytes] | None = None) -> None:
         self._cap = cap
@@ -277,38 +281,46 @@ class KeptStream:
         #: Past the cap: the stream is no longer kept (it may not move).
         self.overflowed = False
         self.failure: SidecarError | None = None
+        #: An error event about the request (a 4xx) left as the engine wrote it.
+        self.reported = False
 
     def take(self, chunk: bytes) -> bytes:
-        data = self._partial + chunk if self._partial else chunk
-        end = _boundary(data)
-        if not end:
-            self._partial = data
-            if len(data) <= MAX_EVENT_BYTES:
-                return b""
-            self._give_up()  # one event past any sane size: relayed as it is
-            self._partial = b""
-            return data
-        if end == len(data):
+        partial = self._partial
+        data = partial + chunk if partial else chunk
+        if data.endswith(b"\n\n"):  # the usual read: whole events, nothing left over
             whole = data
-            self._partial = b""
+            if partial:
+                self._partial = b""
         else:
+            end = _boundary(data)
+            if not end:
+                self._partial = data
+                if len(data) <= MAX_EVENT_BYTES:
+                    return b""
+                self._give_up()  # one event past any sane size: relayed as it is
+                self._partial = b""
+                return data
             whole, self._partial = data[:end], data[end:]
-        at = whole.find(ERROR_EVENT)
-        if at >= 0 and engine_fault_event(whole[at:]):
-            self.failure = DecodeFailed("decode engine reported a failure in its stream",
-                                        stage=Stage.DECODE)
-            whole = whole[:at]
-        if not self.overflowed:
-            if len(self.kept) + len(whole) > self._cap:
-                self._give_up()
+        if ERROR_EVENT in whole:
+            at = whole.find(ERROR_EVENT)
+            if engine_fault_event(whole[at:]):
+                self.failure = DecodeFailed("decode engine reported a failure in its stream",
+                                            stage=Stage.DECODE)
+                whole = whole[:at]
             else:
-                self.kept += whole
+                self.reported = True
+        kept = self.kept
+        if len(kept) + len(whole) <= self._cap:
+            kept += whole
+        elif not self.overflowed:
+            self._give_up()
         strip = self._strip
         return strip(whole) if strip is not None and whole else whole
 
     def _give_up(self) -> None:
         self.overflowed = True
         self.kept = bytearray()
+        self._cap = -1  # nothing is kept any more
 
 
 class ContinuationDiverged(DecodeFailed):

@@ -52,3 +52,4 @@ def test_a_4xx_error_event_leaves_as_written() -> None:
     kept = KeptStream(1 << 20, STRIP)
     assert kept.take(REFUSED) == REFUSED
     assert kept.failure is None
+    assert kept.reported  # counted as the engine's error, as an unkept stream's is
