@@ -59,8 +59,8 @@ async def test_with_migration_off_a_break_is_the_error_event_it_was() -> None:
         assert "not migrated" not in reply.error["message"]
         assert pair.prefill.recorder.total == 1
         assert await pair.sidecar.metric("disagg_migrations_total") == 0
-        # Counted as the decode error it is, as a stream relayed without migration is.
-        await metric_reaches(pair.sidecar, "disagg_requests_total", 1, outcome="error")
+        await metric_reaches(pair.sidecar, "disagg_requests_total", 1,
+                             outcome="broken_stream")
 
 
 @pytest.mark.parametrize("limit", [1, 2])
@@ -228,5 +228,7 @@ async def test_a_4xx_error_event_reaches_the_client_as_written() -> None:
                                "type": "BadRequestError", "code": 400}
         assert pair.prefill.recorder.total == 1
         assert await pair.sidecar.metric("disagg_migrations_total") == 0
+        # Counted as the decode error it is, as a stream relayed without migration is.
+        await metric_reaches(pair.sidecar, "disagg_requests_total", 1, outcome="error")
         # Counted as the decode error it is, as a stream relayed without migration is.
         await metric_reaches(pair.sidecar, "disagg_requests_total", 1, outcome="error")
