@@ -193,9 +193,13 @@ def completions_places(*, unasked_null: bool) -> TokenIdPlaces:
                          unasked_null=unasked_null)
 
 
-#: vLLM's chat stream: each choice's ``token_ids``, the prompt's at the first chunk's top.
-VLLM_CHAT: Final = TokenIdPlaces(ask={"return_token_ids": True}, ids_key="token_ids",
-                                 prompt_key="prompt_token_ids", prompt=PromptIds.TOP)
+#: vLLM's chat stream: each choice's ``token_ids``, the prompt's at the first chunk's top;
+#: asked, a chunk whose delta a parser held back (``{}``) is written for its ids alone
+#: (``chat_completion/serving.py``: skipped unasked unless it finishes or has logprobs).
+VLLM_CHAT: Final = TokenIdPlaces(
+    ask={"return_token_ids": True}, ids_key="token_ids", prompt_key="prompt_token_ids",
+    prompt=PromptIds.TOP,
+    asked_only=b'"delta":{},"logprobs":null,"finish_reason":null,"token_ids":null}')
 #: vLLM's token-in stream: ids always, the prompt is the request's.
 VLLM_GENERATE: Final = TokenIdPlaces(ask={}, ids_key="token_ids", prompt_key="token_ids",
                                      prompt=PromptIds.REQUEST)

@@ -33,6 +33,7 @@ text would not be parsed the same way.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -91,6 +92,9 @@ class TokenIdPlaces:
     prompt: PromptIds
     #: Unasked, the engine writes the keys as ``null`` (True) or leaves them out (False).
     unasked_null: bool = True
+    #: How an event the engine writes only when asked reads once stripped (a chunk that
+    #: carries nothing but ids), or None: every chunk is written either way.
+    asked_only: bytes | None = None
 
     def asked_by(self, body: Mapping[str, Any]) -> bool:
         """True when ``body`` itself asks for the ids (the client sees them)."""
@@ -113,16 +117,35 @@ def ids_stripper(places: TokenIdPlaces) -> Callable[[bytes], bytes]:
     """
     keys = (places.prompt_key.encode(), places.ids_key.encode())
     alternation = b"|".join(re.escape(key) for key in keys)
+    strip: Callable[[bytes], bytes]
     if places.unasked_null:
         tail = _common_tail(*keys)
         if tail and all(key == tail or key.endswith(tail) for key in keys):
             pattern = re.compile(re.escape(tail) + rb'":\[[0-9,\s]*\]')
             written = tail + b'":null'
-            return lambda data: pattern.sub(written, data)
-        led = re.compile(rb'"(' + alternation + rb')":\[[0-9,\s]*\]')
-        return lambda data: led.sub(rb'"\1":null', data)
-    gone = re.compile(rb',"(?:' + alternation + rb')":\[[0-9,\s]*\]')
-    return lambda data: gone.sub(b"", data)
+            strip = functools.partial(pattern.sub, written)
+        else:
+            led = re.compile(rb'"(' + alternation + rb')":\[[0-9,\s]*\]')
+            strip = functools.partial(led.sub, rb'"\1":null')
+    else:
+        gone = re.compile(rb',"(?:' + alternation + rb')":\[[0-9,\s]*\]')
+        strip = functools.partial(gone.sub, b"")
+    asked_only = places.asked_only
+    if asked_only is None:
+        return strip
+
+    def strip_and_skip(data: bytes) -> bytes:
+        data = strip(data)
+        if asked_only not in data:
+            return data
+        return b"".join(event for event in _events(data) if asked_only not in event)
+
+    return strip_and_skip
+
+
+def _events(data: bytes) -> list[bytes]:
+    """Whole events, each with its blank line."""
+    return [event + b"\n\n" for event in data.split(b"\n\n") if event]
 
 
 def _common_tail(first: bytes, second: bytes) -> bytes:

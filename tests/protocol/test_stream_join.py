@@ -203,3 +203,13 @@ def test_token_in_spans_reach_back_to_the_answers_start() -> None:
 def test_an_engine_error_event_is_its_own_failure_unless_a_4xx(event: bytes,
                                                                fault: bool) -> None:
     assert engine_fault_event(event) is fault
+
+
+def test_a_chat_chunk_vllm_writes_only_when_asked_is_left_out() -> None:
+    held = (b'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"tiny",'
+            b'"choices":[{"index":0,"delta":{},"logprobs":null,"finish_reason":null,'
+            b'"token_ids":[5]}]}\n\n')
+    finishing = held.replace(b'"finish_reason":null', b'"finish_reason":"length"')
+    strip = ids_stripper(VLLM_CHAT)
+    assert strip(ASKED_CHAT + held) == UNASKED_CHAT
+    assert strip(finishing) == finishing.replace(b"[5]", b"null")
