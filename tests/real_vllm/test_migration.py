@@ -188,10 +188,12 @@ def migrations(sidecar: Sidecar, outcome: str) -> float:
                if line.startswith("disagg_migrations_total{") and f'outcome="{outcome}"' in line)
 
 
-def answered_at(url: str, body: dict[str, Any]) -> tuple[dict[str, Any], float]:
-    """A JSON answer, and when it came."""
-    reply = post_json(url, body, timeout=300)
-    return reply, time.monotonic()
+def answered_at(sidecar: Sidecar, path: str, body: dict[str, Any],
+                target: str) -> tuple[dict[str, Any], float]:
+    """A JSON answer through ``sidecar`` as a pair with ``target``, and when it came."""
+    reply = post_raw(sidecar.url + path, body, timeout=300, headers={PREFILL_HEADER: target})
+    assert reply.status == 200, reply.body
+    return reply.json(), time.monotonic()
 
 
 def rises(engine: Engine, name: str, above: float) -> None:
@@ -297,7 +299,7 @@ def test_a_killed_decode_engine_s_answers_complete_elsewhere(
         # counted its prompt (it does at its first token): it is decoding when the engine
         # dies (its 360 tokens far from done; the streams' too).
         counted = metric_value(decode.url, PROMPT_TOKENS)
-        answer = pool.submit(answered_at, pd.url + COMPLETIONS, whole)
+        answer = pool.submit(answered_at, pd, COMPLETIONS, whole, target)
         rises(decode, PROMPT_TOKENS, counted)
         killed_at = kill(nixl_group, DECODE)
         for done in reading:
