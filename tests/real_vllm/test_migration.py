@@ -13,9 +13,10 @@ engine: ``--local-prefill-max-tokens``). Two kills, each restarting the decode e
    the baseline's greedy tokens and text (the chat stream with no ids in sight), one
    ``[DONE]``, the baseline's usage counts; the JSON answer is the baseline's;
    ``disagg_migrations_total{migrated}`` counts the three.
-2. a stream through ``off`` and one through ``local``, at once: the first ends with the
-   typed error event (``decode_failed``) and no ``[DONE]``; the second (never paired)
-   continues on the prefill engine with the baseline's tokens.
+2. a stream through ``off``, then (once it decodes) one through ``local``; killed once both
+   have ``KILL_AFTER`` tokens: the first ends with the typed error event (``decode_failed``)
+   and no ``[DONE]``; the second (never paired) continues on the prefill engine with the
+   baseline's tokens.
 
 Before the kills: a stream through ``pd`` without a failure has the chunks and the text of
 one through ``off`` (the ids asked for the sidecar's sake reach no client that did not ask).
@@ -335,15 +336,19 @@ def test_a_killed_decode_engine_s_answers_complete_elsewhere(
     expected_local = baseline_stream(nixl_group.engines[DECODE], COMPLETIONS, local_body)
     cut_body = completion_body(block_prompt("migration off", 3), MAX_TOKENS, **options)
     with ThreadPoolExecutor(2) as pool:
+        # The paired stream first: the local one, with no prefill leg, starts decoding at
+        # once and would be done before the other had begun.
         got_off, got_local = Streamed(), Streamed()
-        reading = [pool.submit(stream, off, COMPLETIONS, cut_body, target, got_off),
-                   pool.submit(stream, local, COMPLETIONS, local_body, target, got_local)]
-        assert got_off.started.wait(120) and got_local.started.wait(120)
+        reading = [pool.submit(stream, off, COMPLETIONS, cut_body, target, got_off)]
+        assert got_off.started.wait(120)
+        reading.append(pool.submit(stream, local, COMPLETIONS, local_body, target, got_local))
+        assert got_local.started.wait(120)
         killed_at = kill(nixl_group, DECODE)
         for done in reading:
             done.result()
 
     print(f"failure to first continued token: local {got_local.gap_after(killed_at):.3f} s")
+    assert all(t > killed_at for t in (got_off.times[-1], got_local.times[-1]))
     assert got_off.done == 0
     assert got_off.chunks[-1]["error"]["code"] == "decode_failed"
     assert "not migrated" not in got_off.chunks[-1]["error"]["message"]
