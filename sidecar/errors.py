@@ -175,6 +175,10 @@ class DecodeFailed(SidecarError):
     code = "decode_failed"
     http_status = 502
     default_stage = Stage.DECODE
+    #: The failure is the engine's (5xx, reset, garbage, a 5xx error event in its stream);
+    #: False for an answer about the request (a 4xx such as 404 or 429): a migration
+    #: (``sidecar.request.migration``) moves only the former.
+    engine_fault: bool = True
 
 
 class Overloaded(SidecarError):

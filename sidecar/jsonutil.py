@@ -134,3 +134,18 @@ def type_name(value: object) -> str:
     if isinstance(value, list | tuple):
         return "array"
     return "object"
+
+
+def with_fields(raw: bytes, fields: dict[str, Any]) -> bytes:
+    """``raw`` (a JSON object's text, none of ``fields``' keys in it) with ``fields`` added at
+    its top level, written before its first key: the rest stays byte for byte as it was, so a
+    body that travels as it came pays one copy, never a parse and a write."""
+    if not fields:
+        return raw
+    start = raw.find(b"{")
+    if start < 0:
+        raise ValueError("not a JSON object")
+    added = orjson.dumps(fields)[1:-1]
+    rest = raw[start + 1:]
+    separator = b"" if rest.lstrip().startswith(b"}") else b","
+    return raw[:start + 1] + added + separator + rest

@@ -21,7 +21,7 @@ import contextlib
 import ipaddress
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from sidecar.config.limits import PrefillFailurePolicy
 from sidecar.config.settings import KVTransport, Settings
@@ -39,6 +39,7 @@ from sidecar.observability.otlp import start_tracing
 from sidecar.observability.tracing import NoTracing, Tracing
 from sidecar.protocol.context import FrontDoor, PrefillTarget
 from sidecar.protocol.request import BodyChecks
+from sidecar.request.migration import Migrations
 from sidecar.request.placement import Placer, Rules
 from sidecar.request.runner import FlowCounters, Runner
 from sidecar.request.scope import Admission, Scopes
@@ -84,6 +85,8 @@ class Runtime:
     worker: WorkerIdentity = SOLO
     #: The local engine's prefix cache from its KV events (``--kv-events-endpoint``), or None.
     kv_cache: EngineKVCache | None = None
+    #: Streams continued on another engine when theirs dies (``--migration-limit``).
+    migrations: Migrations | None = None
     _closed: bool = False
 
 
@@ -155,19 +158,23 @@ def data_parallel_ranks(settings: Settings, ranked: bool) -> tuple[int, int]:
 
 
 def _runners(settings: Settings, metrics: Metrics, calls: EngineCalls, setup: DialectSetup,
-             targets: PrefillTargets, rules: Rules) -> tuple[Runner, Runner]:
+             targets: PrefillTargets, rules: Rules,
+             health: EngineHealth) -> tuple[Runner, Runner]:
     """The HTTP door's runner and the gRPC door's (the same one but for the inline transport)."""
     dialect = dialect_class(settings.engine, settings.kv_connector)(setup)
     fallbacks = metrics.prefill_fallbacks
     retries = {door: metrics.labelled(metrics.prefill_retries, door) for door in FrontDoor}
+    migrations = metrics.migrations
     counters = FlowCounters(
         fallback=lambda door, reason: fallbacks.labels(door, reason).inc(),
         retry=lambda door: retries[FrontDoor(door)].inc(),
+        migration=lambda outcome, reason: metrics.counter(migrations, outcome, reason).inc(),
     )
+    rules = replace(rules, prefill_decodes=dialect.prefill_decodes)
 
     def runner(of: Dialect) -> Runner:
         return Runner(of, calls, targets, targets.ranks, rules=rules, counters=counters,
-                      prefill_timeout_s=settings.prefill_timeout_s)
+                      prefill_timeout_s=settings.prefill_timeout_s, health=health)
 
     http_runner = runner(dialect)
     if settings.kv_transport is not KVTransport.INLINE:
@@ -286,8 +293,12 @@ async def open_runtime(
         # leg; after a failed leg the placement asks whether a decode went (after_failure).
         rules = Rules(max_tokens=settings.local_prefill_max_tokens,
                       max_uncached=settings.local_prefill_max_uncached_tokens,
-                      local_fallback=settings.on_prefill_failure is PrefillFailurePolicy.LOCAL)
-        http_runner, grpc_runner = _runners(settings, metrics, calls, setup, targets, rules)
+                      local_fallback=settings.on_prefill_failure is PrefillFailurePolicy.LOCAL,
+                      migration_limit=settings.migration_limit,
+                      migration_pool=tuple(parse_prefill_url(url)
+                                           for url in settings.migration_urls))
+        http_runner, grpc_runner = _runners(settings, metrics, calls, setup, targets, rules,
+                                            health)
         dialect = http_runner.dialect
 
         def scopes(front_door: FrontDoor) -> Scopes:
@@ -334,6 +345,10 @@ async def open_runtime(
             tracing=tracing,
             body_checks=BodyChecks(handoff_keys()),
             kv_cache=kv_cache,
+            migrations=Migrations(
+                dialect, http_runner, limit=settings.migration_limit,
+                counter=lambda outcome, reason: metrics.counter(
+                    metrics.migrations, outcome, reason).inc()),
         )
         runtime.health.on_change(lambda ready: metrics.engine_ready.set(1 if ready else 0))
         yield runtime

@@ -33,6 +33,9 @@ FLAG_GROUPS: Final[tuple[FlagGroup, ...]] = (
         "prefill_urls", "prefill_allowlist", "prefill_pod_selector", "prefill_pod_namespace",
         "prefill_cooldown_s", "prefill_breaker_failures", "prefill_breaker_open_s",
         "prefill_breaker_successes", "on_prefill_failure", "trusted_router")),
+    FlagGroup("migration", "a request whose engine dies after its answer began, moved to "
+              "another engine", ("migration_limit", "migration_urls",
+                                 "migration_max_stream_bytes"), prefixes=("migration_",)),
     FlagGroup("placement", "which requests are disaggregated, and how they fan out", (
         "local_prefill_max_tokens", "prompt_length_source", "tokenize_timeout_s", "max_fanout"),
         prefixes=("local_prefill_", "kv_events_", "placement_")),

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from sidecar.config.urls import check_prefill_url
 
 
 class PrefillFailurePolicy(StrEnum):
@@ -108,6 +110,30 @@ class LimitsSettings(BaseModel):
         description="Trial legs (one at a time) that must answer to close a half-open circuit "
         "breaker.",
     )
+    migration_limit: int = Field(
+        default=1,
+        ge=0,
+        le=16,
+        description="How many times one request may move to another engine when the engine "
+        "serving it dies after its answer began (a stream continues token for token where "
+        "it broke; a JSON request runs again): 0 turns migration off "
+        "(docs/operating/reliability.md#migration).",
+    )
+    migration_urls: tuple[str, ...] = Field(
+        default=(),
+        description="Engines that run requests whole, each http(s)://host:port with nothing "
+        "else, where a migrated request may continue: the only places for an engine whose "
+        "prefill servers cannot run a request whole, else tried after the request's prefill "
+        "targets. Repeat "
+        "the flag; comma-separated in env.",
+    )
+    migration_max_stream_bytes: int = Field(
+        default=8 * 1024 * 1024,
+        ge=64 * 1024,
+        description="A stream that may move is kept (the engine's bytes) up to this size to "
+        "read its token ids back when its engine dies; past it the stream is no longer "
+        "migrated.",
+    )
     max_body_bytes: int = Field(
         default=32 * 1024 * 1024, ge=1024, description="Largest client request body."
     )
@@ -166,3 +192,10 @@ class LimitsSettings(BaseModel):
     drain_grace_s: float = Field(
         default=30.0, ge=0, description="On SIGTERM, seconds to let in-flight requests finish."
     )
+
+    @field_validator("migration_urls")
+    @classmethod
+    def _migration_urls(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for url in value:
+            check_prefill_url(url)
+        return value

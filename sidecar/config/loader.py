@@ -69,12 +69,13 @@ ENV_PREFIX = "DISAGG_"
 SOURCE_DEFAULT = "default"
 #: Flags that are not simply ``--`` + the field name with dashes.
 FLAG_OVERRIDES: Mapping[str, str] = MappingProxyType(
-    {"grpc_enabled": "--grpc", "prefill_urls": "--prefill-url"}
+    {"grpc_enabled": "--grpc", "prefill_urls": "--prefill-url",
+     "migration_urls": "--migration-url"}
 )
 #: Fields given as a list: repeatable or comma-separated flags, comma-separated env.
-LIST_FIELDS = frozenset({"prefill_urls", "prefill_allowlist"})
+LIST_FIELDS = frozenset({"prefill_urls", "prefill_allowlist", "migration_urls"})
 #: Fields whose flag may be repeated (each occurrence may also hold commas).
-REPEATABLE_FIELDS = frozenset({"prefill_urls", "prefill_allowlist"})
+REPEATABLE_FIELDS = frozenset({"prefill_urls", "prefill_allowlist", "migration_urls"})
 
 _TRUE = frozenset({"true", "1", "yes"})
 _FALSE = frozenset({"false", "0", "no"})

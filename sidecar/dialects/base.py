@@ -24,6 +24,12 @@ may not send them), the request keys that make a streamed completion carry token
 (``token_id_fields``), its abort call, its tokenizer endpoint, the settings it adds
 (``Options``). The core never names an engine: it asks the dialect.
 
+A migration (``sidecar.request.migration``) asks the dialect where a route's stream carries
+token ids (``token_ids``), what a request's ids read as text (``ids_text``), which requests
+cannot be continued exactly (``continuation_refusal``), the body that continues an answer on
+another engine (``continuation``), and whether a prefill engine can run one whole
+(``prefill_decodes``).
+
 Dialects do no I/O of their own. The one lookup a hand-off may need (an engine id that only
 the prefill's side channel tells) goes through the ``EngineLookup`` the core hands in.
 
@@ -36,7 +42,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from types import MappingProxyType
 from typing import Any, ClassVar, Literal, NamedTuple, Protocol, Self
@@ -46,6 +52,7 @@ from pydantic import BaseModel, ConfigDict
 from sidecar.errors import SidecarError
 from sidecar.protocol.apis import api_of
 from sidecar.protocol.context import OPENAI_ROUTES, HandoffContext, Route
+from sidecar.protocol.continuation import TokenIdPlaces
 from sidecar.protocol.sse import StreamMarkers
 
 
@@ -94,6 +101,17 @@ class KVLayoutSource:
 
     path: str
     read: Callable[[bytes], Mapping[str, str] | None]
+
+
+@dataclass(frozen=True, slots=True)
+class IdsText:
+    """An engine's endpoint that reads token ids back as text: its path, the body's field
+    for the ids and the answer's field for the text (and fields the body always carries)."""
+
+    path: str
+    ids_field: str
+    text_field: str
+    extra: Mapping[str, Any] = field(default_factory=dict)
 
 
 class PodSource(NamedTuple):
@@ -199,6 +217,10 @@ class Dialect(ABC):
     #: The request header the engine reads a leg's data-parallel rank from (None: elsewhere,
     #: or nowhere).
     rank_header: ClassVar[str | None] = None
+    #: True when a prefill engine also runs requests whole (it can take a migrated one).
+    prefill_decodes: ClassVar[bool] = False
+    #: The engine's endpoint that reads token ids back as text (None: it has none).
+    ids_text: ClassVar[IdsText | None] = None
 
     def __init__(self, setup: DialectSetup) -> None:
         self.setup = setup
@@ -314,6 +336,23 @@ class Dialect(ABC):
         """What to check when the decode engine failed a pair's decode leg (5xx, broken): for
         engines that rendezvous, the setting both sides must agree on; None: no hint."""
         return None
+
+    # -- migration: an answer continued on another engine ---------------------------------
+
+    def token_ids(self, route: Route) -> TokenIdPlaces | None:
+        """Where this engine's stream on ``route`` carries token ids once asked (None: it
+        carries none, so its streams are never continued)."""
+        return None
+
+    def continuation_refusal(self, route: Route, body: Mapping[str, Any]) -> str | None:
+        """Why ``body`` cannot be continued token for token on another engine (None: it can)."""
+        return None
+
+    def continuation(self, route: Route, body: Mapping[str, Any], prompt_ids: list[int],
+                     ids: list[int]) -> tuple[Route, dict[str, Any]]:
+        """The rest of ``body``'s answer as a request to another engine (the route it goes to,
+        its body): the prompt's ids and the answer's so far as its prompt."""
+        raise NotImplementedError(f"the {self.engine} engine does not continue answers")
 
     def stream_markers(self, route: Route) -> StreamMarkers:
         """How this engine's stream on ``route`` ends, and how an error event in it starts

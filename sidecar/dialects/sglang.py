@@ -35,6 +35,15 @@ room can inherit a stale failure); in a pool of workers each worker draws from i
 (``room % lanes == lane``; with P ranks ``(room // P) % lanes == lane``), so no two workers
 of one pod can hand out the same room, in either range.
 
+Migration (``sidecar.request.migration``; SGLang main, 2026: ``protocol.py``,
+``serving_completions.py``, ``serving_chat.py``, ``serving_tokenize.py``): its completions
+stream carries each chunk's ``token_ids`` and the first chunk's ``prompt_token_ids`` on the
+choice with ``return_token_ids`` (both left out when not asked); its chat route refuses
+``return_token_ids`` on a stream, and no other route streams ids, so only completions
+continue. An SGLang prefill server cannot run a request whole: a moved answer continues only
+on the engines ``--migration-url`` names (servers that run requests start to end).
+``/v1/detokenize`` reads ids back as text (``{"tokens"}`` -> ``{"text"}``).
+
 Deliberate limits: one room per request (fan-out gives each sub-request its own).
 """
 
@@ -52,14 +61,17 @@ from sidecar.dialects.base import (
     Dialect,
     DialectOptions,
     DialectSetup,
+    IdsText,
     Legs,
     PodSource,
     TokenizeEndpoint,
     check_lane,
     merge_top_level,
 )
+from sidecar.dialects.continuation import completions_places, continuation_body, refusal
 from sidecar.errors import ResourceExhausted, SidecarError
 from sidecar.protocol.context import OPENAI_ROUTES, FrontDoor, HandoffContext, Route
+from sidecar.protocol.continuation import TokenIdPlaces
 
 BOOTSTRAP_HOST: Final = "bootstrap_host"
 BOOTSTRAP_PORT: Final = "bootstrap_port"
@@ -82,6 +94,10 @@ _MAX_DRAWS: Final = 1000
 
 INT64_ROOMS: Final = (1 << 63) - 1
 INT32_ROOMS: Final = (1 << 31) - 1
+
+
+#: Where SGLang's completions stream carries token ids (left out when not asked).
+COMPLETIONS_IDS: Final = completions_places(unasked_null=False)
 
 
 class SGLangOptions(DialectOptions):
@@ -190,6 +206,18 @@ class SGLangDialect(Dialect):
     #: SGLang's ``/v1/tokenize`` takes a completions ``prompt`` only.
     tokenize = TokenizeEndpoint("/v1/tokenize", chat=False)
     Options = SGLangOptions
+    ids_text = IdsText("/v1/detokenize", ids_field="tokens", text_field="text",
+                       extra=MappingProxyType({"skip_special_tokens": True}))
+
+    def token_ids(self, route: Route) -> TokenIdPlaces | None:
+        return COMPLETIONS_IDS if route is Route.COMPLETIONS else None
+
+    def continuation_refusal(self, route: Route, body: Mapping[str, Any]) -> str | None:
+        return refusal(route, body)
+
+    def continuation(self, route: Route, body: Mapping[str, Any], prompt_ids: list[int],
+                     ids: list[int]) -> tuple[Route, dict[str, Any]]:
+        return continuation_body(route, body, prompt_ids, ids, COMPLETIONS_IDS)
 
     def __init__(self, setup: DialectSetup) -> None:
         super().__init__(setup)

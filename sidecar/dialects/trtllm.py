@@ -20,6 +20,12 @@ unknown fields) and its Anthropic adapter builds the chat request from Anthropic
 (the hand-off would be dropped unannounced): both run whole on the local engine.
 ``/inference/v1/generate`` is not served: refused.
 
+Migration (``sidecar.request.migration``): TensorRT-LLM streams token ids only with
+``detokenize: false``, and then no text (``postprocess_handlers.py``: a completions choice's
+``token_ids`` replace its ``text``; a chat chunk carries none), so a client's stream can never
+be continued; a JSON answer whose engine died runs again on an engine ``--migration-url``
+names (a context server cannot run a request whole).
+
 When the context response already finished (``answered_by_prefill``), the core returns it as
 the answer, without its ``disaggregated_params`` (``prefill_answer``).
 

@@ -18,6 +18,13 @@ in ``nixl/metadata.py``, and what any connector's bytes mean); block sizes and t
 sizes may differ (NIXL's handshake maps them: ``_validate_remote_agent_handshake``, its
 ``block_size_ratio`` and ``tp_ratio``).
 
+Migration (``sidecar.request.migration``): with ``return_token_ids`` vLLM's completions and
+chat streams carry each chunk's ``token_ids`` and the prompt's in the first chunk (on the
+choice; at the chunk's top for chat; both ``null`` when not asked: the fixtures under
+``tests/fixtures/vllm``); ``/inference/v1/generate`` always carries them. A prefill engine
+(``kv_producer``) runs a request without hand-off fields whole, so it can take a moved one;
+``/detokenize`` reads ids back as text. The Responses and Messages streams carry no ids.
+
 Data parallelism: vLLM's API server places a request on the rank its ``X-data-parallel-rank``
 header names (one API server for all ranks, internal load balancing); every vLLM dialect
 sends it on both legs when the engine has several ranks, and nothing otherwise.
@@ -27,14 +34,30 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from typing import Final
+from typing import Any, Final
 
-from sidecar.dialects.base import Dialect, KVLayoutSource, TokenizeEndpoint
+from sidecar.dialects.base import Dialect, IdsText, KVLayoutSource, TokenizeEndpoint
+from sidecar.dialects.continuation import (
+    VLLM_CHAT,
+    VLLM_GENERATE,
+    completions_places,
+    continuation_body,
+    refusal,
+)
 from sidecar.errors import InvalidHandoff
+from sidecar.protocol.context import Route
+from sidecar.protocol.continuation import TokenIdPlaces
 
 KV_TRANSFER_PARAMS: Final = "kv_transfer_params"
 #: The header vLLM's API server reads a request's data-parallel rank from.
 DATA_PARALLEL_RANK_HEADER: Final = "X-data-parallel-rank"
+
+#: Where vLLM's streams carry token ids, by route.
+TOKEN_ID_PLACES: Final[Mapping[Route, TokenIdPlaces]] = {
+    Route.COMPLETIONS: completions_places(unasked_null=True),
+    Route.CHAT: VLLM_CHAT,
+    Route.GENERATE: VLLM_GENERATE,
+}
 
 
 #: The metric whose labels are the engine's ``CacheConfig``.
@@ -76,6 +99,19 @@ class VLLMDialect(Dialect):
         unkeyed_fields=("cache_salt", "truncate_prompt_tokens"),
     )
     kv_layout = KVLayoutSource("/metrics", cache_config)
+    prefill_decodes = True
+    ids_text = IdsText("/detokenize", ids_field="tokens", text_field="prompt")
+
+    def token_ids(self, route: Route) -> TokenIdPlaces | None:
+        return TOKEN_ID_PLACES.get(route)
+
+    def continuation_refusal(self, route: Route, body: Mapping[str, Any]) -> str | None:
+        return refusal(route, body)
+
+    def continuation(self, route: Route, body: Mapping[str, Any], prompt_ids: list[int],
+                     ids: list[int]) -> tuple[Route, dict[str, Any]]:
+        return continuation_body(route, body, prompt_ids, ids,
+                                              TOKEN_ID_PLACES[route])
 
     @classmethod
     def no_handoff(cls, what: str) -> InvalidHandoff:

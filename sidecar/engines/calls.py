@@ -9,6 +9,10 @@ docs/extending/design-notes.md#upstream-client).
                                       one cools the rank down)
     open_decode(route, body, ...)  ─▶ UpstreamResponse (head arrived, status 200; a rank as
                                       for the prefill, on the local engine)
+    open_on(engine, route, body, ...) ─▶ the same, on a chosen engine (None: the local one): a
+                                      request moved whole there (``sidecar.request.migration``)
+    post_engine(engine, path, body)   ─▶ a small JSON call to a chosen engine (a migration's
+                                      look-up of what token ids read as)
     post_local(path, body, ...)    ─▶ a small JSON call to the local engine (its tokenizer)
     passthrough(method, path, ...) ─▶ the local engine's raw response (HTTP passthrough)
     model_name(stage)              ─▶ the local engine's served model (gRPC bodies)
@@ -97,6 +101,8 @@ _MAX_REMEMBERED_URLS: Final = 4096
 _JSON_HEADERS: Final = {"Content-Type": "application/json"}
 #: An abort call's answer is a short acknowledgement; it is read only to keep the connection.
 _MAX_ABORT_ANSWER: Final = 64 * 1024
+#: How messages name an engine a request moved to (its address only in the log).
+MOVED_ENGINE: Final = "the engine the request moved to"
 
 class Count(Protocol):
     """A counter's handle (``observability.prometheus_private.CounterValue``)."""
@@ -194,22 +200,29 @@ async def open_decode(
     body: Mapping[str, Any] | bytes,
     headers: Mapping[str, str],
     span: LegSpan = NOOP_SPAN,
+    *,
+    server_hostname: str | None = None,
+    who: str = LOCAL_ENGINE,
+    answering: str = DECODE_ENGINE,
 ) -> UpstreamResponse:
-    """POST the decode body; return the response once its head arrived (status 200)."""
+    """POST the decode body; return the response once its head arrived (status 200).
+    ``who``/``answering``: the engine as a failure to reach it / of its answer names it."""
     payload = body if isinstance(body, bytes) else jsonutil.dumps(body)
     try:
         response = await session.request(
-            "POST", url, headers=_json_headers(headers), body=payload
+            "POST", url, headers=_json_headers(headers), body=payload,
+            server_hostname=server_hostname,
         )
     except UpstreamTLSError as exc:
         log_tls_failure(url, exc)
-        raise DecodeFailed(connect_failure(exc, LOCAL_ENGINE), stage=Stage.DECODE) from None
+        raise DecodeFailed(connect_failure(exc, who), stage=Stage.DECODE) from None
     except UpstreamConnectError as exc:
-        raise EngineNotReady(connect_failure(exc, LOCAL_ENGINE), stage=Stage.DECODE) from None
+        raise EngineNotReady(connect_failure(exc, who), stage=Stage.DECODE) from None
     except TimeoutError:
-        raise DeadlineExceeded("decode engine did not answer in time", stage=Stage.DECODE) from None
+        raise DeadlineExceeded(f"{answering} did not answer in time",
+                               stage=Stage.DECODE) from None
     except UpstreamError as exc:
-        raise DecodeFailed(broken_connection(exc, DECODE_ENGINE), stage=Stage.DECODE) from None
+        raise DecodeFailed(broken_connection(exc, answering), stage=Stage.DECODE) from None
     if span.recording:
         span.set(HTTP_STATUS, response.status)
     if response.status != 200:
@@ -217,7 +230,7 @@ async def open_decode(
             body = await drain_error_body(response)
         finally:
             response.release()
-        raise status_error(response.status, Stage.DECODE, DECODE_ENGINE, body)
+        raise status_error(response.status, Stage.DECODE, answering, body)
     return response
 
 
@@ -473,6 +486,47 @@ class EngineCalls:
             return await open_decode(
                 self.session, self.engine_url + route.value, body, span.headers(headers), span
             )
+
+    def open_on(
+        self,
+        engine: Engine,
+        route: Route,
+        body: Mapping[str, Any] | bytes,
+        headers: Mapping[str, str],
+        trace: RequestTrace = NOOP_TRACE,
+    ) -> Awaitable[UpstreamResponse]:
+        """POST a whole request to ``engine`` (None: the local engine; else a prefill target or
+        a migration engine, reached as a prefill leg would be); the response once its head
+        arrived. Its failures name the engine as a moved request's (never a target's address,
+        which a client's answer must not carry)."""
+        if engine is LOCAL:
+            return self.open_decode(route, body, headers, trace)
+        url = self.prefill_url(engine, route)
+        if not trace.active:
+            return open_decode(self.session, url, body, headers,
+                               server_hostname=engine.tls_name, who=MOVED_ENGINE,
+                               answering=MOVED_ENGINE)
+        return self._traced_open_on(engine, url, body, headers, trace)
+
+    async def _traced_open_on(self, engine: PrefillTarget, url: str,
+                              body: Mapping[str, Any] | bytes, headers: Mapping[str, str],
+                              trace: RequestTrace) -> UpstreamResponse:
+        with trace.span(DECODE_FIRST_BYTE_SPAN, client=True, attributes=_target(url)) as span:
+            return await open_decode(self.session, url, body, span.headers(headers), span,
+                                     server_hostname=engine.tls_name, who=MOVED_ENGINE,
+                                     answering=MOVED_ENGINE)
+
+    async def post_engine(self, engine: Engine, path: str, body: Mapping[str, Any], *,
+                          max_bytes: int) -> dict[str, Any]:
+        """POST a small JSON call to ``engine`` (None: the local engine) within the connect
+        timeout; its JSON object answer (``PrefillFailed`` otherwise, as for a prefill)."""
+        if engine is LOCAL:
+            return await self.post_local(path, body, _JSON_HEADERS, max_bytes=max_bytes)
+        return await post_prefill(
+            self.session, engine.base_url + path, body, _JSON_HEADERS,
+            timeout_s=self._connect_timeout_s, max_bytes=max_bytes,
+            server_hostname=engine.tls_name, who=MOVED_ENGINE,
+        )
 
     async def passthrough(
         self,

@@ -75,7 +75,9 @@ def status_error(status: int, stage: Stage, who: str, body: bytes = b"") -> Side
     if status in _CLIENT_FAULT_STATUSES:
         error = EngineRejected(f"{who} rejected the request (HTTP {status}){said}", stage=stage)
     elif stage is not Stage.PREFILL:
-        error = DecodeFailed(f"{who} answered HTTP {status}{said}", stage=stage)
+        decode = DecodeFailed(f"{who} answered HTTP {status}{said}", stage=stage)
+        decode.engine_fault = not client_side
+        error = decode
     else:
         # A prefill answered 503/429 has not started (no token before the status line): it
         # may move to another target. 429 and other 4xx say nothing against the engine's

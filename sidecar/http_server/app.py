@@ -23,6 +23,10 @@ A PD route's request: parse, decide, run, relay, each once.
                       │ a pair on (target, prefill rank, decode rank) ─▶ runner.run
                       └ a typed refusal
         ─▶ relay ─▶ client (a JSON answer here; a stream: relay.py)
+        ─▶ the engine answering dies after the answer began ─▶ a JSON request runs again
+           whole elsewhere (``Runner.rerun``); a stream continues where it broke
+           (``sidecar.request.migration``: its continuation relayed as this client's stream),
+           or ends with the error naming why it did not move
 
 Where a request runs is the placement decision's (``sidecar.request.placement``), never
 this module's; how its legs run is the runner's (``sidecar.request.runner``). A router's
@@ -56,7 +60,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
 
 from aiohttp import hdrs, web
 from multidict import CIMultiDict
@@ -70,15 +74,23 @@ from sidecar.http_server.body import BodyLimits, BodyReader
 from sidecar.http_server.errors import error_response
 from sidecar.http_server.fanout import relay_fanout
 from sidecar.http_server.keys import BODY, RUNTIME
-from sidecar.http_server.relay import PrefillUsage, SSERelay, stream_broke, stream_delivered
+from sidecar.http_server.relay import (
+    ContinuationDiverged,
+    KeptStream,
+    PrefillUsage,
+    SSERelay,
+    stream_broke,
+    stream_delivered,
+)
 from sidecar.observability.tracing import NOOP_SPAN, RELAY_SPAN, RELAYED_BYTES, LegSpan
-from sidecar.protocol.apis import Api, api_of
+from sidecar.protocol.apis import Api, api_of, usage_of
 from sidecar.protocol.context import Route
 from sidecar.protocol.request import REQUEST_ID_HEADER, ClientRequest, request_id_or_new
 from sidecar.protocol.sse import answer_as_sse
 from sidecar.request.legs import PDExchange, PDRequest
-from sidecar.request.placement import Decision
-from sidecar.request.scope import LOCAL_STATE, REFUSED, UNSERVED_ROUTE, RequestScope
+from sidecar.request.migration import OFF, Migrations, NotMigrated, Plan
+from sidecar.request.placement import Decision, Fate, decode_engine_failed
+from sidecar.request.scope import LOCAL_STATE, MIGRATED, REFUSED, UNSERVED_ROUTE, RequestScope
 from sidecar.runtime import Runtime
 from sidecar.targets.choice import RANK_HEADER, parse_rank_header
 from sidecar.targets.selector import PREFILL_TARGET_HEADER
@@ -199,6 +211,10 @@ async def handle_pd(request: web.Request, route: Route) -> web.StreamResponse:
                                        runtime.runner.ranks.prefill_size)
         headers = forwardable_headers(request.headers.items(), drop=("accept-encoding",))
         headers[REQUEST_ID_HEADER] = request_id
+        migrations = runtime.migrations
+        plan = (OFF if migrations is None or client.sub_requests > 1
+                else migrations.whole if not client.stream
+                else migrations.plan(route, client.body, True))
         pd_request = PDRequest(
             route=route,
             body=client.body,
@@ -210,6 +226,7 @@ async def handle_pd(request: web.Request, route: Route) -> web.StreamResponse:
             trace=scope.trace,
             prefill_rank=named_rank,
             raw=raw,
+            engine_fields=plan.engine_fields,
         )
         if client.sub_requests > 1:
             note.sub_requests = client.sub_requests
@@ -227,14 +244,16 @@ async def handle_pd(request: web.Request, route: Route) -> web.StreamResponse:
         # The relay may still turn it into broken_stream or error (an engine's error event).
         scope.outcome = exchange.outcome
         note.reason = exchange.fallback_reason
+        answer = _Answer(pd_request, exchange.decision or decision, plan)
         try:
             scope.observe_timings(exchange.timings)
             if scope.trace.active:
                 with scope.trace.span(RELAY_SPAN) as relay_span:
                     return await _relay(request, runtime, scope, exchange, client, api,
-                                        relay_span)
+                                        relay_span, answer)
             # Untraced: not even a no-op span's calls.
-            return await _relay(request, runtime, scope, exchange, client, api, NOOP_SPAN)
+            return await _relay(request, runtime, scope, exchange, client, api, NOOP_SPAN,
+                                answer)
         finally:
             await exchange.aclose()
     except SidecarError as error:
@@ -252,6 +271,16 @@ async def handle_pd(request: web.Request, route: Route) -> web.StreamResponse:
         scope.close()
 
 
+@dataclass(frozen=True, slots=True)
+class _Answer:
+    """What continuing a request's answer elsewhere needs: the request, the decision it ran
+    on, its migration plan."""
+
+    request: PDRequest
+    decision: Decision
+    plan: Plan
+
+
 async def _relay(
     request: web.Request,
     runtime: Runtime,
@@ -260,18 +289,19 @@ async def _relay(
     client: ClientRequest,
     api: Api,
     span: LegSpan,
+    answer: _Answer,
 ) -> web.StreamResponse:
     request_id = scope.request_id
     relayed = scope.relayed_bytes
     stream = client.stream
     route = client.route
     if exchange.decode is None:
-        answer = exchange.answer or {}
+        answer_ = exchange.answer or {}
         if stream:
-            body = answer_as_sse(answer, route)
+            body = answer_as_sse(answer_, route)
             content_type = "text/event-stream"
         else:
-            body = jsonutil.dumps(answer)
+            body = jsonutil.dumps(answer_)
             content_type = "application/json"
         relayed.inc(len(body))
         if span.recording:
@@ -282,34 +312,29 @@ async def _relay(
                if (value := exchange.decode.header(name)) is not None}
     headers[REQUEST_ID_HEADER] = request_id
     if not stream:
-        body = await exchange.read_all(runtime.settings.max_body_bytes)
-        try:
-            # A cut or garbled answer must not reach the client as a 200.
-            answer = jsonutil.loads(body)
-        except jsonutil.JSONDecodeError:
-            raise DecodeFailed("decode engine answered malformed JSON",
-                               stage=Stage.DECODE) from None
-        if exchange.disaggregated and isinstance(answer, dict):
-            told = api.answer_with_true_usage(answer, await exchange.prefill_reply())
-            if told is not None:
-                body = jsonutil.dumps(told)
-        relayed.inc(len(body))
-        if span.recording:
-            span.set(RELAYED_BYTES, len(body))
-        return web.Response(body=body, headers=headers)
+        return await _relay_json(runtime, scope, exchange, api, span, answer, headers)
     # Each read's bytes go to the client from the read callback (relay.py): no task wake-up
     # per token; the error-event check and the tail are kept there.
     usage = (PrefillUsage(exchange)
              if exchange.disaggregated and api.stream_has_usage(client.body) else None)
+    plan = answer.plan
+    kept = (KeptStream(runtime.settings.migration_max_stream_bytes, plan.strip)
+            if plan.keeps else None)
     relay = SSERelay(request, headers, runtime.dialect.stream_markers(route), api=api,
-                     usage=usage)
+                     usage=usage, kept=kept)
     await relay.start()
     try:
-        await exchange.pipe(relay.feed, relay.catch_up)
-        if not relay.ended_with_done():
-            # The engine closed cleanly mid-event: a cut stream, not a finished one.
-            raise DecodeFailed("decode stream ended without its end event",
-                               stage=Stage.DECODE)
+        try:
+            await exchange.pipe(relay.feed, relay.catch_up)
+            if not relay.ended_with_done():
+                # The engine closed cleanly mid-event: a cut stream, not a finished one.
+                raise DecodeFailed("decode stream ended without its end event",
+                                   stage=Stage.DECODE)
+        except SidecarError as error:
+            migrations = runtime.migrations
+            if migrations is None or plan is OFF or not decode_engine_failed(error):
+                raise
+            await _continue(relay, migrations, scope, exchange, client, api, answer, error)
     except SidecarError as error:
         stream_broke(scope, relay, error, span)
         await relay.break_off(error)
@@ -323,6 +348,94 @@ async def _relay(
     stream_delivered(scope, relay, span)
     await relay.finish()
     return relay.response
+
+
+async def _continue(relay: SSERelay, migrations: Migrations, scope: RequestScope,
+                    exchange: PDExchange, client: ClientRequest, api: Api, answer: _Answer,
+                    error: SidecarError) -> None:
+    """Continue a stream that broke with ``error`` on other engines until one ends it; the
+    error it ends with raised when it does not move (``sidecar.request.migration``)."""
+    plan, decision = answer.plan, answer.decision
+    if exchange.decode is not None:
+        # An engine that reported its failure (or stalled) may still be writing: it sees the
+        # request go now (its legs' abort comes when the request ends).
+        exchange.decode.close()
+    kept = relay.kept
+    overflowed = kept is None or kept.overflowed
+    so_far = (plan.read_back(bytes(kept.kept), client.body)
+              if kept is not None and not kept.overflowed else None)
+    # The usage rule: a pair's prompt was the prefill's; a whole run's figures are unknown.
+    prefill = usage_of(exchange.prefill_reply_now()) if exchange.disaggregated else None
+
+    def details(told: Mapping[str, Any]) -> dict[str, Any]:
+        return api.true_usage(told, prefill)
+
+    await relay.catch_up()  # what came before the failure goes first
+    while True:
+        failed = decision.target if decision.fate is Fate.MOVE else None
+        try:
+            resumed = await migrations.resume(answer.request, decision, plan, so_far, error,
+                                              failed=failed, overflowed=overflowed,
+                                              details=details)
+        except NotMigrated as refused:
+            raise refused.error from None
+        relay.follow(resumed.join)
+        continuation = resumed.exchange
+        try:
+            await continuation.pipe(relay.feed, relay.catch_up)
+            if not relay.ended_with_done():
+                raise DecodeFailed("the continuation ended without its end event",
+                                   stage=Stage.DECODE)
+            scope.outcome = MIGRATED
+            return
+        except ContinuationDiverged as diverged:
+            migrations.count_failed("diverged")
+            raise diverged from None
+        except SidecarError as again:
+            if not decode_engine_failed(again):
+                raise
+            await relay.catch_up()
+            error, decision, so_far = again, resumed.decision, resumed.join.so_far
+            overflowed = False
+        finally:
+            await continuation.aclose()
+
+
+async def _relay_json(runtime: Runtime, scope: RequestScope, exchange: PDExchange, api: Api,
+                      span: LegSpan, answer: _Answer,
+                      headers: dict[str, str]) -> web.StreamResponse:
+    """A JSON answer, read whole (its engine dying meanwhile: run again elsewhere)."""
+    current, decision = exchange, answer.decision
+    try:
+        while True:
+            try:
+                body = await current.read_all(runtime.settings.max_body_bytes)
+                break
+            except SidecarError as error:
+                if answer.plan is OFF or not decode_engine_failed(error):
+                    raise
+                moved = await runtime.runner.rerun(answer.request, decision, error)
+                if current is not exchange:
+                    await current.aclose()
+                current, decision = moved, moved.decision or decision
+                scope.outcome = MIGRATED
+        try:
+            # A cut or garbled answer must not reach the client as a 200.
+            parsed = jsonutil.loads(body)
+        except jsonutil.JSONDecodeError:
+            raise DecodeFailed("decode engine answered malformed JSON",
+                               stage=Stage.DECODE) from None
+        if current.disaggregated and isinstance(parsed, dict):
+            told = api.answer_with_true_usage(parsed, await current.prefill_reply())
+            if told is not None:
+                body = jsonutil.dumps(told)
+        scope.relayed_bytes.inc(len(body))
+        if span.recording:
+            span.set(RELAYED_BYTES, len(body))
+        return web.Response(body=body, headers=headers)
+    finally:
+        if current is not exchange:
+            await current.aclose()
 
 
 def add_pd_routes(app: web.Application) -> None:

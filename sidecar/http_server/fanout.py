@@ -12,7 +12,8 @@ Each sub-request k carries ``X-Request-Id: <id>-<k>`` to the engines and gets it
 placement decision (each prompt judged on its own; its own prefill target); the client sees
 its own request id. A failure before the client's first byte
 is the request's error status; after it, the stream ends with one error event and no
-``[DONE]`` (as for single requests). The caller closes the fan-out (every leg) on the way out.
+``[DONE]`` (as for single requests; never moved to another engine: the error names it,
+``not migrated: fanned_out``). The caller closes the fan-out (every leg) on the way out.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from sidecar.protocol.request import REQUEST_ID_HEADER, ClientRequest
 from sidecar.protocol.sse import DONE_EVENT, answer_as_sse
 from sidecar.request.fanout import FanOut, StartOne, start_all, sub_request_id
 from sidecar.request.legs import PDExchange, PDRequest
+from sidecar.request.migration import FANNED_OUT
+from sidecar.request.placement import decode_engine_failed
 from sidecar.request.scope import FALLBACK, OK, RequestScope
 from sidecar.runtime import Runtime
 
@@ -163,6 +166,10 @@ async def _relay_stream(
     except SidecarError as error:
         if not relay.prepared:
             raise  # nothing sent yet: the request's error status
+        migrations = runtime.migrations
+        if migrations is not None and migrations.limit > 0 and decode_engine_failed(error):
+            # Its choices split over several engines: never continued (one stream each).
+            error = migrations.refused(scope.request_id, error, FANNED_OUT)
         stream_broke(scope, relay, error)
         # Close the legs before the connection: closing it cancels this handler.
         await fanout.aclose()

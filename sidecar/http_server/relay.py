@@ -40,6 +40,15 @@ The usage-carrying events are spotted by ``markers.usage`` (one substring search
 only those are parsed and written again, every other byte leaves as the engine wrote it. An
 OpenAI stream without usage to rewrite takes the bare path above.
 
+A stream that may move to another engine (``sidecar.request.migration``) is kept
+(``KeptStream``): whole events only reach the client (a cut event never does, so a
+continuation joins cleanly), the engine's own bytes are kept up to a cap (parsed only if the
+engine dies: the cost per read is one search and one copy), the token ids the engine was asked
+for and the client was not are written as the engine writes them unasked (one substitution
+per read), and an engine's own failure event (a 5xx) stops the stream before the client sees
+it, so the stream can move instead. Once moved, the continuation's events are written as the
+client's stream by its join (``follow``: parsed and written again, event by event).
+
 A failure after the first byte cannot change the status: ``break_off`` ends the stream with
 one error event in the API's own shape (``Api.stream_error``; after the cut event's end, so
 the two are not glued together) and closes the connection, never a fabricated end marker.
@@ -48,7 +57,7 @@ the two are not glued together) and closes the connection, never a fabricated en
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Final
 
 from aiohttp import web
@@ -59,7 +68,16 @@ from sidecar.http_server.aiohttp_private import ClientSocket, StreamWithHead
 from sidecar.observability.tracing import NOOP_SPAN, RELAYED_BYTES, LegSpan
 from sidecar.protocol.apis import Api, api_of, usage_of
 from sidecar.protocol.context import Route
-from sidecar.protocol.sse import DATA, DATA_FIELD, EVENT, StreamMarkers
+from sidecar.protocol.continuation import Diverged, Join, data_payloads, engine_fault_event
+from sidecar.protocol.sse import (
+    DATA,
+    DATA_FIELD,
+    DONE_PAYLOAD,
+    ERROR_EVENT,
+    ERROR_PAYLOAD,
+    EVENT,
+    StreamMarkers,
+)
 from sidecar.request.legs import PDExchange
 from sidecar.request.scope import RequestScope
 
@@ -72,12 +90,13 @@ TAIL_BYTES = 32
 class SSERelay:
     """One streamed response's relay state (see the module docstring)."""
 
-    __slots__ = ("_api", "_error_event", "_events", "_held", "_request", "_socket", "_started",
-                 "engine_error", "markers", "response", "tail", "total")
+    __slots__ = ("_api", "_continued", "_error_event", "_events", "_held", "_request",
+                 "_socket", "_started", "engine_error", "kept", "markers", "response", "tail",
+                 "total")
 
     def __init__(self, request: web.BaseRequest, headers: Mapping[str, str],
                  markers: StreamMarkers, *, api: Api | None = None,
-                 usage: PrefillUsage | None = None) -> None:
+                 usage: PrefillUsage | None = None, kept: KeptStream | None = None) -> None:
         self._request = request
         self.response = StreamWithHead(status=200, headers=headers)
         self.markers = markers
@@ -86,13 +105,18 @@ class SSERelay:
         bare = (usage is None and not markers.named_events and isinstance(markers.done, bytes)
                 and (error_event is None or isinstance(error_event, bytes)))
         self._events = None if bare else WholeEvents(markers, self._api, usage)
-        self._error_event = error_event if bare and isinstance(error_event, bytes) else None
+        # A kept stream's reads are searched for an engine's error event by ``KeptStream``.
+        self._error_event = (error_event if bare and isinstance(error_event, bytes)
+                             and kept is None else None)
         self._socket: ClientSocket | None = None
         self._held: bytes | None = None  # bytes waiting for catch_up (head not sent, or gone)
         self._started = False  # the first chunk (with the head) went through aiohttp
         self.total = 0
         self.tail = b""
         self.engine_error = False
+        #: The stream's engine bytes, kept while it may move (None: it may not).
+        self.kept = kept
+        self._continued: ContinuedEvents | None = None
 
     @property
     def prepared(self) -> bool:
@@ -107,7 +131,35 @@ class SSERelay:
     # -- a single stream: bytes as the engine's reads bring them ---------------------------
 
     def feed(self, chunk: bytes) -> bool:
-        """Write ``chunk`` to the client now; False when ``catch_up`` must run first."""
+        """Write ``chunk`` to the client now; False when ``catch_up`` must run first. Raises
+        the engine's failure a kept stream (or a continuation) reported, after writing what
+        came before it."""
+        continued = self._continued
+        if continued is not None:
+            chunk = continued.take(chunk)
+            room = self._write(chunk) if chunk else True
+            if continued.failure is not None:
+                raise continued.failure
+            return room
+        kept = self.kept
+        if kept is not None:
+            chunk = kept.take(chunk)
+            if kept.failure is not None:
+                if chunk:
+                    self._relay(chunk)
+                raise kept.failure
+            if kept.reported:
+                self.engine_error = True
+            if not chunk:
+                return True
+        return self._relay(chunk)
+
+    def follow(self, join: Join) -> None:
+        """Relay a continuation from now on: its events written by ``join`` as this client's
+        stream (``feed`` takes its bytes)."""
+        self._continued = ContinuedEvents(join)
+
+    def _relay(self, chunk: bytes) -> bool:
         events = self._events
         if events is not None:
             whole = events.take(chunk)
@@ -118,6 +170,9 @@ class SSERelay:
             if not whole:
                 return True
             chunk = whole
+        return self._write(chunk)
+
+    def _write(self, chunk: bytes) -> bool:
         socket = self._socket
         transport = socket.open() if socket is not None else None
         if not self._started or self._held is not None or transport is None:
@@ -160,6 +215,8 @@ class SSERelay:
     def ended_with_done(self) -> bool:
         """True when the stream ended the way its API ends one (its end marker, or an
         engine's error event where that is the API's last)."""
+        if self._continued is not None:
+            return self._continued.done
         if self._events is not None:
             return self._events.ended()
         done = self.markers.done
@@ -176,8 +233,16 @@ class SSERelay:
     async def break_off(self, error: SidecarError) -> None:
         """End a stream that broke after its first byte: one error event in the API's shape,
         then the connection closed (no end marker)."""
+        held = self._held
+        if held is not None and self._socket is not None:
+            self._held = None  # what came before the failure goes first
+            await self.response.write(held)
+            self._account(held)
         events = self._events
-        if events is not None:
+        if self.kept is not None or self._continued is not None:
+            # Whole events only reached the client: nothing to end first.
+            await self.response.write(self._api.stream_error(error))
+        elif events is not None:
             # Only whole events left: the cut one (if any) is dropped.
             await self.response.write(self._api.stream_error(error, events.last_event))
         else:
@@ -199,6 +264,120 @@ class SSERelay:
         # Only the last bytes matter; slicing a long chunk alone avoids copying it whole.
         self.tail = chunk[-TAIL_BYTES:] if len(chunk) >= TAIL_BYTES else (tail + chunk)[
             -TAIL_BYTES:]
+
+
+class KeptStream:
+    """A stream that may move (see the module docstring): ``take`` turns each read into the
+    whole events the client gets, keeping the engine's bytes (up to ``cap``); ``failure`` is
+    set once the engine reported a failure of its own (the events before it are returned)."""
+
+    __slots__ = ("_cap", "_partial", "_strip", "failure", "kept", "overflowed", "reported")
+
+    def __init__(self, cap: int, strip: Callable[[bytes], bytes] | None = None) -> None:
+        self._cap = cap
+        self._strip = strip
+        self._partial = b""
+        self.kept = bytearray()
+        #: Past the cap: the stream is no longer kept (it may not move).
+        self.overflowed = False
+        self.failure: SidecarError | None = None
+        #: An error event about the request (a 4xx) left as the engine wrote it.
+        self.reported = False
+
+    def take(self, chunk: bytes) -> bytes:
+        partial = self._partial
+        data = partial + chunk if partial else chunk
+        if data.endswith(b"\n\n"):  # the usual read: whole events, nothing left over
+            whole = data
+            if partial:
+                self._partial = b""
+        else:
+            end = _boundary(data)
+            if not end:
+                self._partial = data
+                if len(data) <= MAX_EVENT_BYTES:
+                    return b""
+                self._give_up()  # one event past any sane size: relayed as it is
+                self._partial = b""
+                return data
+            whole, self._partial = data[:end], data[end:]
+        if ERROR_EVENT in whole:
+            at = whole.find(ERROR_EVENT)
+            if engine_fault_event(whole[at:]):
+                self.failure = DecodeFailed("decode engine reported a failure in its stream",
+                                            stage=Stage.DECODE)
+                whole = whole[:at]
+            else:
+                self.reported = True
+        kept = self.kept
+        if len(kept) + len(whole) <= self._cap:
+            kept += whole
+        elif not self.overflowed:
+            self._give_up()
+        strip = self._strip
+        return strip(whole) if strip is not None and whole else whole
+
+    def _give_up(self) -> None:
+        self.overflowed = True
+        self.kept = bytearray()
+        self._cap = -1  # nothing is kept any more
+
+
+class ContinuationDiverged(DecodeFailed):
+    """A continuation's output differed from the answer it was to regenerate (never the
+    engine's fault: a nondeterministic engine, or a sampled answer)."""
+
+    engine_fault = False
+
+
+class ContinuedEvents:
+    """A continuation's bytes as the client's events (``Join``): whole events, each written
+    again; ``failure`` once the continuation's engine reported one of its own, or its output
+    differed from the answer it regenerates; ``done`` once its end event came."""
+
+    __slots__ = ("_join", "_partial", "done", "failure")
+
+    def __init__(self, join: Join) -> None:
+        self._join = join
+        self._partial = b""
+        self.done = False
+        self.failure: SidecarError | None = None
+
+    @property
+    def join(self) -> Join:
+        return self._join
+
+    def take(self, chunk: bytes) -> bytes:
+        if self.failure is not None:
+            return b""
+        data = self._partial + chunk if self._partial else chunk
+        end = _boundary(data)
+        if not end:
+            self._partial = data
+            if len(data) > MAX_EVENT_BYTES:
+                self.failure = DecodeFailed("continuation event exceeds the size cap",
+                                            stage=Stage.DECODE)
+            return b""
+        whole, self._partial = data[:end], data[end:]
+        out: list[bytes] = []
+        for payload in data_payloads(whole):
+            if payload.startswith(ERROR_PAYLOAD):
+                if engine_fault_event(DATA + payload):
+                    self.failure = DecodeFailed(
+                        "the engine the request moved to reported a failure in its stream",
+                        stage=Stage.DECODE)
+                    break
+                out.append(DATA + payload + b"\n\n")  # about the request: as it came
+                continue
+            try:
+                out.append(self._join.event(payload))
+            except (Diverged, jsonutil.JSONDecodeError) as exc:
+                self.failure = ContinuationDiverged(
+                    f"the continuation diverged from the answer ({exc})", stage=Stage.DECODE)
+                break
+            if payload == DONE_PAYLOAD:
+                self.done = True
+        return b"".join(out)
 
 
 def carries_error_event(tail: bytes, chunk: bytes, marker: bytes) -> bool:

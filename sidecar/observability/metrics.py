@@ -123,6 +123,13 @@ class Metrics:
             ["front_door"],
             registry=r,
         )
+        self.migrations = Counter(
+            "disagg_migrations",
+            "Requests whose engine failed after their answer began, by outcome (migrated: "
+            "continued on another engine; refused: not moved, and why; failed: the move's "
+            "continuation failed to start or diverged) and reason (migrated: what failed; "
+            "refused: the reason; failed: the error code).",
+            ["outcome", "reason"], registry=r)
         self.tokenize_failures = Counter(
             "disagg_tokenize_failures",
             "Prompt-length tokenize calls that failed (the request was disaggregated).",

@@ -9,6 +9,9 @@
       ├─ trace.span(HANDOFF_SPAN)
       ├─ trace.span(DECODE_FIRST_BYTE_SPAN, client=True)  leg.headers(h) ─▶ the decode engine's
       ├─ trace.span(RELAY_SPAN)   relayed bytes (HTTP) or tokens (gRPC)
+      ├─ trace.span(MIGRATION_SPAN)  a broken stream moved (or not): why, the move's
+      │                           number, the token it continued from; the continuation's
+      │                           opening is a DECODE_FIRST_BYTE_SPAN of its own
       └─ trace.end(outcome, error)
 
 Off, every request gets ``NOOP_TRACE`` (``active`` False) and a client's own ``traceparent``
@@ -46,6 +49,8 @@ PREFILL_SPAN: Final = "disagg.prefill"
 HANDOFF_SPAN: Final = "disagg.handoff"
 DECODE_FIRST_BYTE_SPAN: Final = "disagg.decode_first_byte"
 RELAY_SPAN: Final = "disagg.relay"
+#: A stream (or a whole request) moved to another engine after its own failed.
+MIGRATION_SPAN: Final = "disagg.migration"
 
 # Attribute keys (OpenTelemetry semantic conventions where one fits, else ``disagg.*``).
 FRONT_DOOR: Final = "disagg.front_door"
@@ -62,6 +67,9 @@ SERVER_PORT: Final = "server.port"
 HTTP_STATUS: Final = "http.response.status_code"
 RELAYED_BYTES: Final = "disagg.relay.bytes"
 RELAYED_TOKENS: Final = "disagg.relay.tokens"
+MIGRATION_REASON: Final = "disagg.migration.reason"
+MIGRATION_MOVES: Final = "disagg.migration.moves"
+MIGRATION_FROM_TOKEN: Final = "disagg.migration.from_token"
 
 TRACEPARENT: Final = "traceparent"
 TRACESTATE: Final = "tracestate"

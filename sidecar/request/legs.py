@@ -28,8 +28,9 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
+from sidecar import jsonutil
 from sidecar.dialects import Dialect
 from sidecar.engines.calls import EngineCalls, PrefillLeg, with_headers
 from sidecar.errors import DeadlineExceeded, DecodeFailed, PrefillFailed, SidecarError, Stage
@@ -38,6 +39,9 @@ from sidecar.observability.tracing import HANDOFF_SPAN, NOOP_TRACE, RequestTrace
 from sidecar.protocol.context import FrontDoor, HandoffContext, PrefillTarget, Route
 from sidecar.request.scope import OK, Timings
 from sidecar.tasks import cancel_and_wait
+
+if TYPE_CHECKING:
+    from sidecar.request.placement import Decision
 
 
 class LegOwner(Protocol):
@@ -68,6 +72,19 @@ class PDRequest:
     prefill_rank: int | None = None
     #: The client's body as it came (a single request): what a local run sends, unchanged.
     raw: bytes | None = None
+    #: Fields the engine serving the answer gets besides the client's (a stream that may move
+    #: asks for its token ids: ``sidecar.request.migration``); none for most requests.
+    engine_fields: Mapping[str, Any] = field(default_factory=dict)
+
+    def engine_body(self) -> Mapping[str, Any] | bytes:
+        """What a whole run sends: the client's body as it came (its raw bytes when at hand),
+        with ``engine_fields``."""
+        fields = self.engine_fields
+        if self.raw is not None and not any(key in self.body for key in fields):
+            return jsonutil.with_fields(self.raw, dict(fields))
+        if not fields:
+            return self.body
+        return {**self.body, **fields}
 
 
 def traced_handoff(dialect: Dialect, response: dict[str, Any] | None, ctx: HandoffContext,
@@ -114,7 +131,11 @@ class Pair:
         return traced_handoff(self.dialect, response, self.ctx, self.request.trace)
 
     def decode_body(self, fields: Mapping[str, Any]) -> dict[str, Any]:
-        return self.dialect.decode_body(self.request.body, fields, self.ctx.decode_rank)
+        body = self.dialect.decode_body(self.request.body, fields, self.ctx.decode_rank)
+        extra = self.request.engine_fields
+        if extra:
+            body.update(extra)
+        return body
 
     def open_decode(self, body: Mapping[str, Any]) -> Awaitable[UpstreamResponse]:
         request, rank = self.request, self.ctx.decode_rank
@@ -171,6 +192,8 @@ class PDExchange:
     owner: LegOwner | None = None
     #: The prefill engine's JSON answer, when the legs ran one after the other.
     prefill_response: dict[str, Any] | None = None
+    #: The decision a moved request ran on (``Runner.move``; None: the one it was given).
+    decision: Decision | None = None
     _closed: bool = False
 
     @property

@@ -28,9 +28,23 @@ after a leg that failed; and the placer that gathers its facts.
         hand-off was unusable, its deadline
         passed), the decode not sent, local
         fallback allowed
+        the decode engine failed (an engine fault  ─▶ move_after (below)
+        after the decode was sent), a move allowed
         otherwise                                  ─▶ REFUSE       the error itself
+    move_after(decision, failed, facts, rules, targets)   the engine serving the answer
+                                                   failed (before its head, or mid-stream:
+                                                   ``sidecar.request.migration``)
+        --migration-limit 0, or moved as often     ─▶ REFUSE       disabled / limit
+        the request cannot continue exactly        ─▶ REFUSE       its reason
+        a candidate prefill target (an engine      ─▶ MOVE         migrated: whole there
+        whose prefill servers run requests whole),
+        not failed here, its breaker letting in
+        a --migration-url engine, likewise         ─▶ MOVE         migrated: whole there
+        the local engine, not failed here (or      ─▶ MOVE         migrated: whole on it
+        known ready again)
+        none                                       ─▶ REFUSE       no_target
 
-The three functions are pure: every input is a value, but the prefill targets (``Targets``:
+The functions are pure: every input is a value, but the prefill targets (``Targets``:
 the target choice, its breakers and the data-parallel ranks), which are asked only on the way
 to a pair, so no local outcome ever consults a breaker. The runner
 (``sidecar.request.runner``) runs what they decide and asks ``after_failure`` when a leg
@@ -72,6 +86,7 @@ from sidecar.engines.models import Mismatch
 from sidecar.engines.tokenizer import Memo, PromptMeasure
 from sidecar.errors import (
     DeadlineExceeded,
+    DecodeFailed,
     EngineNotReady,
     InvalidHandoff,
     PrefillFailed,
@@ -92,6 +107,7 @@ from sidecar.request.scope import (
     LOCAL_ROUTE,
     LOCAL_SHORT,
     LOCAL_STATE,
+    MIGRATED,
     OK,
     PASSTHROUGH,
     UNSERVED_ROUTE,
@@ -112,6 +128,7 @@ class Fate(Enum):
     LOCAL = "local"  # whole on the local engine, for a reason
     PAIR = "pair"  # a prefill leg on a target, a decode leg on the local engine
     REFUSE = "refuse"  # a typed error; nothing is sent
+    MOVE = "move"  # whole on another engine that can decode, after the one serving it failed
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,6 +153,12 @@ class Decision:
     #: The candidates asked and able to hand off to this engine (a retry goes only to one
     #: of them); None: none was asked (no such check).
     able: tuple[PrefillTarget, ...] | None = None
+    #: How many times the request has moved to another engine (``move_after`` counts on).
+    moves: int = 0
+    #: The engines the request failed on, serving its answer (None: the local engine).
+    failed_on: tuple[PrefillTarget | None, ...] = ()
+    #: Why a request moved, or why it could not (``disagg_migrations_total{reason}``).
+    reason: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,6 +202,12 @@ class Rules:
     max_uncached: int = 0
     #: ``--on-prefill-failure local`` on a dialect whose decode can run without its prefill.
     local_fallback: bool = False
+    #: ``--migration-limit``: moves one request may make (0: none).
+    migration_limit: int = 0
+    #: The engine's prefill servers run requests whole (a moved request may go there).
+    prefill_decodes: bool = False
+    #: ``--migration-url``: engines that run requests whole, for moved requests.
+    migration_pool: tuple[PrefillTarget, ...] = ()
 
 
 class Targets(Protocol):
@@ -315,10 +344,13 @@ _MAX_ATTEMPTS: Final = 2
 
 def after_failure(decision: Decision, error: SidecarError, candidates: Sequence[PrefillTarget],
                   named_prefill_rank: int | None, rules: Rules, targets: Targets, *,
-                  decode_sent: bool) -> Decision:
+                  decode_sent: bool, moves: MoveFacts | None = None) -> Decision:
     """The next decision after ``decision``'s pair failed with ``error`` before its decode
     began (see the module docstring); ``decode_sent``: both legs ran at once, so a decode is
-    on its way and no local fallback can replace the pair."""
+    on its way and no local fallback can replace the pair; ``moves``: what a move of the
+    request would need (None: it may not move)."""
+    if moves is not None and decode_engine_failed(error):
+        return move_after(decision, moves.failed, moves, rules, targets)
     failed = decision.target
     if (isinstance(error, PrefillNotRun) and failed is not None
             and decision.attempt + 1 < _MAX_ATTEMPTS and len(candidates) > 1):
@@ -341,6 +373,77 @@ def after_failure(decision: Decision, error: SidecarError, candidates: Sequence[
                         cached_tokens=decision.cached_tokens, decode_rank=decision.decode_rank,
                         attempt=decision.attempt + 1)
     return Decision(Fate.REFUSE, ERROR, error.message, error=error, attempt=decision.attempt + 1)
+
+
+#: Why a request did not move (besides the request's own reasons: ``sidecar.request.migration``).
+DISABLED: Final = "disabled"
+LIMIT: Final = "limit"
+NO_TARGET: Final = "no_target"
+
+
+@dataclass(frozen=True, slots=True)
+class MoveFacts:
+    """What a move of a request whose engine failed is decided on."""
+
+    #: The engine that failed serving the answer (None: the local engine).
+    failed: PrefillTarget | None
+    #: The request's prefill targets (header or pool), in its order.
+    candidates: tuple[PrefillTarget, ...] = ()
+    #: Why the request cannot continue exactly on another engine (None: it can).
+    refusal: str | None = None
+    #: The local engine may take it: not known down, and if it failed this request, it has
+    #: answered its health check since (a restarted engine).
+    local_ready: bool = True
+
+
+def decode_engine_failed(error: SidecarError) -> bool:
+    """True when ``error`` is the engine serving the answer failing after the request reached
+    it (broken, a 5xx, garbage, stalled): what a move may cover (never a refusal of the
+    request, an unreachable engine that never saw it, or a client's own fault)."""
+    if isinstance(error, DeadlineExceeded):
+        return error.stage is Stage.DECODE
+    return (isinstance(error, DecodeFailed) and error.stage is Stage.DECODE
+            and error.engine_fault)
+
+
+def move_after(decision: Decision, failed: PrefillTarget | None, facts: MoveFacts,
+               rules: Rules, targets: Targets) -> Decision:
+    """Where a request goes after the engine serving its answer (``failed``) failed: whole on
+    another engine that can decode, or a refusal naming why (see the module docstring)."""
+    failed_on = (*decision.failed_on, failed)
+    moves = decision.moves
+    if rules.migration_limit <= 0 or moves >= rules.migration_limit:
+        reason = DISABLED if rules.migration_limit <= 0 else LIMIT
+        return _not_moved(decision, failed_on, reason)
+    if facts.refusal is not None:
+        return _not_moved(decision, failed_on, facts.refusal)
+    if facts.local_ready and None not in failed_on:
+        return _moved(decision, failed_on, None)
+    tried = [engine for engine in failed_on if engine is not None]
+    target: PrefillTarget | None = None
+    if rules.prefill_decodes and facts.candidates:
+        target = targets.pick(facts.candidates, exclude=tried)
+    if target is None and rules.migration_pool:
+        target = targets.pick(rules.migration_pool, exclude=tried)
+    if target is not None:
+        return _moved(decision, failed_on, target)
+    if facts.local_ready:  # it failed this request, and answers again since
+        return _moved(decision, failed_on, None)
+    return _not_moved(decision, failed_on, NO_TARGET)
+
+
+def _moved(decision: Decision, failed_on: tuple[PrefillTarget | None, ...],
+           target: PrefillTarget | None) -> Decision:
+    where = "the local engine" if target is None else str(target)
+    return Decision(Fate.MOVE, MIGRATED, f"moved whole to {where}", target=target,
+                    moves=decision.moves + 1, failed_on=failed_on, reason=MIGRATED,
+                    attempt=decision.attempt + 1)
+
+
+def _not_moved(decision: Decision, failed_on: tuple[PrefillTarget | None, ...],
+               reason: str) -> Decision:
+    return Decision(Fate.REFUSE, ERROR, f"not migrated: {reason}", moves=decision.moves,
+                    failed_on=failed_on, reason=reason, attempt=decision.attempt + 1)
 
 
 class Placer:

@@ -6,9 +6,14 @@
                 look-up), then the dialect's way for this request (``legs_for``):
                 SEQUENTIAL  run_sequential: prefill ─▶ hand-off ─▶ open decode
                 CONCURRENT  ``sidecar.request.concurrent``: prefill ║ open decode, watched
+        MOVE    run_moved: the request whole on the engine the placement moved it to
         a pair whose leg failed before its decode answered ─▶ placement.after_failure: a
-                pair on another target, the local fallback, or the error (the runner never
-                decides where a request runs: it runs what it was given)
+                pair on another target, the local fallback, a move, or the error (the runner
+                never decides where a request runs: it runs what it was given)
+        a whole run whose engine failed before answering ─▶ placement.move_after: a move,
+                or the error
+    runner.move(request, decision, route, body) ─▶ PDExchange   a migrated stream's
+                continuation (``sidecar.request.migration``), whole where the move decided
     runner.prefill_only(...) ─▶ Handoff             gRPC Prefill: the prefill half
         SEQUENTIAL: the prefill, then its hand-off
         CONCURRENT: the hand-off at once; the engine call runs on in the background, watched
@@ -20,6 +25,10 @@ opening, the exchange it hands the relay). The dialect says what the bodies hold
 legs run; ``EngineCalls`` makes the calls; the runner begins and ends the dialect's
 per-request state and hands abort and release to the ``PDExchange``. A client gone cancels
 every upstream call. The decode leg's data-parallel rank stays busy until the request ends.
+
+A move (``--migration-limit``) runs the client's request whole on another engine after the
+engine serving it failed before answering (a JSON answer is only known whole; a stream that
+broke before its head): counted in ``disagg_migrations_total`` and logged, one line each.
 
 Deliberate limits: a pair moves once (placement: ``after_failure``), only off a prefill whose
 engine provably did no work; the local fallback after a failed leg exists where the decode
@@ -33,14 +42,22 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Final
 
 from sidecar.dialects import Dialect, Legs
 from sidecar.engines.calls import EngineCalls, PrefillLeg, with_headers
+from sidecar.engines.health import EngineHealth
 from sidecar.errors import DecodeFailed, SidecarError, Stage
 from sidecar.http1 import UpstreamResponse
 from sidecar.observability.logs import LogEvery
-from sidecar.observability.tracing import NOOP_TRACE, RequestTrace
+from sidecar.observability.tracing import (
+    MIGRATION_FROM_TOKEN,
+    MIGRATION_MOVES,
+    MIGRATION_REASON,
+    MIGRATION_SPAN,
+    NOOP_TRACE,
+    RequestTrace,
+)
 from sidecar.protocol.context import FrontDoor, HandoffContext, PrefillTarget, Route
 from sidecar.request import concurrent
 from sidecar.request.legs import (
@@ -51,8 +68,18 @@ from sidecar.request.legs import (
     run_sequential,
     traced_handoff,
 )
-from sidecar.request.placement import Decision, Fate, Rules, Targets, after_failure, pair_on
-from sidecar.request.scope import RequestScope, Scopes, Timings
+from sidecar.request.placement import (
+    Decision,
+    Fate,
+    MoveFacts,
+    Rules,
+    Targets,
+    after_failure,
+    decode_engine_failed,
+    move_after,
+    pair_on,
+)
+from sidecar.request.scope import MIGRATED, RequestScope, Scopes, Timings
 from sidecar.targets.choice import LegRanks
 from sidecar.tasks import cancel_and_wait
 
@@ -78,10 +105,18 @@ class Handoff:
 
 @dataclass(frozen=True, slots=True)
 class FlowCounters:
-    """What the runner counts: local-prefill fallbacks (front door, reason) and retries."""
+    """What the runner counts: local-prefill fallbacks (front door, reason), retries and
+    migrations (outcome, reason)."""
 
     fallback: Callable[[str, str], None] = lambda front_door, reason: None
     retry: Callable[[str], None] = lambda front_door: None
+    migration: Callable[[str, str], None] = lambda outcome, reason: None
+
+
+#: ``disagg_migrations_total{outcome}``: moved, not moved (its reason), or the move failed.
+MOVED: Final = "migrated"
+NOT_MOVED: Final = "refused"
+MOVE_FAILED: Final = "failed"
 
 
 class Runner:
@@ -98,6 +133,7 @@ class Runner:
         prefill_timeout_s: float,
         rules: Rules | None = None,
         counters: FlowCounters | None = None,
+        health: EngineHealth | None = None,
     ) -> None:
         self.dialect = dialect
         self.calls = calls
@@ -107,6 +143,8 @@ class Runner:
         self.prefill_timeout_s = prefill_timeout_s
         self.rules = rules or Rules()
         self._counters = counters or FlowCounters()
+        #: The local engine's readiness (a move to it asks).
+        self.health = health
         self._background: set[asyncio.Task[None]] = set()
         self._fallback_log = LogEvery(_FALLBACK_LOG_INTERVAL_S)
 
@@ -164,29 +202,114 @@ class Runner:
     async def run(self, request: PDRequest, decision: Decision | None = None) -> PDExchange:
         """Run ``request`` as ``decision`` placed it (None: a pair on the request's target),
         until the decode head has arrived; a pair's leg that failed before the decode answered
-        is decided again (``placement.after_failure``)."""
+        is decided again (``placement.after_failure``), and so is a whole run whose engine
+        failed before answering (``placement.move_after``)."""
         if decision is None:
             decision = pair_on(request.target, request.prefill_rank, self.targets)
         while True:
-            if decision.fate is Fate.LOCAL:
-                return await self._run_local(request, decision)
-            if decision.fate is not Fate.PAIR or decision.target is None:
-                raise decision.error or RuntimeError(f"not a pair: {decision.outcome}")
             try:
+                if decision.fate is Fate.LOCAL:
+                    return await self._run_local(request, decision)
+                if decision.fate is Fate.MOVE:
+                    return await self._moved(request, decision)
+                if decision.fate is not Fate.PAIR or decision.target is None:
+                    raise decision.error or RuntimeError(f"not a pair: {decision.outcome}")
                 return await self._run_pair(request, decision)
             except _PairFailed as failure:
                 error, concurrent = failure.error, failure.concurrent
-            following = after_failure(decision, error, request.candidates,
-                                      request.prefill_rank, self.rules, self.targets,
-                                      decode_sent=concurrent)
-            if following.fate is Fate.REFUSE:
-                raise error
-            if following.fate is Fate.PAIR:
-                logger.info("request %s: prefill target %s did no work (%s); retrying on %s",
-                            request.request_id, decision.target, error.message,
-                            following.target)
-                self._counters.retry(request.front_door)
+                moves = (await self.move_facts(request, decision, None)
+                         if self._may_move(error) else None)
+                following = after_failure(decision, error, request.candidates,
+                                          request.prefill_rank, self.rules, self.targets,
+                                          decode_sent=concurrent, moves=moves)
+            except SidecarError as error_:
+                if decision.fate not in (Fate.LOCAL, Fate.MOVE) or not self._may_move(error_):
+                    raise
+                error = error_
+                failed = decision.target if decision.fate is Fate.MOVE else None
+                facts = await self.move_facts(request, decision, failed)
+                following = move_after(decision, failed, facts, self.rules, self.targets)
+            self._next(request, decision, error, following)
             decision = following
+
+    def _may_move(self, error: SidecarError) -> bool:
+        """Migration is on and ``error`` is the answering engine's failure."""
+        return self.rules.migration_limit > 0 and decode_engine_failed(error)
+
+    def _next(self, request: PDRequest, decision: Decision, error: SidecarError,
+              following: Decision) -> None:
+        """Count and log the decision taken after ``decision`` failed with ``error``; raise
+        ``error`` when it is a refusal."""
+        if following.fate is Fate.REFUSE:
+            if following.reason is not None and self.rules.migration_limit > 0:
+                self._counters.migration(NOT_MOVED, following.reason)
+                logger.warning("request %s: %s; not migrated: %s", request.request_id,
+                               error.message, following.reason)
+            raise error
+        if following.fate is Fate.PAIR:
+            logger.info("request %s: prefill target %s did no work (%s); retrying on %s",
+                        request.request_id, decision.target, error.message, following.target)
+            self._counters.retry(request.front_door)
+        elif following.fate is Fate.MOVE:
+            self._counters.migration(MOVED, error.code)
+            logger.warning("request %s: %s before its answer; migrated: %s (move %d)",
+                           request.request_id, error.message, following.why,
+                           following.moves)
+
+    async def rerun(self, request: PDRequest, decision: Decision,
+                    error: SidecarError) -> PDExchange:
+        """``request`` whole on another engine, after the one serving its JSON answer (run
+        on ``decision``) failed with ``error`` while the answer was read; ``error`` when it
+        may not move."""
+        failed = decision.target if decision.fate is Fate.MOVE else None
+        facts = await self.move_facts(request, decision, failed)
+        following = move_after(decision, failed, facts, self.rules, self.targets)
+        self._next(request, decision, error, following)
+        return await self.run(request, following)
+
+    async def move_facts(self, request: PDRequest, decision: Decision,
+                         failed: PrefillTarget | None, *,
+                         refusal: str | None = None) -> MoveFacts:
+        """What a move of ``request`` off ``failed`` is decided on: its targets, ``refusal``,
+        and whether the local engine may take it (asked again when it failed this request)."""
+        health = self.health
+        failed_here = failed is None or None in decision.failed_on
+        if health is None:
+            ready = not failed_here
+        elif failed_here:
+            ready = await health.recheck()
+        else:
+            ready = not health.known_down or await health.recheck()
+        return MoveFacts(failed, request.candidates, refusal, ready)
+
+    async def _moved(self, request: PDRequest, decision: Decision) -> PDExchange:
+        """A request moved before its answer began: whole where ``decision`` sends it (in
+        its migration span when traced)."""
+        trace = request.trace
+        if not trace.active:
+            return await self.move(request, decision)
+        with trace.span(MIGRATION_SPAN) as span:
+            span.set(MIGRATION_REASON, MIGRATED)
+            span.set(MIGRATION_MOVES, decision.moves)
+            span.set(MIGRATION_FROM_TOKEN, 0)
+            return await self.move(request, decision)
+
+    async def move(self, request: PDRequest, decision: Decision, route: Route | None = None,
+                   body: Mapping[str, Any] | bytes | None = None) -> PDExchange:
+        """Run ``request`` whole where ``decision`` moved it (``body`` on ``route``: a
+        migrated stream's continuation; None: the client's own request)."""
+        route = route or request.route
+        if body is None:
+            body = request.engine_body()
+        ctx = HandoffContext(request.route, request.request_id, request.target,
+                             request.target.host, request.front_door)
+        timings = Timings()
+        started = time.perf_counter()
+        decode = await self.calls.open_on(decision.target, route, body, request.headers,
+                                          request.trace)
+        timings.decode_first_byte = time.perf_counter() - started
+        return PDExchange(ctx=ctx, decode=decode, local=True, outcome=MIGRATED,
+                          timings=timings, decision=decision)
 
     async def _run_local(self, request: PDRequest, decision: Decision) -> PDExchange:
         """The client's own body on the local engine: no prefill leg, no hand-off fields."""
@@ -197,7 +320,7 @@ class Runner:
         rank = decision.decode_rank
         ctx = HandoffContext(request.route, request.request_id, request.target,
                              request.target.host, request.front_door, decode_rank=rank)
-        body = request.raw if request.raw is not None else request.body
+        body = request.engine_body()
         headers = request.headers if rank is None else with_headers(
             request.headers, self.dialect.decode_headers(rank))
         timings = Timings()

@@ -70,6 +70,9 @@ LOCAL_ROUTE: Final = "local_route"
 LOCAL_STATE: Final = "local_state"
 #: A prefill target on a route the engine does not serve at all: refused (404).
 UNSERVED_ROUTE: Final = "unserved_route"
+#: Its engine died after the answer began; it was answered by another
+#: (``sidecar.request.migration``).
+MIGRATED: Final = "migrated"
 
 
 class PoolInflight(Protocol):

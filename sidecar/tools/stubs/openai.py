@@ -104,6 +104,18 @@ def tokenize(body: Any, max_model_len: int, *, chat: bool) -> dict[str, Any]:
     return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids}
 
 
+def ids_text(body: Any) -> str:
+    """What a body's ``tokens`` read as (vLLM's ``/detokenize``, SGLang's
+    ``/v1/detokenize``): the stub tokenizer's text of each id."""
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    ids = body.get("tokens")
+    if not isinstance(ids, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+        raise BadRequest("tokens must be a list of non-negative integers")
+    return textgen.decode_tokens(ids)
+
+
 def check_limits(
     body: dict[str, Any],
     prompt_tokens: int,
@@ -194,6 +206,8 @@ class Rendering:
     choice_extra: dict[str, Any] = field(default_factory=dict)
     chunk_choice_extra: dict[str, Any] = field(default_factory=dict)
     vllm_token_ids: bool = False  # vLLM return_token_ids placement
+    #: The id keys of a chunk that carries none are left out (SGLang), not null (vLLM).
+    null_ids_left_out: bool = False
     #: ``usage.prompt_tokens_details`` (vLLM with --enable-prompt-tokens-details), else None.
     prompt_details: dict[str, Any] | None = None
 
@@ -288,8 +302,10 @@ async def render_events(
                     }
                 ],
             }
-            if r.vllm_token_ids and gen.return_token_ids:
-                first["prompt_token_ids"] = gen.prompt_ids
+            if r.vllm_token_ids:
+                # vLLM writes both in the role chunk, null when not asked.
+                first["prompt_token_ids"] = gen.prompt_ids if gen.return_token_ids else None
+                first["prompt_text"] = None
             yield sse(first)
         for i, token in enumerate(tokens):
             await pace(config, i)
@@ -313,10 +329,17 @@ async def render_events(
                     "finish_reason": finish if last else None,
                     "stop_reason": None,
                 }
-            if r.vllm_token_ids and gen.return_token_ids:
-                choice["token_ids"] = [token]
-                if not chat and i == 0:
-                    choice["prompt_token_ids"] = gen.prompt_ids
+            if r.vllm_token_ids:
+                # vLLM writes the keys in every chunk (null when not asked); the prompt's ids
+                # in the first completions chunk only.
+                asked = gen.return_token_ids
+                if not chat:
+                    choice["prompt_token_ids"] = gen.prompt_ids if asked and i == 0 else None
+                choice["token_ids"] = [token] if asked else None
+                if r.null_ids_left_out:
+                    for key in ("prompt_token_ids", "token_ids"):
+                        if choice[key] is None:
+                            del choice[key]
             choice.update(r.chunk_choice_extra)
             chunk: dict[str, Any] = {**head, "choices": [choice]}
             if gen.include_usage and gen.continuous_usage:

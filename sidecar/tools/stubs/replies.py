@@ -147,6 +147,13 @@ async def _write_events(
                 if failure is None:
                     _abort(request)
                     return
+                if failure == _ERROR_EVENT + SSE_DONE and fault is not None and (
+                        fault.status != 500):
+                    # The OpenAI routes' error event with the fault's own code (a 4xx: the
+                    # request's fault, as an engine reports one it found mid-stream).
+                    failure = ("data: " + json.dumps({"error": {
+                        "message": fault.message, "type": "BadRequestError",
+                        "code": fault.status}}) + "\n\n").encode() + SSE_DONE
                 await resp.write(failure)
                 await resp.write_eof()
                 return

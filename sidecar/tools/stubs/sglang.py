@@ -133,6 +133,7 @@ class SglangEngine:
         app.router.add_post("/abort_request", self._abort_request)
         app.router.add_get("/health_generate", self._health_generate)
         app.router.add_post("/v1/tokenize", self.stub.route(self._tokenize))
+        app.router.add_post("/v1/detokenize", self.stub.route(self._ids_text))
 
     def add_bootstrap_routes(self, app: web.Application) -> None:
         app.router.add_get(ROOM_PATH, self._room_handler)
@@ -174,6 +175,9 @@ class SglangEngine:
     async def _tokenize(self, request: web.Request) -> Reply:
         return JsonReply(openai.tokenize(request_json(request), self.config.max_model_len,
                                          chat=False))
+
+    async def _ids_text(self, request: web.Request) -> Reply:
+        return JsonReply({"text": openai.ids_text(request_json(request))})
 
     async def _models(self, request: web.Request) -> Reply:
         limit = self.config.max_model_len
@@ -497,6 +501,7 @@ class SglangEngine:
         # SGLang's completions carry token_ids (the delta, per streamed chunk) and
         # prompt_token_ids only when asked (return_token_ids), where vLLM puts them.
         rendering.vllm_token_ids = kind == "completion" and gen.return_token_ids
+        rendering.null_ids_left_out = True
         if gen.stream:
             self.running += 1
             return StreamReply(

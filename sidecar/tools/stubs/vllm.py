@@ -5,8 +5,13 @@
       parse (vLLM-like 400s) -> decode side: connector.check_handoff -> remote | local
       -> generate -> prefill side: connector.after_prefill -> kv_transfer_params
       -> JSON (kv_transfer_params at top level) or SSE (no params, as vLLM)
+    POST /tokenize, /detokenize (the byte-level tokenizer's ids; an id list read as text)
     GET /health (200, empty), /v1/models (``model``, its ``root``), /metrics (vllm:* lines;
         ``vllm:cache_config_info`` with the KV cache's dtype)
+
+``return_token_ids`` as vLLM 0.32 streams it: ``token_ids`` in every chunk, the prompt's in
+the first (completions: on the choice; chat: at the role chunk's top level), both ``null``
+when not asked.
 
 Usage as vLLM 0.32 reports it on each leg (``prefix_cache.PrefixCache``, a fixed number of
 blocks evicted least recently used first, whose KV events go to ``kv_events_endpoint`` as
@@ -119,6 +124,7 @@ class VllmEngine:
             app.router.add_post(path, self.stub.route(functools.partial(self._generate,
                                                                         kind=kind)))
         app.router.add_post("/tokenize", self.stub.route(self._tokenize))
+        app.router.add_post("/detokenize", self.stub.route(self._ids_text))
         self.connector.add_routes(app)
 
     def add_bootstrap_routes(self, app: web.Application) -> None:
@@ -163,6 +169,9 @@ class VllmEngine:
     async def _tokenize(self, request: web.Request) -> Reply:
         return JsonReply(openai.tokenize(request_json(request), self.config.max_model_len,
                                          chat=True))
+
+    async def _ids_text(self, request: web.Request) -> Reply:
+        return JsonReply({"prompt": openai.ids_text(request_json(request))})
 
     def _parse(self, body: Any, kind: str) -> GenRequest:
         if kind == "generate" and not self.config.scale_out:

@@ -32,10 +32,12 @@ _CACHE_LIMIT: Final = 4096
 
 @dataclass(frozen=True, slots=True)
 class Words:
-    """Generated words: each as a JSON string (for events) and all joined (for bodies)."""
+    """Generated words: each as a JSON string (for events) and all joined (for bodies), and
+    their token ids (each as a JSON list, for ``return_token_ids`` events)."""
 
     each: tuple[bytes, ...]
     text: str
+    ids: tuple[bytes, ...] = ()
 
 
 @dataclass(slots=True)
@@ -47,6 +49,8 @@ class Completion:
     stream: bool
     include_usage: bool
     model: str
+    #: ``return_token_ids``: each chunk's ids and the prompt's (vLLM's placement).
+    return_token_ids: bool = False
 
 
 _prompts: dict[str, tuple[int, int]] = {}
@@ -79,6 +83,13 @@ def _prompt(prompt: Any) -> tuple[int, int]:
     raise BadRequest("prompt must be a string or a non-empty list of token ids")
 
 
+def _prompt_ids(prompt: Any) -> list[int]:
+    """A prompt's token ids (for the first chunk of a stream that asked for them)."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
+    return textgen.encode_text(prompt) if isinstance(prompt, str) else list(prompt)
+
+
 def parse(raw: bytes, *, default_max_tokens: int, max_model_len: int, model: str) -> Completion:
     """Check a completions body as vLLM would (the subset the lean engine serves)."""
     try:
@@ -101,6 +112,7 @@ def parse(raw: bytes, *, default_max_tokens: int, max_model_len: int, model: str
         stream=stream,
         include_usage=bool(options.get("include_usage")),
         model=name if isinstance(name, str) else model,
+        return_token_ids=body.get("return_token_ids") is True,
     )
 
 
@@ -113,7 +125,8 @@ def words(digest: int, n: int, kind: PrefillKind) -> Words:
         texts = [textgen.token_text(t) for t in ids]
         if len(_words) >= _CACHE_LIMIT:
             _words.clear()
-        known = _words[key] = Words(tuple(orjson.dumps(t) for t in texts), "".join(texts))
+        known = _words[key] = Words(tuple(orjson.dumps(t) for t in texts), "".join(texts),
+                                    tuple(orjson.dumps([t]) for t in ids))
     return known
 
 
@@ -148,20 +161,30 @@ def render_json(
 
 
 def render_events(
-    c: Completion, response_id: str, created: int, words: Words, *, choice_extra: bytes
+    c: Completion, response_id: str, created: int, words: Words, *, choice_extra: bytes,
+    token_ids: bool = False,
 ) -> Iterator[bytes]:
-    """One ``data:`` event per token (vLLM's completion chunk shape), then ``[DONE]``."""
+    """One ``data:`` event per token (vLLM's completion chunk shape), then ``[DONE]``;
+    ``token_ids``: vLLM's ``prompt_token_ids`` and ``token_ids`` keys in each chunk (the
+    prompt's and the chunk's ids when ``return_token_ids`` asked, else null)."""
     head = orjson.dumps(
         {"id": response_id, "object": "text_completion", "created": created, "model": c.model}
     )
     prefix = b"data: " + head[:-1] + b',"choices":[{"index":0,"text":'
     texts = words.each
     last = len(texts) - 1
+    unasked = b',"prompt_token_ids":null,"token_ids":null'
     for i, text in enumerate(texts):
         finish = b'"length"' if i == last else b"null"
+        ids = choice_extra
+        if token_ids and not c.return_token_ids:
+            ids = unasked
+        elif token_ids:
+            prompt = orjson.dumps(_prompt_ids(c.body.get("prompt"))) if i == 0 else b"null"
+            ids = b',"prompt_token_ids":' + prompt + b',"token_ids":' + words.ids[i]
         yield b"".join((
             prefix, text, b',"logprobs":null,"finish_reason":', finish,
-            b',"stop_reason":null', choice_extra, b'}],"usage":null}\n\n',
+            b',"stop_reason":null', ids, b'}],"usage":null}\n\n',
         ))
     if c.include_usage:
         tail = {"choices": [], "usage": usage(c.prompt_tokens, len(texts))}

@@ -138,7 +138,8 @@ class VllmFlavour(FlavourBase):
         if c.stream:
             # vLLM returns kv_transfer_params on non-streamed answers only.
             self.reply_stream(
-                conn, lean_openai.render_events(c, response_id, created, words, choice_extra=b""),
+                conn, lean_openai.render_events(c, response_id, created, words,
+                                                choice_extra=b"", token_ids=True),
                 len(words.each),
             )
             return
