@@ -39,8 +39,9 @@ the CPU a change adds or saves, and it is the same on a busy machine and a quiet
 compiled build (Cython) runs fewer: the budget is the pure-Python build's, and the test skips
 itself when the hot modules are compiled.
 
-Deliberate limits: the stubs answer at once, so a streamed answer reaches the (slowed,
-traced) sidecar in one read; one request at a time; the index is fed by the bench, not by the
+Deliberate limits: the stubs answer at once and write a stream in one write
+(``--stream-writes whole``), so a streamed answer reaches the sidecar in one read on any
+machine; one request at a time; the index is fed by the bench, not by the
 stub engine (the stubs publish no KV events yet), and its prompt is token ids (text would need
 a tokenize call the lean stubs do not serve).
 """
@@ -71,6 +72,9 @@ from bench.http_clients import open_clients
 #: Loop turns after the answer before the count stops: what the request's task left queued
 #: (its scope's close, metric updates) runs inside the count.
 TAIL_TURNS = 3
+
+#: The stubs write each stream whole (``--stream-writes whole``).
+WHOLE_STREAMS = ("--stream-writes", "whole")
 
 
 @dataclass(frozen=True)
@@ -281,9 +285,13 @@ def stubs(flow: str, log_dir: Path) -> Iterator[tuple[procs.Proc, procs.Proc]]:
     engine = "vllm" if flow == "seq" else "sglang"
     started: list[procs.Proc] = []
     try:
-        prefill = procs.start_stub(f"{flow}-prefill", engine, "prefill", "shfs", log_dir=log_dir)
+        # A stream in one write: the sidecar reads it in one read on any machine (a write per
+        # event reached it in one read here but in more on CI, 180 bytecodes more a request).
+        prefill = procs.start_stub(f"{flow}-prefill", engine, "prefill", "shfs",
+                                   *WHOLE_STREAMS, log_dir=log_dir)
         started.append(prefill)
-        decode = procs.start_stub(f"{flow}-decode", engine, "decode", "shfs", log_dir=log_dir)
+        decode = procs.start_stub(f"{flow}-decode", engine, "decode", "shfs", *WHOLE_STREAMS,
+                                  log_dir=log_dir)
         started.append(decode)
         yield prefill, decode
     finally:

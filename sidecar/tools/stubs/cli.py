@@ -30,6 +30,7 @@ from sidecar.tools.stubs.config import (
     ENGINES,
     MOONCAKE_QUERY_SHAPES,
     ROLES,
+    STREAM_WRITES,
     TRANSPORTS,
     VLLM_CONNECTORS,
     StubConfig,
@@ -125,6 +126,10 @@ def add_stub_arguments(parser: argparse.ArgumentParser) -> None:
     add("--transport", choices=TRANSPORTS, default=d.transport,
         help="aiohttp (every engine, faults, recording) or lean (the bench's) (default: "
         "%(default)s)")
+    add("--stream-writes", choices=STREAM_WRITES, default=d.stream_writes,
+        help="lean: an unpaced stream is written a write per event, or whole in one write "
+        "(the bytecode count's: one read at the sidecar whatever the timing) (default: "
+        "%(default)s)")
     add("--faults-endpoint", action="store_true",
         help="serve /_stub/faults so another process can switch faults (default: off)")
     add("--tls-cert-file", default=None, metavar="PEM",
@@ -187,6 +192,7 @@ def config_from_args(args: argparse.Namespace) -> StubConfig:
         secret=args.secret,
         faults=faults,
         transport=args.transport,
+        stream_writes=args.stream_writes,
         control_faults=args.faults_endpoint,
         tls_cert_file=args.tls_cert_file,
         tls_key_file=args.tls_key_file,

@@ -23,6 +23,7 @@ ROLES: Final = ("prefill", "decode", "both")
 VLLM_CONNECTORS: Final = ("shfs", "nixl", "mooncake", "nixl-push")
 MOONCAKE_QUERY_SHAPES: Final = ("dp_rank", "engine_id")
 TRANSPORTS: Final = ("aiohttp", "lean")
+STREAM_WRITES: Final = ("event", "whole")
 # The one dispatch by engine name, for both transports: (transport, engine) -> "module:Class",
 # imported on first use (an engine module imports its transport's server for its helpers).
 _FLAVOURS: Final = {
@@ -88,6 +89,10 @@ class StubConfig:
     secret: str = "disagg-stub"
     # Which server carries the behaviour: "aiohttp" (tests) or "lean" (the benchmark).
     transport: str = "aiohttp"
+    # The lean transport's unpaced streams: a write per event, as an engine's server does
+    # ("event"), or head, events and end in one write ("whole": the bytecode count's stubs,
+    # whose streams then reach the sidecar in one read whatever the machine's timing).
+    stream_writes: str = "event"
     # Serve /_stub/faults (faults switched over HTTP by another process): off unless asked.
     control_faults: bool = False
     # HTTPS on the engine port (both PEM files; the bootstrap port stays plain HTTP, as the
@@ -142,8 +147,13 @@ class StubConfig:
             raise ValueError("tls_cert_file and tls_key_file: set both or neither")
         if self.tls_client_ca_file is not None and self.tls_cert_file is None:
             raise ValueError("tls_client_ca_file needs tls_cert_file and tls_key_file")
+        if self.stream_writes not in STREAM_WRITES:
+            raise ValueError(f"unknown stream_writes {self.stream_writes!r}; known: "
+                             f"{', '.join(STREAM_WRITES)}")
         if self.transport == "lean":
             self._check_lean()
+        elif self.stream_writes != "event":
+            raise ValueError("stream_writes: the lean transport's only")
 
     def _check_lean(self) -> None:
         if self.engine not in ("vllm", "sglang"):

@@ -4,6 +4,7 @@
         send(status, body)                     a whole answer at once (the server's)
         send_later(delay_s, status, body)      the same after ``delay_s``
         send_stream(events, pacing=None)       chunked, one chunk and one write per event
+        send_stream_whole(events)              chunked, every event in one write
 
 The HTTP/1.1 server itself (parsing, keep-alive, pipelined requests in order, the idle close,
 400/413) is ``lean.keepalive``; this module adds how an engine's answers are timed.
@@ -77,6 +78,10 @@ class HttpConnection(ServerConnection):
             return
         self._pacing = None
         self._pump()
+
+    def send_stream_whole(self, events: Iterator[bytes], content_type: bytes = SSE) -> None:
+        """Answer with a chunked body written whole: one write for all of ``events``."""
+        self.send_chunked(200, content_type, _STREAM_HEADERS, events)
 
     def _on_tick(self) -> None:
         self._tick = None

@@ -250,6 +250,18 @@ class ServerConnection(asyncio.Protocol):
         self._chunked = True
         return True
 
+    def send_chunked(self, status: int, content_type: bytes, headers: bytes,
+                     chunks: Iterator[bytes]) -> None:
+        """A whole chunked answer, head, chunks and end, in one write."""
+        if self.closed or self.transport is None:
+            return
+        framing = b"transfer-encoding: chunked\r\n" + headers
+        parts = [self._head(status, content_type, framing)]
+        parts.extend(b"%x\r\n%s\r\n" % (len(chunk), chunk) for chunk in chunks)
+        parts.append(b"0\r\n\r\n")
+        self.transport.write(b"".join(parts))
+        self._finish()
+
     def write_chunk(self, data: bytes) -> None:
         """One non-empty chunk of the current answer, one write."""
         if self.transport is not None and not self.closed:

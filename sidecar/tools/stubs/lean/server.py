@@ -90,6 +90,9 @@ class FlavourBase:
         """A streamed answer whose first ``tokens`` events are paced like an engine's steps."""
         cfg = self.config
         pacing = Pacing(cfg.ttft_s, cfg.itl_s, tokens) if cfg.ttft_s or cfg.itl_s else None
+        if pacing is None and cfg.stream_writes == "whole":
+            conn.send_stream_whole(events)
+            return
         conn.send_stream(events, pacing=pacing)
 
 
