@@ -1,6 +1,7 @@
 """Proves the command line as an operator uses it: ``disagg-sidecar serve`` in its own process
 listens on OS-chosen ports, answers /health, and exits 0 on SIGTERM; an invalid configuration
-refuses to start with exit code 2 and a message naming the bad value; ``demo`` exits 0.
+refuses to start with exit code 2 and a message naming the bad value; ``demo`` exits 0, and
+``demo --cache-aware`` shows a chat's second turn running locally on the cached prefix.
 """
 
 from __future__ import annotations
@@ -76,6 +77,26 @@ def test_demo_exits_zero() -> None:
     result = subprocess.run([*SIDECAR, "demo"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "PD flow OK" in result.stdout
+
+
+def test_the_cache_aware_demo_runs_the_second_turn_locally() -> None:
+    result = subprocess.run([*SIDECAR, "demo", "--cache-aware"], capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    turns = result.stdout.split("== turn ")[1:]
+    assert len(turns) == 2, result.stdout
+    assert "prefill legs: 1" in turns[0]
+    assert "x-disagg-placement: local_cached;" in turns[1]
+    assert "prefill legs: 0" in turns[1]
+    assert "cache-aware placement OK" in result.stdout
+
+
+@pytest.mark.parametrize("flags", [["--engine", "sglang"], ["--kv-connector", "mooncake"]])
+def test_the_cache_aware_demo_names_what_it_needs(flags: list[str]) -> None:
+    result = subprocess.run([*SIDECAR, "demo", "--cache-aware", *flags], capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 2
+    assert "--cache-aware" in result.stderr and "Traceback" not in result.stderr
 
 
 def _listener(*, reuse_port: bool) -> socket.socket:

@@ -7,6 +7,13 @@
 It starts a prefill stub engine, a decode stub engine and the sidecar in this process on
 OS-chosen loopback ports, sends one streamed completion through the PD flow, prints both legs,
 the hand-off and the answer, and exits 0 when the decode engine really used the prefill's KV.
+
+``--cache-aware`` (vLLM): the decode stub keeps a prefix cache and publishes its KV events, the
+sidecar indexes them and applies the cache rule (``--local-prefill-max-uncached-tokens``); a
+chat's first turn runs as a pair, its second turn, whose prompt the decode engine already
+holds but for the new message, runs whole there (``local_cached``): each turn's
+``x-disagg-placement`` header is printed, and the exit is 0 when the second turn never
+reached the prefill engine.
 """
 
 from __future__ import annotations
@@ -14,7 +21,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import re
 import sys
+import tempfile
+from pathlib import Path
 from typing import Any, TextIO
 
 import aiohttp
@@ -41,6 +51,9 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt", default="The quick brown fox jumps over the lazy dog.",
                         help="the prompt to send")
     parser.add_argument("--max-tokens", type=int, default=8, help="tokens to generate")
+    parser.add_argument("--cache-aware", action="store_true",
+                        help="vLLM: two chat turns through a sidecar that indexes the decode "
+                        "engine's KV events; the second runs locally on the cached prefix")
 
 
 def _show(out: TextIO, title: str, payload: Any) -> None:
@@ -78,9 +91,13 @@ async def run_demo(args: argparse.Namespace, out: TextIO = sys.stdout,
     engine: str = args.engine
     try:
         connector = demo_connector(engine, args.kv_connector)
+        if args.cache_aware:
+            _check_cache_aware(engine, connector)
     except DemoUsageError as exc:
         err.write(f"disagg-sidecar demo: {exc}\n")
         return 2
+    if args.cache_aware:
+        return await _run_cache_aware(args, out)
     async with (
         run_stub(StubConfig(engine=engine, role="prefill", kv_connector=connector)) as prefill,
         run_stub(StubConfig(engine=engine, role="decode", kv_connector=connector)) as decode,
@@ -149,3 +166,136 @@ async def _send(sidecar_port: int, prefill_port: int, body: dict[str, Any]) -> s
                 chunk = json.loads(line[6:])
                 pieces.extend(choice.get("text", "") for choice in chunk.get("choices", []))
     return "".join(pieces)
+
+
+# -- the cache-aware demo -----------------------------------------------------------------
+
+#: The stub's tokens are bytes: the first turn (about 210 tokens with its chat template) is
+#: over a rule of 128 uncached tokens, the second's new part (the reply, one short message,
+#: their template: about 80) under it.
+_BLOCK_SIZE = 16
+_MAX_UNCACHED = 128
+_SYSTEM_PROMPT = ("You are a careful assistant for a platform team that runs "
+                  "prefill/decode-disaggregated LLM serving on Kubernetes. Answer briefly.")
+_INDEX_WAIT_S = 10.0
+_APPLIED = re.compile(rb'^disagg_kv_event_batches_total\{outcome="applied"\} ([0-9.e+]+)$', re.M)
+
+
+def _check_cache_aware(engine: str, connector: str) -> None:
+    if engine != "vllm" or connector != DEFAULT_CONNECTOR:
+        raise DemoUsageError(
+            f"--cache-aware: the vLLM stub with NixlConnector (shfs) publishes KV events; "
+            f"not engine {engine} with {connector}: leave --engine and --kv-connector out"
+        )
+
+
+async def _run_cache_aware(args: argparse.Namespace, out: TextIO) -> int:
+    with tempfile.TemporaryDirectory(prefix="disagg-demo-") as tmp:
+        endpoint = f"ipc://{Path(tmp) / 'kv-events'}"  # the engine binds, the sidecar connects
+        decode_config = StubConfig(
+            engine="vllm", role="decode", kv_connector=DEFAULT_CONNECTOR,
+            block_size=_BLOCK_SIZE, kv_events_endpoint=endpoint, kv_events_topic="kv",
+            prompt_tokens_details=True)
+        async with (
+            run_stub(StubConfig(engine="vllm", role="prefill",
+                                kv_connector=DEFAULT_CONNECTOR)) as prefill,
+            run_stub(decode_config) as decode,
+        ):
+            settings = Settings.model_validate({
+                "engine": "vllm", "kv_connector": DEFAULT_CONNECTOR, "engine_url": decode.url,
+                "host": "127.0.0.1", "port": 0, "grpc_enabled": False,
+                "prefill_allowlist": (f"127.0.0.1:{prefill.port}",),
+                "kv_events_endpoint": endpoint, "kv_events_topic": "kv",
+                "local_prefill_max_uncached_tokens": _MAX_UNCACHED, "log_level": "warning",
+            })
+            stop = asyncio.Event()
+            listening: asyncio.Future[dict[str, int]] = asyncio.get_running_loop().create_future()
+            server = asyncio.ensure_future(run_server(settings, stop, listening.set_result))
+            try:
+                ports = await asyncio.wait_for(asyncio.shield(listening), timeout=30)
+                sidecar = f"http://127.0.0.1:{ports['http']}"
+                out.write(
+                    f"prefill stub   {prefill.url}  (vllm/{DEFAULT_CONNECTOR})\n"
+                    f"decode stub    {decode.url}  (prefix cache of {_BLOCK_SIZE}-token blocks,"
+                    f" KV events on {endpoint})\n"
+                    f"sidecar        {sidecar}  (--local-prefill-max-uncached-tokens "
+                    f"{_MAX_UNCACHED})\n"
+                )
+                async with aiohttp.ClientSession() as session:
+                    ok = await _two_turns(session, sidecar, prefill, decode.url, args, out)
+            finally:
+                stop.set()
+                await server
+    out.write("\ncache-aware placement OK\n" if ok else
+              "\ncache-aware placement FAILED: the second turn did not run locally\n")
+    return 0 if ok else 1
+
+
+async def _two_turns(session: aiohttp.ClientSession, sidecar: str, prefill: Any,
+                     decode_url: str, args: argparse.Namespace, out: TextIO) -> bool:
+    """The chat's two turns; True when the second ran locally, with no prefill leg."""
+    await _until_indexed(session, sidecar, decode_url)
+    headers = {"x-prefiller-host-port": f"127.0.0.1:{prefill.port}"}
+    messages: list[dict[str, str]] = [{"role": "system", "content": _SYSTEM_PROMPT},
+                                      {"role": "user", "content": args.prompt}]
+    legs_before = _prefill_legs(prefill)
+    applied = await _applied_batches(session, sidecar)
+    reply, placement, _ = await _chat_turn(session, sidecar, headers, messages, args.max_tokens)
+    first_legs = _prefill_legs(prefill) - legs_before
+    out.write(f"\n== turn 1: {len(messages)} messages\nx-disagg-placement: {placement}\n"
+              f"prefill legs: {first_legs}\n")
+    # The engine publishes the blocks of turn one after its answer: wait for the batch.
+    async with asyncio.timeout(_INDEX_WAIT_S):
+        # The index's progress is only observable by scraping: there is no event to wait on.
+        while await _applied_batches(session, sidecar) == applied:  # noqa: ASYNC110
+            await asyncio.sleep(0.01)
+    messages += [{"role": "assistant", "content": reply},
+                 {"role": "user", "content": "And in one word?"}]
+    legs_before = _prefill_legs(prefill)
+    _, placement, cached = await _chat_turn(session, sidecar, headers, messages, args.max_tokens)
+    second_legs = _prefill_legs(prefill) - legs_before
+    out.write(f"\n== turn 2: {len(messages)} messages (turn 1, its reply, one more)\n"
+              f"x-disagg-placement: {placement}\nprefill legs: {second_legs}\n"
+              f"cached prompt tokens the decode engine reported: {cached}\n")
+    return first_legs == 1 and second_legs == 0 and placement.startswith("local_cached")
+
+
+async def _chat_turn(session: aiohttp.ClientSession, sidecar: str, headers: dict[str, str],
+                     messages: list[dict[str, str]], max_tokens: int) -> tuple[str, str, int]:
+    """One non-streamed chat turn: its reply, its placement header, its cached tokens."""
+    body = {"model": "stub-model", "messages": messages, "max_tokens": max_tokens}
+    async with session.post(f"{sidecar}/v1/chat/completions", json=body,
+                            headers=headers) as response:
+        if response.status != 200:
+            raise RuntimeError(f"sidecar answered {response.status}: {await response.text()}")
+        answer = await response.json()
+        placement = response.headers.get("x-disagg-placement", "(no header)")
+    details = (answer.get("usage") or {}).get("prompt_tokens_details") or {}
+    return (answer["choices"][0]["message"]["content"], placement,
+            int(details.get("cached_tokens") or 0))
+
+
+async def _until_indexed(session: aiohttp.ClientSession, sidecar: str, decode_url: str) -> None:
+    """Until the sidecar's subscription carries batches: ZMQ drops what a publisher sends
+    before a subscriber's subscription reaches it, so warm-up requests go to the decode stub
+    directly until one of their batches is applied."""
+    async with asyncio.timeout(_INDEX_WAIT_S):
+        for attempt in range(1, 1_000):
+            warm_up = {"model": "stub-model", "prompt": [attempt] * _BLOCK_SIZE, "max_tokens": 1}
+            async with session.post(f"{decode_url}/v1/completions", json=warm_up) as response:
+                await response.read()
+            if await _applied_batches(session, sidecar):
+                return
+            await asyncio.sleep(0.01)
+
+
+async def _applied_batches(session: aiohttp.ClientSession, sidecar: str) -> float:
+    async with session.get(f"{sidecar}/metrics") as response:
+        text = await response.read()
+    found = _APPLIED.search(text)
+    return float(found.group(1)) if found else 0.0
+
+
+def _prefill_legs(prefill: Any) -> int:
+    """The prefill engine's generation requests (not the sidecar's GETs: kinship, probes)."""
+    return sum(seen.method == "POST" for seen in prefill.recorder.requests)
