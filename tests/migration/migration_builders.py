@@ -144,6 +144,12 @@ async def read(pair: PDPair, route: Route, body: dict[str, Any], *,
     return reply
 
 
+def generations(stub: Stub) -> int:
+    """The requests an engine was asked to compute (POSTs): not the sidecar's GETs (its check
+    of what a prefill target serves, its probes)."""
+    return sum(request.method == "POST" for request in stub.recorder.requests)
+
+
 def tokens(prompt_ids: list[int], count: int, kind: PrefillKind) -> list[int]:
     """The ids a stub generates for ``prompt_ids``: REMOTE on a decode with a good hand-off,
     LOCAL where the engine computed the prompt itself (a whole run)."""

@@ -25,6 +25,7 @@ import pytest
 from migration_builders import (
     PROMPT,
     drop,
+    generations,
     metric_reaches,
     moving_pair,
     next_event,
@@ -57,7 +58,7 @@ async def test_with_migration_off_a_break_is_the_error_event_it_was() -> None:
         assert reply.broken and reply.done == 0
         assert reply.error is not None and reply.error["code"] == "decode_failed"
         assert "not migrated" not in reply.error["message"]
-        assert pair.prefill.recorder.total == 1
+        assert generations(pair.prefill) == 1
         assert await pair.sidecar.metric("disagg_migrations_total") == 0
         await metric_reaches(pair.sidecar, "disagg_requests_total", 1,
                              outcome="broken_stream")
@@ -116,7 +117,7 @@ async def test_a_body_that_cannot_continue_exactly_is_refused_naming_why(
     cut = CUT + (1 if route is Route.CHAT else 0)  # a chat stream's role chunk first
     async with moving_pair(decode_faults=[drop(cut)]) as pair:
         reply = await read(pair, route, route_body(route, max_tokens=MAX_TOKENS, **extra))
-        assert_refused(pair.prefill.recorder.total, reply, reason)
+        assert_refused(generations(pair.prefill), reply, reason)
         # Nothing was asked of the engine the stream could not use.
         decode_body = (await pair.decode.recorder.next_request(route.value)).json
         assert "return_token_ids" not in decode_body
@@ -148,7 +149,7 @@ async def test_a_stream_past_the_kept_size_is_refused() -> None:
                            prefill={"max_model_len": 4096}) as pair:
         reply = await read(pair, Route.COMPLETIONS, route_body(Route.COMPLETIONS,
                                                                max_tokens=300))
-        assert_refused(pair.prefill.recorder.total, reply, "stream_too_long")
+        assert_refused(generations(pair.prefill), reply, "stream_too_long")
 
 
 async def test_an_answer_whose_end_alone_was_lost_is_refused_as_finished() -> None:
@@ -156,7 +157,7 @@ async def test_an_answer_whose_end_alone_was_lost_is_refused_as_finished() -> No
         reply = await read(pair, Route.COMPLETIONS, route_body(Route.COMPLETIONS,
                                                                max_tokens=MAX_TOKENS))
         assert reply.text == text(tokens(prompt_ids(), MAX_TOKENS, PrefillKind.REMOTE))
-        assert_refused(pair.prefill.recorder.total, reply, "finished")
+        assert_refused(generations(pair.prefill), reply, "finished")
 
 
 async def test_a_stop_string_that_could_span_the_join_is_refused() -> None:
@@ -226,7 +227,7 @@ async def test_a_4xx_error_event_reaches_the_client_as_written() -> None:
         assert reply.done == 1  # relayed as the engine wrote it: its error, then [DONE]
         assert reply.error == {"message": "stub fault: bad request",
                                "type": "BadRequestError", "code": 400}
-        assert pair.prefill.recorder.total == 1
+        assert generations(pair.prefill) == 1
         assert await pair.sidecar.metric("disagg_migrations_total") == 0
         # Counted as the decode error it is, as a stream relayed without migration is.
         await metric_reaches(pair.sidecar, "disagg_requests_total", 1, outcome="error")

@@ -20,6 +20,7 @@ import pytest
 from migration_builders import (
     GENERATE_IDS,
     drop,
+    generations,
     metric_reaches,
     moving_pair,
     prompt_ids,
@@ -67,7 +68,7 @@ async def test_a_stream_without_token_ids_ends_with_its_apis_error_naming_why(
 
         assert reply.status == 200
         assert "event: error" in raw and "not migrated: no_token_ids" in raw
-        assert pair.prefill.recorder.total == 1  # its prefill leg only
+        assert generations(pair.prefill) == 1  # its prefill leg only
         await metric_reaches(pair.sidecar, "disagg_migrations_total", 1, outcome="refused",
                              reason="no_token_ids")
 

@@ -59,7 +59,7 @@ async def test_a_completions_stream_continues_on_the_prefill_target() -> None:
                                "total_tokens": len(prompt) + MAX_TOKENS,
                                "prompt_tokens_details": None}
         continued = [r for r in pair.prefill.recorder.requests
-                     if isinstance(r.json.get("prompt"), list)]
+                     if r.method == "POST" and isinstance(r.json.get("prompt"), list)]
         assert len(continued) == 1
         assert continued[0].json["prompt"] == prompt + first
         assert continued[0].json["max_tokens"] == MAX_TOKENS - CUT
