@@ -29,7 +29,8 @@ import pytest
 from multidict import CIMultiDict
 from sidecar_builders import RunningSidecar, decode_sidecar_settings, running_sidecar
 
-from sidecar.protocol.context import Route
+from sidecar.protocol.context import PrefillTarget, Route
+from sidecar.targets.breaker import CircuitBreakers
 from sidecar.tools.stubs.config import StubConfig
 from sidecar.tools.stubs.faults import Fault, FaultKind
 from sidecar.tools.stubs.server import Stub
@@ -265,3 +266,32 @@ async def rig(
             running_sidecar(**sidecar_settings_for(engine, connector, p, d, **settings)))
         client = await stack.enter_async_context(aiohttp.ClientSession())
         yield Rig(engine, connector, p, d, sc, client, stack)
+
+
+# -- circuit breakers on a clock of the test's own --------------------------------------------
+
+COMPLETIONS = Route.COMPLETIONS.value
+A, B = PrefillTarget("10.0.0.1", 8000), PrefillTarget("10.0.0.2", 8000)
+
+
+class Clock:
+    """A clock that moves only when the test sets ``now``."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def breakers_of(clock: Clock, **overrides: Any) -> CircuitBreakers:
+    """Breakers that open at the first failure and close at the first success, by default."""
+    options = {"failures": 1, "open_s": 10.0, "successes": 1, **overrides}
+    return CircuitBreakers(**options, clock=clock)
+
+
+def fail(breakers: CircuitBreakers, target: PrefillTarget) -> None:
+    """One failed leg to ``target``, admitted and settled."""
+    admission = breakers.admit(target)
+    assert admission is not None
+    breakers.settle(target, admission, False, "HTTP 500")

@@ -27,35 +27,25 @@ from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
-from fault_builders import client_body, faults, sidecar_settings_for, started_stub, stub_config
+from fault_builders import (
+    COMPLETIONS,
+    A,
+    B,
+    Clock,
+    breakers_of,
+    client_body,
+    fail,
+    faults,
+    sidecar_settings_for,
+    started_stub,
+    stub_config,
+)
 from sidecar_builders import running_sidecar
 
 from sidecar.engines.health import MAX_PROBES, BreakerProbes
 from sidecar.http1 import EngineClient
-from sidecar.protocol.context import PrefillTarget, Route
-from sidecar.targets.breaker import MAX_BACKOFF, BreakerState, CircuitBreakers
-
-COMPLETIONS = Route.COMPLETIONS.value
-A, B = PrefillTarget("10.0.0.1", 8000), PrefillTarget("10.0.0.2", 8000)
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def breakers_of(clock: Clock, **overrides: Any) -> CircuitBreakers:
-    options = {"failures": 1, "open_s": 10.0, "successes": 1, **overrides}
-    return CircuitBreakers(**options, clock=clock)
-
-
-def fail(breakers: CircuitBreakers, target: PrefillTarget) -> None:
-    admission = breakers.admit(target)
-    assert admission is not None
-    breakers.settle(target, admission, False, "HTTP 500")
+from sidecar.protocol.context import PrefillTarget
+from sidecar.targets.breaker import MAX_BACKOFF, BreakerState
 
 
 @contextlib.contextmanager
