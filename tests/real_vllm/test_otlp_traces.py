@@ -72,7 +72,7 @@ def test_both_engines_export_spans_in_the_sidecars_trace(
     body = completion_body(block_prompt("otlp-trace"), max_tokens=4)
     # Leaving the block stops the sidecar, which flushes its spans on the way out.
     with contextlib.contextmanager(sidecar_process)(
-        tmp_path, "--engine", "example-connector", "--engine-url", decode_url,
+        tmp_path, "--engine", "default", "--engine-url", decode_url,
         "--otlp-endpoint", receiver.endpoint,
     ) as sidecar:
         assert through(sidecar, "/v1/completions", body, prefill_hostport)

@@ -66,10 +66,11 @@ def nixl_sidecar(real_vllm: RealVllm, tmp_path_factory: pytest.TempPathFactory
 @pytest.fixture(scope="module")
 def example_sidecar(real_vllm: RealVllm, tmp_path_factory: pytest.TempPathFactory
                     ) -> Iterator[Sidecar]:
-    # ExampleConnector needs no hand-off fields: the default handler's P-then-D flow.
+    # ExampleConnector needs no hand-off fields: the default dialect's P-then-D flow (an
+    # engine name no dialect is registered for is refused at start since issue 36).
     yield from sidecar_process(
         tmp_path_factory.mktemp("example-sidecar"),
-        "--engine", "example-connector", "--engine-url", real_vllm.example.decode,
+        "--engine", "default", "--engine-url", real_vllm.example.decode,
     )
 
 
