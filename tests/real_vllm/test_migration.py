@@ -9,7 +9,9 @@ engine: ``--local-prefill-max-tokens``). Two kills, each restarting the decode e
 1. through ``pd``, at once: a completions stream that asks for its token ids, a chat stream
    that does not (both started once the decode engine counted the prompt of a JSON
    completion sent first: it is decoding). The decode engine is killed once both streams
-   have ``KILL_AFTER`` tokens. Each stream completes with exactly
+   have ``KILL_AFTER`` tokens, if none of the three has ended by then (a round where one
+   had, as when one stream's pair started two seconds after the other's, runs again with
+   new prompts, up to ``ROUNDS``). Each stream completes with exactly
    the baseline's greedy tokens and text (the chat stream with no ids in sight), one
    ``[DONE]``, the baseline's usage counts; the JSON answer is the baseline's;
    ``disagg_migrations_total{migrated}`` counts the three.
@@ -69,6 +71,8 @@ CHAT = "/v1/chat/completions"
 MAX_TOKENS = 360
 #: Tokens each stream must have before the kill.
 KILL_AFTER = 12
+#: Rounds of the three requests until all three are decoding at once (each round new prompts).
+ROUNDS = 3
 READY_DEADLINE_S = 60.0
 PREFILL, DECODE = "migration-prefill", "migration-decode"
 #: The prompt tokens an engine has counted (at each request's first token).
@@ -117,6 +121,10 @@ class Streamed:
     @property
     def done(self) -> int:
         return self.events.count("[DONE]")
+
+    def before(self, moment: float) -> int:
+        """How many chunks came before ``moment``."""
+        return sum(t < moment for t in self.times)
 
     def gap_after(self, moment: float) -> float:
         """The longest wait for a chunk after ``moment``: from the dead engine's last token
@@ -281,34 +289,53 @@ def test_a_killed_decode_engine_s_answers_complete_elsewhere(
     target = f"127.0.0.1:{nixl_group.engines[PREFILL].port}"
     decode = nixl_group.engines[DECODE]
     options = {"stream": True, "stream_options": {"include_usage": True}}
-    cmpl = completion_body(block_prompt("migration cmpl", 3), MAX_TOKENS, **options,
-                           return_token_ids=True)
-    chat = chat_body(block_prompt("migration chat", 3), MAX_TOKENS, **options)
-    whole = completion_body(block_prompt("migration json", 3), MAX_TOKENS)
-    expected_cmpl = baseline_stream(decode, COMPLETIONS, cmpl)
-    expected_chat = baseline_stream(decode, CHAT, chat)
-    expected_json = post_json(decode.url + COMPLETIONS, whole, timeout=300)
     pd = sidecars["pd"]
-    wait_ready(pd)
+    for round_ in range(1, ROUNDS + 1):
+        # New prompts each round: nothing of an earlier round's is cached.
+        tag = f"migration r{round_}"
+        cmpl = completion_body(block_prompt(f"{tag} cmpl", 3), MAX_TOKENS, **options,
+                               return_token_ids=True)
+        chat = chat_body(block_prompt(f"{tag} chat", 3), MAX_TOKENS, **options)
+        whole = completion_body(block_prompt(f"{tag} json", 3), MAX_TOKENS)
+        expected_cmpl = baseline_stream(decode, COMPLETIONS, cmpl)
+        expected_chat = baseline_stream(decode, CHAT, chat)
+        expected_json = post_json(decode.url + COMPLETIONS, whole, timeout=300)
+        wait_ready(pd)
 
-    with ThreadPoolExecutor(3) as pool:
-        # The JSON request first: the streams start once the decode engine has counted its
-        # prompt (it does at its first token), and the kill comes once they have
-        # ``KILL_AFTER`` tokens each, so all three are decoding when the engine dies.
-        counted = metric_value(decode.url, PROMPT_TOKENS)
-        answer = pool.submit(answered_at, pd, COMPLETIONS, whole, target)
-        rises(decode, PROMPT_TOKENS, counted)
-        got_cmpl, got_chat = Streamed(), Streamed()
-        reading = [pool.submit(stream, pd, COMPLETIONS, cmpl, target, got_cmpl),
-                   pool.submit(stream, pd, CHAT, chat, target, got_chat)]
-        assert got_cmpl.started.wait(120) and got_chat.started.wait(120)
-        killed_at = kill(nixl_group, DECODE)
-        for done in reading:
-            done.result()
-        got_json, json_at = answer.result()
+        with ThreadPoolExecutor(3) as pool:
+            # The JSON request first: the streams start once the decode engine has counted
+            # its prompt (it does at its first token), and the kill comes once they have
+            # ``KILL_AFTER`` tokens each, so all three are decoding when the engine dies.
+            counted = metric_value(decode.url, PROMPT_TOKENS)
+            answer = pool.submit(answered_at, pd, COMPLETIONS, whole, target)
+            rises(decode, PROMPT_TOKENS, counted)
+            got_cmpl, got_chat = Streamed(), Streamed()
+            reading = [pool.submit(stream, pd, COMPLETIONS, cmpl, target, got_cmpl),
+                       pool.submit(stream, pd, CHAT, chat, target, got_chat)]
+            assert got_cmpl.started.wait(120) and got_chat.started.wait(120)
+            # A request that ended before the others reached KILL_AFTER tokens (one stream's
+            # pair once started 2 s after the other's, which was done by then) cannot show a
+            # migration: no kill, the round runs again with new prompts.
+            ended = [name for name, gone in (("completions", got_cmpl.done),
+                                             ("chat", got_chat.done), ("json", answer.done()))
+                     if gone]
+            killed_at = kill(nixl_group, DECODE) if not ended else None
+            for done in reading:
+                done.result()
+            got_json, json_at = answer.result()
+        if killed_at is not None:
+            break
+        print(f"round {round_}: {', '.join(ended)} ended before the others were decoding; "
+              "again with new prompts")
+    else:
+        pytest.fail(f"in {ROUNDS} rounds, never were all three requests decoding at once")
 
     print(f"failure to first continued token: completions {got_cmpl.gap_after(killed_at):.3f} s,"
           f" chat {got_chat.gap_after(killed_at):.3f} s")
+    for name, got in (("completions", got_cmpl), ("chat", got_chat)):
+        print(f"{name}: first chunk {got.times[0] - killed_at:+.3f} s from the kill, last "
+              f"{got.times[-1] - killed_at:+.3f} s; {got.before(killed_at)} of "
+              f"{len(got.times)} chunks before it")
     # Each stream was still running when its engine died: tokens came after the kill.
     assert all(t > killed_at for t in (got_cmpl.times[-1], got_chat.times[-1]))
     assert got_cmpl.complete and got_cmpl.done == 1 and got_cmpl.events[-1] == "[DONE]"
