@@ -21,9 +21,6 @@ probes they need, or for the probe task to end (no sleeps).
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import socket
-from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
@@ -40,23 +37,12 @@ from fault_builders import (
     started_stub,
     stub_config,
 )
-from sidecar_builders import running_sidecar
+from sidecar_builders import refusing_port, running_sidecar
 
 from sidecar.engines.health import MAX_PROBES, BreakerProbes
 from sidecar.http1 import EngineClient
 from sidecar.protocol.context import PrefillTarget
 from sidecar.targets.breaker import MAX_BACKOFF, BreakerState
-
-
-@contextlib.contextmanager
-def refusing_port() -> Iterator[int]:
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))  # bound, never listening: refuses
-    try:
-        yield sock.getsockname()[1]
-    finally:
-        sock.close()
-
 
 # -- slow is not down ----------------------------------------------------------------------
 

@@ -19,12 +19,11 @@ Runs the stub engines (vLLM NIXL pull) behind a real sidecar.
 from __future__ import annotations
 
 import contextlib
-import socket
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import aiohttp
-from sidecar_builders import RunningSidecar, running_sidecar
+from sidecar_builders import RunningSidecar, refusing_port, running_sidecar
 
 from sidecar.dialects.vllm import cache_config
 from sidecar.engines.models import Mismatch, NotLearned, Serves, mismatch
@@ -131,15 +130,6 @@ async def test_a_target_that_does_not_say_what_it_serves_gets_no_leg() -> None:
             assert status == 200, payload
             assert legs(mute) == 1
 
-
-@contextlib.contextmanager
-def refusing_port() -> Iterator[int]:
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))  # bound, never listening: refuses
-    try:
-        yield sock.getsockname()[1]
-    finally:
-        sock.close()
 
 
 async def test_of_several_targets_only_those_that_can_hand_off_get_legs() -> None:

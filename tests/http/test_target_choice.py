@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 from pd_builders import client_body, pd_pair
+from sidecar_builders import refusing_port
 
 from sidecar.config.settings import Settings
 from sidecar.errors import PrefillFailed
@@ -92,16 +93,6 @@ def test_labels_are_bounded() -> None:
     assert choice.label(A) == str(A)
     assert choice.label(B) == HEADER_LABEL
 
-
-@contextlib.contextmanager
-def refusing_port() -> Iterator[int]:
-    """A loopback port that refuses connections (bound, never listening, so no one else's)."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        sock.bind(("127.0.0.1", 0))
-        yield sock.getsockname()[1]
-    finally:
-        sock.close()
 
 
 @contextlib.contextmanager
