@@ -252,7 +252,7 @@ class Runner:
             self._counters.retry(request.front_door)
         elif following.fate is Fate.MOVE:
             self._counters.migration(MOVED, error.code)
-            logger.warning("request %s: %s before its answer; migrated: %s (move %d)",
+            logger.warning("request %s: %s; migrated: %s (move %d)",
                            request.request_id, error.message, following.why,
                            following.moves)
 
