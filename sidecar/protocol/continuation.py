@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import re
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -163,6 +164,10 @@ def _common_tail(first: bytes, second: bytes) -> bytes:
 
 # -- reading the stream back ------------------------------------------------------------
 
+#: Chunk ends a join may start at, the last first: a chunk carries one id or a few, so the
+#: last 8 reach back past any character an engine holds unfinished.
+JOIN_MARKS: Final = 8
+
 
 @dataclass(slots=True)
 class SoFar:
@@ -190,6 +195,14 @@ class SoFar:
     has_text: bool = True
     #: Events the client got (0: none; a continuation then starts the answer afresh).
     events: int = 0
+    #: The last ``JOIN_MARKS`` chunk ends that carried ids: (ids so far, length of the text
+    #: so far). There the client's text is the engine's for those ids (special tokens left
+    #: out, as the engine writes them), unless the engine held back the bytes of a character
+    #: its last id had not finished: the places a continuation may start.
+    marks: deque[tuple[int, int]] = field(default_factory=lambda: deque(maxlen=JOIN_MARKS))
+
+    def mark(self) -> None:
+        self.marks.append((len(self.ids), len(self.text)))
 
 
 def data_payloads(events: bytes) -> Iterable[bytes]:
@@ -247,7 +260,8 @@ def note_chunk(so_far: SoFar, chunk: dict[str, Any], places: TokenIdPlaces, *,
             continue
         if first and places.prompt is PromptIds.CHOICE:
             so_far.prompt_ids = _ids(choice.get(places.prompt_key))
-        so_far.ids += _ids(choice.get(places.ids_key)) or []
+        ids = _ids(choice.get(places.ids_key)) or []
+        so_far.ids += ids
         if choice.get(FINISH_REASON) is not None:
             so_far.finished = True
         if route is Route.CHAT:
@@ -266,6 +280,8 @@ def note_chunk(so_far: SoFar, chunk: dict[str, Any], places: TokenIdPlaces, *,
                 so_far.text += text
             elif route is Route.GENERATE and TEXT not in choice:
                 so_far.has_text = False
+        if ids:
+            so_far.mark()
 
 
 def _ids(value: object) -> list[int] | None:
@@ -339,6 +355,8 @@ class Join:
             self.so_far.ids += ids
         if text:
             self.so_far.text += text
+        if ids and not self.skip_text:  # past what it regenerates: the client's text again
+            self.so_far.mark()
         if finish is not None:
             self.so_far.finished = True
         return self._shaped(chunk, choice, ids, text)

@@ -11,8 +11,8 @@
         why it cannot continue exactly, if it cannot     ─▶ NotMigrated (counted: refused)
         placement.move_after: where (a prefill target that runs requests whole, a
           --migration-url engine, the local engine)      ─▶ NotMigrated when nowhere
-        the join at a character boundary (the engine reads the answer's last ids back as
-          text: an engine that died may hold back the bytes of an unfinished character)
+        the join at a chunk's end whose last character is finished (the engine reads the
+          chunk's last ids back as text: an engine may hold back an unfinished character)
         the continuation (the dialect's body: the prompt's ids and the answer's so far,
           the limits lowered) opened there by the runner ─▶ Resumed(exchange, join, ...)
           (one that does not open: counted failed, the next engine is decided)
@@ -29,7 +29,7 @@ Why a stream is not moved (``reason``): ``disabled`` (``--migration-limit 0``), 
 Messages, ...), ``stream_too_long`` (past ``--migration-max-stream-bytes``), ``finished``
 (the answer was whole; only its end was lost), ``parsed_output`` (the engine parsed the
 answer into reasoning or tool calls), ``stop_strings`` (a stop string could span the join),
-``join`` (the text so far could not be matched to its ids), ``no_target``.
+``join`` (none of the last chunk ends finishes a character), ``no_target``.
 
 Deliberate limits: a sampled answer continues with its sampling fields and seed (a valid
 sample, not the tokens the dead engine would have drawn); the prompt's cache figures of a
@@ -38,10 +38,10 @@ moved whole run are not known (the usage rule: the prefill's in a pair, none oth
 
 from __future__ import annotations
 
-import asyncio
+import functools
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -76,11 +76,9 @@ PARSED_OUTPUT: Final = "parsed_output"
 STOP_STRINGS: Final = "stop_strings"
 JOIN: Final = "join"
 FANNED_OUT: Final = "fanned_out"
-#: The prompt's last ids read back with the answer's, so the text starts as the stream's did.
-CONTEXT_IDS: Final = 8
-#: How far before the last id a join may start (an unfinished character, a stop string's
-#: held-back text); further back, the text cannot be matched: ``join``.
-MAX_BACK: Final = 32
+#: The ids read back at a chunk's end to see whether its last character is finished (a
+#: character is at most 4 bytes, each id at least one).
+TAIL_IDS: Final = 8
 #: The replacement character a decoder writes for bytes that do not finish a character yet.
 REPLACEMENT: Final = "\ufffd"
 _MAX_TEXT_ANSWER: Final = 16 * 1024 * 1024
@@ -233,7 +231,7 @@ class Migrations:
                 assert so_far.prompt_ids is not None
                 try:
                     produced, skip_text = await self._aligned(so_far, following.target)
-                except _NotAligned:
+                except NotAligned:
                     raise self._refused(request, error, JOIN) from None
                 if _spans_stop(request.body, plan.route, so_far.text, len(skip_text)):
                     raise self._refused(request, error, STOP_STRINGS)
@@ -274,33 +272,12 @@ class Migrations:
         self._count(MOVE_FAILED, reason)
 
     async def _aligned(self, so_far: SoFar, engine: PrefillTarget | None) -> tuple[int, str]:
-        """Where the continuation starts: the answer's ids up to a character boundary whose
-        text the client has whole (``produced``), and the text after it the client has too,
-        which the continuation regenerates (``skip_text``)."""
-        ids = so_far.ids
-        count = len(ids)
-        if not so_far.has_text or count == 0:
-            return count, ""
-        context = (so_far.prompt_ids or [])[-CONTEXT_IDS:]
-        text = so_far.text
-        lead, whole = await asyncio.gather(self._text_of(engine, context),
-                                           self._text_of(engine, context + ids))
-        for produced in range(count, max(count - MAX_BACK, 0) - 1, -1):
-            if produced < count:
-                whole = await self._text_of(engine, context + ids[:produced])
-            if whole.endswith(REPLACEMENT):
-                continue  # bytes of a character not finished at this id
-            if not whole.startswith(lead):
-                raise _NotAligned
-            emitted = whole[len(lead):]
-            if text.startswith(emitted):
-                return produced, text[len(emitted):]
-        raise _NotAligned
+        return await join_point(so_far, functools.partial(self._text_of, engine))
 
     async def _text_of(self, engine: PrefillTarget | None, ids: list[int]) -> str:
         endpoint = self.dialect.ids_text
         if endpoint is None:
-            raise _NotAligned
+            raise NotAligned
         if not ids:
             return ""
         try:
@@ -308,15 +285,37 @@ class Migrations:
                 engine, endpoint.path, {**endpoint.extra, endpoint.ids_field: ids},
                 max_bytes=_MAX_TEXT_ANSWER)
         except SidecarError:
-            raise _NotAligned from None
+            raise NotAligned from None
         text = answer.get(endpoint.text_field)
         if not isinstance(text, str):
-            raise _NotAligned
+            raise NotAligned
         return text
 
 
-class _NotAligned(Exception):
-    """The text so far could not be matched to its token ids at a character boundary."""
+class NotAligned(Exception):
+    """No chunk end among the last marks finishes a character (or the read-back failed)."""
+
+
+async def join_point(so_far: SoFar, text_of: Callable[[list[int]], Awaitable[str]],
+                     ) -> tuple[int, str]:
+    """Where a continuation starts: the latest chunk end (of ``so_far.marks``) whose last id
+    finishes a character (``produced``, the ids up to it), and the text the client has after
+    it, which the continuation regenerates (``skip_text``). Each chunk end's last ids are read
+    back as text (``text_of``, the engine's detokenizer): one ending in U+FFFD was held back.
+    Only the tail is read: the client's text is compared with nothing the engine writes
+    differently when asked (special tokens, which a stream leaves out and a read-back keeps).
+    None of the marks: ``NotAligned``."""
+    ids = so_far.ids
+    if not so_far.has_text or not ids:
+        return len(ids), ""
+    prompt = so_far.prompt_ids or []
+    for produced, length in reversed(so_far.marks):
+        tail = ids[max(produced - TAIL_IDS, 0):produced]
+        if len(tail) < TAIL_IDS and prompt:
+            tail = prompt[len(tail) - TAIL_IDS:] + tail
+        if not (await text_of(tail)).endswith(REPLACEMENT):
+            return produced, so_far.text[length:]
+    raise NotAligned
 
 
 def _refusal(so_far: SoFar | None) -> str | None:
