@@ -3,8 +3,8 @@ read-back like vLLM's ``/detokenize``: at the last chunk end whose last id finis
 character, with the client's text after it to regenerate; a special token earlier in the
 answer (a stream leaves its text out, a read-back keeps it) does not stop the join, which
 read the whole answer back and failed there on real vLLM (a chat stream killed about 190
-tokens in, past the ``<unk>`` the test model wrote at token 188, 2026-12-06); no finished character among the last marks is ``join``; the marks a stream
-and a continuation leave.
+tokens in, past the ``<unk>`` the test model wrote at token 188, 2026-12-06); no finished
+character among the last marks is ``join``; the marks a stream and a continuation leave.
 
 Does not prove a live engine's read-back (tests/real_vllm/test_migration.py).
 """
