@@ -382,14 +382,8 @@ def test_a_killed_paired_completions_stream_completes_with_the_baseline(
         nixl_group: EngineGroup, sidecars: dict[str, Sidecar]) -> None:
     """A completions stream that asks for its token ids: the baseline's ids, text and usage,
     one ``[DONE]``, one id throughout, one migration counted."""
-    expected: list[Streamed] = []
-
-    def body_of(tag: str) -> dict[str, Any]:
-        body = completion_body(block_prompt(f"{tag} cmpl", 3), MAX_TOKENS, **STREAM_OPTIONS,
-                               return_token_ids=True)
-        expected.append(baseline_stream(nixl_group.engines[DECODE], COMPLETIONS, body))
-        return body
-
+    body_of = Baselined(nixl_group, COMPLETIONS, lambda tag: _ids_body(f"{tag} cmpl"))
+    expected = body_of.expected
     got, killed_at = _killed_during(nixl_group, sidecars["pd"], COMPLETIONS, body_of)
     _report("completions", got, killed_at)
     assert got.complete and got.done == 1 and got.events[-1] == "[DONE]"
@@ -403,13 +397,9 @@ def test_a_killed_paired_chat_stream_completes_with_the_baseline(
         nixl_group: EngineGroup, sidecars: dict[str, Sidecar]) -> None:
     """A chat stream that does not ask for ids: the baseline's text and usage, one
     ``[DONE]``, no ids in sight (the sidecar asked for them for its own sake)."""
-    expected: list[Streamed] = []
-
-    def body_of(tag: str) -> dict[str, Any]:
-        body = chat_body(block_prompt(f"{tag} chat", 3), MAX_TOKENS, **STREAM_OPTIONS)
-        expected.append(baseline_stream(nixl_group.engines[DECODE], CHAT, body))
-        return body
-
+    body_of = Baselined(nixl_group, CHAT, lambda tag: chat_body(
+        block_prompt(f"{tag} chat", 3), MAX_TOKENS, **STREAM_OPTIONS))
+    expected = body_of.expected
     got, killed_at = _killed_during(nixl_group, sidecars["pd"], CHAT, body_of)
     _report("chat", got, killed_at)
     assert got.complete and got.done == 1
@@ -465,14 +455,8 @@ def test_without_migration_a_killed_stream_ends_with_the_typed_error(
 def test_a_killed_local_stream_continues_on_the_prefill_engine(
         nixl_group: EngineGroup, sidecars: dict[str, Sidecar]) -> None:
     """A request never paired (``--local-prefill-max-tokens``) moves too."""
-    expected: list[Streamed] = []
-
-    def body_of(tag: str) -> dict[str, Any]:
-        body = completion_body(block_prompt(f"{tag} local", 3), MAX_TOKENS, **STREAM_OPTIONS,
-                               return_token_ids=True)
-        expected.append(baseline_stream(nixl_group.engines[DECODE], COMPLETIONS, body))
-        return body
-
+    body_of = Baselined(nixl_group, COMPLETIONS, lambda tag: _ids_body(f"{tag} local"))
+    expected = body_of.expected
     got, killed_at = _killed_during(nixl_group, sidecars["local"], COMPLETIONS, body_of)
     _report("local", got, killed_at)
     assert got.complete and got.done == 1
@@ -485,14 +469,9 @@ def test_a_stream_killed_well_past_a_special_token_completes(
     """The join reads back only a chunk end's last ids: a special token in the answer more
     than 32 ids before the kill (its text a stream leaves out and a read-back writes) does
     not stop it (reading the whole answer back, the join refused such a stream: ``join``)."""
-    prompts = iter(SPECIAL_PROMPTS)
-    expected: list[Streamed] = []
-
-    def body_of(tag: str) -> dict[str, Any]:
-        body = completion_body(block_prompt(next(prompts), 3), MAX_TOKENS, **STREAM_OPTIONS,
-                               return_token_ids=True)
-        expected.append(baseline_stream(nixl_group.engines[DECODE], COMPLETIONS, body))
-        return body
+    prompts = iter(SPECIAL_PROMPTS)  # the round's tag is not the prompt here: chosen ones
+    body_of = Baselined(nixl_group, COMPLETIONS, lambda tag: _ids_body(next(prompts)))
+    expected = body_of.expected
 
     def well_past_a_special(got: Streamed) -> bool:
         ids = got.ids
@@ -506,6 +485,28 @@ def test_a_stream_killed_well_past_a_special_token_completes(
     assert got.ids == expected[-1].ids
     assert got.text == expected[-1].text
     assert "<unk>" not in got.text  # the stream writes special tokens as the engine does
+
+
+@dataclass
+class Baselined:
+    """A round's body for ``_killed_during`` (``body_for(tag)``), each with the decode
+    engine's own whole answer to it, computed before the kill (``expected``)."""
+
+    group: EngineGroup
+    path: str
+    body_for: Callable[[str], dict[str, Any]]
+    expected: list[Streamed] = field(default_factory=list)
+
+    def __call__(self, tag: str) -> dict[str, Any]:
+        body = self.body_for(tag)
+        self.expected.append(baseline_stream(self.group.engines[DECODE], self.path, body))
+        return body
+
+
+def _ids_body(tag: str) -> dict[str, Any]:
+    """A long streamed completion of ``block_prompt(tag, 3)`` that asks for its token ids."""
+    return completion_body(block_prompt(tag, 3), MAX_TOKENS, **STREAM_OPTIONS,
+                           return_token_ids=True)
 
 
 def _report(name: str, got: Streamed, killed_at: float) -> None:
