@@ -31,6 +31,15 @@
 2. ``StreamWithHead``: a stream's head leaves with its first chunk (``_send_headers_immediately``).
 3. ``ClientSocket``: relayed bytes written straight onto the client's transport in aiohttp's
    framing, after aiohttp wrote the head and first chunk; a full socket waits on ``drain``.
+4. ``WholeAnswer``: a complete answer (a PD route's JSON, a whole stream the prefill answered)
+   whose head and body leave in one write straight onto the transport. It sets the headers
+   ``web.Response`` would (``Content-Length``, a default ``Content-Type``, ``Date``, ``Server``,
+   the ``Connection`` rule), lets the application's ``on_response_prepare`` signals run on them
+   as aiohttp does (``request._prepare_hook``), serializes them with aiohttp's own
+   ``_serialize_headers`` and marks itself sent (``_eof_sent``, ``_body_length``), so the
+   connection's keep-alive and access log read it like any response: the same bytes as
+   ``web.Response``, without its generic machinery (content-type and charset arguments,
+   compression, cookies, chunking, the payload writer's buffering).
 
 Deliberate limits (the head deadline): bytes pipelined while a request is being answered are
 not timed; an idle kept-alive connection is left to aiohttp's keep-alive timeout; the TLS
@@ -46,9 +55,14 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Final
 
 from aiohttp import hdrs, web
+from aiohttp.client_exceptions import ClientConnectionResetError
+from aiohttp.helpers import rfc822_formatted_time
+from aiohttp.http import SERVER_SOFTWARE, HttpVersion10, HttpVersion11
 from aiohttp.http_exceptions import BadHttpMethod, HttpProcessingError, LineTooLong
+from aiohttp.http_writer import _serialize_headers
 from aiohttp.web_protocol import RequestHandler, RequestPayloadError
 from aiohttp.web_urldispatcher import UrlMappingMatchInfo
+from multidict import CIMultiDict
 
 from sidecar.errors import InvalidRequest, SidecarError
 from sidecar.http_server.errors import error_response
@@ -272,3 +286,60 @@ class ClientSocket:
     async def drain(self) -> None:
         """Wait until the socket takes more (aiohttp's flow control)."""
         await self._writer.drain()
+
+
+#: Bodies at least this long go out beside their head (``writelines``) rather than copied
+#: behind it: aiohttp's own threshold (``MIN_PAYLOAD_FOR_WRITELINES``).
+_JOIN_BELOW: Final = 2048
+
+
+class WholeAnswer(web.StreamResponse):
+    """A complete answer, head and body in one write (the module docstring, touch 4).
+
+    For answers with a body to a request that may have one (a PD route's POST): no ``HEAD``,
+    no 1xx, 204 or 304, whose heads aiohttp writes differently.
+    """
+
+    def __init__(self, body: bytes, headers: CIMultiDict[str], status: int = 200) -> None:
+        super().__init__(status=status, _real_headers=headers)
+        self._whole = body
+
+    async def prepare(self, request: web.BaseRequest) -> None:
+        if self._eof_sent:
+            return
+        body = self._whole
+        headers = self._headers
+        keep_alive = self._keep_alive
+        if keep_alive is None:
+            keep_alive = self._keep_alive = request.keep_alive
+        headers[hdrs.CONTENT_LENGTH] = str(len(body))
+        if hdrs.CONTENT_TYPE not in headers:
+            headers[hdrs.CONTENT_TYPE] = "application/octet-stream"
+        if hdrs.DATE not in headers:
+            headers[hdrs.DATE] = rfc822_formatted_time()
+        if hdrs.SERVER not in headers:
+            headers[hdrs.SERVER] = SERVER_SOFTWARE
+        version = request.version
+        if hdrs.CONNECTION not in headers:
+            if keep_alive:
+                if version == HttpVersion10:
+                    headers[hdrs.CONNECTION] = "keep-alive"
+            elif version == HttpVersion11:
+                headers[hdrs.CONNECTION] = "close"
+        self._req = request
+        await request._prepare_hook(self)
+        head = _serialize_headers(
+            f"HTTP/{version[0]}.{version[1]} {self._status} {self._reason}", headers)
+        transport = request.protocol.transport
+        if transport is None or transport.is_closing():
+            raise ClientConnectionResetError("Cannot write to closing transport")
+        if len(body) < _JOIN_BELOW:
+            transport.write(head + body)
+        else:
+            transport.writelines((head, body))
+        self._eof_sent = True
+        self._req = None
+        self._body_length = len(head) + len(body)
+
+    async def write_eof(self, data: bytes = b"") -> None:
+        return  # prepare() wrote it all

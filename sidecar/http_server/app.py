@@ -70,6 +70,7 @@ from sidecar.engines.calls import EngineCalls
 from sidecar.errors import DecodeFailed, SidecarError, Stage
 from sidecar.http1 import UpstreamError
 from sidecar.http_server import ops
+from sidecar.http_server.aiohttp_private import WholeAnswer
 from sidecar.http_server.body import BodyLimits, BodyReader
 from sidecar.http_server.errors import error_response
 from sidecar.http_server.fanout import relay_fanout
@@ -306,8 +307,8 @@ async def _relay(
         relayed.inc(len(body))
         if span.recording:
             span.set(RELAYED_BYTES, len(body))
-        return web.Response(body=body, content_type=content_type,
-                            headers={REQUEST_ID_HEADER: request_id})
+        return WholeAnswer(body, CIMultiDict(((REQUEST_ID_HEADER, request_id),
+                                              (hdrs.CONTENT_TYPE, content_type))))
     headers = {name: value for name in _RELAYED_HEADERS
                if (value := exchange.decode.header(name)) is not None}
     headers[REQUEST_ID_HEADER] = request_id
@@ -432,7 +433,7 @@ async def _relay_json(runtime: Runtime, scope: RequestScope, exchange: PDExchang
         scope.relayed_bytes.inc(len(body))
         if span.recording:
             span.set(RELAYED_BYTES, len(body))
-        return web.Response(body=body, headers=headers)
+        return WholeAnswer(body, CIMultiDict(headers))
     finally:
         if current is not exchange:
             await current.aclose()

@@ -34,11 +34,11 @@ REPO = Path(__file__).resolve().parents[2]
 
 #: Bytecodes per PD request, the smallest of 25 (``python -m bench.bytecodes --repeat 25``).
 BUDGET: dict[str, int] = {
-    "pull-json": 8_239,
+    "pull-json": 7_802,
     "pull-stream": 8_926,
-    "pull-json-cache-rule": 8_418,
-    "pull-json-cache-hit": 10_677,
-    "concurrent-json": 9_475,
+    "pull-json-cache-rule": 7_981,
+    "pull-json-cache-hit": 10_240,
+    "concurrent-json": 9_038,
     "concurrent-stream": 10_119,
 }
 

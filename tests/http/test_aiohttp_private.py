@@ -20,7 +20,13 @@ against the installed aiohttp, one test per touch, on real loopback sockets:
 7. ``web.Server.request_handler`` is what each connection's handler calls: wrapped, it sees
    ``CONNECT`` and ``OPTIONS *`` before routing; and the application's plain-path POST
    routes reach their handlers without the router's resolve, with the same ``request.app``,
-   match info and response signals (``UrlMappingMatchInfo``, ``request._match_info``).
+   match info and response signals (``UrlMappingMatchInfo``, ``request._match_info``);
+8. a ``WholeAnswer`` puts on the wire the bytes ``web.Response`` puts there for the same
+   status, headers and body (``_serialize_headers``, ``rfc822_formatted_time``,
+   ``SERVER_SOFTWARE``, ``request._prepare_hook``, the keep-alive rule), HTTP/1.0 and 1.1,
+   kept alive or closed; the connection then serves its next request (``_eof_sent``,
+   ``keep_alive``), and a client already gone is a reset, not an error
+   (``ClientConnectionResetError``).
 
 When one fails after an aiohttp upgrade, the module docstring of ``aiohttp_private`` says
 what relies on it; pyproject.toml pins the minor versions these tests passed on.
@@ -37,8 +43,14 @@ import aiohttp
 import pytest
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
+from multidict import CIMultiDict
 
-from sidecar.http_server.aiohttp_private import ClientSocket, HeadTimeoutAppRunner, StreamWithHead
+from sidecar.http_server.aiohttp_private import (
+    ClientSocket,
+    HeadTimeoutAppRunner,
+    StreamWithHead,
+    WholeAnswer,
+)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -343,3 +355,122 @@ async def test_plain_post_routes_skip_the_router_with_the_same_request() -> None
             await runner.cleanup()
         assert resolves == ["POST"] * resolved_posts + ["GET"], runner_class
     assert seen == [("app", "/p")] * 8
+
+
+_WHOLE_CASES = {
+    # name: (status, headers, body)
+    "json": (200, (("Content-Type", "application/json"), ("Cache-Control", "no-cache"),
+                   ("x-request-id", "r-1")), b'{"id":"cmpl-1","choices":[]}'),
+    "no-type": (200, (("x-request-id", "r-2"),), b"raw"),
+    "error": (503, (("x-request-id", "r-3"), ("Retry-After", "1"),
+                    ("Content-Type", "application/json")), b'{"error":{}}'),
+    "large": (200, (("Content-Type", "application/json"),), b"x" * 70_000),
+}
+
+
+def _whole_app() -> web.Application:
+    """``/plain/NAME`` answers with ``web.Response``, ``/whole/NAME`` with ``WholeAnswer``;
+    a signal adds a header and takes aiohttp's ``Server`` out, as the sidecar's do."""
+
+    async def answer(request: web.Request) -> web.StreamResponse:
+        status, headers, body = _WHOLE_CASES[request.match_info["case"]]
+        if request.match_info["how"] == "plain":
+            return web.Response(status=status, headers=headers, body=body)
+        return WholeAnswer(body, CIMultiDict(headers), status)
+
+    async def mark(_: web.Request, response: web.StreamResponse) -> None:
+        response.headers["x-signal"] = "1"
+        response.headers.popall("Server", None)
+
+    app = web.Application()
+    app.router.add_post("/{how}/{case}", answer)
+    app.on_response_prepare.append(mark)
+    return app
+
+
+def _dated(raw: bytes) -> bytes:
+    """``raw`` with its Date header's value blanked (the two answers may straddle a second)."""
+    head, sep, body = raw.partition(b"\r\n\r\n")
+    lines = [b"Date: -" if line.startswith(b"Date: ") else line for line in head.split(b"\r\n")]
+    return b"\r\n".join(lines) + sep + body
+
+
+async def _exchange_whole(port: int, request: bytes, answers: int) -> bytes:
+    """Send ``request``, read until ``answers`` complete answers came (or the close)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(request)
+        data = b""
+        for _ in range(answers):
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+            length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                              if line.lower().startswith(b"content-length:")))
+            data += head + await asyncio.wait_for(reader.readexactly(length), 5)
+        return data
+    finally:
+        writer.close()
+
+
+@pytest.mark.parametrize("case", sorted(_WHOLE_CASES))
+@pytest.mark.parametrize("version, connection", [
+    ("1.1", ""), ("1.1", "Connection: close\r\n"),
+    ("1.0", ""), ("1.0", "Connection: keep-alive\r\n"),
+])
+async def test_a_whole_answer_is_the_bytes_of_a_response(
+        case: str, version: str, connection: str) -> None:
+    """Touch 4: the same bytes as ``web.Response`` (the check can fail: a header out of order,
+    a missing ``Connection`` or ``Server`` rule shows), and a kept-alive connection answers
+    a second request after it."""
+    runner = web.AppRunner(_whole_app(), handler_cancellation=True)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = next(a[1] for a in runner.addresses if isinstance(a, tuple))
+    try:
+        answers: dict[str, bytes] = {}
+        for how in ("plain", "whole"):
+            head = (f"POST /{how}/{case} HTTP/{version}\r\nHost: x\r\n{connection}"
+                    "Content-Length: 2\r\n\r\n{}").encode()
+            kept = (version == "1.1" and not connection) or "keep-alive" in connection
+            raw = await _exchange_whole(port, head * 2 if kept else head, 2 if kept else 1)
+            answers[how] = _dated(raw)
+    finally:
+        await runner.cleanup()
+    assert answers["whole"] == answers["plain"]
+    assert b"x-signal: 1" in answers["whole"] and b"Server:" not in answers["whole"]
+
+
+async def test_a_whole_answer_to_a_client_gone_is_a_reset(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Touch 4: the transport closed before the answer: ``prepare`` raises
+    ``ClientConnectionResetError``, which aiohttp takes as the client's disconnection (no
+    ``Error handling request`` line); the answer's bytes are never written."""
+    prepared: list[BaseException] = []
+
+    class Noted(WholeAnswer):
+        async def prepare(self, request: web.BaseRequest) -> None:
+            try:
+                await super().prepare(request)
+            except ConnectionError as exc:
+                prepared.append(exc)
+                raise
+
+    async def gone(request: web.Request) -> web.StreamResponse:
+        assert request.transport is not None
+        request.transport.close()
+        return Noted(b"{}", CIMultiDict())
+
+    app = web.Application()
+    app.router.add_post("/", gone)
+    runner = web.AppRunner(app, handler_cancellation=True)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = next(a[1] for a in runner.addresses if isinstance(a, tuple))
+    try:
+        raw = await _exchange(port, b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}")
+    finally:
+        await runner.cleanup()
+    assert raw == b""
+    assert [type(exc) for exc in prepared] == [aiohttp.ClientConnectionResetError]
+    assert "Error handling request" not in caplog.text
