@@ -7,6 +7,8 @@ declared bound and eviction (issue 33, "one bounded map"):
 - the maps that were cleared whole when full keep their newest keys instead: the selector's
   remembered selections (1,025 router headers left one), the data-parallel ranks' turns,
   the prefill URLs;
+- the static pool's address labels, which grew with every address a pool name ever resolved
+  to, keep the most recently resolved;
 - the dead selection code is gone (``TargetSelector.choose``/``select``: tests only).
 
 The breakers' and probes' bounds: tests/faults/test_breaker_probes.py; the identity cache's:
@@ -22,7 +24,13 @@ from sidecar.engines.calls import _MAX_REMEMBERED_URLS, EngineCalls
 from sidecar.http1 import EngineClient
 from sidecar.protocol.context import PrefillTarget, Route
 from sidecar.targets.allowlist import Allowlist
-from sidecar.targets.choice import _MAX_TURNS, RankChoice
+from sidecar.targets.choice import (
+    _MAX_POOL_LABELS,
+    _MAX_TURNS,
+    HEADER_LABEL,
+    RankChoice,
+    TargetChoice,
+)
 from sidecar.targets.selector import _MAX_REMEMBERED, TargetSelector
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -84,3 +92,17 @@ async def test_the_prefill_urls_keep_the_newest() -> None:
 
 def test_the_dead_selection_code_is_gone() -> None:
     assert not hasattr(TargetSelector, "choose") and not hasattr(TargetSelector, "select")
+
+
+def test_the_pool_labels_keep_the_most_recently_resolved() -> None:
+    configured = _target(0)
+    choice = TargetChoice(cooldown_s=0.0, pool=[configured])
+    for n in range(1, _MAX_POOL_LABELS):
+        choice.add_pool_member(_target(n))
+    choice.add_pool_member(configured)  # resolved again: the most recent, not the oldest
+    choice.add_pool_member(_target(_MAX_POOL_LABELS))  # one address past the bound
+    assert len(choice._pool_labels) == _MAX_POOL_LABELS
+    assert choice.label(configured) == str(configured)
+    assert choice.label(_target(1)) == HEADER_LABEL  # resolved longest ago: forgotten
+    assert choice.label(_target(2)) == str(_target(2))
+    assert choice.label(_target(_MAX_POOL_LABELS)) == str(_target(_MAX_POOL_LABELS))

@@ -80,6 +80,9 @@ K = TypeVar("K", bound=Hashable)
 _COMPARE_ALL_UP_TO = 4
 #: The label of a target that a router named (not one of the static pool's).
 HEADER_LABEL = "header"
+#: Static-pool addresses labelled by themselves: past it, the longest not resolved is
+#: labelled ``header`` again (it left the pool's DNS answer, or the pool has churned past it).
+_MAX_POOL_LABELS: Final = 4096
 
 
 class LegVerdict:
@@ -123,7 +126,12 @@ class TargetChoice:
         self._rng = rng or random.Random()
         self._in_flight: dict[PrefillTarget, int] = {}
         self._cooling: CoolDowns[PrefillTarget] = CoolDowns(cooldown_s, clock)
-        self._pool_labels = {target: str(target) for target in pool}
+        # A pool name resolves anew on each use, and a headless service's addresses change
+        # as its pods do: the labels of addresses no longer resolved are forgotten, oldest
+        # resolved first, so the map holds what the pool is now, not all it ever was.
+        self._pool_labels: BoundedMap[PrefillTarget, str] = BoundedMap(_MAX_POOL_LABELS)
+        for target in pool:
+            self._pool_labels[target] = str(target)
         self.breakers = breakers if breakers is not None and breakers.enabled else None
 
     def in_flight(self, target: PrefillTarget) -> int:
@@ -134,7 +142,7 @@ class TargetChoice:
 
     def label(self, target: PrefillTarget) -> str:
         """The bounded metric label of ``target``: its address in the pool, else ``header``."""
-        return self._pool_labels.get(target, HEADER_LABEL)
+        return self._pool_labels.peek(target, HEADER_LABEL)
 
     def tracks(self, label: str) -> bool:
         """Whether a breaker is kept for a target labelled ``label``."""
@@ -151,8 +159,10 @@ class TargetChoice:
         return max(states, key=SEVERITY.__getitem__, default=BreakerState.CLOSED)
 
     def add_pool_member(self, target: PrefillTarget) -> None:
-        """Label a resolved static-pool address by itself (pool names resolve at use)."""
-        self._pool_labels.setdefault(target, str(target))
+        """Label a resolved static-pool address by itself (pool names resolve at use); a
+        member resolved again is the most recently resolved."""
+        labels = self._pool_labels
+        labels[target] = labels.peek(target) or str(target)
 
     def pick(
         self, candidates: Sequence[PrefillTarget], exclude: Collection[PrefillTarget] = ()
