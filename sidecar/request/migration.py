@@ -219,7 +219,9 @@ class Migrations:
             if span.recording:
                 span.set(MIGRATION_REASON, following.reason or error.code)
             if following.fate is not Fate.MOVE:
-                raise self._refused(request, error, following.reason or JOIN)
+                # Each refusal of ``move_after`` names its reason (``_not_moved``).
+                assert following.reason is not None
+                raise self._refused(request, error, following.reason)
             assert so_far is not None and plan.places is not None
             fresh = so_far.events == 0
             route: Route
