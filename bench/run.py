@@ -79,6 +79,8 @@ class Plan:
     stream_concurrency: int = 32
     serial_warmup: int = 30
     min_requests: int = 1
+    #: Windows of each closed-loop phase per mode, the modes taking turns (``--rounds``).
+    loop_rounds: int = 1
 
 
 QUICK = Plan(serial_n=3, loop_s=0.2, warmup_s=0.05, concurrencies=(4,), short_tokens=4,
@@ -277,15 +279,28 @@ async def measure_flow(
             summary["threads_exited"] = dict(meter.exited)
         return summary
 
-    async def loop(name: str, mode: str, concurrency: int, tokens: int, stream: bool) -> None:
+    async def window(name: str, mode: str, concurrency: int, tokens: int,
+                     stream: bool) -> dict[str, Any]:
         flow = flows.Counted(st.make(mode, tokens, stream))
         before = await checks.read()
         phase = await load.closed_loop(flow, concurrency, plan.loop_s, meter,
                                        warmup_s=plan.warmup_s,
                                        min_requests=plan.min_requests, client=client)
         await checks.record(name, [mode], before, flow.calls)
-        phases.setdefault(name, {})[mode] = summary = summarize(phase, mode)
+        summary = summarize(phase, mode)
         log(f"  {st.flow} {name} {mode}: {_brief(summary)}")
+        return summary
+
+    async def loop(name: str, concurrency: int, tokens: int, stream: bool) -> None:
+        # Each mode's windows alternate with the others' (the order rotated each round), so
+        # a machine whose speed drifts over minutes weighs on every mode alike.
+        windows: dict[str, list[dict[str, Any]]] = {mode: [] for mode in modes}
+        for round_ in range(plan.loop_rounds):
+            turn = round_ % len(modes)
+            for mode in modes[turn:] + modes[:turn]:
+                windows[mode].append(await window(name, mode, concurrency, tokens, stream))
+        for mode, summaries in windows.items():
+            phases.setdefault(name, {})[mode] = median_window(summaries)
 
     for fmt, stream in (("json", False), ("stream", True)):
         if wanted(f"{fmt}/serial"):
@@ -303,17 +318,24 @@ async def measure_flow(
                 log(f"  {st.flow} {fmt} serial {mode}: {_brief(summary)}")
         for concurrency in plan.concurrencies:
             if wanted(f"{fmt}/c{concurrency}"):
-                for mode in modes:
-                    await loop(f"{fmt}/c{concurrency}", mode, concurrency, plan.short_tokens,
-                               stream)
+                await loop(f"{fmt}/c{concurrency}", concurrency, plan.short_tokens, stream)
     if wanted("tokens"):
-        for mode in modes:
-            await loop("tokens", mode, plan.stream_concurrency, plan.stream_tokens, True)
+        await loop("tokens", plan.stream_concurrency, plan.stream_tokens, True)
     out["handoffs"] = await _handoff_counts(st.decode.url)
     out["legs"] = checks.checks
     out["legs_ok"] = {mode: all(c["ok"] for c in checks.checks if mode in c["modes"])
                       for mode in modes}
     return out
+
+
+def median_window(summaries: list[dict[str, Any]]) -> dict[str, Any]:
+    """The window of one mode's rounds with the median CPU per request (requests/s for a
+    mode without a relay), its figures whole; every round's figure under ``rounds``."""
+    if len(summaries) == 1:
+        return summaries[0]
+    key = "relay_cpu_us_per_req" if "relay_cpu_us_per_req" in summaries[0] else "rps"
+    ranked = sorted(summaries, key=lambda summary: summary[key])
+    return {**ranked[(len(ranked) - 1) // 2], "rounds": {key: [s[key] for s in summaries]}}
 
 
 def _brief(summary: dict[str, Any]) -> str:
@@ -379,7 +401,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--ttft-ms", type=float, default=50.0,
                         help="paced: milliseconds before each stub's first token")
     parser.add_argument("--rounds", type=int, default=1,
-                        help="paced: repeat every way this many times, interleaved")
+                        help="paced: repeat every way this many times, interleaved; burst: "
+                             "each closed-loop phase's windows, the modes taking turns "
+                             "(the median window is reported)")
     parser.add_argument("--workers", default="1",
                         help="paced: comma-separated sidecar worker counts (serve --workers)")
     parser.add_argument("--short-tokens", type=int, default=0,
@@ -415,6 +439,8 @@ def plan_of(args: argparse.Namespace) -> Plan:
         changes["loop_s"] = args.seconds
     if args.concurrency:
         changes["concurrencies"] = tuple(int(c) for c in args.concurrency.split(","))
+    if args.rounds > 1:
+        changes["loop_rounds"] = args.rounds
     return Plan(**{**base.__dict__, **changes})
 
 

@@ -16,6 +16,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from bench.run import median_window, parse_args, plan_of
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -60,3 +62,19 @@ def test_quick_run_with_the_aiohttp_stubs_and_client(tmp_path: Path) -> None:
     assert set(flow["phases"]) == {"json/c4", "stream/serial"}
     for sides in flow["phases"].values():
         assert all(side["errors"] == 0 and side["requests"] > 0 for side in sides.values())
+
+
+def test_burst_rounds_report_the_median_window_and_every_round() -> None:
+    """``--rounds N`` in burst mode: each closed-loop phase runs N windows per mode, and the
+    window with the median CPU per request (requests/s for direct) stands for the mode, its
+    figures whole, with every round's figure beside it."""
+    assert plan_of(parse_args(["--rounds", "3"])).loop_rounds == 3
+    assert plan_of(parse_args([])).loop_rounds == 1
+    windows = [{"relay_cpu_us_per_req": cpu, "rps": rps}
+               for cpu, rps in ((300.0, 1.0), (200.0, 2.0), (250.0, 3.0))]
+    median = median_window(windows)
+    assert (median["relay_cpu_us_per_req"], median["rps"]) == (250.0, 3.0)
+    assert median["rounds"] == {"relay_cpu_us_per_req": [300.0, 200.0, 250.0]}
+    direct = median_window([{"rps": 5.0}, {"rps": 9.0}, {"rps": 7.0}])
+    assert direct["rps"] == 7.0 and direct["rounds"] == {"rps": [5.0, 9.0, 7.0]}
+    assert median_window([windows[0]]) is windows[0]
