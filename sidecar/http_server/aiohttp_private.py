@@ -31,15 +31,16 @@
 2. ``StreamWithHead``: a stream's head leaves with its first chunk (``_send_headers_immediately``).
 3. ``ClientSocket``: relayed bytes written straight onto the client's transport in aiohttp's
    framing, after aiohttp wrote the head and first chunk; a full socket waits on ``drain``.
-4. ``WholeAnswer``: a complete answer (a PD route's JSON, a whole stream the prefill answered)
-   whose head and body leave in one write straight onto the transport. It sets the headers
-   ``web.Response`` would (``Content-Length``, a default ``Content-Type``, ``Date``, ``Server``,
-   the ``Connection`` rule), lets the application's ``on_response_prepare`` signals run on them
-   as aiohttp does (``request._prepare_hook``), serializes them with aiohttp's own
-   ``_serialize_headers`` and marks itself sent (``_eof_sent``, ``_body_length``), so the
-   connection's keep-alive and access log read it like any response: the same bytes as
-   ``web.Response``, without its generic machinery (content-type and charset arguments,
-   compression, cookies, chunking, the payload writer's buffering).
+4. ``WholeAnswer``: a complete answer (a PD route's JSON, a fan-out's merged JSON, a whole
+   stream the prefill answered) whose head and body leave in one write straight onto the
+   transport. It sets the headers ``web.Response`` would (``Content-Length``, a default
+   ``Content-Type``, ``Date``, ``Server``, the ``Connection`` rule), lets the application's
+   ``on_response_prepare`` signals run on them as aiohttp does (``request._prepare_hook``),
+   serializes them with aiohttp's own ``_serialize_headers`` and marks itself sent
+   (``_eof_sent``, ``_body_length``), so the connection's keep-alive and access log read it
+   like any response: the same bytes as ``web.Response``, without its generic machinery
+   (content-type and charset arguments, compression, cookies, chunking, the payload writer's
+   buffering). Error answers stay ``web.Response``: they also answer ``HEAD`` requests.
 
 Deliberate limits (the head deadline): bytes pipelined while a request is being answered are
 not timed; an idle kept-alive connection is left to aiohttp's keep-alive timeout; the TLS

@@ -21,11 +21,13 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 
-from aiohttp import web
+from aiohttp import hdrs, web
+from multidict import CIMultiDict
 
 from sidecar import jsonutil
 from sidecar.engines.tokenizer import Memo
 from sidecar.errors import DecodeFailed, SidecarError, Stage
+from sidecar.http_server.aiohttp_private import WholeAnswer
 from sidecar.http_server.relay import SSERelay, stream_broke, stream_delivered
 from sidecar.protocol.apis import api_of, usage_of
 from sidecar.protocol.fanout import SSEEvents, StreamMerger, check_fanout, merge_answers, sub_bodies
@@ -98,7 +100,7 @@ async def relay_fanout(
 
 async def _relay_json(
     runtime: Runtime, scope: RequestScope, fanout: FanOut, client: ClientRequest
-) -> web.Response:
+) -> WholeAnswer:
     bodies = await fanout.read_all(runtime.settings.max_body_bytes)
     answers = []
     for exchange, raw in zip(fanout.exchanges, bodies, strict=True):
@@ -119,8 +121,8 @@ async def _relay_json(
         answers.append(answer)
     body = jsonutil.dumps(merge_answers(answers, client.n))
     scope.relayed_bytes.inc(len(body))
-    return web.Response(body=body, content_type="application/json",
-                        headers={REQUEST_ID_HEADER: scope.request_id})
+    return WholeAnswer(body, CIMultiDict(((REQUEST_ID_HEADER, scope.request_id),
+                                          (hdrs.CONTENT_TYPE, "application/json"))))
 
 
 async def _relay_stream(
