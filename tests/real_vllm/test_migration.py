@@ -28,9 +28,13 @@ pace decides: 360 tokens take it under a second to two, and on the 2-core CI mac
 request's first token was seen to lag another's sent at the same moment by 0.6-1.5 s (three
 requests at once failed three rounds of three there, 2026-12-06). A stream's kill is sent by
 the thread reading it, as its ``KILL_AFTER``-th chunk arrives (a wait for the test's main
-thread to wake once let a chat stream reach 155 chunks first). One whose answer was whole
-before the kill reached it anyway (no migration counted: the engine writes ahead of what the
-client reads) runs again after a restart; new prompts each round, up to ``ROUNDS``.
+thread to wake once let a chat stream reach 155 chunks first). Even so, a client there saw
+its first chunk 0.76 s after sending, when the engine had the whole answer out (three rounds
+of three, CI, 2026-12-06): the decode engine is paced (``pace_hook.py``: at least
+``DECODE_STEP_S`` per step, 3.6 s per answer), its outputs and their order its own. One
+whose answer was whole before the kill reached it anyway (no migration counted: the engine
+writes ahead of what the client reads) runs again after a restart; new prompts each round,
+up to ``ROUNDS``.
 
 Before the kills: a stream through ``pd`` without a failure has the chunks and the text of
 one through ``off`` (the ids asked for the sidecar's sake reach no client that did not ask).
@@ -41,7 +45,8 @@ many multi-byte characters and invalid byte runs, so the join is made at a chara
 boundary more often than not (an engine that dies holds back an unfinished character).
 
 Also measured (printed, and in bench/RESULTS.md): for each stream, the gap around the kill
-(its last token from the dead engine to its first continued token).
+(its last token from the dead engine to its first continued token; since the pace, it holds
+up to one paced step of the dead engine's).
 
 Does not prove other connectors (one pair is the cost the suite can bear), SGLang or
 TensorRT-LLM (their stubs do: tests/migration), nor a kill of the prefill engine.
@@ -65,6 +70,7 @@ from typing import Any
 
 import pytest
 
+from real_vllm import pace_hook
 from real_vllm.client import (
     METRIC_POLL_S,
     block_prompt,
@@ -86,6 +92,9 @@ MAX_TOKENS = 360
 KILL_AFTER = 4
 #: Rounds of the requests until all are decoding at once (each round new prompts).
 ROUNDS = 3
+#: The decode engine's least time per step (pace_hook.py): an answer takes it at least
+#: 3.6 s, a lag of the reading client's that the kill must stay under.
+DECODE_STEP_S = 0.01
 
 
 READY_DEADLINE_S = 60.0
@@ -104,12 +113,15 @@ PREFILL, DECODE = "migration-prefill", "migration-decode"
 
 
 @pytest.fixture(scope="module")
-def nixl_group(engine_env: EngineEnv) -> Iterator[EngineGroup]:
+def nixl_group(engine_env: EngineEnv, tmp_path_factory: pytest.TempPathFactory,
+               ) -> Iterator[EngineGroup]:
+    paced = {"PYTHONPATH": str(pace_hook.install_dir(tmp_path_factory.mktemp("pace"))),
+             pace_hook.ENV_VAR: str(DECODE_STEP_S)}
     with EngineGroup(engine_env) as group:
         group.start([
             EngineSpec(PREFILL, nixl_config("kv_producer"), cpu=0, extra_args=ROUTE_FLAGS),
             EngineSpec(DECODE, nixl_config("kv_consumer"), cpu=1, prefix_caching=False,
-                       extra_args=ROUTE_FLAGS),
+                       extra_args=ROUTE_FLAGS, extra_env=paced),
         ])
         yield group
 
@@ -236,7 +248,10 @@ def _killed_during(group: EngineGroup, sidecar: Sidecar, path: str,
         print(f"  round {round_}: first chunk {first:.3f} s after it was sent")
         moved = migrations(sidecar, "migrated") - moved_before
         if got.done and moved == 0:
-            print(f"round {round_}: whole before the kill reached it; again")
+            print(f"round {round_}: whole before the kill reached it "
+                  f"({got.before(killed[0])} of {len(got.times)} chunks and "
+                  f"{len(got.ids)} ids read, the kill {killed[0] - got.times[0]:.3f} s after "
+                  f"the first chunk, the last {got.times[-1] - killed[0]:+.3f} s from it); again")
             continue
         assert moved <= 1
         assert got.times[-1] > killed[0]  # the stream still ran when its engine died
