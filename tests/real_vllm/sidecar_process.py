@@ -3,7 +3,8 @@
 Owns: starting ``python -m sidecar serve`` on an OS-chosen port (HTTP only, loopback, every
 loopback prefill target allowed) and stopping it, and sending one OpenAI request through its
 HTTP front door with ``x-prefiller-host-port`` (JSON or streamed) to get the generated text;
-the sidecar's log is kept in ``<tmp>/sidecar.log`` for a failed test's reader.
+the sidecar's log is kept in ``<tmp>/sidecar.log`` for a failed test's reader; waiting until
+its engine is ready again (after a restart).
 
 Deliberate limits: blocking ``urllib`` only; a stream must end with ``data: [DONE]``.
 """
@@ -15,6 +16,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -24,6 +26,7 @@ from typing import IO, Any
 from real_vllm.client import text_of, text_of_stream
 
 PREFILL_HEADER = "x-prefiller-host-port"
+READY_DEADLINE_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -88,3 +91,18 @@ def through(sidecar: Sidecar, path: str, body: dict[str, Any], target: str,
         assert raw.rstrip().endswith("data: [DONE]")
         return text_of_stream(events)
     return text_of(json.loads(raw))
+
+
+def wait_ready(sidecar: Sidecar, deadline_s: float = READY_DEADLINE_S) -> None:
+    """Until the sidecar's engine is ready again (its /ready: the health watch saw it)."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        try:
+            with urllib.request.urlopen(sidecar.url + "/ready", timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        assert time.monotonic() < deadline, "the sidecar's engine is not ready again"
+        # Readiness is only observable by asking (the sidecar's watch runs every 2 s).
+        time.sleep(0.25)

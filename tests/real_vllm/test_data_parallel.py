@@ -19,7 +19,9 @@ each rank its own engine core and KV cache, pinned to its own core: ``VLLM_CPU_O
 
 Runs the two connectors one after the other (class-scoped engines): on two cores a DP 2
 engine and its decode are three engine cores already, and the decode runs unpinned
-(``UNPINNED``). Does not prove: the external load-balancing shape (one API server per
+(``UNPINNED``). Each class warms both ranks first, one request through the sidecar each,
+restarting the engines once where vLLM's data-parallel stall hits a first transfer
+(``WARM_UP_S``). Does not prove: the external load-balancing shape (one API server per
 rank; vLLM refuses it for dense models and its CPU build cannot serve MoE data parallelism,
 see docs/operating/data-parallel.md), SGLang or TensorRT-LLM ranks.
 """
@@ -53,7 +55,7 @@ from real_vllm.harness import (
     mooncake_config,
     nixl_config,
 )
-from real_vllm.sidecar_process import Sidecar, sidecar_process, through
+from real_vllm.sidecar_process import Sidecar, sidecar_process, through, wait_ready
 from sidecar.dialects.vllm_mooncake import engine_id_from_query
 
 COMPLETIONS = "/v1/completions"
@@ -81,6 +83,15 @@ REQUESTS = 4
 #: engines'), and a request that answers after a nudge still proves its rank and its output.
 NUDGE_AFTER_S = 20.0
 NUDGE_RANK = 0
+#: The nudge's own wait; a nudge that gets no answer is only reported (the request's wait
+#: goes on to the client's 120 s, then fails with the logs).
+NUDGE_TIMEOUT_S = 60.0
+#: Twice in CI (2026-12-06) the stall came at the class's first request, where a nudge
+#: straight to rank 0 got no answer either: the whole data-parallel engine waited. So before
+#: its tests each class warms both ranks (one request through the sidecar naming each rank,
+#: a KV transfer from each); a warm-up with no answer in this long restarts both engines (the
+#: engines' first transfers, not the sidecar's legs) and warms again, once.
+WARM_UP_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -113,8 +124,52 @@ def _ranked_pair(group: EngineGroup, tmp: pytest.TempPathFactory, prefill: Engin
         "--prefill-data-parallel-size", "2", "--data-parallel-size", "1",
         *sidecar_args, *extra,
     )
-    yield from (RankedPair(prefill_engine, decode_engine, sidecar, sidecar_dir)
-                for sidecar in running)
+    for sidecar in running:
+        _warm_up(group, sidecar, sidecar_dir, prefill.name, decode.name)
+        # A restart made new Engine records: the pair takes the group's current ones.
+        yield RankedPair(group.engines[prefill.name], group.engines[decode.name], sidecar,
+                         sidecar_dir)
+
+
+def _warm_up(group: EngineGroup, sidecar: Sidecar, sidecar_dir: Path, prefill: str,
+             decode: str) -> None:
+    """One request through ``sidecar`` prefilled on each rank; both engines restarted once if
+    one has no answer in ``WARM_UP_S`` (see there); a second such warm-up fails with the
+    logs."""
+    for attempt in (1, 2):
+        target = f"127.0.0.1:{group.engines[prefill].port}"
+        stalled = [rank for rank in (0, 1)
+                   if not _answers_in_time(sidecar, target, rank, f"warm-up {attempt}")]
+        if not stalled:
+            return
+        if attempt == 2:
+            sidecar_log = (sidecar_dir / "sidecar.log").read_text(errors="replace")
+            pytest.fail(f"warm-up: rank(s) {stalled} gave no answer in {WARM_UP_S:.0f} s, "
+                        f"after a restart too\n--- prefill engine (2 ranks):\n"
+                        f"{group.engines[prefill].log_tail(60)}\n--- decode engine:\n"
+                        f"{group.engines[decode].log_tail(60)}\n--- sidecar:\n"
+                        f"{''.join(sidecar_log.splitlines(True)[-30:])}", pytrace=False)
+        print(f"warm-up: rank(s) {stalled} gave no answer in {WARM_UP_S:.0f} s; "
+              "restarting both engines")
+        group.restart(decode, kill=True)
+        group.restart(prefill, kill=True)
+        wait_ready(sidecar)
+
+
+def _answers_in_time(sidecar: Sidecar, target: str, rank: int, tag: str) -> bool:
+    """Whether a request through ``sidecar`` prefilled on ``rank`` answers in ``WARM_UP_S``.
+    One that does not is left to its client's timeout (the restart after it breaks its
+    connections)."""
+    pool = ThreadPoolExecutor(1)
+    answer = pool.submit(through, sidecar, COMPLETIONS,
+                         completion_body(block_prompt(f"{tag} rank {rank}")), target,
+                         headers={"x-data-parallel-rank": str(rank)})
+    try:
+        return bool(answer.result(timeout=WARM_UP_S))
+    except TimeoutError:
+        return False
+    finally:
+        pool.shutdown(wait=False)
 
 
 @pytest.fixture(scope="class")
@@ -183,8 +238,12 @@ def _nudge(pair: RankedPair, what: str) -> None:
         data=json.dumps(completion_body("nudge", 1)).encode(),
         headers={"Content-Type": "application/json", "x-data-parallel-rank": str(NUDGE_RANK)},
         method="POST")
-    with urllib.request.urlopen(request, timeout=60) as response:
-        response.read()
+    try:
+        with urllib.request.urlopen(request, timeout=NUDGE_TIMEOUT_S) as response:
+            response.read()
+    except OSError as error:  # TimeoutError among them; the request's own wait decides
+        print(f"{what}: the nudge got no answer ({error!r})")
+        return
     pair.nudges.append(what)
 
 

@@ -82,7 +82,7 @@ from real_vllm.client import (
 )
 from real_vllm.harness import ROUTE_FLAGS, Engine, EngineEnv, EngineGroup, EngineSpec, nixl_config
 from real_vllm.raw_http import post_raw
-from real_vllm.sidecar_process import PREFILL_HEADER, Sidecar, sidecar_process
+from real_vllm.sidecar_process import PREFILL_HEADER, Sidecar, sidecar_process, wait_ready
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -277,21 +277,6 @@ def kill(group: EngineGroup, name: str) -> float:
     killed_at = time.monotonic()
     os.killpg(engine.process.pid, signal.SIGKILL)
     return killed_at
-
-
-def wait_ready(sidecar: Sidecar) -> None:
-    """Until the sidecar's engine is ready again (its /ready: the health watch saw it)."""
-    deadline = time.monotonic() + READY_DEADLINE_S
-    while True:
-        try:
-            with urllib.request.urlopen(sidecar.url + "/ready", timeout=2) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            pass
-        assert time.monotonic() < deadline, "the sidecar's engine is not ready again"
-        # Readiness is only observable by asking (the sidecar's watch runs every 2 s).
-        time.sleep(0.25)
 
 
 def migrations(sidecar: Sidecar, outcome: str) -> float:
