@@ -52,6 +52,9 @@ class Proc:
     popen: subprocess.Popen[bytes]
     port: int
     info: dict[str, Any] = field(default_factory=dict)
+    #: The process group it leads (a wrapped sidecar's, see ``start_sidecar``), which
+    #: ``stop`` ends as a whole.
+    group: int | None = None
 
     @property
     def pid(self) -> int:
@@ -151,18 +154,22 @@ def start_sidecar(
         "--log-level", "warning", *flags,
     ]
     log = (log_dir / f"{name}.log").open("wb")
+    # A wrapper gets a process group of its own: ``stop`` ends the whole group, since some
+    # wrappers (strace) exit on SIGINT and leave the sidecar they started running.
     popen = subprocess.Popen(
-        args, stdout=log, stderr=subprocess.STDOUT, env=child_env(code_root), cwd=code_root
+        args, stdout=log, stderr=subprocess.STDOUT, env=child_env(code_root), cwd=code_root,
+        start_new_session=bool(prefix),
     )
+    group = popen.pid if prefix else None
     log.close()
     # A wrapper (profiler, valgrind) can slow the start-up many times over.
     deadline = time.monotonic() + _START_TIMEOUT_S * (10 if prefix else 1)
     while time.monotonic() < deadline and popen.poll() is None:
         if ports_file.exists():
             ports: dict[str, int] = json.loads(ports_file.read_bytes())
-            return Proc(name, popen, int(ports["http"]), {"ports": ports})
+            return Proc(name, popen, int(ports["http"]), {"ports": ports}, group)
         time.sleep(0.05)
-    stop(Proc(name, popen, 0))
+    stop(Proc(name, popen, 0, group=group))
     raise RuntimeError(f"sidecar failed to start; see {log_dir / (name + '.log')}")
 
 
@@ -331,7 +338,8 @@ def _stat_cpu_seconds(pid: int) -> float:
 
 def stop(proc: Proc, timeout_s: float = 10.0) -> None:
     """SIGTERM the process we started (SIGINT where it wraps a server, so a profiler
-    writes its output), then SIGKILL it if it lingers."""
+    writes its output), then SIGKILL it if it lingers; a wrapper's process group (see
+    ``start_sidecar``) is ended with it."""
     popen = proc.popen
     if popen.poll() is None:
         wrapped = server_pid(proc) != proc.pid
@@ -341,8 +349,39 @@ def stop(proc: Proc, timeout_s: float = 10.0) -> None:
         except subprocess.TimeoutExpired:
             popen.kill()
             popen.wait(timeout_s)
+    if proc.group is not None:
+        _end_group(proc.group, timeout_s)
     if popen.stdout is not None:
         popen.stdout.close()
+
+
+def _end_group(group: int, timeout_s: float) -> None:
+    """SIGTERM what lives of process group ``group``, then SIGKILL what still does after
+    ``timeout_s``; returns once nothing of it lives (zombies left to a parent that does not
+    reap them, as some containers' first process, count as gone)."""
+    for sent in (signal.SIGTERM, signal.SIGKILL):
+        if not _living_members(group):
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(group, sent)
+        deadline = time.monotonic() + timeout_s
+        # Another process's end is only observable by asking (it is not our child).
+        while _living_members(group) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+
+def _living_members(group: int) -> list[int]:
+    """The pids of process group ``group`` that are not zombies (``/proc/<pid>/stat``)."""
+    found: list[int] = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            # After the command's closing parenthesis: state, ppid, pgrp, ...
+            state, _, pgrp = (entry / "stat").read_text().rsplit(")", 1)[1].split()[:3]
+            if int(pgrp) == group and state != "Z":
+                found.append(int(entry.name))
+    return found
 
 
 def cpu_model() -> str:
