@@ -5,6 +5,7 @@ not move with the machine's load, held to a budget by ``tests/bench/test_request
     python -m bench.bytecodes --json           the same as JSON
     python -m bench.bytecodes --by-package     where the bytecodes run (sidecar, aiohttp, ...)
     python -m bench.bytecodes --cases pull-json,concurrent-stream
+    python -m bench.bytecodes --serve-flags "--migration-limit 0"   what a setting costs
 
 Two lean stub engines (``sidecar.tools.stubs --transport lean``), each its own process, and
 the real sidecar (``serve.run_server``, its production settings but for the stubs' addresses)
@@ -53,6 +54,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import json
+import shlex
 import socket
 import sys
 import tempfile
@@ -360,8 +362,10 @@ async def _counted_requests(sidecar: SidecarThread, flow: flows.Flow, *, warm_up
 
 
 def measure(names: list[str], *, warm_up: int = 20, repeat: int = 5,
-            per_code: bool = False) -> dict[str, list[Count]]:
-    """Each case's counts, ``repeat`` of them (the figure: the smallest)."""
+            per_code: bool = False, serve_flags: tuple[str, ...] = ()
+            ) -> dict[str, list[Count]]:
+    """Each case's counts, ``repeat`` of them (the figure: the smallest); ``serve_flags``
+    go after every case's own (e.g. ``--migration-limit 0``: what a setting costs)."""
     out: dict[str, list[Count]] = {}
     by_flow: dict[str, list[str]] = {}
     for name in names:
@@ -373,7 +377,7 @@ def measure(names: list[str], *, warm_up: int = 20, repeat: int = 5,
                     case = CASES[name]
                     feed = IndexFeed(f"ipc://{tmp}/kv-{name}") if case.fed_index else None
                     flags = tuple(f.replace("{feed}", feed.endpoint if feed else "")
-                                  for f in case.flags)
+                                  for f in case.flags) + serve_flags
                     try:
                         with SidecarThread(sidecar_flags(flow_name, prefill, decode,
                                                          flags)) as sidecar:
@@ -407,13 +411,17 @@ def main(argv: list[str] | None = None) -> int:
                         help="the smallest count's bytecodes by package")
     parser.add_argument("--top", type=int, default=0,
                         help="with --by-package: also the N functions that run the most")
+    parser.add_argument("--serve-flags", default="",
+                        help="more `serve` flags for every case's sidecar, e.g. "
+                             "'--migration-limit 0' (the sidecar reads no DISAGG_* variables "
+                             "here: the budget counts the defaults)")
     args = parser.parse_args(argv)
     names = [n.strip() for n in args.cases.split(",") if n.strip()]
     unknown = set(names) - set(CASES)
     if unknown:
         parser.error(f"unknown cases: {', '.join(sorted(unknown))}")
     results = measure(names, warm_up=args.warm_up, repeat=args.repeat,
-                      per_code=args.by_package)
+                      per_code=args.by_package, serve_flags=tuple(shlex.split(args.serve_flags)))
     if args.json:
         print(json.dumps({name: {"bytecodes": figure(c), "all": [x.total for x in c]}
                           for name, c in results.items()}, indent=2))

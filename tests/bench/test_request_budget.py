@@ -110,3 +110,18 @@ def test_the_budget_follows_the_work_down(figures: dict[str, int], case: str) ->
         f"{case}: {measured:,} bytecodes per PD request, {budget - measured:,} "
         f"({(budget - measured) / budget:.1%}) under its budget of {budget:,}: lower BUDGET"
         f"[{case!r}] to {measured:,} so that the saving cannot drift back")
+
+
+def test_serve_flags_reach_the_counted_sidecar(figures: dict[str, int]) -> None:
+    """``--serve-flags`` counts a setting's cost: a stream that may not move keeps none of
+    the engine's bytes, so it runs fewer bytecodes than the budget's (migration on, the
+    default)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.bytecodes", "--json", "--repeat", "3", "--cases",
+         "pull-stream", "--serve-flags", "--migration-limit 0"],
+        cwd=REPO, env={**os.environ, "PYTHONHASHSEED": "0", "PYTHONPATH": str(REPO)},
+        capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    unmovable = int(json.loads(done.stdout)["pull-stream"]["bytecodes"])
+    assert unmovable < figures["pull-stream"]
