@@ -39,8 +39,3 @@ def error_response(error: SidecarError, request_id: str | None = None,
         content_type="application/json",
         headers=headers,
     )
-
-
-def sse_error_event(error: SidecarError) -> bytes:
-    """The last event of an OpenAI stream that broke after its first byte (no ``[DONE]``)."""
-    return b"data: " + jsonutil.dumps(error_payload(error)) + b"\n\n"

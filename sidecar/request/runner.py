@@ -459,11 +459,6 @@ class Runner:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    @property
-    def background(self) -> int:
-        """Background prefills still running."""
-        return len(self._background)
-
     def decode_body(self, client_body: Mapping[str, Any],
                     fields: Mapping[str, Any], rank: int | None = None) -> dict[str, Any]:
         """The decode body from a client body and a hand-off's fields (on ``rank``)."""
