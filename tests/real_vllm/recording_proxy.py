@@ -45,6 +45,8 @@ import aiohttp
 from aiohttp import web
 
 _HOP_HEADERS = frozenset({"host", "content-length", "transfer-encoding", "connection"})
+#: The proxy's one client session to the engine.
+_SESSION = web.AppKey("session", aiohttp.ClientSession)
 
 
 @dataclass(frozen=True)
@@ -97,7 +99,7 @@ class RecordingProxy:
             body = await request.read()
             headers = {k: v for k, v in request.headers.items()
                        if k.lower() not in _HOP_HEADERS}
-            session: aiohttp.ClientSession = request.app["session"]
+            session = request.app[_SESSION]
             async with session.request(request.method, self.upstream + request.path_qs,
                                        data=body, headers=headers) as upstream:
                 status = upstream.status
@@ -148,7 +150,7 @@ def recording_proxy(upstream: str, hold_s: float = 0.0) -> Iterator[RecordingPro
         nonlocal stop
         stop = asyncio.Event()
         app = web.Application(client_max_size=64 * 1024 * 1024)
-        app["session"] = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
+        app[_SESSION] = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
         app.router.add_route("*", "/{tail:.*}", proxy._forward)
         # A client's close cancels its handler, which closes the connection to the engine.
         runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
@@ -161,7 +163,7 @@ def recording_proxy(upstream: str, hold_s: float = 0.0) -> Iterator[RecordingPro
         try:
             await stop.wait()
         finally:
-            await app["session"].close()
+            await app[_SESSION].close()
             await runner.cleanup()
 
     thread = threading.Thread(target=loop.run_until_complete, args=(serve(),), daemon=True)
