@@ -43,6 +43,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from real_vllm import engine_site, kv_event_timing_hook
 from real_vllm.client import block_prompt, metric_value, post_json, text_of
 from real_vllm.harness import (
     BLOCK_SIZE,
@@ -51,7 +52,6 @@ from real_vllm.harness import (
     nixl_config,
 )
 from real_vllm.kv_event_timing_hook import ENV_VAR as TIMING_ENV
-from real_vllm.kv_event_timing_hook import install_dir
 from real_vllm.sidecar_process import PREFILL_HEADER
 
 DECODE = "workload-decode"
@@ -81,7 +81,7 @@ def decode_spec(endpoint: str, timing_dir: Path, **more_env: str) -> EngineSpec:
     ``more_env`` for it, e.g. its unpinning experiment)."""
     events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint,
               "topic": "kv"}
-    site = install_dir(timing_dir / "site")
+    site = engine_site.install_dir(timing_dir / "site", kv_event_timing_hook)
     return EngineSpec(
         DECODE, nixl_config("kv_consumer"), cpu=1, prefix_caching=True,
         extra_args=(*ROUTE_FLAGS, "--kv-events-config", json.dumps(events),

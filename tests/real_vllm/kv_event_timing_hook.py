@@ -1,9 +1,9 @@
 """Measuring-only start-up hook for the ENGINE venv: when vLLM makes and sends its KV events.
 
-Loaded by a ``sitecustomize`` that ``install_dir`` writes into a directory the engine's
-``PYTHONPATH`` names (``EngineSpec.extra_env``); does nothing unless
-``DISAGG_KV_EVENT_TIMING`` names a file. Then it appends one line per fact, each with the
-engine's ``time.time()`` (the clock of the batches' own stamp):
+Loaded by ``engine_site.py``'s ``sitecustomize`` (``engine_site.install_dir(directory,
+kv_event_timing_hook)``); does nothing unless ``DISAGG_KV_EVENT_TIMING`` names a file. Then
+it appends one line per fact, each with the engine's ``time.time()`` (the clock of the
+batches' own stamp):
 
     publisher <t> <pid>             the engine core made its publisher (an engine start)
     removed <t> <hash hex> ...      the block pool emitted BlockRemoved for these blocks (the
@@ -20,10 +20,9 @@ With ``DISAGG_KV_EVENT_UNPIN=1`` as well (an experiment, not a setting of vLLM's
 publisher's ZMQ I/O threads may run on every CPU instead of inheriting the engine's pinning to
 one core (``VLLM_CPU_OMP_THREADS_BIND``), where they wait for the model's own work.
 
-How: a meta-path finder patches ``vllm.v1.core.block_pool`` and ``vllm.distributed.kv_events``
-right after they load (``BlockPool._emit_block_removed_events``; the PUB socket of
-``ZmqEventPublisher`` wrapped after ``_socket_setup``). The engine core is a child process of
-the API server: it inherits the environment and loads the hook too.
+How: ``vllm.v1.core.block_pool`` and ``vllm.distributed.kv_events`` are patched right after
+they load (``BlockPool._emit_block_removed_events``; the PUB socket of ``ZmqEventPublisher``
+wrapped after ``_socket_setup``).
 
 Deliberate limits: for the lag tool (bench/kv_event_lag.py) and the cache workload test only;
 the wrapped send decodes each payload again (microseconds for these batches).
@@ -31,10 +30,7 @@ the wrapped send decodes each payload again (microseconds for these batches).
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
 import os
-import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -46,12 +42,6 @@ ENV_VAR = "DISAGG_KV_EVENT_TIMING"
 UNPIN_ENV_VAR = "DISAGG_KV_EVENT_UNPIN"
 _BLOCK_POOL = "vllm.v1.core.block_pool"
 _KV_EVENTS = "vllm.distributed.kv_events"
-# Loaded by its path: the suite's directory never goes on the engine's sys.path.
-_SITECUSTOMIZE = """\
-import importlib.util
-_spec = importlib.util.spec_from_file_location("kv_event_timing_hook", {hook!r})
-_spec.loader.exec_module(importlib.util.module_from_spec(_spec))
-"""
 
 
 class _Log:
@@ -138,53 +128,12 @@ def _unpin_zmq_threads(log: _Log) -> None:
             log.line("unpinned", f"{time.time():.6f}", task.name, name)
 
 
-class _PatchingLoader(importlib.abc.Loader):
-    def __init__(self, inner: importlib.abc.Loader, log: _Log) -> None:
-        self._inner = inner
-        self._log = log
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
-        return self._inner.create_module(spec)
-
-    def exec_module(self, module: ModuleType) -> None:
-        self._inner.exec_module(module)
-        if module.__name__ == _BLOCK_POOL:
-            _patch_block_pool(module, self._log)
-        else:
-            _patch_kv_events(module, self._log)
-
-
-class _Finder(importlib.abc.MetaPathFinder):
-    def __init__(self, log: _Log) -> None:
-        self._log = log
-
-    def find_spec(self, fullname: str, path: Sequence[str] | None,
-                  target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
-        if fullname not in (_BLOCK_POOL, _KV_EVENTS):
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None and spec.loader is not None:
-                spec.loader = _PatchingLoader(spec.loader, self._log)
-                return spec
-        return None
-
-
-def install_dir(directory: Path) -> Path:
-    """Write a ``sitecustomize`` that loads this hook into ``directory`` (put it on the
-    engine's ``PYTHONPATH``, with ``DISAGG_KV_EVENT_TIMING`` set); the directory."""
-    directory.mkdir(parents=True, exist_ok=True)
-    hook = str(Path(__file__).resolve())
-    (directory / "sitecustomize.py").write_text(_SITECUSTOMIZE.format(hook=hook))
-    return directory
-
-
-def _install() -> None:
+def patches() -> dict[str, Any]:
+    """``engine_site``'s patches: the block pool's and the publisher's modules, where a log
+    file is named."""
     path = os.environ.get(ENV_VAR, "")
-    if path and not any(isinstance(f, _Finder) for f in sys.meta_path):
-        sys.meta_path.insert(0, _Finder(_Log(path)))
-
-
-_install()
+    if not path:
+        return {}
+    log = _Log(path)
+    return {_BLOCK_POOL: lambda module: _patch_block_pool(module, log),
+            _KV_EVENTS: lambda module: _patch_kv_events(module, log)}

@@ -1,7 +1,8 @@
 """Test-only start-up hook for the ENGINE venv: fits NIXL engines to a small CPU test machine.
 
-Installed by setup_env.sh as ``disagg_nixl_hook`` plus a ``.pth`` line that imports it at
-every interpreter start of the engine venv (never the sidecar's venv). Each part acts only
+Installed by setup_env.sh as ``disagg_nixl_hook.py`` beside ``engine_site.py`` (as
+``disagg_engine_site``), with a ``.pth`` line that has the latter load it at every
+interpreter start of the engine venv (never the sidecar's venv). Each part acts only
 when its variable is set (the test harness sets both):
 
 ``DISAGG_NIXL_PTHR_DELAY_US``: NIXL's progress-thread poll delay. NIXL's Python wrapper
@@ -23,9 +24,9 @@ beside its push decode, whose worker spin-waits a whole core while its request w
 KV, and the prefill starved (requests of 5 s to minutes). The hook makes vLLM's NUMA
 discovery for that reservation return no cores, so the worker keeps its own.
 
-How: a meta-path finder waits for the module to patch (the NIXL binding, ``nixl_cu12/13`` or
-``nixl_rocm``'s ``_bindings``; ``vllm.platforms.cpu``) to be imported, lazily (nothing is
-imported at start-up), and patches it right after it loads.
+How: ``engine_site``'s finder waits for the module to patch (the NIXL binding,
+``nixl_cu12/13`` or ``nixl_rocm``'s ``_bindings``; ``vllm.platforms.cpu``) to be imported,
+lazily (nothing is imported at start-up), and patches it right after it loads.
 
 Deliberate limits: does nothing at all without the variables; knows the binding module names
 of the nixl 1.5 wheels and vLLM 0.32's ``CpuPlatform.discover_numa_topology``, which only
@@ -34,11 +35,9 @@ that reservation calls.
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -72,43 +71,8 @@ def _patch_keep_cores(module: ModuleType) -> None:
     module.CpuPlatform.discover_numa_topology = classmethod(no_cores_reserved_for_kv)
 
 
-class _PatchingLoader(importlib.abc.Loader):
-    def __init__(self, inner: importlib.abc.Loader, patch: Callable[[ModuleType], None]) -> None:
-        self._inner = inner
-        self._patch = patch
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
-        return self._inner.create_module(spec)
-
-    def exec_module(self, module: ModuleType) -> None:
-        self._inner.exec_module(module)
-        self._patch(module)
-
-
-class _Finder(importlib.abc.MetaPathFinder):
-    def __init__(self, patches: dict[str, Callable[[ModuleType], None]]) -> None:
-        self._patches = patches
-
-    def find_spec(
-        self,
-        fullname: str,
-        path: Sequence[str] | None,
-        target: ModuleType | None = None,
-    ) -> importlib.machinery.ModuleSpec | None:
-        patch = self._patches.get(fullname)
-        if patch is None:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None and spec.loader is not None:
-                spec.loader = _PatchingLoader(spec.loader, patch)
-                return spec
-        return None
-
-
-def _patches() -> dict[str, Callable[[ModuleType], None]]:
+def patches() -> dict[str, Callable[[ModuleType], None]]:
+    """``engine_site``'s patches: those whose variables are set."""
     patches: dict[str, Callable[[ModuleType], None]] = {}
     raw = os.environ.get(ENV_VAR, "")
     if raw:
@@ -123,11 +87,3 @@ def _patches() -> dict[str, Callable[[ModuleType], None]]:
         patches[_CPU_PLATFORM_MODULE] = _patch_keep_cores
     return patches
 
-
-def install() -> None:
-    patches = _patches()
-    if patches and not any(isinstance(f, _Finder) for f in sys.meta_path):
-        sys.meta_path.insert(0, _Finder(patches))
-
-
-install()

@@ -1,9 +1,9 @@
-"""Test-only start-up hook for the ENGINE venv: a floor under each engine step's time.
+"""Test-only start-up hook for the ENGINE venv (``engine_site.py`` loads it): a floor under
+each engine step's time.
 
-Loaded by a ``sitecustomize`` that ``install_dir`` writes into a directory the engine's
-``PYTHONPATH`` names (``EngineSpec.extra_env``); does nothing unless ``DISAGG_ENGINE_STEP_S``
-is set. Then each step of vLLM's engine core that ran the model is followed by that many
-seconds of sleep before its outputs leave for the API server.
+Does nothing unless ``DISAGG_ENGINE_STEP_S`` is set. Then each step of vLLM's engine core
+that ran the model is followed by that many seconds of sleep before its outputs leave for
+the API server.
 
 Why: a test that kills an engine in the middle of an answer needs the answer still decoding
 when the kill lands. The test model writes 360 tokens in about a second, and the kill is
@@ -14,32 +14,27 @@ answer (tests/real_vllm/test_migration.py failed three rounds of three that way 
 client's lag, up to the answer's length times the floor. What the engine computes, and the
 order it writes it in, are vLLM's own; only the time between steps grows.
 
-How: a meta-path finder wraps ``EngineCore.step`` of ``vllm.v1.engine.core`` right after the
-module loads, before any engine core exists (the core binds ``self.step`` when it starts).
-The engine core is a child process of the API server: it inherits the environment and loads
-the hook too; in the API server the module loads as well, and nothing there calls ``step``.
+How: ``EngineCore.step`` of ``vllm.v1.engine.core`` is wrapped right after the module
+loads, before any engine core exists (the core binds ``self.step`` when it starts). In the
+API server the module loads as well, and nothing there calls ``step``.
 """
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
 import os
-import sys
 import time
-from collections.abc import Sequence
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 ENV_VAR = "DISAGG_ENGINE_STEP_S"
-_ENGINE_CORE = "vllm.v1.engine.core"
-# Loaded by its path: the suite's directory never goes on the engine's sys.path.
-_SITECUSTOMIZE = """\
-import importlib.util
-_spec = importlib.util.spec_from_file_location("disagg_pace_hook", {hook!r})
-_spec.loader.exec_module(importlib.util.module_from_spec(_spec))
-"""
+
+
+def patches() -> dict[str, Any]:
+    """``engine_site``'s patches: the engine core's module, where the floor is set."""
+    floor = os.environ.get(ENV_VAR, "")
+    if not floor:
+        return {}
+    return {"vllm.v1.engine.core": lambda module: _pace(module, float(floor))}
 
 
 def _pace(module: ModuleType, floor_s: float) -> None:
@@ -53,52 +48,3 @@ def _pace(module: ModuleType, floor_s: float) -> None:
         return outputs, model_executed
 
     core.step = step
-
-
-class _PacingLoader(importlib.abc.Loader):
-    def __init__(self, inner: importlib.abc.Loader, floor_s: float) -> None:
-        self._inner = inner
-        self._floor_s = floor_s
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
-        return self._inner.create_module(spec)
-
-    def exec_module(self, module: ModuleType) -> None:
-        self._inner.exec_module(module)
-        _pace(module, self._floor_s)
-
-
-class _Finder(importlib.abc.MetaPathFinder):
-    def __init__(self, floor_s: float) -> None:
-        self._floor_s = floor_s
-
-    def find_spec(self, fullname: str, path: Sequence[str] | None,
-                  target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
-        if fullname != _ENGINE_CORE:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None and spec.loader is not None:
-                spec.loader = _PacingLoader(spec.loader, self._floor_s)
-                return spec
-        return None
-
-
-def install_dir(directory: Path) -> Path:
-    """Write a ``sitecustomize`` that loads this hook into ``directory`` (put it on the
-    engine's ``PYTHONPATH``, with ``DISAGG_ENGINE_STEP_S`` set); the directory."""
-    directory.mkdir(parents=True, exist_ok=True)
-    hook = str(Path(__file__).resolve())
-    (directory / "sitecustomize.py").write_text(_SITECUSTOMIZE.format(hook=hook))
-    return directory
-
-
-def _install() -> None:
-    floor = os.environ.get(ENV_VAR, "")
-    if floor and not any(isinstance(f, _Finder) for f in sys.meta_path):
-        sys.meta_path.insert(0, _Finder(float(floor)))
-
-
-_install()

@@ -97,12 +97,17 @@ if [[ ! -f "$VENV_MARKER" || "$(cat "$VENV_MARKER")" != "$VENV_KEY" || ! -x "$VE
 fi
 
 SITE="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
-if ! cmp -s "$HERE/nixl_hook.py" "$SITE/disagg_nixl_hook.py"; then
+# A .pth line starting with "import" runs at interpreter start-up: the hooks' loader
+# (engine_site.py) loads the NIXL hook, which does nothing unless its variables are set (the
+# test harness sets them).
+HOOK_LINE="import disagg_engine_site; disagg_engine_site.load_hooks([\"$SITE/disagg_nixl_hook.py\"])"
+if ! cmp -s "$HERE/nixl_hook.py" "$SITE/disagg_nixl_hook.py" \
+    || ! cmp -s "$HERE/engine_site.py" "$SITE/disagg_engine_site.py" \
+    || [[ "$(cat "$SITE/disagg_nixl_hook.pth" 2>/dev/null)" != "$HOOK_LINE" ]]; then
   did="$did hook"
   step "hook" cp "$HERE/nixl_hook.py" "$SITE/disagg_nixl_hook.py"
-  # A .pth line starting with "import" runs at interpreter start-up; the hook does nothing
-  # unless DISAGG_NIXL_PTHR_DELAY_US is set (the test harness sets it).
-  echo "import disagg_nixl_hook" >"$SITE/disagg_nixl_hook.pth"
+  step "hook loader" cp "$HERE/engine_site.py" "$SITE/disagg_engine_site.py"
+  echo "$HOOK_LINE" >"$SITE/disagg_nixl_hook.pth"
 fi
 
 # The transfer engine's extension links libibverbs.so.1 (RDMA verbs) even when only TCP is

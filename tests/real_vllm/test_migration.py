@@ -70,7 +70,7 @@ from typing import Any
 
 import pytest
 
-from real_vllm import pace_hook
+from real_vllm import engine_site, pace_hook
 from real_vllm.client import (
     METRIC_POLL_S,
     block_prompt,
@@ -115,8 +115,8 @@ PREFILL, DECODE = "migration-prefill", "migration-decode"
 @pytest.fixture(scope="module")
 def nixl_group(engine_env: EngineEnv, tmp_path_factory: pytest.TempPathFactory,
                ) -> Iterator[EngineGroup]:
-    paced = {"PYTHONPATH": str(pace_hook.install_dir(tmp_path_factory.mktemp("pace"))),
-             pace_hook.ENV_VAR: str(DECODE_STEP_S)}
+    site = engine_site.install_dir(tmp_path_factory.mktemp("pace"), pace_hook)
+    paced = {"PYTHONPATH": str(site), pace_hook.ENV_VAR: str(DECODE_STEP_S)}
     with EngineGroup(engine_env) as group:
         group.start([
             EngineSpec(PREFILL, nixl_config("kv_producer"), cpu=0, extra_args=ROUTE_FLAGS),
