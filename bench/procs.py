@@ -356,23 +356,21 @@ def stop(proc: Proc, timeout_s: float = 10.0) -> None:
 
 
 def _end_group(group: int, timeout_s: float) -> None:
-    """SIGTERM what lives of process group ``group``, then SIGKILL what still does after
-    ``timeout_s``; returns once nothing of it lives (zombies left to a parent that does not
-    reap them, as some containers' first process, count as gone)."""
-    for sent in (signal.SIGTERM, signal.SIGKILL):
-        if not _living_members(group):
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(group, sent)
-        deadline = time.monotonic() + timeout_s
-        # Another process's end is only observable by asking (it is not our child).
-        while _living_members(group) and time.monotonic() < deadline:
-            time.sleep(0.05)
+    """SIGKILL what is left of process group ``group`` (its wrapper has exited: what is left
+    is the sidecar it started, with nothing more to write) and wait up to ``timeout_s`` until
+    none of it lives (zombies left to a parent that does not reap them, as some containers'
+    first process, count as gone)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(group, signal.SIGKILL)
+    deadline = time.monotonic() + timeout_s
+    # Another process's end is only observable by asking (it is not our child).
+    while _group_lives(group) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
-def _living_members(group: int) -> list[int]:
-    """The pids of process group ``group`` that are not zombies (``/proc/<pid>/stat``)."""
-    found: list[int] = []
+def _group_lives(group: int) -> bool:
+    """Whether process group ``group`` has a member that is not a zombie
+    (``/proc/<pid>/stat``)."""
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -380,8 +378,8 @@ def _living_members(group: int) -> list[int]:
             # After the command's closing parenthesis: state, ppid, pgrp, ...
             state, _, pgrp = (entry / "stat").read_text().rsplit(")", 1)[1].split()[:3]
             if int(pgrp) == group and state != "Z":
-                found.append(int(entry.name))
-    return found
+                return True
+    return False
 
 
 def cpu_model() -> str:
