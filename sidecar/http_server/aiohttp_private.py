@@ -272,15 +272,13 @@ class ClientSocket:
         self._protocol = request.protocol
         self._writer = request.writer
 
-    def open(self) -> asyncio.Transport | None:
-        """The transport while the client is still there, else None."""
+    def send(self, data: bytes) -> bool | None:
+        """Write ``data`` as the response's next piece: True while the socket takes more,
+        False once it is full, None (nothing written) when the client has gone. One call per
+        relayed read: this runs once per token at an engine's pace."""
         transport = self._protocol.transport
         if transport is None or transport.is_closing():
             return None
-        return transport
-
-    def write(self, transport: asyncio.Transport, data: bytes) -> bool:
-        """Write ``data`` as the response's next piece; False once the socket is full."""
         transport.write(b"%x\r\n%s\r\n" % (len(data), data) if self._chunked else data)
         return transport.get_write_buffer_size() <= SOCKET_HIGH_WATER
 

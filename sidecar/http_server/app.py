@@ -363,7 +363,7 @@ async def _continue(relay: SSERelay, migrations: Migrations, scope: RequestScope
         exchange.decode.close()
     kept = relay.kept
     overflowed = kept is None or kept.overflowed
-    so_far = (plan.read_back(bytes(kept.kept), client.body)
+    so_far = (plan.read_back(kept.kept, client.body)
               if kept is not None and not kept.overflowed else None)
     # The usage rule: a pair's prompt was the prefill's; a whole run's figures are unknown.
     prefill = usage_of(exchange.prefill_reply_now()) if exchange.disaggregated else None

@@ -43,7 +43,7 @@ OpenAI stream without usage to rewrite takes the bare path above.
 A stream that may move to another engine (``sidecar.request.migration``) is kept
 (``KeptStream``): whole events only reach the client (a cut event never does, so a
 continuation joins cleanly), the engine's own bytes are kept up to a cap (parsed only if the
-engine dies: the cost per read is one search and one copy), the token ids the engine was asked
+engine dies: the cost per read is one search and one reference), the token ids the engine was asked
 for and the client was not are written as the engine writes them unasked (one substitution
 per read), and an engine's own failure event (a 5xx) stops the stream before the client sees
 it, so the stream can move instead. Once moved, the continuation's events are written as the
@@ -57,6 +57,7 @@ the two are not glued together) and closes the connection, never a fabricated en
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any, Final
 
@@ -83,7 +84,8 @@ from sidecar.request.scope import RequestScope
 
 logger = logging.getLogger(__name__)
 
-#: Bytes of the stream's end kept for the end-marker check and the error-event seam.
+#: At least this many bytes of the stream's end are kept for the end-marker check and the
+#: error-event seam.
 TAIL_BYTES = 32
 
 
@@ -152,6 +154,8 @@ class SSERelay:
                 self.engine_error = True
             if not chunk:
                 return True
+        if self._events is None:  # the bare path (``_relay`` without its events' step)
+            return self._write(chunk)
         return self._relay(chunk)
 
     def follow(self, join: Join) -> None:
@@ -174,14 +178,15 @@ class SSERelay:
 
     def _write(self, chunk: bytes) -> bool:
         socket = self._socket
-        transport = socket.open() if socket is not None else None
-        if not self._started or self._held is not None or transport is None:
-            self._held = chunk if self._held is None else self._held + chunk
-            return False
-        assert socket is not None
-        room = socket.write(transport, chunk)
-        self._account(chunk)
-        return room  # False past the high-water mark: reading stops until the bytes drain
+        if self._started and self._held is None and socket is not None:
+            room = socket.send(chunk)
+            if room is not None:
+                self._account(chunk)
+                return room  # False past the high-water mark: reading stops until it drains
+        # Not yet (the head leaves with the first chunk, through aiohttp), or the client has
+        # gone (``catch_up``'s write through aiohttp raises): held for ``catch_up``.
+        self._held = chunk if self._held is None else self._held + chunk
+        return False
 
     async def catch_up(self) -> None:
         """Send what ``feed`` held back (through aiohttp), then wait out a full socket."""
@@ -220,7 +225,7 @@ class SSERelay:
         if self._events is not None:
             return self._events.ended()
         done = self.markers.done
-        return isinstance(done, bytes) and self.tail.rstrip().endswith(done)
+        return isinstance(done, bytes) and self.tail[-TAIL_BYTES:].rstrip().endswith(done)
 
     async def finish(self) -> None:
         """End the response; a client that hung up after the last event is no error (its
@@ -261,9 +266,9 @@ class SSERelay:
                 tail and not chunk.startswith(DATA) and carries_error_event(tail, chunk,
                                                                             marker))):
             self.engine_error = True
-        # Only the last bytes matter; slicing a long chunk alone avoids copying it whole.
-        self.tail = chunk[-TAIL_BYTES:] if len(chunk) >= TAIL_BYTES else (tail + chunk)[
-            -TAIL_BYTES:]
+        # Only the last bytes matter: a chunk that long is kept as it is (a reference, not a
+        # copy of its end), a shorter one is joined to the tail before it.
+        self.tail = chunk if len(chunk) >= TAIL_BYTES else (tail + chunk)[-TAIL_BYTES:]
 
 
 class KeptStream:
@@ -271,18 +276,27 @@ class KeptStream:
     whole events the client gets, keeping the engine's bytes (up to ``cap``); ``failure`` is
     set once the engine reported a failure of its own (the events before it are returned)."""
 
-    __slots__ = ("_cap", "_partial", "_strip", "failure", "kept", "overflowed", "reported")
+    __slots__ = ("_cap", "_partial", "_reads", "_size", "_strip", "failure", "overflowed",
+                 "reported")
 
     def __init__(self, cap: int, strip: Callable[[bytes], bytes] | None = None) -> None:
         self._cap = cap
         self._strip = strip
         self._partial = b""
-        self.kept = bytearray()
+        # The reads themselves, not a copy: appending a reference costs a read far less than
+        # growing one buffer (a copy, and a move of all of it each time it outgrows its room).
+        self._reads: list[bytes] = []
+        self._size = 0
         #: Past the cap: the stream is no longer kept (it may not move).
         self.overflowed = False
         self.failure: SidecarError | None = None
         #: An error event about the request (a 4xx) left as the engine wrote it.
         self.reported = False
+
+    @property
+    def kept(self) -> bytes:
+        """The engine's bytes kept so far (b"" once past the cap)."""
+        return b"".join(self._reads)
 
     def take(self, chunk: bytes) -> bytes:
         partial = self._partial
@@ -301,17 +315,22 @@ class KeptStream:
                 self._partial = b""
                 return data
             whole, self._partial = data[:end], data[end:]
-        if ERROR_EVENT in whole:
-            at = whole.find(ERROR_EVENT)
+        # ``find``, not ``in``: ``bytes.__contains__`` first tries its operand as an integer,
+        # and formats and clears a TypeError on every call.
+        at = whole.find(ERROR_EVENT)
+        if at >= 0:
             if engine_fault_event(whole[at:]):
                 self.failure = DecodeFailed("decode engine reported a failure in its stream",
                                             stage=Stage.DECODE)
                 whole = whole[:at]
             else:
                 self.reported = True
-        kept = self.kept
-        if len(kept) + len(whole) <= self._cap:
-            kept += whole
+        # Each kept read counts with what holding it costs, so the cap bounds the memory
+        # whatever the engine's read sizes.
+        size = self._size + len(whole) + _KEPT_READ_COST
+        if size <= self._cap:
+            self._reads.append(whole)
+            self._size = size
         elif not self.overflowed:
             self._give_up()
         strip = self._strip
@@ -319,8 +338,13 @@ class KeptStream:
 
     def _give_up(self) -> None:
         self.overflowed = True
-        self.kept = bytearray()
+        self._reads = []
         self._cap = -1  # nothing is kept any more
+
+
+#: What holding one read costs besides its bytes: the bytes object's header and the list's
+#: reference to it.
+_KEPT_READ_COST: Final = sys.getsizeof(b"") + 8
 
 
 class ContinuationDiverged(DecodeFailed):
@@ -383,12 +407,13 @@ class ContinuedEvents:
 def carries_error_event(tail: bytes, chunk: bytes, marker: bytes) -> bool:
     """True when ``chunk`` holds (or completes) an engine's error event starting ``marker``
     (event text is JSON, where a quote is escaped: the marker never occurs inside a token)."""
-    if marker in chunk:
+    # ``find``, not ``in`` (``KeptStream.take`` says why).
+    if chunk.find(marker) >= 0:
         return True
     if chunk.startswith(DATA) or not tail:
         return False
     seam = len(marker) - 1
-    return marker in tail[-seam:] + chunk[:seam]
+    return (tail[-seam:] + chunk[:seam]).find(marker) >= 0
 
 
 def stream_broke(scope: RequestScope, relay: SSERelay, error: SidecarError,
@@ -535,7 +560,7 @@ class WholeEvents:
             self._note(event)
         self.last_event = events[-1]
         marker = self._usage_marker
-        if marker is None or marker not in data or not any(map(self._told, events)):
+        if marker is None or data.find(marker) < 0 or not any(map(self._told, events)):
             return data
         assert self._usage is not None
         if self._usage.pending:
@@ -573,7 +598,7 @@ class WholeEvents:
         """True when ``event`` carries usage the API's rule tells."""
         marker = self._usage_marker
         heads = self._usage_events
-        return marker is not None and marker in event and (
+        return marker is not None and event.find(marker) >= 0 and (
             heads is None or event.startswith(heads))
 
     def _rewritten(self, events: list[bytes], usage: Mapping[str, Any] | None) -> bytes:

@@ -137,7 +137,9 @@ def ids_stripper(places: TokenIdPlaces) -> Callable[[bytes], bytes]:
 
     def strip_and_skip(data: bytes) -> bytes:
         data = strip(data)
-        if asked_only not in data:
+        # ``find``, not ``in``: ``bytes.__contains__`` first tries its operand as an integer,
+        # and formats and clears a TypeError on every call (this runs on every read).
+        if data.find(asked_only) < 0:
             return data
         return b"".join(event for event in _events(data) if asked_only not in event)
 

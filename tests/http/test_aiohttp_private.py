@@ -171,9 +171,7 @@ async def _relay_three(request: web.Request) -> web.StreamResponse:
     await response.prepare(request)
     await response.write(b"data: one\n\n")  # the head leaves with it
     client = ClientSocket(request, response)
-    transport = client.open()
-    assert transport is not None
-    assert client.write(transport, b"data: two\n\n") is True
+    assert client.send(b"data: two\n\n") is True
     await client.drain()
     await response.write(b"data: three\n\n")
     await response.write_eof()

@@ -53,3 +53,21 @@ def test_a_4xx_error_event_leaves_as_written() -> None:
     assert kept.take(REFUSED) == REFUSED
     assert kept.failure is None
     assert kept.reported  # counted as the engine's error, as an unkept stream's is
+
+
+def test_the_cap_bounds_what_many_small_reads_hold() -> None:
+    # 2,000 events of 9 bytes are 18,000 bytes, under the cap; held one object per read,
+    # they would take several times that: the cap counts what each kept read costs.
+    tiny = b"data: 1\n\n"
+    kept = KeptStream(32 * 1024)
+    for _ in range(2_000):
+        assert kept.take(tiny) == tiny
+    assert kept.overflowed and kept.kept == b""
+
+
+def test_what_is_kept_reads_back_as_the_engines_bytes() -> None:
+    kept = KeptStream(1 << 20, STRIP)
+    reads = [ASKED[:7], ASKED[7:] + ASKED, REFUSED]
+    for read in reads:
+        kept.take(read)
+    assert kept.kept == b"".join(reads)
