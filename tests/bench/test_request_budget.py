@@ -15,8 +15,13 @@ budget was recorded with (``RECORDED_WITH``; on others, Python 3.12+ or a compil
 count means something else: the test says so and skips). Does not prove time: what a
 bytecode costs, and the work done in C, are the bench's (``python -m bench.run``).
 
+The same holds for what each token of a stream at an engine's pace costs: one relayed read
+(``python -m bench.relay_read``: the relay's bytecodes for one event, a stream that cannot move,
+one kept for migration, and one on chat completions), budgeted in ``READ_BUDGET``.
+
 Re-record after a change that has to add work (and say why in its commit):
-``PYTHONHASHSEED=0 python -m bench.bytecodes --repeat 25``, and the budget is that figure.
+``PYTHONHASHSEED=0 python -m bench.bytecodes --repeat 25`` and ``python -m bench.relay_read``,
+and the budgets are those figures.
 """
 
 from __future__ import annotations
@@ -35,11 +40,19 @@ REPO = Path(__file__).resolve().parents[2]
 #: Bytecodes per PD request, the smallest of 25 (``python -m bench.bytecodes --repeat 25``).
 BUDGET: dict[str, int] = {
     "pull-json": 7_802,
-    "pull-stream": 8_926,
+    "pull-stream": 8_904,
     "pull-json-cache-rule": 7_981,
     "pull-json-cache-hit": 10_240,
     "concurrent-json": 9_038,
-    "concurrent-stream": 10_119,
+    "concurrent-stream": 10_097,
+}
+
+#: Bytecodes per relayed read, one event (``python -m bench.relay_read``; a count with no I/O
+#: in it: the same on every run).
+READ_BUDGET: dict[str, int] = {
+    "bare": 131,
+    "kept": 194,
+    "kept-chat": 210,
 }
 
 #: The concurrent flow's legs answer in either order, which changes its count by a few
@@ -70,8 +83,7 @@ def _compiled() -> list[str]:
     return compiled.modules()
 
 
-@pytest.fixture(scope="module")
-def figures() -> dict[str, int]:
+def _skip_unless_recorded_here() -> None:
     differing = {k: v for k, v in _versions().items() if RECORDED_WITH[k] != v}
     if differing:
         pytest.skip(f"the budget was counted on {RECORDED_WITH}; here {differing}: "
@@ -79,6 +91,11 @@ def figures() -> dict[str, int]:
     if _compiled():
         pytest.skip("the hot modules are compiled (bytecodes run only in pure Python): "
                     f"{', '.join(_compiled()[:3])}, ...")
+
+
+@pytest.fixture(scope="module")
+def figures() -> dict[str, int]:
+    _skip_unless_recorded_here()
     done = subprocess.run(
         [sys.executable, "-m", "bench.bytecodes", "--json", "--repeat", "25"],
         cwd=REPO, env={**os.environ, "PYTHONHASHSEED": "0", "PYTHONPATH": str(REPO)},
@@ -125,3 +142,35 @@ def test_serve_flags_reach_the_counted_sidecar(figures: dict[str, int]) -> None:
     assert done.returncode == 0, done.stderr[-4000:]
     unmovable = int(json.loads(done.stdout)["pull-stream"]["bytecodes"])
     assert unmovable < figures["pull-stream"]
+
+
+@pytest.fixture(scope="module")
+def read_figures() -> dict[str, int]:
+    _skip_unless_recorded_here()
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.relay_read", "--json"],
+        cwd=REPO, env={**os.environ, "PYTHONHASHSEED": "0", "PYTHONPATH": str(REPO)},
+        capture_output=True, text=True, timeout=120, check=False,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return {name: int(case["bytecodes"]) for name, case in json.loads(done.stdout).items()}
+
+
+@pytest.mark.parametrize("case", sorted(READ_BUDGET))
+def test_a_relayed_read_stays_within_its_budget(read_figures: dict[str, int],
+                                                case: str) -> None:
+    measured, budget = read_figures[case], READ_BUDGET[case]
+    assert measured <= budget * (1 + SLACK), (
+        f"{case}: {measured:,} bytecodes per relayed read, {measured - budget:,} over its "
+        f"budget of {budget:,}: every token of a stream pays it (SSERelay.feed and what it "
+        "calls); find the added work against the commit before, or re-record the budget if "
+        "the work is needed (this module's docstring)")
+
+
+@pytest.mark.parametrize("case", sorted(READ_BUDGET))
+def test_the_read_budget_follows_the_work_down(read_figures: dict[str, int],
+                                               case: str) -> None:
+    measured, budget = read_figures[case], READ_BUDGET[case]
+    assert measured >= budget * (1 - SLACK), (
+        f"{case}: {measured:,} bytecodes per relayed read, under its budget of {budget:,}: "
+        f"lower READ_BUDGET[{case!r}] to {measured:,} so that the saving cannot drift back")
