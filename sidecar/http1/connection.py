@@ -221,6 +221,8 @@ class Connection(Deadlines, asyncio.Protocol):
                     return
                 if not taken:
                     self.sink_refused()
+                elif not self._complete and self._error is None:
+                    return  # all of it went to the sink: nothing to wake the piping task for
         if self._waiter is not None:
             self._wake()
 
