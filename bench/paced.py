@@ -135,9 +135,12 @@ def paced_stack(
     baseline_tree: Path | None, pin_sidecar: str, pin_bench: str,
     anchor_names: tuple[str, ...] = (), anchor_workers: int | None = None,
     worker_cores: dict[int, str] | None = None, sidecar_tree: Path | None = None,
+    wrap: tuple[str, ...] = (),
 ) -> Iterator[PacedStack]:
     """``worker_cores``: ``--pin-workers``' taskset CPU list per worker count (``bench.pinning``);
-    otherwise every sidecar gets ``pin_sidecar``."""
+    otherwise every sidecar gets ``pin_sidecar``. ``wrap``: ``--sidecar-prefix``, the command
+    each sidecar (this tree's and the baseline's, not the bare relay or the anchors) runs
+    under, after its pinning (a profiler, callgrind)."""
     engine = "vllm" if flow == "seq" else "sglang"
     bench_prefix = ["taskset", "-c", pin_bench] if pin_bench else []
     sidecar_prefix = ["taskset", "-c", pin_sidecar] if pin_sidecar else []
@@ -168,9 +171,9 @@ def paced_stack(
         for way, tree, workers in trees:
             extra = ["--workers", str(workers)] if workers > 1 else []
             cores = (worker_cores or {}).get(workers)
+            pinned = ["taskset", "-c", cores] if cores else sidecar_prefix
             proc = procs.start_sidecar(f"{flow}-{way}", [*flags, *extra], log_dir=log_dir,
-                                       prefix=["taskset", "-c", cores] if cores
-                                       else sidecar_prefix, code_root=tree)
+                                       prefix=[*pinned, *wrap], code_root=tree)
             started.append(proc)
             st.relays[way] = proc
         for name in anchor_names:

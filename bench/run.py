@@ -377,7 +377,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-connections", type=int, default=1024,
                         help="the sidecar's upstream pool size (--max-connections)")
     parser.add_argument("--sidecar-prefix", default="",
-                        help="command that wraps the sidecar, e.g. 'py-spy record -o x.svg --'")
+                        help="command that wraps the sidecar, e.g. 'py-spy record -o x.svg --' "
+                             "(paced: every sidecar way, after its pinning)")
     parser.add_argument("--phases", help="only these phases, e.g. json/c32,tokens (profiling)")
     parser.add_argument("--modes", default=",".join(MODES),
                         help="comma-separated: direct, sidecar, and the anchors smg and "
@@ -489,7 +490,8 @@ async def run_paced(args: argparse.Namespace, result: dict[str, Any], log_dir: P
                                pin_bench=pin_bench, anchor_names=anchor_names,
                                anchor_workers=args.anchor_workers,
                                worker_cores=worker_cores,
-                               sidecar_tree=args.sidecar_tree) as st:
+                               sidecar_tree=args.sidecar_tree,
+                               wrap=tuple(args.sidecar_prefix.split())) as st:
             log(f"{flow} (paced): {st.engine}  prefill {st.prefill.url}  decode {st.decode.url}")
             note_anchors(result, flow, {n: st.relays[n] for n in st.anchors}, st.skipped, log)
             ways = paced.ways_of(plan, args.baseline_tree is not None, st.anchors)

@@ -130,6 +130,25 @@ def test_quick_paced_run_measures_every_way(tmp_path: Path, flows: str) -> None:
     assert "| sidecar-w2 |" in done.stdout and "relay CPU us/token" in done.stdout
 
 
+def test_the_sidecar_prefix_wraps_every_sidecar_way_only(tmp_path: Path) -> None:
+    # ``--sidecar-prefix`` (a profiler, callgrind) runs each sidecar under it: this tree's and
+    # the baseline's, not the bare relay or the stubs.
+    started = tmp_path / "started"
+    wrapper = tmp_path / "wrap.sh"
+    wrapper.write_text(f'#!/bin/sh\necho "$*" >> {started}\nexec "$@"\n')
+    wrapper.chmod(0o755)
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.run", "--mode", "paced", "--quick", "--flows", "seq",
+         "--baseline-tree", str(REPO), "--modes", "direct,sidecar", "--sidecar-prefix",
+         str(wrapper), "--out", str(tmp_path / "paced.json")],
+        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+        timeout=180, check=False,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    lines = started.read_text().splitlines()
+    assert len(lines) == 2 and all("bench.sidecar_proc" in line for line in lines), lines
+
+
 def test_the_side_by_side_table_has_every_sidecar_way() -> None:
     # A run with only `--workers 2` has no way called `sidecar`: its `sidecar-w2` still gets
     # its column and its ratio to the router.
