@@ -29,6 +29,7 @@ see docs/operating/data-parallel.md), SGLang or TensorRT-LLM ranks.
 from __future__ import annotations
 
 import json
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -90,7 +91,9 @@ NUDGE_TIMEOUT_S = 60.0
 #: straight to rank 0 got no answer either: the whole data-parallel engine waited. So before
 #: its tests each class warms both ranks (one request through the sidecar naming each rank,
 #: a KV transfer from each); a warm-up with no answer in this long restarts both engines (the
-#: engines' first transfers, not the sidecar's legs) and warms again, once.
+#: engines' first transfers, not the sidecar's legs) and warms again, once. A stalled prefill
+#: rank can also answer first through the sidecar's own deadline (a 504 after the prefill
+#: leg's 30 s, seen in CI at 19:07 UTC the same day): that is the same stall.
 WARM_UP_S = 60.0
 
 
@@ -157,7 +160,8 @@ def _warm_up(group: EngineGroup, sidecar: Sidecar, sidecar_dir: Path, prefill: s
 
 
 def _answers_in_time(sidecar: Sidecar, target: str, rank: int, tag: str) -> bool:
-    """Whether a request through ``sidecar`` prefilled on ``rank`` answers in ``WARM_UP_S``.
+    """Whether a request through ``sidecar`` prefilled on ``rank`` answers in ``WARM_UP_S``
+    (an engine's answer: the sidecar's 504 says an engine did not answer within its deadline).
     One that does not is left to its client's timeout (the restart after it breaks its
     connections)."""
     pool = ThreadPoolExecutor(1)
@@ -168,6 +172,11 @@ def _answers_in_time(sidecar: Sidecar, target: str, rank: int, tag: str) -> bool
         answer.result(timeout=WARM_UP_S)  # any text, even none: it answered
         return True
     except TimeoutError:
+        return False
+    except urllib.error.HTTPError as error:
+        if error.code != 504:
+            raise
+        print(f"{tag} rank {rank}: the sidecar's deadline answered (504: {error.read()!r})")
         return False
     finally:
         pool.shutdown(wait=False)
