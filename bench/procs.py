@@ -109,7 +109,7 @@ def start_stub(
         ]
     else:
         raise ValueError(f"unknown stubs {kind!r}; known: {', '.join(STUBS)}")
-    return _start_reporting(name, "stub", args, log_dir)
+    return start_reporting(name, "stub", args, log_dir)
 
 
 def start_relay(name: str, upstream_port: int, *, log_dir: Path,
@@ -117,18 +117,20 @@ def start_relay(name: str, upstream_port: int, *, log_dir: Path,
     """``bench.bare_relay`` forwarding to ``127.0.0.1:upstream_port``."""
     args = [*(prefix or []), sys.executable, "-m", "bench.bare_relay",
             "--upstream", f"127.0.0.1:{upstream_port}"]
-    return _start_reporting(name, "relay", args, log_dir)
+    return start_reporting(name, "relay", args, log_dir)
 
 
-def _start_reporting(name: str, what: str, args: list[str], log_dir: Path) -> Proc:
-    """Start ``args``, which reports its port as one JSON line on stdout once listening."""
+def start_reporting(name: str, what: str, args: list[str], log_dir: Path, *,
+                    start_timeout_s: float = _START_TIMEOUT_S) -> Proc:
+    """Start ``args``, which reports its port as one JSON line on stdout once listening
+    (within ``start_timeout_s``: more under valgrind)."""
     stderr = (log_dir / f"{name}.log").open("wb")
     popen = subprocess.Popen(
         args, stdout=subprocess.PIPE, stderr=stderr, env=child_env(), cwd=REPO_ROOT
     )
     stderr.close()
     try:
-        info: dict[str, Any] = json.loads(_read_line(popen, time.monotonic() + _START_TIMEOUT_S))
+        info: dict[str, Any] = json.loads(_read_line(popen, time.monotonic() + start_timeout_s))
     except (RuntimeError, ValueError):
         stop(Proc(name, popen, 0))
         raise RuntimeError(
