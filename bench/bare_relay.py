@@ -101,10 +101,10 @@ async def serve(upstream: str, host: str, port: int) -> None:
         lambda: _Downstream(up_host, int(up_port)), host, port, backlog=4096
     )
     print(json.dumps({"port": server.sockets[0].getsockname()[1]}), flush=True)
-    stop = loop.create_future()
+    stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, lambda: stop.done() or stop.set_result(None))
-    await stop
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
     server.close()
 
 

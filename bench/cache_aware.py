@@ -126,9 +126,10 @@ def _figures(prefill: str, decode: str, sidecar: Sidecar) -> dict[str, float]:
 def run_way(way: str, sidecar: Sidecar, prefill: str, decode: str, target: str,
             conversations: int, turns: int) -> dict[str, Any]:
     before = _figures(prefill, decode, sidecar)
-    chats = [{"model": "tiny", "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
-              "messages": [{"role": "user", "content": block_prompt(f"{way} {i}", items=10)}]}
-             for i in range(conversations)]
+    chats: list[dict[str, Any]] = [
+        {"model": "tiny", "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+         "messages": [{"role": "user", "content": block_prompt(f"{way} {i}", items=10)}]}
+        for i in range(conversations)]
     follow_ups = list(_conversations(way, conversations, turns))
     ttft: list[float] = []
     for turn in range(turns):

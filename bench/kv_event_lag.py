@@ -108,9 +108,9 @@ def lags(timing_log: Path, sidecar_log: Path) -> Iterator[BatchLag]:
                 removal_at[block] = float(words[1])
         elif words[0] == "sent":
             stamp = words[3]
-            removed = words[6:]
-            sent[stamp] = (int(words[2]), float(words[1]), float(words[5]), len(removed))
-            times = [removal_at[b] for b in removed if b in removal_at]
+            blocks = words[6:]
+            sent[stamp] = (int(words[2]), float(words[1]), float(words[5]), len(blocks))
+            times = [removal_at[b] for b in blocks if b in removal_at]
             if times:
                 first_removal[stamp] = min(times)
     seen: dict[str, tuple[float, float]] = {}

@@ -33,10 +33,10 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -240,7 +240,8 @@ def server_pid(proc: Proc) -> int:
     children_file = Path(f"/proc/{proc.pid}/task/{proc.pid}/children")
     with contextlib.suppress(OSError, ValueError):
         children = children_file.read_text().split()
-        if children and proc.popen.args[0] not in (sys.executable, "taskset"):  # type: ignore[index]
+        first = cast(Sequence[str], proc.popen.args)[0]  # started from a list, never a string
+        if children and first not in (sys.executable, "taskset"):
             return int(children[0])
     return proc.pid
 
