@@ -8,10 +8,11 @@ Each door answers ``POST /v1/completions`` with the same JSON bytes and does not
 the figure is the door's own work: accepting the request, reading its head and body, writing
 the answer, keeping the connection alive. ``aiohttp`` is the sidecar's door as ``serve`` builds
 it (``HeadTimeoutAppRunner`` with the PD routes' direct dispatch, the one body reader with its
-limits, ``WholeAnswer``, the ``Server`` header dropped); ``llhttp`` is an ``asyncio.Protocol``
-on ``httptools`` (the parser the sidecar's engine client uses) with what a production door
+limits, ``WholeAnswer``, the ``Server`` header dropped); ``llhttp`` is the project's lean
+keep-alive server on ``httptools`` (the stub engines' transport) with what a production door
 could not leave out: a task per request (the handler awaits engines), the headers as a
-look-up, the body held to a cap, a cached ``Date``, keep-alive as the client asks. Each door
+look-up, the body held to a cap, a cached ``Date``, keep-alive as the client asks, pipelined
+requests in order. Each door
 serves ``--small`` and then ``--large`` requests one at a time from the bench's lean client
 (after a warm-up) under ``valgrind --tool=callgrind``; the difference of the two totals over
 the difference of the counts is its cost per request, start-up cancelling out. Compare with
@@ -35,9 +36,8 @@ import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from email.utils import formatdate
 from pathlib import Path
-from typing import Any, Final, cast
+from typing import Any, Final
 
-import httptools
 from aiohttp import web
 from multidict import CIMultiDict
 
@@ -47,6 +47,7 @@ from bench.lean_client import Client, Origin
 from sidecar.http_server.aiohttp_private import HeadTimeoutAppRunner, WholeAnswer
 from sidecar.http_server.app import drop_server_header
 from sidecar.http_server.body import BodyLimits, BodyReader
+from sidecar.tools.stubs.lean.keepalive import JSON, Handled, Request, Server, ServerConnection
 
 DOORS: Final = ("aiohttp", "llhttp")
 PATH: Final = "/v1/completions"
@@ -90,88 +91,42 @@ async def aiohttp_door() -> AsyncIterator[int]:
 
 
 class _Dated:
-    """The ``Date`` header's value, formatted once a second (as aiohttp caches it)."""
+    """The ``Date`` header's line, formatted once a second (as aiohttp caches it)."""
 
     def __init__(self) -> None:
         self._second = -1
-        self._value = b""
+        self._line = b""
 
-    def now(self) -> bytes:
+    def line(self) -> bytes:
         second = int(time.time())
         if second != self._second:
-            self._second, self._value = second, formatdate(second, usegmt=True).encode()
-        return self._value
-
-
-class LlhttpDoor(asyncio.Protocol):
-    """One client connection of the llhttp door (the module docstring)."""
-
-    def __init__(self, dated: _Dated) -> None:
-        self._dated = dated
-        self._transport: asyncio.Transport | None = None
-        self._parser = httptools.HttpRequestParser(self)
-        self._url = b""
-        self._headers: dict[bytes, bytes] = {}
-        self._body: list[bytes] = []
-        self._size = 0
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        # uvloop's transports implement asyncio.Transport without subclassing it.
-        self._transport = cast(asyncio.Transport, transport)
-
-    def data_received(self, data: bytes) -> None:
-        try:
-            self._parser.feed_data(data)
-        except httptools.HttpParserError:
-            self._answer(400, b'{"error":"malformed"}', keep_alive=False)
-
-    def on_url(self, url: bytes) -> None:
-        self._url = url
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self._headers[name.lower()] = value
-
-    def on_body(self, body: bytes) -> None:
-        self._size += len(body)
-        self._body.append(body)
-
-    def on_message_complete(self) -> None:
-        headers, body, size = self._headers, self._body, self._size
-        self._headers, self._body, self._size = {}, [], 0
-        keep_alive = self._parser.should_keep_alive()
-        asyncio.get_running_loop().create_task(
-            self._handle(self._url, headers, b"".join(body), size, keep_alive))
-
-    async def _handle(self, url: bytes, headers: dict[bytes, bytes], body: bytes, size: int,
-                      keep_alive: bool) -> None:
-        if url != PATH.encode() or size > MAX_BODY:
-            self._answer(404 if size <= MAX_BODY else 413, b'{"error":"refused"}', keep_alive)
-            return
-        self._answer(200, ANSWER, keep_alive)
-
-    def _answer(self, status: int, body: bytes, keep_alive: bool) -> None:
-        transport = self._transport
-        if transport is None or transport.is_closing():
-            return
-        head = (b"HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nX-Request-Id: bench\r\n"
-                b"Content-Length: %d\r\nDate: %s\r\n%s\r\n"
-                % (status, b"OK" if status == 200 else b"Refused", len(body), self._dated.now(),
-                   b"" if keep_alive else b"Connection: close\r\n"))
-        transport.write(head + body)
-        if not keep_alive:
-            transport.close()
+            self._second = second
+            self._line = b"date: %s\r\n" % formatdate(second, usegmt=True).encode()
+        return self._line
 
 
 @contextlib.asynccontextmanager
 async def llhttp_door() -> AsyncIterator[int]:
-    """The llhttp door, answering ``ANSWER``; yields its port."""
+    """The floor of a door, answering ``ANSWER``: the project's lean llhttp server (the stub
+    engines' transport, ``sidecar.tools.stubs.lean.keepalive``) with a task per request, a
+    ``Date`` and the request id; yields its port."""
     dated = _Dated()
-    server = await asyncio.get_running_loop().create_server(
-        lambda: LlhttpDoor(dated), "127.0.0.1", 0)
+
+    async def answer(conn: ServerConnection) -> None:
+        conn.send(200, ANSWER, JSON, b"x-request-id: bench\r\n" + dated.line())
+
+    def handle(request: Request, conn: ServerConnection) -> Handled:
+        if request.method != b"POST" or request.path != PATH:
+            conn.send(404, b'{"error":"not served here"}')
+            return None
+        return answer(conn)  # a coroutine, run as the request's task: a handler awaits engines
+
+    server: Server[ServerConnection] = Server(handle, ServerConnection, max_body=MAX_BODY)
+    port = await server.start("127.0.0.1", 0)
     try:
-        yield server.sockets[0].getsockname()[1]
+        yield port
     finally:
-        server.close()
+        await server.close()
 
 
 async def serve(door: str) -> None:

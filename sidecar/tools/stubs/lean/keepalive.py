@@ -232,11 +232,13 @@ class ServerConnection(asyncio.Protocol):
             b"" if keep else b"connection: close\r\n", b"\r\n",
         ))
 
-    def send(self, status: int, body: bytes, content_type: bytes = JSON) -> None:
-        """Answer the current request with a whole body, in one write."""
+    def send(self, status: int, body: bytes, content_type: bytes = JSON,
+             headers: bytes = b"") -> None:
+        """Answer the current request with a whole body, in one write (``headers``: extra
+        lines, each ending in CRLF)."""
         if self.closed or self.transport is None:
             return
-        framing = b"content-length: %d\r\n" % len(body)
+        framing = b"content-length: %d\r\n" % len(body) + headers
         self.transport.write(self._head(status, content_type, framing) + body)
         self._finish()
 
