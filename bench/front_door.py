@@ -12,15 +12,15 @@ limits, ``WholeAnswer``, the ``Server`` header dropped); ``llhttp`` is the proje
 keep-alive server on ``httptools`` (the stub engines' transport) with what a production door
 could not leave out: a task per request (the handler awaits engines), the headers as a
 look-up, the body held to a cap, a cached ``Date``, keep-alive as the client asks, pipelined
-requests in order. Each door
-serves ``--small`` and then ``--large`` requests one at a time from the bench's lean client
-(after a warm-up) under ``valgrind --tool=callgrind``; the difference of the two totals over
-the difference of the counts is its cost per request, start-up cancelling out. Compare with
-``python -m bench.instructions`` (a whole JSON PD request through the sidecar).
+requests in order. Each door serves ``--small`` and then ``--large`` requests one at a time
+from the bench's lean client (after a warm-up) under ``valgrind --tool=callgrind``; the
+difference of the two totals over the difference of the counts is its cost per request,
+start-up cancelling out. Compare with ``python -m bench.instructions`` (a whole JSON PD
+request through the sidecar).
 
 Deliberate limits: the llhttp door is the floor of a door, not one: no head deadline, no
-refusals in the API's shape, no chunked or compressed bodies, no TLS, no other routes; what
-those would add is the difference between this figure and the saving a real door would make.
+refusals in the API's shape, no compressed bodies, no TLS, no other routes; what those would
+add is the difference between this figure and the saving a real door would make.
 """
 
 from __future__ import annotations
