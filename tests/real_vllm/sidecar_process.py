@@ -27,6 +27,12 @@ from real_vllm.client import text_of, text_of_stream
 
 PREFILL_HEADER = "x-prefiller-host-port"
 READY_DEADLINE_S = 60.0
+#: For a sidecar whose placement a test judges by the engine's tokenizer (the cache and length
+#: rules): the production budget of a tokenize call (0.25 s) is a request path's, and on these
+#: shared CPUs a busy engine's /tokenize can take longer; past it the prompt's tokens are
+#: unknown and the request runs as a pair (a CI run's turn 2 did: "tokenize call failed
+#: (timeout)"), which is the sidecar right and the test's judgement void.
+PATIENT_TOKENIZE = ("--tokenize-timeout-s", "10")
 
 
 @dataclass(frozen=True)

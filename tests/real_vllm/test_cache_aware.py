@@ -46,7 +46,7 @@ from real_vllm.harness import (
     free_port,
     nixl_config,
 )
-from real_vllm.sidecar_process import PREFILL_HEADER, Sidecar, sidecar_process
+from real_vllm.sidecar_process import PATIENT_TOKENIZE, PREFILL_HEADER, Sidecar, sidecar_process
 from real_vllm.stack import RealVllm
 
 DECODE = "cache-decode"
@@ -94,6 +94,7 @@ def cache_stack(real_vllm: RealVllm, engine_env: EngineEnv,
             "--engine", "vllm", "--kv-connector", "shfs", "--engine-url", url,
             "--kv-events-endpoint", endpoint, "--kv-events-topic", "kv",
             "--local-prefill-max-uncached-tokens", str(MAX_UNCACHED), "--log-level", "debug",
+            *PATIENT_TOKENIZE,
         ):
             group.wait_ready([DECODE])
             yield CacheStack(real_vllm, group, sidecar, endpoint)
@@ -108,7 +109,7 @@ def deaf_sidecar(cache_stack: CacheStack, tmp_path_factory: pytest.TempPathFacto
         "--engine", "vllm", "--kv-connector", "shfs", "--engine-url", cache_stack.decode,
         "--kv-events-endpoint", f"tcp://127.0.0.1:{free_port()}",
         "--local-prefill-max-uncached-tokens", str(MAX_UNCACHED),
-        "--local-prefill-max-tokens", str(MAX_TOKENS),
+        "--local-prefill-max-tokens", str(MAX_TOKENS), *PATIENT_TOKENIZE,
     )
 
 

@@ -54,7 +54,7 @@ from real_vllm.cache_workload import (
 )
 from real_vllm.client import metric_value
 from real_vllm.harness import EngineEnv, EngineGroup, free_port
-from real_vllm.sidecar_process import sidecar_process
+from real_vllm.sidecar_process import PATIENT_TOKENIZE, sidecar_process
 from real_vllm.stack import RealVllm
 
 #: The whole workload: two engines' starts on two cores and about a hundred requests.
@@ -86,6 +86,7 @@ def workload_run(real_vllm: RealVllm, engine_env: EngineEnv,
             work, "--engine", "vllm", "--kv-connector", "shfs", "--engine-url", decode.url,
             "--kv-events-endpoint", endpoint, "--kv-events-topic", "kv",
             "--local-prefill-max-uncached-tokens", str(MAX_UNCACHED), "--log-level", "debug",
+            *PATIENT_TOKENIZE,
         ):
             group.wait_ready([DECODE])
             stack = Stack(sidecar.url, work / "sidecar.log", decode.url, real_vllm.baseline,

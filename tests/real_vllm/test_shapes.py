@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from real_vllm.client import block_prompt, completion_body, metric_value, post_json, text_of
-from real_vllm.sidecar_process import Sidecar, sidecar_process
+from real_vllm.sidecar_process import PATIENT_TOKENIZE, Sidecar, sidecar_process
 from real_vllm.stack import RealVllm
 from sidecar.protocol.context import Route
 from sidecar.protocol.prompt_length import estimate_tokens
@@ -52,6 +52,7 @@ def conditional_sidecar(real_vllm: RealVllm, tmp_path_factory: pytest.TempPathFa
         tmp_path_factory.mktemp("conditional-sidecar"),
         "--engine", "vllm", "--kv-connector", "shfs", "--engine-url", real_vllm.nixl.decode,
         "--local-prefill-max-tokens", str(THRESHOLD), "--prompt-length-source", "tokenize",
+        *PATIENT_TOKENIZE,
     )
 
 
