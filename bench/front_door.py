@@ -11,7 +11,7 @@ it (``HeadTimeoutAppRunner`` with the PD routes' direct dispatch, the one body r
 limits, ``WholeAnswer``, the ``Server`` header dropped); ``llhttp`` is the project's lean
 keep-alive server on ``httptools`` (the stub engines' transport) with what a production door
 could not leave out: a task per request (the handler awaits engines), the headers as a
-look-up, the body held to a cap, a cached ``Date``, keep-alive as the client asks, pipelined
+look-up, the body held to a cap, aiohttp's cached ``Date``, keep-alive as the client asks, pipelined
 requests in order. Each door serves ``--small`` and then ``--large`` requests one at a time
 from the bench's lean client (after a warm-up) under ``valgrind --tool=callgrind``; the
 difference of the two totals over the difference of the counts is its cost per request,
@@ -32,13 +32,12 @@ import json
 import signal
 import sys
 import tempfile
-import time
-from collections.abc import AsyncIterator, Callable, Coroutine
-from email.utils import formatdate
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any, Final
+from typing import Final
 
 from aiohttp import web
+from aiohttp.helpers import rfc822_formatted_time
 from multidict import CIMultiDict
 
 from bench import procs
@@ -47,6 +46,7 @@ from bench.lean_client import Client, Origin
 from sidecar.http_server.aiohttp_private import HeadTimeoutAppRunner, WholeAnswer
 from sidecar.http_server.app import drop_server_header
 from sidecar.http_server.body import BodyLimits, BodyReader
+from sidecar.loop import run_async
 from sidecar.tools.stubs.lean.keepalive import JSON, Handled, Request, Server, ServerConnection
 
 DOORS: Final = ("aiohttp", "llhttp")
@@ -90,30 +90,15 @@ async def aiohttp_door() -> AsyncIterator[int]:
         await runner.cleanup()
 
 
-class _Dated:
-    """The ``Date`` header's line, formatted once a second (as aiohttp caches it)."""
-
-    def __init__(self) -> None:
-        self._second = -1
-        self._line = b""
-
-    def line(self) -> bytes:
-        second = int(time.time())
-        if second != self._second:
-            self._second = second
-            self._line = b"date: %s\r\n" % formatdate(second, usegmt=True).encode()
-        return self._line
-
-
 @contextlib.asynccontextmanager
 async def llhttp_door() -> AsyncIterator[int]:
     """The floor of a door, answering ``ANSWER``: the project's lean llhttp server (the stub
     engines' transport, ``sidecar.tools.stubs.lean.keepalive``) with a task per request, a
     ``Date`` and the request id; yields its port."""
-    dated = _Dated()
-
     async def answer(conn: ServerConnection) -> None:
-        conn.send(200, ANSWER, JSON, b"x-request-id: bench\r\n" + dated.line())
+        # aiohttp's own Date (formatted once a second), as the aiohttp door writes it.
+        date = rfc822_formatted_time().encode()
+        conn.send(200, ANSWER, JSON, b"x-request-id: bench\r\ndate: " + date + b"\r\n")
 
     def handle(request: Request, conn: ServerConnection) -> Handled:
         if request.method != b"POST" or request.path != PATH:
@@ -129,7 +114,7 @@ async def llhttp_door() -> AsyncIterator[int]:
         await server.close()
 
 
-async def serve(door: str) -> None:
+async def serve(door: str) -> int:
     """Serve one door until SIGINT or SIGTERM (so callgrind writes its output)."""
     opened = aiohttp_door() if door == "aiohttp" else llhttp_door()
     async with opened as port:
@@ -138,10 +123,11 @@ async def serve(door: str) -> None:
         for sig in (signal.SIGINT, signal.SIGTERM):
             asyncio.get_running_loop().add_signal_handler(sig, stop.set)
         await stop.wait()
+    return 0
 
 
-async def send(port: int, n: int) -> None:
-    """``n`` requests one at a time on one kept-alive connection, each checked."""
+async def send(port: int, n: int) -> int:
+    """``n`` requests one at a time on one kept-alive connection, each checked; ``n``."""
     client = Client()
     origin = Origin("127.0.0.1", port)
     try:
@@ -151,6 +137,7 @@ async def send(port: int, n: int) -> None:
                 raise RuntimeError(f"the door answered {answer.status}")
     finally:
         await client.close()
+    return n
 
 
 def count(door: str, n: int, workdir: Path) -> int:
@@ -161,24 +148,11 @@ def count(door: str, n: int, workdir: Path) -> int:
                                  [*prefix, sys.executable, "-m", "bench.front_door", "serve",
                                   "--door", door], workdir, start_timeout_s=120.0)
     try:
-        _run(send(proc.port, WARM_UP))
-        _run(send(proc.port, n))
+        run_async(send(proc.port, WARM_UP))
+        run_async(send(proc.port, n))
     finally:
         procs.stop(proc, timeout_s=60.0)
     return instructions_of(out)
-
-
-def _run(work: Coroutine[Any, Any, None]) -> None:
-    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
-        runner.run(work)
-
-
-def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
-    with contextlib.suppress(ImportError):
-        import uvloop
-
-        return uvloop.new_event_loop
-    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -190,8 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--large", type=int, default=800)
     args = parser.parse_args(argv)
     if args.action == "serve":
-        _run(serve(args.door))
-        return 0
+        return run_async(serve(args.door))
     with tempfile.TemporaryDirectory(prefix="bench-door-") as tmp:
         figures = {}
         for door in DOORS:
