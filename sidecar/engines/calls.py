@@ -36,10 +36,10 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterable, Awaitable, Callable, Coroutine, Mapping
-from dataclasses import dataclass
 from typing import Any, Final, Protocol, TypeVar
 from urllib.parse import urlsplit
 
+import msgspec
 from multidict import CIMultiDict
 from opentelemetry.util.types import AttributeValue
 
@@ -247,8 +247,7 @@ def rank_outcome(error: BaseException | None) -> str:
     return "failed"
 
 
-@dataclass(frozen=True, slots=True)
-class PrefillLeg:
+class PrefillLeg(msgspec.Struct, frozen=True):
     """One prefill engine call: where, what, with which headers, within which deadline, and
     in which request's trace."""
 

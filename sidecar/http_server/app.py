@@ -62,6 +62,7 @@ from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, I
 from dataclasses import dataclass
 from typing import Any, Final
 
+import msgspec
 from aiohttp import hdrs, web
 from multidict import CIMultiDict
 
@@ -272,8 +273,7 @@ async def handle_pd(request: web.Request, route: Route) -> web.StreamResponse:
         scope.close()
 
 
-@dataclass(frozen=True, slots=True)
-class _Answer:
+class _Answer(msgspec.Struct, frozen=True):
     """What continuing a request's answer elsewhere needs: the request, the decision it ran
     on, its migration plan."""
 

@@ -19,8 +19,8 @@ is the request's error status; after it, the stream ends with one error event an
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 
+import msgspec
 from aiohttp import hdrs, web
 from multidict import CIMultiDict
 
@@ -46,8 +46,9 @@ def _sub_requests(client: ClientRequest, base: PDRequest) -> list[PDRequest]:
     subs = []
     for k, body in enumerate(sub_bodies(client)):
         request_id = sub_request_id(base.request_id, k)
-        subs.append(replace(base, body=body, request_id=request_id, raw=None,
-                            headers={**base.headers, REQUEST_ID_HEADER: request_id}))
+        headers = {**base.headers, REQUEST_ID_HEADER: request_id}
+        subs.append(msgspec.structs.replace(base, body=body, request_id=request_id, raw=None,
+                                            headers=headers))
     return subs
 
 

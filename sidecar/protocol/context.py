@@ -14,10 +14,11 @@ already bracketed host is left alone (idempotent).
 from __future__ import annotations
 
 import ipaddress
-from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Any, Final, NamedTuple
 from urllib.parse import SplitResult
+
+import msgspec
 
 
 class Route(StrEnum):
@@ -70,8 +71,7 @@ class FrontDoor(StrEnum):
     GRPC = "grpc"
 
 
-@dataclass(frozen=True, slots=True)
-class HandoffContext:
+class HandoffContext(msgspec.Struct, frozen=True):
     """What every request has besides its bodies, and its dialect's own state.
 
     ``advertise_host`` is the address the *decode* engine must use to reach the prefill
@@ -95,7 +95,7 @@ class HandoffContext:
 
     def with_state(self, state: object) -> HandoffContext:
         """A copy holding the dialect's ``state``."""
-        return replace(self, state=state)
+        return msgspec.structs.replace(self, state=state)
 
 
 DEFAULT_PORTS: Final = {"http": 80, "https": 443}

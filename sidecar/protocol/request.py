@@ -43,8 +43,9 @@ import json
 import os
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from typing import Any, Final
+
+import msgspec
 
 from sidecar import jsonutil
 from sidecar.errors import InvalidRequest
@@ -55,8 +56,7 @@ from sidecar.protocol.context import Route
 __all__ = ["CONTROL_KEYS", "BodyChecks", "ClientRequest"]
 
 
-@dataclass(frozen=True, slots=True)
-class ClientRequest:
+class ClientRequest(msgspec.Struct, frozen=True):
     """A checked client request: its route, parsed body and whether it streams."""
 
     route: Route

@@ -30,6 +30,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+import msgspec
+
 from sidecar import jsonutil
 from sidecar.dialects import Dialect
 from sidecar.engines.calls import EngineCalls, PrefillLeg, with_headers
@@ -54,8 +56,7 @@ class LegOwner(Protocol):
         """Give back the request's dialect state."""
 
 
-@dataclass(frozen=True, slots=True)
-class PDRequest:
+class PDRequest(msgspec.Struct, frozen=True):
     """One client request that may run as a prefill/decode pair."""
 
     route: Route
@@ -74,7 +75,7 @@ class PDRequest:
     raw: bytes | None = None
     #: Fields the engine serving the answer gets besides the client's (a stream that may move
     #: asks for its token ids: ``sidecar.request.migration``); none for most requests.
-    engine_fields: Mapping[str, Any] = field(default_factory=dict)
+    engine_fields: Mapping[str, Any] = msgspec.field(default_factory=dict)
 
     def engine_body(self) -> Mapping[str, Any] | bytes:
         """What a whole run sends: the client's body as it came (its raw bytes when at hand),

@@ -79,6 +79,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Final, Protocol
 
+import msgspec
+
 from sidecar.bounded import BoundedMap
 from sidecar.dialects.base import RouteSupport
 from sidecar.engines.health import EngineHealth
@@ -131,10 +133,13 @@ class Fate(Enum):
     MOVE = "move"  # whole on another engine that can decode, after the one serving it failed
 
 
-@dataclass(frozen=True, slots=True)
-class Decision:
+class Decision(msgspec.Struct, frozen=True):
     """One request's fate, with the outcome it is counted with and why, in words (a pair
-    chosen the usual way leaves ``why`` empty: "prefill on <its target>", said when logged)."""
+    chosen the usual way leaves ``why`` empty: "prefill on <its target>", said when logged).
+
+    Like every record made for each request, a frozen ``msgspec.Struct`` rather than a frozen
+    dataclass: as immutable, and made in C (about 0.1 us against 1.5 us for a dataclass's
+    generated ``__init__``, which sets each field through ``object.__setattr__``)."""
 
     fate: Fate
     outcome: str
@@ -161,8 +166,7 @@ class Decision:
     reason: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class PromptFacts:
+class PromptFacts(msgspec.Struct, frozen=True):
     """What is known of a prompt: its tokens, and how many of them the local engine holds
     (a prefix in whole KV blocks); None: unknown."""
 
@@ -174,8 +178,7 @@ class PromptFacts:
 UNKNOWN_PROMPT: Final = PromptFacts()
 
 
-@dataclass(frozen=True, slots=True)
-class Facts:
+class Facts(msgspec.Struct, frozen=True):
     """The facts of one request (or fan-out sub-request) its fate is decided on."""
 
     candidates: tuple[PrefillTarget, ...]
@@ -381,8 +384,7 @@ LIMIT: Final = "limit"
 NO_TARGET: Final = "no_target"
 
 
-@dataclass(frozen=True, slots=True)
-class MoveFacts:
+class MoveFacts(msgspec.Struct, frozen=True):
     """What a move of a request whose engine failed is decided on."""
 
     #: The engine that failed serving the answer (None: the local engine).

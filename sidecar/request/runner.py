@@ -41,8 +41,10 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Final
+
+import msgspec
 
 from sidecar.dialects import Dialect, Legs
 from sidecar.engines.calls import EngineCalls, PrefillLeg, with_headers
@@ -340,7 +342,7 @@ class Runner:
     async def _run_pair(self, request: PDRequest, decision: Decision) -> PDExchange:
         assert decision.target is not None
         if decision.target != request.target:
-            request = replace(request, target=decision.target)
+            request = msgspec.structs.replace(request, target=decision.target)
         ctx = await self.begin(request.route, request.request_id, request.target,
                                front_door=request.front_door,
                                prefill_rank=decision.prefill_rank,
@@ -401,8 +403,8 @@ class Runner:
             if self.dialect.legs_for(ctx) is Legs.CONCURRENT:
                 fields = traced_handoff(self.dialect, None, ctx, scope.trace)
                 # The engine call outlives this RPC: its own deadline, not the caller's.
-                self._in_background(replace(leg, timeout_s=self.prefill_timeout()), ctx,
-                                    scopes, scope.detach())
+                detached = msgspec.structs.replace(leg, timeout_s=self.prefill_timeout())
+                self._in_background(detached, ctx, scopes, scope.detach())
                 handed_off = True
                 return Handoff(fields)
             timings = Timings()

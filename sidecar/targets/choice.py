@@ -71,7 +71,7 @@ from sidecar.errors import (
     SidecarError,
 )
 from sidecar.protocol.context import PrefillTarget
-from sidecar.targets.breaker import NORMAL, SEVERITY, BreakerState, CircuitBreakers
+from sidecar.targets.breaker import NORMAL, SEVERITY, Admission, BreakerState, CircuitBreakers
 
 K = TypeVar("K", bound=Hashable)
 
@@ -86,14 +86,47 @@ _MAX_POOL_LABELS: Final = 4096
 
 
 class LegVerdict:
-    """What a prefill leg showed of its target, for the target's circuit breaker."""
+    """One prefill leg on a target (``TargetChoice.leg``), a context manager: counted in
+    flight there from entry to exit, and what it showed of its target, given to the target's
+    circuit breaker at exit. (A class, not a generator ``@contextmanager``: one object per leg
+    instead of three, on every request's path.)"""
 
-    __slots__ = ("down", "ok", "why")
+    __slots__ = ("_admission", "_choice", "_target", "down", "ok", "why")
 
-    def __init__(self) -> None:
+    def __init__(self, choice: TargetChoice, target: PrefillTarget) -> None:
+        self._choice = choice
+        self._target = target
+        self._admission: Admission | None = None
         self.ok: bool | None = None
         self.why = ""
         self.down = False
+
+    def __enter__(self) -> LegVerdict:
+        choice = self._choice
+        target = self._target
+        breakers = choice.breakers
+        admission = NORMAL if breakers is None else breakers.admit(target)
+        if admission is None:
+            named = f" {target}" if choice.label(target) == HEADER_LABEL else ""
+            raise PrefillBreakerOpen(f"circuit breaker of prefill target{named} is open")
+        self._admission = admission
+        in_flight = choice._in_flight
+        in_flight[target] = in_flight.get(target, 0) + 1
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        choice = self._choice
+        target = self._target
+        in_flight = choice._in_flight
+        left = in_flight[target] - 1
+        if left:
+            in_flight[target] = left
+        else:
+            del in_flight[target]
+        breakers = choice.breakers
+        admission = self._admission
+        if breakers is not None and admission is not None:
+            breakers.settle(target, admission, self.ok, self.why, down=self.down)
 
     def answered(self) -> None:
         self.ok = True
@@ -222,28 +255,12 @@ class TargetChoice:
         return PrefillMismatch(f"no prefill target can hand KV off to this engine ({reasons}); "
                                "nothing was sent to one")
 
-    @contextlib.contextmanager
-    def leg(self, target: PrefillTarget) -> Iterator[LegVerdict]:
-        """Count one prefill leg in flight on ``target`` while the block runs, and give its
-        verdict to the target's breaker; ``PrefillBreakerOpen`` (before the block) when the
-        breaker lets no leg through now (open, or its one trial leg already running)."""
-        breakers = self.breakers
-        admission = NORMAL if breakers is None else breakers.admit(target)
-        if admission is None:
-            named = f" {target}" if self.label(target) == HEADER_LABEL else ""
-            raise PrefillBreakerOpen(f"circuit breaker of prefill target{named} is open")
-        verdict = LegVerdict()
-        self._in_flight[target] = self._in_flight.get(target, 0) + 1
-        try:
-            yield verdict
-        finally:
-            left = self._in_flight[target] - 1
-            if left:
-                self._in_flight[target] = left
-            else:
-                del self._in_flight[target]
-            if breakers is not None:
-                breakers.settle(target, admission, verdict.ok, verdict.why, down=verdict.down)
+    def leg(self, target: PrefillTarget) -> LegVerdict:
+        """``with choice.leg(target) as verdict:`` counts one prefill leg in flight on
+        ``target`` while the block runs, and gives its verdict to the target's breaker;
+        ``PrefillBreakerOpen`` (before the block) when the breaker lets no leg through now
+        (open, or its one trial leg already running)."""
+        return LegVerdict(self, target)
 
     def answered(self, target: PrefillTarget) -> None:
         """``target`` answered a prefill: whatever refusal it had is over."""

@@ -39,12 +39,12 @@ REPO = Path(__file__).resolve().parents[2]
 
 #: Bytecodes per PD request, the smallest of 25 (``python -m bench.bytecodes --repeat 25``).
 BUDGET: dict[str, int] = {
-    "pull-json": 7_802,
-    "pull-stream": 8_904,
-    "pull-json-cache-rule": 7_981,
-    "pull-json-cache-hit": 10_240,
-    "concurrent-json": 9_038,
-    "concurrent-stream": 10_097,
+    "pull-json": 7_243,
+    "pull-stream": 8_350,
+    "pull-json-cache-rule": 7_404,
+    "pull-json-cache-hit": 9_663,
+    "concurrent-json": 8_149,
+    "concurrent-stream": 9_213,
 }
 
 #: Bytecodes per relayed read, one event (``python -m bench.relay_read``; a count with no I/O

@@ -15,9 +15,9 @@ nor the body rules (tests/protocol).
 from __future__ import annotations
 
 import random
-from dataclasses import replace
 from typing import Any, cast
 
+import msgspec
 import pytest
 from flow_builders import TARGET_A, TARGET_B, TARGET_C, pd_request
 from protocol_builders import completions_body
@@ -76,8 +76,9 @@ async def start_all(runtime: FakeRuntime, subs: list[Any]) -> list[Any]:
 def test_each_prompt_and_choice_is_its_own_sub_request() -> None:
     body = completions_body(prompt=["first", "second"], n=2, stream=False)
     client = ClientRequest(Route.COMPLETIONS, body, stream=False, batch=["first", "second"], n=2)
-    base = replace(pd_request(body, request_id="rq-7", candidates=(TARGET_A, TARGET_B, TARGET_C)),
-                   headers={"X-Request-Id": "rq-7", "Authorization": "Bearer t"})
+    request = pd_request(body, request_id="rq-7", candidates=(TARGET_A, TARGET_B, TARGET_C))
+    base = msgspec.structs.replace(
+        request, headers={"X-Request-Id": "rq-7", "Authorization": "Bearer t"})
     subs = split(client, base)
 
     assert [sub.request_id for sub in subs] == ["rq-7-0", "rq-7-1", "rq-7-2", "rq-7-3"]
