@@ -42,9 +42,9 @@ only after a restart, which the expiry covers).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any, Final
 
+import msgspec
 from pydantic import Field
 
 from sidecar import jsonutil
@@ -130,8 +130,7 @@ class MooncakeOptions(DialectOptions):
     )
 
 
-@dataclass(frozen=True, slots=True)
-class MooncakeState:
+class MooncakeState(msgspec.Struct, frozen=True):
     """One request's transfer id, and (once looked up) its prefill engine's id."""
 
     transfer_id: str

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, ClassVar, Final
 
+import msgspec
 from pydantic import Field
 
 from sidecar import jsonutil
@@ -214,8 +215,7 @@ class IdentityCache:
             pending.set_result(None)
 
 
-@dataclass(frozen=True, slots=True)
-class PushState:
+class PushState(msgspec.Struct, frozen=True):
     """One request's prefill identity: the one its decode is sent with (None: learns it)."""
 
     key: IdentityKey

@@ -30,10 +30,10 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass
 from typing import Any, Final, Protocol
 
 import grpc
+import msgspec
 
 from sidecar import jsonutil
 from sidecar.errors import DeadlineExceeded, DecodeFailed, InvalidRequest, Stage
@@ -60,8 +60,7 @@ _TAIL_MAX_BYTES: Final = 64 * 1024
 Context = grpc.aio.ServicerContext[Any, disagg_pb2.TokenStream]
 
 
-@dataclass(frozen=True, slots=True)
-class DecodeInput:
+class DecodeInput(msgspec.Struct, frozen=True):
     """A Decode request as received, and (inline) its KV blocks off the wire (``walked``; None:
     still in ``request.kv_blocks``) or why they could not be read (refused after admission)."""
 

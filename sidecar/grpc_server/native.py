@@ -26,8 +26,9 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
+
+import msgspec
 
 from sidecar import jsonutil
 from sidecar.config.settings import Role, Settings
@@ -196,8 +197,7 @@ KEY_REQUEST_ID = "request_id"
 _MAX_PORT = 65535
 
 
-@dataclass(frozen=True, slots=True)
-class DecodedHandoff:
+class DecodedHandoff(msgspec.Struct, frozen=True):
     """A hand-off read back from control blocks; ``fields`` (a fresh dict, the caller's) are
     the top-level fields for the decode body, exactly as the prefill side's dialect made them."""
 

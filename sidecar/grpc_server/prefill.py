@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Final, Protocol
 from urllib.parse import urlsplit
 
 import grpc
+import msgspec
 
 from sidecar.config.settings import Settings
 from sidecar.grpc_gen import disagg_pb2
@@ -45,8 +45,7 @@ def serialize_stream_message(message: StreamMessage) -> bytes:
     return message if isinstance(message, bytes) else message.SerializeToString()
 
 
-@dataclass(frozen=True, slots=True)
-class PrefillCall:
+class PrefillCall(msgspec.Struct, frozen=True):
     """One Prefill RPC as a strategy gets it."""
 
     request: disagg_pb2.PreFillRequest

@@ -31,10 +31,10 @@ import logging
 import math
 import struct
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, Final, TypeVar
 
 import grpc
+import msgspec
 from google.protobuf.message import DecodeError
 
 from sidecar.errors import InvalidRequest, SidecarError, Stage
@@ -46,8 +46,7 @@ logger = logging.getLogger(__name__)
 _Message = TypeVar("_Message")
 
 
-@dataclass(frozen=True, slots=True)
-class Malformed:
+class Malformed(msgspec.Struct, frozen=True):
     """A request whose bytes are not a valid ``message`` (the message type's name)."""
 
     message: str

@@ -42,8 +42,10 @@ import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Final
+
+import msgspec
 
 from sidecar.dialects import Dialect
 from sidecar.errors import EngineRejected, SidecarError
@@ -84,8 +86,7 @@ REPLACEMENT: Final = "\ufffd"
 _MAX_TEXT_ANSWER: Final = 16 * 1024 * 1024
 
 
-@dataclass(frozen=True, slots=True)
-class Plan:
+class Plan(msgspec.Struct, frozen=True):
     """A request's migration as decided before it runs."""
 
     route: Route
@@ -96,7 +97,7 @@ class Plan:
     #: The client asked for the ids itself (it sees them).
     asked: bool = False
     #: Fields the engine's body gets besides the client's (the ids asked).
-    engine_fields: Mapping[str, Any] = field(default_factory=dict)
+    engine_fields: Mapping[str, Any] = msgspec.field(default_factory=dict)
     #: What turns the engine's asked stream into the one the client would see unasked.
     strip: Callable[[bytes], bytes] | None = None
 

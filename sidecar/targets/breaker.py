@@ -51,6 +51,8 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import Final
 
+import msgspec
+
 from sidecar.bounded import BoundedMap
 from sidecar.protocol.context import PrefillTarget
 
@@ -79,8 +81,7 @@ _VERBS = {BreakerState.OPEN: "opened", BreakerState.HALF_OPEN: "half-open",
           BreakerState.CLOSED: "closed"}
 
 
-@dataclass(frozen=True, slots=True)
-class Admission:
+class Admission(msgspec.Struct, frozen=True):
     """How a leg was let through: as a trial or not, in which epoch of its breaker."""
 
     trial: bool = False

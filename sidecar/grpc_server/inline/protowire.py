@@ -15,8 +15,9 @@ docs/extending/design-notes.md#decode-wire-walk
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from typing import Final
+
+import msgspec
 
 VARINT: Final = 0
 I64: Final = 1
@@ -39,8 +40,7 @@ class WireError(ValueError):
     """Bytes that are not a well-formed protobuf message."""
 
 
-@dataclass(frozen=True, slots=True)
-class WireBlock:
+class WireBlock(msgspec.Struct, frozen=True):
     """One KVBlock as found on the wire (``request_id`` checked, not kept)."""
 
     layer_idx: int
