@@ -52,20 +52,22 @@ def instructions_of(callgrind_out: Path) -> int:
     raise RuntimeError(f"no summary line in {callgrind_out}")
 
 
-_OBJECT = re.compile(r"^c?ob=(?:\((\d+)\))?\s*(.*)$")
+_NAMED = re.compile(r"^(c?ob|c?fn)=(?:\((\d+)\))?\s*(.*)$")
 
 
-def instructions_by_object(callgrind_out: Path) -> Counter[str]:
-    """Each object file's own instructions in one callgrind output (the first event).
+def instructions_by_function(callgrind_out: Path) -> Counter[tuple[str, str]]:
+    """Each function's own instructions in one callgrind output (the first event), keyed by
+    (object file, function).
 
-    Callgrind's format: ``ob=`` names the object of the functions that follow (compressed as
-    ``(id) name`` once, ``(id)`` after); a cost line is the position columns and then the
-    costs; the cost line right after ``calls=`` is the call's inclusive cost, counted in the
-    callee's own lines already, so it is skipped here.
+    Callgrind's format: ``ob=`` names the object and ``fn=`` the function of the cost lines
+    that follow (each compressed as ``(id) name`` once, ``(id)`` after; ``cob=`` and ``cfn=``
+    share their tables); a cost line is the position columns and then the costs; the cost
+    line right after ``calls=`` is the call's inclusive cost, counted in the callee's own
+    lines already, so it is skipped here.
     """
-    names: dict[str, str] = {}
-    by_object: Counter[str] = Counter()
-    current = "?"
+    names: dict[tuple[str, str], str] = {}
+    by_function: Counter[tuple[str, str]] = Counter()
+    current = {"ob": "?", "fn": "?"}
     positions = 1
     skip_next = False
     with callgrind_out.open(errors="replace") as lines:
@@ -79,7 +81,7 @@ def instructions_by_object(callgrind_out: Path) -> Counter[str]:
                     continue
                 fields = line.split()
                 if len(fields) > positions:
-                    by_object[current] += int(fields[positions])
+                    by_function[current["ob"], current["fn"]] += int(fields[positions])
                 continue
             if line.startswith("calls="):
                 skip_next = True
@@ -87,17 +89,24 @@ def instructions_by_object(callgrind_out: Path) -> Counter[str]:
             if line.startswith("positions:"):
                 positions = len(line.split()) - 1
                 continue
-            spec = _OBJECT.match(line.rstrip("\n"))
+            spec = _NAMED.match(line.rstrip("\n"))
             if spec is None:
                 continue
-            ident, name = spec.groups()
+            key, ident, name = spec.groups()
+            table = key[-2:]  # ``cob`` names into ``ob``'s table, ``cfn`` into ``fn``'s
             if ident is not None and name:
-                names[ident] = name  # ``cob=`` shares ``ob=``'s table of names
-            if line[0] == "o":
-                current = names.get(ident, name) if ident is not None else name
+                names[table, ident] = name
+            if key == table:
+                current[table] = names.get((table, ident), name) if ident is not None else name
+    return by_function
+
+
+def instructions_by_object(callgrind_out: Path) -> Counter[str]:
+    """Each object file's own instructions in one callgrind output, a package's extension
+    modules together (``instructions_by_function`` summed by object)."""
     labelled: Counter[str] = Counter()
-    for path, cost in by_object.items():
-        labelled[_object_label(path)] += cost  # a package's extension modules, together
+    for (path, _), cost in instructions_by_function(callgrind_out).items():
+        labelled[_object_label(path)] += cost
     return labelled
 
 
@@ -125,6 +134,12 @@ class Count:
         summed: Counter[str] = Counter()
         for out in self.outputs:
             summed.update(instructions_by_object(out))
+        return summed
+
+    def by_function(self) -> Counter[tuple[str, str]]:
+        summed: Counter[tuple[str, str]] = Counter()
+        for out in self.outputs:
+            summed.update(instructions_by_function(out))
         return summed
 
 
@@ -209,15 +224,31 @@ def objects_table(small: Count, large: Count, shown: int = SHOWN_OBJECTS) -> lis
     return lines
 
 
+def functions_table(small: Count, large: Count, shown: int) -> list[str]:
+    """Lines of the ``shown`` functions that run the most instructions per unit (each
+    function's own, the difference of the two runs over that of their units), with their
+    object: what a per-request count of bytecodes does not show, the C a bytecode calls."""
+    units = large.units - small.units
+    difference = large.by_function()
+    difference.subtract(small.by_function())
+    rows = sorted(difference.items(), key=lambda item: -item[1])[:shown]
+    return [f"  {cost / units:>10,.0f}  {function}  [{_object_label(path)}]"
+            for (path, function), cost in rows]
+
+
 def _row(name: str, per: float, share: float) -> str:
     return f"  {name:<32} {per:>10,.0f}  {share:6.1%}"
 
 
-def report(label: str, small: Count, large: Count, by_object: bool) -> Iterable[str]:
+def report(label: str, small: Count, large: Count, by_object: bool,
+           by_function: int = 0) -> Iterable[str]:
     yield f"sidecar user-space instructions per {label}: {per_unit(small, large):,.0f}"
     if by_object:
         yield "  by object (each function's own instructions):"
         yield from objects_table(small, large)
+    if by_function:
+        yield f"  the {by_function} functions that run the most (their own instructions):"
+        yield from functions_table(small, large, by_function)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -233,6 +264,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sidecar-tree", type=Path)
     parser.add_argument("--by-object", action="store_true",
                         help="also split the figure by the object file that ran it")
+    parser.add_argument("--by-function", type=int, default=0, metavar="N",
+                        help="also list the N functions (Python's C, the extensions') that "
+                             "run the most instructions per unit")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="bench-instr-") as tmp:
         work = Path(tmp)
@@ -246,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
             small = count_requests(args.small, args.format, work, args.sidecar_tree)
             large = count_requests(args.large, args.format, work, args.sidecar_tree)
             label = f"PD request ({args.format}, one at a time)"
-        for line in report(label, small, large, args.by_object):
+        for line in report(label, small, large, args.by_object, args.by_function):
             print(line)
     return 0
 
