@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench import anchors, flows, legs, load, procs
+from bench import anchors, flows, legs, load, machine_speed, procs
 from bench.http_clients import Http, open_clients
 from bench.lean_client import EventTally
 from bench.thread_meter import ThreadMeter
@@ -446,11 +446,9 @@ def anchors_markdown(result: dict[str, Any]) -> list[str]:
 def markdown(result: dict[str, Any]) -> str:
     """The paced table: one row per flow, round, stream count and way; then the anchors'."""
     plan = result["paced_plan"]
-    m = result["machine"]
     lines = [
         f"Command: `{result['command']}`  ",
-        f"Machine: {m['cores']} cores ({m['cpu'] or 'unknown CPU'}), Python {m['python']}, "
-        f"uvloop {m['packages'].get('uvloop', '?')}; {result['started']}  ",
+        machine_speed.machine_line(result, ("uvloop",)),
         f"Paced: {plan['tokens']} tokens per stream, {plan['itl_ms']:g} ms apart, first token "
         f"after {plan['ttft_ms']:g} ms (prefill and decode stubs each), {plan['seconds']:g} s "
         f"windows; pinned: sidecar/relay `{result.get('pin_sidecar') or '-'}`, stubs and load "

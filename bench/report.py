@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from bench import machine_speed
 from bench.anchors import ANCHORS
 
 #: The issue's targets, evaluated on the vLLM NIXL flow (``seq``).
@@ -208,12 +209,9 @@ def before_markdown(result: dict[str, Any]) -> list[str]:
 
 
 def markdown(result: dict[str, Any]) -> str:
-    m = result["machine"]
     lines = [
         f"Command: `{result['command']}`  ",
-        f"Machine: {m['cores']} cores ({m['cpu'] or 'unknown CPU'}), Python {m['python']}, "
-        f"aiohttp {m['packages'].get('aiohttp', '?')}, uvloop {m['packages'].get('uvloop', '?')}; "
-        f"{result['started']}  ",
+        machine_speed.machine_line(result, ("aiohttp", "uvloop")),
         "Stubs, sidecar and load generator are separate processes sharing those cores.",
         "",
         *anchors_markdown(result),

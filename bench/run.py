@@ -58,7 +58,7 @@ from typing import Any
 
 import aiohttp
 
-from bench import anchors, flows, http_clients, legs, load, paced, procs, report
+from bench import anchors, flows, http_clients, legs, load, machine_speed, paced, procs, report
 from bench.pinning import plan_pinning as pinning_of
 from bench.thread_meter import ThreadMeter
 
@@ -358,6 +358,7 @@ def machine() -> dict[str, Any]:
         "python": platform.python_version(),
         "kernel": platform.release(),
         "packages": versions,
+        "speed": machine_speed.speed(),
     }
 
 
