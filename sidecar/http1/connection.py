@@ -137,6 +137,7 @@ class Connection(Deadlines, asyncio.Protocol):
         "_head_only",
         "_headers",
         "_keep_alive",
+        "_named",
         "_on_lost",
         "_parser",
         "_paused",
@@ -171,6 +172,7 @@ class Connection(Deadlines, asyncio.Protocol):
         self._head: asyncio.Future[None] | None = None
         self._status = 0
         self._headers: list[tuple[str, str]] = []
+        self._named: dict[str, str] = {}
         self._chunks: list[bytes] = []
         self._buffered = 0
         self._complete = False
@@ -253,23 +255,23 @@ class Connection(Deadlines, asyncio.Protocol):
 
     def on_message_begin(self) -> None:
         self._headers = []
+        self._named = {}
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._headers.append(
-            (name.decode("latin-1"), value.decode("utf-8", "surrogateescape"))
-        )
+        key = name.decode("latin-1")
+        text = value.decode("utf-8", "surrogateescape")
+        self._headers.append((key, text))
+        # Each name lowered once, here: the framing check, the body's length and every
+        # ``header()`` look-up read this instead of lowering every name again.
+        self._named.setdefault(key.lower(), text)
 
     def on_headers_complete(self) -> None:
         status = self._parser.get_status_code()
         if status < 200:
             raise UpstreamProtocolError(f"unexpected informational response {status}")
         self._status = status
-        until_close = True
-        for name, _ in self._headers:  # a loop, not any(): no generator per response
-            if name.lower() in ("content-length", "transfer-encoding"):
-                until_close = False
-                break
-        self._until_close = until_close
+        named = self._named
+        self._until_close = "content-length" not in named and "transfer-encoding" not in named
         if self._head_only:
             self._complete = True
             self._keep_alive = False
@@ -302,6 +304,7 @@ class Connection(Deadlines, asyncio.Protocol):
         self.set_deadlines(read_timeout_s, deadline)
         self._status = 0
         self._headers = []
+        self._named = {}
         self._chunks = []
         self._buffered = 0
         self._complete = False
@@ -384,6 +387,11 @@ class Connection(Deadlines, asyncio.Protocol):
     def headers(self) -> list[tuple[str, str]]:
         return self._headers
 
+    @property
+    def named(self) -> dict[str, str]:
+        """The head's headers by lowercase name, each name's first value."""
+        return self._named
+
     async def wait_body(self) -> None:
         """Wait until body bytes, the end of the response or an error is there."""
         waiter = self._loop.create_future()
@@ -442,31 +450,27 @@ class Connection(Deadlines, asyncio.Protocol):
 class UpstreamResponse:
     """A response whose head has arrived; read its body, then release or close it."""
 
-    __slots__ = ("_conn", "_release", "content_length", "headers", "status")
+    __slots__ = ("_conn", "_named", "_release", "content_length", "headers", "status")
 
     def __init__(
         self, conn: Connection, release: Callable[[Connection], None]
     ) -> None:
         self.status = conn.status
         self.headers = conn.headers
+        self._named = named = conn.named
         self.content_length: int | None = None
-        for name, value in self.headers:
-            if name.lower() == "content-length":
-                try:
-                    self.content_length = int(value)
-                except ValueError:
-                    self.content_length = None
-                break
+        length = named.get("content-length")
+        if length is not None:
+            try:
+                self.content_length = int(length)
+            except ValueError:
+                self.content_length = None
         self._conn: Connection | None = conn
         self._release = release
 
     def header(self, name: str) -> str | None:
         """The first header called ``name`` (case-insensitive), or None."""
-        lower = name.lower()
-        for key, value in self.headers:
-            if key.lower() == lower:
-                return value
-        return None
+        return self._named.get(name.lower())
 
     async def readany(self) -> bytes:
         """The body bytes that have arrived (waiting for some); b"" once the body ended.

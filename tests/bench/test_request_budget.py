@@ -39,12 +39,14 @@ REPO = Path(__file__).resolve().parents[2]
 
 #: Bytecodes per PD request, the smallest of 25 (``python -m bench.bytecodes --repeat 25``).
 BUDGET: dict[str, int] = {
-    "pull-json": 7_243,
-    "pull-stream": 8_350,
-    "pull-json-cache-rule": 7_404,
-    "pull-json-cache-hit": 9_663,
-    "concurrent-json": 8_149,
-    "concurrent-stream": 9_213,
+    "pull-json": 7_209,
+    "pull-stream": 8_310,
+    "pull-json-cache-rule": 7_370,
+    "pull-json-cache-hit": 9_629,
+    "concurrent-json": 8_115,
+    # Between the usual smallest of 25 (9,173) and the lowest seen (8,992, one run in three
+    # or so: the legs' order let the stream arrive in fewer reads): both inside SLACK.
+    "concurrent-stream": 9_100,
 }
 
 #: Bytecodes per relayed read, one event (``python -m bench.relay_read``; a count with no I/O
@@ -56,9 +58,11 @@ READ_BUDGET: dict[str, int] = {
 }
 
 #: The concurrent flow's legs answer in either order, which changes its count by a few
-#: percent from request to request; the smallest of 25 moved by 1.2 % at most (two busy
-#: loops beside it). The pull flow's counts do not move: its stubs write each stream in one
-#: write (``bench.bytecodes.WHOLE_STREAMS``), so it reaches the sidecar in one read.
+#: percent from request to request; the smallest of 25 moved by 1.2 % with two busy loops
+#: beside it, and the streamed case's by 2 % between runs (9,173 and 8,992, 2026-12-07): its
+#: budget sits between the two. The pull flow's counts do not move: its stubs write each
+#: stream in one write (``bench.bytecodes.WHOLE_STREAMS``), so it reaches the sidecar in one
+#: read.
 SLACK = 0.015
 
 #: What the figures were counted on: other versions run other bytecodes.
