@@ -5,6 +5,7 @@ Owns: where the engine environment lives (``EngineEnv``), what one engine is
 
     specs --spawn (main thread, own process group)--> Popen + log file
           --poll GET /health until 200, bounded deadline, fail fast on exit--> ready
+            (a start that lost a race inside vLLM, ``START_RACE``: started once more)
           --stop: SIGTERM the group, wait, SIGKILL the group--> gone (temp dir removed)
 
 Every engine gets its own temp dir (caches, TMPDIR, HOME, log), ports chosen free by the OS
@@ -42,6 +43,7 @@ import contextlib
 import ctypes
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -68,6 +70,15 @@ NIXL_PTHR_DELAY_US = 100_000
 #: The NIXL connectors (each engine gets a side-channel port of its own).
 NIXL_CONNECTORS = frozenset({"NixlConnector", "NixlPushConnector"})
 START_DEADLINE_S = 240.0
+#: A start that lost a race inside vLLM rather than failed: vLLM 0.32's Mooncake connector
+#: gives a data-parallel rank three tries in about 3 s to register with the bootstrap server
+#: that rank 0 starts (``_BOOTSTRAP_MAX_ATTEMPTS``, no setting; "rank 0 may be busy", its own
+#: comment), then the rank's engine core dies while the API server waits for it, up and never
+#: healthy. Short on a slow 2-core VM (one clean-clone run in two, 2026-12-07);
+#: ``EngineGroup.start`` starts such an engine once more.
+START_RACE = re.compile(
+    r"Failed to register .* with the Mooncake bootstrap server at \S+ after \d+ attempts"
+)
 STOP_GRACE_S = 20.0
 HEALTH_POLL_S = 0.25
 
@@ -97,6 +108,15 @@ class EngineEnvMissing(RuntimeError):
 
 class EngineStartError(RuntimeError):
     """An engine exited or did not become healthy in time; the message has its log tail."""
+
+
+class EngineStartRace(EngineStartError):
+    """An engine's start lost a race of vLLM's own (``START_RACE``): started again, it
+    comes up."""
+
+    def __init__(self, name: str, message: str) -> None:
+        super().__init__(message)
+        self.name = name
 
 
 @dataclass(frozen=True)
@@ -196,6 +216,15 @@ class Engine:
         except OSError as exc:
             return f"<no log: {exc}>"
         return "\n".join(text.splitlines()[-lines:])
+
+    def lost_start_race(self) -> str | None:
+        """The log's line that says this engine's start lost a race (``START_RACE``)."""
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return None
+        found = START_RACE.search(text)
+        return found.group(0) if found else None
 
 
 #: Reserved ports, by number: the socket that holds each (see the module docstring).
@@ -451,11 +480,18 @@ class EngineGroup:
         elif workdir.exists():  # a restarted engine: the old one's files go
             shutil.rmtree(workdir)
         workdir.mkdir(parents=True)
-        port = reuse.port if reuse is not None else (spec.port or free_port())
-        side_port = (spec.side_channel_port or free_port()) if spec.uses_nixl else None
+        port: int
+        side_port: int | None
+        bootstrap_port: int | None
         if reuse is not None:
-            side_port = reuse.side_channel_port
-        bootstrap_port = free_port() if spec.serves_mooncake_bootstrap else None
+            # Every port again, the bootstrap server's too: a sidecar started with
+            # --mooncake-bootstrap-port names it (the data-parallel warm-up restarts engines).
+            port, side_port = reuse.port, reuse.side_channel_port
+            bootstrap_port = reuse.mooncake_bootstrap_port
+        else:
+            port = spec.port or free_port()
+            side_port = (spec.side_channel_port or free_port()) if spec.uses_nixl else None
+            bootstrap_port = free_port() if spec.serves_mooncake_bootstrap else None
         self.ports.update(p for p in (port, side_port, bootstrap_port) if p is not None)
         log = (workdir / "engine.log").open("wb")
         try:
@@ -487,18 +523,23 @@ class EngineGroup:
     def wait_ready(
         self, names: Iterable[str] | None = None, deadline_s: float = START_DEADLINE_S
     ) -> None:
-        """Poll /health of each engine until all answer 200; fail fast if one exits."""
+        """Poll /health of each engine until all answer 200; fail fast if one exits or its
+        log shows a lost start race (``EngineStartRace``)."""
         pending = {n: self.engines[n] for n in (names or list(self.engines))}
         deadline = time.monotonic() + deadline_s
         while pending:
             for name, engine in list(pending.items()):
                 code = engine.process.poll()
+                healthy = code is None and _health_ok(engine.url)
+                race = None if healthy else engine.lost_start_race()
+                if race is not None:
+                    raise EngineStartRace(name, f"engine {name}'s start lost a race: {race}")
                 if code is not None:
                     raise EngineStartError(
                         f"engine {name} exited with {code} before it was healthy; log tail:\n"
                         f"{engine.log_tail()}"
                     )
-                if _health_ok(engine.url):
+                if healthy:
                     engine.ready_after_s = time.monotonic() - engine.started_at
                     del pending[name]
             if not pending:
@@ -517,21 +558,37 @@ class EngineGroup:
         """Stop engine ``name`` (``kill``: SIGKILL to its process group at once, as a crash)
         and start it again on the same ports (its clients see the same engine restarted,
         with an empty cache), then wait until it is healthy."""
-        old = self.engines.pop(name)
-        if kill:
-            _signal_group(old.process, signal.SIGKILL)
-        stop_process_group(old.process)
-        engine = self.spawn(old.spec, reuse=old)
-        self.wait_ready([name], deadline_s)
-        return engine
+        self._respawn(name, kill=kill)
+        return self._await_start([name], deadline_s)[name]
 
     def start(
         self, specs: Iterable[EngineSpec], deadline_s: float = START_DEADLINE_S
     ) -> dict[str, Engine]:
         """Spawn all specs at once, then wait until every one is healthy."""
-        started = [self.spawn(spec) for spec in specs]
-        self.wait_ready([e.spec.name for e in started], deadline_s)
-        return {e.spec.name: e for e in started}
+        names = [self.spawn(spec).spec.name for spec in specs]
+        return self._await_start(names, deadline_s)
+
+    def _await_start(self, names: list[str], deadline_s: float) -> dict[str, Engine]:
+        """``wait_ready``, where an engine whose start lost a race (``START_RACE``) is
+        started once more on its ports; a second lost race fails like any start."""
+        restarted: set[str] = set()
+        while True:
+            try:
+                self.wait_ready(names, deadline_s)
+                return {name: self.engines[name] for name in names}
+            except EngineStartRace as race:
+                if race.name in restarted:
+                    raise
+                print(f"{race}; starting {race.name} once more")
+                restarted.add(race.name)
+                self._respawn(race.name, kill=True)
+
+    def _respawn(self, name: str, *, kill: bool) -> Engine:
+        old = self.engines.pop(name)
+        if kill:
+            _signal_group(old.process, signal.SIGKILL)
+        stop_process_group(old.process)
+        return self.spawn(old.spec, reuse=old)
 
     def stop(self, name: str) -> Engine:
         """Stop one engine and forget it (its ports stay reserved for the group, so the same
