@@ -135,12 +135,13 @@ def paced_stack(
     baseline_tree: Path | None, pin_sidecar: str, pin_bench: str,
     anchor_names: tuple[str, ...] = (), anchor_workers: int | None = None,
     worker_cores: dict[int, str] | None = None, sidecar_tree: Path | None = None,
-    wrap: tuple[str, ...] = (),
+    wrap: tuple[str, ...] = (), sidecar_python: str | None = None,
 ) -> Iterator[PacedStack]:
     """``worker_cores``: ``--pin-workers``' taskset CPU list per worker count (``bench.pinning``);
     otherwise every sidecar gets ``pin_sidecar``. ``wrap``: ``--sidecar-prefix``, the command
     each sidecar (this tree's and the baseline's, not the bare relay or the anchors) runs
-    under, after its pinning (a profiler, callgrind)."""
+    under, after its pinning (a profiler, callgrind). ``sidecar_python``: the interpreter
+    every sidecar and the bare relay run on (``--sidecar-python``)."""
     engine = "vllm" if flow == "seq" else "sglang"
     bench_prefix = ["taskset", "-c", pin_bench] if pin_bench else []
     sidecar_prefix = ["taskset", "-c", pin_sidecar] if pin_sidecar else []
@@ -156,7 +157,7 @@ def paced_stack(
         st = PacedStack(flow, engine, prefill, decode)
         if plan.with_bare:
             st.relays[BARE] = procs.start_relay(f"{flow}-bare", decode.port, log_dir=log_dir,
-                                                prefix=sidecar_prefix)
+                                                prefix=sidecar_prefix, python=sidecar_python)
             started.append(st.relays[BARE])
         # Every stream is a request in flight and holds a decode connection (and a prefill
         # one while it prefills): the sidecar's limits must not be what the run measures.
@@ -173,7 +174,8 @@ def paced_stack(
             cores = (worker_cores or {}).get(workers)
             pinned = ["taskset", "-c", cores] if cores else sidecar_prefix
             proc = procs.start_sidecar(f"{flow}-{way}", [*flags, *extra], log_dir=log_dir,
-                                       prefix=[*pinned, *wrap], code_root=tree)
+                                       prefix=[*pinned, *wrap], code_root=tree,
+                                       python=sidecar_python)
             started.append(proc)
             st.relays[way] = proc
         for name in anchor_names:

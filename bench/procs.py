@@ -113,9 +113,10 @@ def start_stub(
 
 
 def start_relay(name: str, upstream_port: int, *, log_dir: Path,
-                prefix: list[str] | None = None) -> Proc:
-    """``bench.bare_relay`` forwarding to ``127.0.0.1:upstream_port``."""
-    args = [*(prefix or []), sys.executable, "-m", "bench.bare_relay",
+                prefix: list[str] | None = None, python: str | None = None) -> Proc:
+    """``bench.bare_relay`` forwarding to ``127.0.0.1:upstream_port``; ``python``: the
+    interpreter it runs on (default: the bench's own), as for ``start_sidecar``."""
+    args = [*(prefix or []), python or sys.executable, "-m", "bench.bare_relay",
             "--upstream", f"127.0.0.1:{upstream_port}"]
     return start_reporting(name, "relay", args, log_dir)
 
@@ -140,18 +141,21 @@ def start_reporting(name: str, what: str, args: list[str], log_dir: Path, *,
 
 
 def start_sidecar(
-    name: str, flags: list[str], *, log_dir: Path, prefix: list[str], code_root: Path = REPO_ROOT
+    name: str, flags: list[str], *, log_dir: Path, prefix: list[str], code_root: Path = REPO_ROOT,
+    python: str | None = None,
 ) -> Proc:
     """The sidecar's ``serve`` path with ``flags``; ``prefix`` wraps it (e.g. a profiler).
 
     ``code_root``: the tree whose ``sidecar`` package runs (e.g. ``git archive`` of an older
-    commit, for a before/after comparison on the same machine state).
+    commit, for a before/after comparison on the same machine state). ``python``: the
+    interpreter it runs on (``--sidecar-python``: one built as the container image's is, in
+    an environment with the sidecar's dependencies); default: the bench's own.
     """
     ports_file = log_dir / f"{name}.ports.json"
     with contextlib.suppress(FileNotFoundError):
         ports_file.unlink()
     args = [
-        *prefix, sys.executable, "-m", "bench.sidecar_proc",
+        *prefix, python or sys.executable, "-m", "bench.sidecar_proc",
         "--host", "127.0.0.1", "--port", "0", "--no-grpc", "--ports-file", str(ports_file),
         "--log-level", "warning", *flags,
     ]
@@ -236,12 +240,15 @@ def sidecar_flags(engine: str, connector: str, prefill: Proc, decode: Proc,
 
 def server_pid(proc: Proc) -> int:
     """The pid that serves: the wrapped Python child when a profiler prefix started it
-    (``taskset`` execs its command, so a pinned process keeps its pid)."""
+    (``taskset`` execs its command, so a pinned process keeps its pid; a command that starts
+    with an interpreter, any Python's, is the server itself, its children a ``--workers N``
+    sidecar's workers)."""
     children_file = Path(f"/proc/{proc.pid}/task/{proc.pid}/children")
     with contextlib.suppress(OSError, ValueError):
         children = children_file.read_text().split()
         first = cast(Sequence[str], proc.popen.args)[0]  # started from a list, never a string
-        if children and first not in (sys.executable, "taskset"):
+        interpreter = first == sys.executable or Path(first).name.startswith("python")
+        if children and not interpreter and first != "taskset":
             return int(children[0])
     return proc.pid
 

@@ -153,9 +153,11 @@ def stack(flow: str, conc_engine: str, log_dir: Path, max_connections: int,
           sidecar_prefix: list[str], code_root: Path = procs.REPO_ROOT,
           stubs: str = "lean", modes: tuple[str, ...] = (),
           anchor_workers: int | None = None,
-          baseline_tree: Path | None = None) -> Iterator[Stack]:
+          baseline_tree: Path | None = None,
+          sidecar_python: str | None = None) -> Iterator[Stack]:
     """One flow's stubs and sidecar, and the anchors named in ``modes`` that can run on it
-    (the others land in ``Stack.skipped`` with the reason)."""
+    (the others land in ``Stack.skipped`` with the reason); ``sidecar_python``: the
+    interpreter both sidecars run on (``--sidecar-python``)."""
     engine, connector = _flow_parts(flow, conc_engine)
     if stubs == "lean" and connector not in ("shfs",):
         raise SystemExit(f"the lean engine serves vLLM NIXL and SGLang, not {engine}/{connector}:"
@@ -170,12 +172,14 @@ def stack(flow: str, conc_engine: str, log_dir: Path, max_connections: int,
         started.append(decode)
         flags = procs.sidecar_flags(engine, connector, prefill, decode, max_connections)
         sidecar = procs.start_sidecar(f"{flow}-sidecar", flags, log_dir=log_dir,
-                                      prefix=sidecar_prefix, code_root=code_root)
+                                      prefix=sidecar_prefix, code_root=code_root,
+                                      python=sidecar_python)
         started.append(sidecar)
         st = Stack(flow, engine, connector, prefill, decode, sidecar, stubs=stubs)
         if baseline_tree is not None and BEFORE in modes:
             st.before = procs.start_sidecar(f"{flow}-before", flags, log_dir=log_dir,
-                                            prefix=sidecar_prefix, code_root=baseline_tree)
+                                            prefix=sidecar_prefix, code_root=baseline_tree,
+                                            python=sidecar_python)
             started.append(st.before)
         for name in (m for m in modes if m in anchors.ANCHORS):
             why = anchors.unavailable(name, engine, connector)
@@ -344,7 +348,9 @@ def _brief(summary: dict[str, Any]) -> str:
             f"errors {summary['errors']} cpu/req {cpu} us")
 
 
-def machine() -> dict[str, Any]:
+def machine(sidecar_python: str | None = None) -> dict[str, Any]:
+    """The machine's facts and speed; with ``sidecar_python``, the interpreter the sidecar
+    runs on and its own loop step (``machine_speed.interpreter``)."""
     model = procs.cpu_model()
     versions = {}
     for name in ("aiohttp", "uvloop", "orjson", "httptools", "multidict", "yarl"):
@@ -359,6 +365,8 @@ def machine() -> dict[str, Any]:
         "kernel": platform.release(),
         "packages": versions,
         "speed": machine_speed.speed(),
+        **({"sidecar_python": machine_speed.interpreter(sidecar_python)}
+           if sidecar_python else {}),
     }
 
 
@@ -380,6 +388,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--sidecar-prefix", default="",
                         help="command that wraps the sidecar, e.g. 'py-spy record -o x.svg --' "
                              "(paced: every sidecar way, after its pinning)")
+    parser.add_argument("--sidecar-python",
+                        help="the interpreter the sidecar runs on (and the paced mode's bare "
+                             "relay): a Python built as the container image's is, optimized, "
+                             "with the sidecar's dependencies installed (bench/README.md, "
+                             "The sidecar's interpreter); default: this one")
     parser.add_argument("--phases", help="only these phases, e.g. json/c32,tokens (profiling)")
     parser.add_argument("--modes", default=",".join(MODES),
                         help="comma-separated: direct, sidecar, and the anchors smg and "
@@ -492,7 +505,8 @@ async def run_paced(args: argparse.Namespace, result: dict[str, Any], log_dir: P
                                anchor_workers=args.anchor_workers,
                                worker_cores=worker_cores,
                                sidecar_tree=args.sidecar_tree,
-                               wrap=tuple(args.sidecar_prefix.split())) as st:
+                               wrap=tuple(args.sidecar_prefix.split()),
+                               sidecar_python=args.sidecar_python) as st:
             log(f"{flow} (paced): {st.engine}  prefill {st.prefill.url}  decode {st.decode.url}")
             note_anchors(result, flow, {n: st.relays[n] for n in st.anchors}, st.skipped, log)
             ways = paced.ways_of(plan, args.baseline_tree is not None, st.anchors)
@@ -515,7 +529,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {
         "command": " ".join(["python -m bench.run", *args.argv]),
         "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "machine": machine(),
+        "machine": machine(args.sidecar_python),
         "plan": plan.__dict__,
         "stubs": args.stubs,
         "client": args.client,
@@ -530,7 +544,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     for flow in [f.strip() for f in args.flows.split(",") if f.strip()]:
         with stack(flow, args.conc_engine, log_dir, args.max_connections, prefix,
                    args.sidecar_tree or procs.REPO_ROOT, args.stubs, modes,
-                   args.anchor_workers, args.baseline_tree) as st:
+                   args.anchor_workers, args.baseline_tree, args.sidecar_python) as st:
             log(f"{flow}: {st.engine}/{st.connector}  prefill {st.prefill.url}  "
                 f"decode {st.decode.url}  sidecar {st.sidecar.url}"
                 + "".join(f"  {name} {proc.url}" for name, proc in st.anchors.items()))

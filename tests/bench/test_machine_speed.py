@@ -2,12 +2,17 @@
 carries, so runs on two VMs of the same CPU name are told apart.
 
 Proves: each probe measures something (a positive time), the Machine lines of both reports
-name the figures, and a result written before the probes existed still renders.
+name the figures, and a result written before the probes existed still renders; another
+interpreter (``--sidecar-python``) reports its own version and loop step, which the Machine
+line names.
 """
 
 from __future__ import annotations
 
 import inspect
+import platform
+import sys
+from pathlib import Path
 from typing import Any
 
 from bench import machine_speed, paced, report
@@ -48,3 +53,25 @@ def test_both_reports_use_the_one_machine_line() -> None:
     # its own would drop the figures again.
     for module in (report, paced):
         assert "machine_speed.machine_line(result" in inspect.getsource(module.markdown)
+
+
+def test_another_interpreter_reports_its_version_and_loop_step(tmp_path: Path) -> None:
+    # A link named like a venv's interpreter: the report resolves it to the executable.
+    link = tmp_path / "python"
+    link.symlink_to(sys.executable)
+    facts = machine_speed.interpreter(str(link))
+    assert facts["path"] == str(link)
+    assert facts["executable"] == str(Path(sys.executable).resolve())
+    assert facts["version"] == platform.python_version()
+    assert facts["loop_step_ns"] > 0
+
+
+def test_the_machine_line_names_the_sidecars_interpreter() -> None:
+    result = _result({"loop_step_ns": 43.8, "syscall_ns": 580.3, "loopback_ns": 3758.0})
+    result["machine"]["sidecar_python"] = {"path": "/tmp/deployed/bin/python",
+                                           "executable": "/usr/bin/python3.11",
+                                           "version": "3.11.2", "loop_step_ns": 34.6}
+    assert machine_speed.machine_line(result, ("uvloop",)) == (
+        "Machine: 2 cores (AMD EPYC), Python 3.11.7, uvloop 0.23.0; a Python loop step 43.8 ns, "
+        "a system call 580.3 ns, a loopback byte there and back 3758 ns; the sidecar on Python "
+        "3.11.2 (/usr/bin/python3.11), a loop step 34.6 ns; 2026-12-07 02:31:05 UTC  ")
