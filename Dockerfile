@@ -16,7 +16,9 @@
 #
 # Deliberate limits: the base is chosen by the PYTHON_IMAGE build argument and must provide a
 # `python` on PATH (the interpreter path differs between images, so nothing hard-codes it); the
-# two stages must use the same base, because the venv links to the base's interpreter.
+# two stages must use the same base, because the venv links to the base's interpreter. Its
+# CPython should be built optimized (PGO and LTO, as the official images' and Debian's are):
+# without, the sidecar measured 16 % more CPU per request (bench/RESULTS.md, 2026-12-07).
 ARG PYTHON_IMAGE=python:3.11-slim
 
 FROM ${PYTHON_IMAGE} AS build
