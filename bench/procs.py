@@ -55,6 +55,9 @@ class Proc:
     #: The process group it leads (a wrapped sidecar's, see ``start_sidecar``), which
     #: ``stop`` ends as a whole.
     group: int | None = None
+    #: The Python it was started with, when it is one of the bench's own Python servers
+    #: (``start_sidecar``, ``start_relay``): a command that starts with it is not a wrapper.
+    interpreter: str | None = None
 
     @property
     def pid(self) -> int:
@@ -116,9 +119,12 @@ def start_relay(name: str, upstream_port: int, *, log_dir: Path,
                 prefix: list[str] | None = None, python: str | None = None) -> Proc:
     """``bench.bare_relay`` forwarding to ``127.0.0.1:upstream_port``; ``python``: the
     interpreter it runs on (default: the bench's own), as for ``start_sidecar``."""
-    args = [*(prefix or []), python or sys.executable, "-m", "bench.bare_relay",
+    interpreter = python or sys.executable
+    args = [*(prefix or []), interpreter, "-m", "bench.bare_relay",
             "--upstream", f"127.0.0.1:{upstream_port}"]
-    return start_reporting(name, "relay", args, log_dir)
+    proc = start_reporting(name, "relay", args, log_dir)
+    proc.interpreter = interpreter
+    return proc
 
 
 def start_reporting(name: str, what: str, args: list[str], log_dir: Path, *,
@@ -154,8 +160,9 @@ def start_sidecar(
     ports_file = log_dir / f"{name}.ports.json"
     with contextlib.suppress(FileNotFoundError):
         ports_file.unlink()
+    interpreter = python or sys.executable
     args = [
-        *prefix, python or sys.executable, "-m", "bench.sidecar_proc",
+        *prefix, interpreter, "-m", "bench.sidecar_proc",
         "--host", "127.0.0.1", "--port", "0", "--no-grpc", "--ports-file", str(ports_file),
         "--log-level", "warning", *flags,
     ]
@@ -173,7 +180,7 @@ def start_sidecar(
     while time.monotonic() < deadline and popen.poll() is None:
         if ports_file.exists():
             ports: dict[str, int] = json.loads(ports_file.read_bytes())
-            return Proc(name, popen, int(ports["http"]), {"ports": ports}, group)
+            return Proc(name, popen, int(ports["http"]), {"ports": ports}, group, interpreter)
         time.sleep(0.05)
     stop(Proc(name, popen, 0, group=group))
     raise RuntimeError(f"sidecar failed to start; see {log_dir / (name + '.log')}")
@@ -241,14 +248,13 @@ def sidecar_flags(engine: str, connector: str, prefill: Proc, decode: Proc,
 def server_pid(proc: Proc) -> int:
     """The pid that serves: the wrapped Python child when a profiler prefix started it
     (``taskset`` execs its command, so a pinned process keeps its pid; a command that starts
-    with an interpreter, any Python's, is the server itself, its children a ``--workers N``
-    sidecar's workers)."""
+    with the interpreter it was started with is the server itself, its children a
+    ``--workers N`` sidecar's workers)."""
     children_file = Path(f"/proc/{proc.pid}/task/{proc.pid}/children")
     with contextlib.suppress(OSError, ValueError):
         children = children_file.read_text().split()
         first = cast(Sequence[str], proc.popen.args)[0]  # started from a list, never a string
-        interpreter = first == sys.executable or Path(first).name.startswith("python")
-        if children and not interpreter and first != "taskset":
+        if children and first not in (sys.executable, proc.interpreter, "taskset"):
             return int(children[0])
     return proc.pid
 

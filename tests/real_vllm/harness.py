@@ -210,20 +210,19 @@ class Engine:
     def log_path(self) -> Path:
         return self.workdir / "engine.log"
 
-    def log_tail(self, lines: int = 40) -> str:
+    def log_text(self) -> str:
+        """The whole log so far (or why there is none)."""
         try:
-            text = self.log_path.read_text(errors="replace")
+            return self.log_path.read_text(errors="replace")
         except OSError as exc:
             return f"<no log: {exc}>"
-        return "\n".join(text.splitlines()[-lines:])
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log_text().splitlines()[-lines:])
 
     def lost_start_race(self) -> str | None:
         """The log's line that says this engine's start lost a race (``START_RACE``)."""
-        try:
-            text = self.log_path.read_text(errors="replace")
-        except OSError:
-            return None
-        found = START_RACE.search(text)
+        found = START_RACE.search(self.log_text())
         return found.group(0) if found else None
 
 
