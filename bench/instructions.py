@@ -2,7 +2,8 @@
 figures that do not move with the machine's load, for before/after comparisons of hot-path
 changes, and (``--by-object``) which machine code runs them.
 
-    python -m bench.instructions [--format json|stream|paced] [--sidecar-tree DIR] [--by-object]
+    python -m bench.instructions [--format json|stream|paced] [--sidecar-tree DIR]
+                                 [--sidecar-python PATH] [--by-object]
 
 ``json`` and ``stream`` (per PD request): the benchmark's ``serial`` phase runs twice through
 the sidecar (``--modes sidecar``) with the sidecar under ``valgrind --tool=callgrind``,
@@ -13,7 +14,9 @@ out. ``paced`` (per token): the paced mode's sidecar way (``--streams`` streams 
 ``--seconds`` and three times as long, and the difference of the totals is divided by the
 difference of the tokens the two windows relayed: what each token of streams at an engine's
 pace costs, the streams' per-request work spread over their tokens, as a router's paced
-figure has it. ``--by-object`` splits the same difference by the machine code that ran it
+figure has it. ``--sidecar-python`` runs the sidecar on another interpreter (``bench.run``'s
+flag: one built as the image's is, or another Python version), the count then that
+interpreter's. ``--by-object`` splits the same difference by the machine code that ran it
 (the interpreter, uvloop, llhttp, orjson, the C library, ...): each function's own
 instructions, not its callees'. Python code of every library runs inside the interpreter's
 share; ``python -m bench.bytecodes --by-package`` says whose Python it is. Needs ``valgrind``
@@ -147,16 +150,21 @@ def _prefix(outputs: str) -> str:
     return f"valgrind --tool=callgrind --callgrind-out-file={outputs}"
 
 
-def count_requests(n: int, fmt: str, workdir: Path, tree: Path | None) -> Count:
+def sidecar_flags(tree: Path | None, python: str | None) -> list[str]:
+    """``bench.run``'s flags for the sidecar's tree and interpreter, where not the bench's."""
+    argv = [] if tree is None else ["--sidecar-tree", str(tree)]
+    return argv if python is None else [*argv, "--sidecar-python", python]
+
+
+def count_requests(n: int, fmt: str, workdir: Path, tree: Path | None,
+                   python: str | None = None) -> Count:
     """``n`` PD requests one at a time through the sidecar under callgrind."""
     out = workdir / f"callgrind-{fmt}-{n}.out"
     argv = [
         "--flows", "seq", "--phases", f"{fmt}/serial", "--modes", "sidecar",
         "--serial-n", str(n), "--out", str(workdir / f"result-{n}.json"),
-        "--sidecar-prefix", _prefix(str(out)),
+        "--sidecar-prefix", _prefix(str(out)), *sidecar_flags(tree, python),
     ]
-    if tree is not None:
-        argv += ["--sidecar-tree", str(tree)]
     code = run.main(argv)
     if code != 0:
         raise RuntimeError(f"benchmark run with {n} requests failed ({code})")
@@ -176,7 +184,8 @@ class PacedPlan:
 _PACED = PacedPlan()  # the defaults (a slotted class's attributes are descriptors)
 
 
-def count_tokens(plan: PacedPlan, seconds: float, workdir: Path, tree: Path | None) -> Count:
+def count_tokens(plan: PacedPlan, seconds: float, workdir: Path, tree: Path | None,
+                 python: str | None = None) -> Count:
     """The paced mode's sidecar way for a window of ``seconds``; its units are the tokens the
     window relayed."""
     stem = f"paced-{seconds:g}"
@@ -187,9 +196,8 @@ def count_tokens(plan: PacedPlan, seconds: float, workdir: Path, tree: Path | No
         "--itl-ms", str(plan.itl_ms), "--seconds", str(seconds), "--out", str(result),
         # One file per process (%p): the sidecar's, whatever it starts under the prefix.
         "--sidecar-prefix", _prefix(str(workdir / f"{stem}.%p.out")),
+        *sidecar_flags(tree, python),
     ]
-    if tree is not None:
-        argv += ["--sidecar-tree", str(tree)]
     code = run.main(argv)
     if code != 0:
         raise RuntimeError(f"paced run of {seconds:g} s failed ({code})")
@@ -262,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=_PACED.seconds,
                         help="paced: the short window (the long one is three times as long)")
     parser.add_argument("--sidecar-tree", type=Path)
+    parser.add_argument("--sidecar-python",
+                        help="the interpreter the sidecar runs on (bench.run's flag)")
     parser.add_argument("--by-object", action="store_true",
                         help="also split the figure by the object file that ran it")
     parser.add_argument("--by-function", type=int, default=0, metavar="N",
@@ -272,13 +282,17 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(tmp)
         if args.format == "paced":
             plan = PacedPlan(args.streams, args.tokens, args.itl_ms, args.seconds)
-            small = count_tokens(plan, plan.seconds, work, args.sidecar_tree)
-            large = count_tokens(plan, 3 * plan.seconds, work, args.sidecar_tree)
+            small = count_tokens(plan, plan.seconds, work, args.sidecar_tree,
+                                 args.sidecar_python)
+            large = count_tokens(plan, 3 * plan.seconds, work, args.sidecar_tree,
+                                 args.sidecar_python)
             label = (f"paced token ({plan.streams} streams of {plan.tokens} tokens, "
                      f"{plan.itl_ms:g} ms apart; {small.units:,} and {large.units:,} tokens)")
         else:
-            small = count_requests(args.small, args.format, work, args.sidecar_tree)
-            large = count_requests(args.large, args.format, work, args.sidecar_tree)
+            small = count_requests(args.small, args.format, work, args.sidecar_tree,
+                                   args.sidecar_python)
+            large = count_requests(args.large, args.format, work, args.sidecar_tree,
+                                   args.sidecar_python)
             label = f"PD request ({args.format}, one at a time)"
         for line in report(label, small, large, args.by_object, args.by_function):
             print(line)

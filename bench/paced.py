@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench import anchors, flows, legs, load, machine_speed, procs
+from bench import anchors, flows, legs, load, machine_speed, procs, report
 from bench.http_clients import Http, open_clients
 from bench.lean_client import EventTally
 from bench.thread_meter import ThreadMeter
@@ -385,6 +385,10 @@ def _fmt(value: float | None, digits: int) -> str:
     return "-" if value is None else f"{value:,.{digits}f}"
 
 
+#: The paced side-by-side table's first figure (its ratios carry their standard error).
+CPU_PER_TOKEN = "relay CPU us per token"
+
+
 def anchors_markdown(result: dict[str, Any]) -> list[str]:
     """The anchors beside direct, the bare relay and the sidecar, per flow and stream count:
     relay CPU per token, tokens/s against direct's, TTFT p50 (medians over the rounds), and
@@ -408,6 +412,12 @@ def anchors_markdown(result: dict[str, Any]) -> list[str]:
                 values = [float(r[way][key]) for r in rows if key in r.get(way, {})]
                 return _median(values)
 
+            def error(way: str, rows: list[dict[str, Any]] = rows) -> float | None:
+                """The median relay CPU per token's standard error, from three rounds on."""
+                values = [float(r[way]["relay_cpu_us_per_token"]) for r in rows
+                          if "relay_cpu_us_per_token" in r.get(way, {})]
+                return report.median_error(values) if len(values) >= 3 else None
+
             def vs_direct(way: str, rows: list[dict[str, Any]] = rows) -> float | None:
                 return _median([r[way]["tokens_per_s"] / r[DIRECT]["tokens_per_s"]
                                 for r in rows if r.get(DIRECT, {}).get("tokens_per_s")])
@@ -415,13 +425,14 @@ def anchors_markdown(result: dict[str, Any]) -> list[str]:
             lines += [
                 f"**{flow_name}, {streams} streams: the compiled routers side by side** "
                 f"(medians of {len(rows)} round(s); relay CPU counts the whole process: "
-                "every thread, every child):",
+                "every thread, every child; from three rounds on, its ratios ± their "
+                "standard error):",
                 "",
                 "| " + " | ".join(head) + " |",
                 "|" + "---|" * len(head),
             ]
             figures = (
-                ("relay CPU us per token", lambda w: med(w, "relay_cpu_us_per_token"), 2),
+                (CPU_PER_TOKEN, lambda w: med(w, "relay_cpu_us_per_token"), 2),
                 ("tokens/s", lambda w: med(w, "tokens_per_s"), 0),
                 ("tokens/s vs direct", vs_direct, 3),
                 ("TTFT p50 ms", lambda w: med(w, "ttft_p50_ms"), 1),
@@ -431,8 +442,14 @@ def anchors_markdown(result: dict[str, Any]) -> list[str]:
                 cells = [label, *[_fmt(values[w], digits) for w in cols]]
                 for side_way, name in ratios:
                     side, anchor = values.get(side_way), values.get(name)
-                    cells.append(_fmt(side / anchor if side is not None and anchor else None,
-                                      2))
+                    ratio = _fmt(side / anchor if side is not None and anchor else None, 2)
+                    if label == CPU_PER_TOKEN and side and anchor:
+                        side_error, anchor_error = error(side_way), error(name)
+                        if side_error is not None and anchor_error is not None:
+                            spread = report.relative_ratio_error(side, side_error, anchor,
+                                                                 anchor_error)
+                            ratio += f" ± {spread:.2f}"
+                    cells.append(ratio)
                 lines.append("| " + " | ".join(cells) + " |")
             lines.append("")
     info = result.get("anchors", {})

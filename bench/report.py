@@ -14,6 +14,8 @@ Deliberate limits: reads only the summaries ``bench.load.Phase.summary`` writes.
 
 from __future__ import annotations
 
+import math
+import statistics
 from typing import Any
 
 from bench import machine_speed
@@ -107,19 +109,52 @@ def _get(phases: dict[str, Any], phase: str, mode: str, key: str) -> float | Non
     return float(value) if isinstance(value, int | float) else None
 
 
-def anchor_rows(flow: dict[str, Any], anchor: str,
-                plan: dict[str, Any]) -> list[tuple[str, float | None, float | None,
-                                                    float | None, int]]:
-    """(figure, direct, anchor, sidecar, digits) for one flow and one anchor."""
+def median_error(figures: list[float]) -> float:
+    """The standard error of the median of ``figures`` (a mode's windows, a way's rounds),
+    their noise taken as normal and independent: sqrt(pi / 2) times the mean's (the
+    median's efficiency). On the bench VM a c=32 window's CPU per request moves by about
+    12 % from one window to the next (bench/README.md, How far a ratio holds), so five
+    windows leave a median about 7 % either way and two modes' ratio about 10 %."""
+    return math.sqrt(math.pi / 2) * statistics.stdev(figures) / math.sqrt(len(figures))
+
+
+def relative_ratio_error(top: float, top_error: float, bottom: float,
+                         bottom_error: float) -> float:
+    """The standard error of ``top / bottom``: the relative errors added in quadrature."""
+    return top / bottom * math.hypot(top_error / top, bottom_error / bottom)
+
+
+#: One figure of the side-by-side table: (figure, direct, anchor, sidecar, digits, the
+#: sidecar / anchor ratio's standard error or None).
+AnchorRow = tuple[str, float | None, float | None, float | None, int, float | None]
+
+
+def ratio_error(phases: dict[str, Any], phase: str, mode: str, anchor: str,
+                key: str) -> float | None:
+    """The standard error of ``mode`` / ``anchor`` in a phase of several windows (each
+    median's, ``median_error``, carried into the ratio: the relative errors add in
+    quadrature), or None where either ran one window."""
+    sides = phases.get(phase, {})
+    top, bottom = _get(phases, phase, mode, key), _get(phases, phase, anchor, key)
+    top_error = sides.get(mode, {}).get("standard_error", {}).get(key)
+    bottom_error = sides.get(anchor, {}).get("standard_error", {}).get(key)
+    if not top or not bottom or top_error is None or bottom_error is None:
+        return None
+    return relative_ratio_error(top, top_error, bottom, bottom_error)
+
+
+def anchor_rows(flow: dict[str, Any], anchor: str, plan: dict[str, Any]) -> list[AnchorRow]:
+    """The side-by-side figures of one flow and one anchor."""
     phases = flow["phases"]
     low, high = min(plan["concurrencies"]), max(plan["concurrencies"])
-    rows: list[tuple[str, float | None, float | None, float | None, int]] = []
+    rows: list[AnchorRow] = []
     for label, phase, key in (
         (f"CPU us per PD request, JSON, c={low}", f"json/c{low}", "relay_cpu_us_per_req"),
         ("CPU us per PD request, JSON, one at a time", "json/serial", "relay_cpu_us_per_req"),
     ):
         rows.append((label, None, _get(phases, phase, anchor, key),
-                     _get(phases, phase, "sidecar", key), 0))
+                     _get(phases, phase, "sidecar", key), 0,
+                     ratio_error(phases, phase, "sidecar", anchor, key)))
     direct = _get(phases, "json/serial", "direct", "p50_ms")
 
     def added(mode: str) -> float | None:
@@ -127,14 +162,14 @@ def anchor_rows(flow: dict[str, Any], anchor: str,
         return None if value is None or direct is None else value - direct
 
     rows.append(("added p50 latency one at a time, JSON, ms (direct: its p50)", direct,
-                 added(anchor), added("sidecar"), 3))
+                 added(anchor), added("sidecar"), 3, None))
     rows.append((f"req/s, JSON, c={high}", _get(phases, f"json/c{high}", "direct", "rps"),
                  _get(phases, f"json/c{high}", anchor, "rps"),
-                 _get(phases, f"json/c{high}", "sidecar", "rps"), 0))
+                 _get(phases, f"json/c{high}", "sidecar", "rps"), 0, None))
     rows.append((f"burst CPU us per token ({plan['stream_tokens']}-token streams, "
                  f"c={plan['stream_concurrency']})", None,
                  _get(phases, "tokens", anchor, "relay_cpu_us_per_token"),
-                 _get(phases, "tokens", "sidecar", "relay_cpu_us_per_token"), 2))
+                 _get(phases, "tokens", "sidecar", "relay_cpu_us_per_token"), 2, None))
     return rows
 
 
@@ -152,7 +187,8 @@ def anchors_markdown(result: dict[str, Any]) -> list[str]:
                      f"sidecar / {name}"]
         lines += [
             "**The compiled routers side by side** (same run, same stubs; each router on the "
-            "flow it drives; CPU of its whole process: every thread, every child):",
+            "flow it drives; CPU of its whole process: every thread, every child; a ratio of "
+            "several windows' medians ± its standard error):",
             "",
             "| " + " | ".join(head) + " |",
             "|" + "---|" * len(head),
@@ -161,9 +197,10 @@ def anchors_markdown(result: dict[str, Any]) -> list[str]:
         for index, (label, *_rest) in enumerate(tables[0]):
             cells = [label]
             for rows in tables:
-                _, direct, anchor, sidecar, digits = rows[index]
+                _, direct, anchor, sidecar, digits, error = rows[index]
+                ratio = _fmt(_ratio(sidecar, anchor))
                 cells += [_fmt(direct, digits), _fmt(anchor, digits), _fmt(sidecar, digits),
-                          _fmt(_ratio(sidecar, anchor))]
+                          ratio if error is None or ratio == "-" else f"{ratio} ± {error:.2f}"]
             lines.append("| " + " | ".join(cells) + " |")
         info = result.get("anchors", {})
         lines.append("")
@@ -198,12 +235,18 @@ def before_markdown(result: dict[str, Any]) -> list[str]:
                 continue
             b, a = before.get("relay_cpu_us_per_req"), after.get("relay_cpu_us_per_req")
             bt, at = before.get("relay_cpu_us_per_token"), after.get("relay_cpu_us_per_token")
+            ratio = _fmt(_ratio(a, b))
+            error = ratio_error(flow["phases"], phase, "sidecar", "before",
+                                "relay_cpu_us_per_req")
+            if error is not None and ratio != "-":
+                ratio = f"{ratio} ± {error:.2f}"
             rows.append(f"| {flow_name} | {phase} | {_fmt(b, 0)} | {_fmt(a, 0)} | "
-                        f"{_fmt(_ratio(a, b))} | {_fmt(bt, 2)} | {_fmt(at, 2)} |")
+                        f"{ratio} | {_fmt(bt, 2)} | {_fmt(at, 2)} |")
     if not rows:
         return []
     return ["**Before and after** (`--baseline-tree`: the sidecar from that tree, `before`, "
-            "and this tree's, each phase in turn in the same run; CPU of the sidecar process):",
+            "and this tree's, each phase in turn in the same run; CPU of the sidecar process; "
+            "a ratio of several windows' medians ± its standard error):",
             "", "| flow | phase | before CPU us/req | after CPU us/req | after / before "
             "| before us/token | after us/token |", "|---|---|---|---|---|---|---|", *rows, ""]
 

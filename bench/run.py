@@ -334,12 +334,18 @@ async def measure_flow(
 
 def median_window(summaries: list[dict[str, Any]]) -> dict[str, Any]:
     """The window of one mode's rounds with the median CPU per request (requests/s for a
-    mode without a relay), its figures whole; every round's figure under ``rounds``."""
+    mode without a relay), its figures whole; every round's figure under ``rounds`` and,
+    from three rounds on, the median's standard error under ``standard_error``."""
     if len(summaries) == 1:
         return summaries[0]
     key = "relay_cpu_us_per_req" if "relay_cpu_us_per_req" in summaries[0] else "rps"
     ranked = sorted(summaries, key=lambda summary: summary[key])
-    return {**ranked[(len(ranked) - 1) // 2], "rounds": {key: [s[key] for s in summaries]}}
+    figures = [s[key] for s in summaries]
+    out = {**ranked[(len(ranked) - 1) // 2], "rounds": {key: figures}}
+    if len(figures) >= 3:
+        out["standard_error"] = {key: round(report.median_error(figures), 1)}
+    return out
+
 
 
 def _brief(summary: dict[str, Any]) -> str:

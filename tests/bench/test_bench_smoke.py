@@ -11,11 +11,16 @@ the run is a few requests per phase on a shared machine.
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
+import pytest
+
+from bench import report
 from bench.run import median_window, parse_args, plan_of
 
 REPO = Path(__file__).resolve().parents[2]
@@ -75,6 +80,36 @@ def test_burst_rounds_report_the_median_window_and_every_round() -> None:
     median = median_window(windows)
     assert (median["relay_cpu_us_per_req"], median["rps"]) == (250.0, 3.0)
     assert median["rounds"] == {"relay_cpu_us_per_req": [300.0, 200.0, 250.0]}
+    # sqrt(pi / 2) * stdev / sqrt(n): stdev 50, three windows.
+    assert median["standard_error"] == {"relay_cpu_us_per_req": 36.2}
     direct = median_window([{"rps": 5.0}, {"rps": 9.0}, {"rps": 7.0}])
     assert direct["rps"] == 7.0 and direct["rounds"] == {"rps": [5.0, 9.0, 7.0]}
     assert median_window([windows[0]]) is windows[0]
+    assert "standard_error" not in median_window(windows[:2])
+
+
+def test_a_ratio_of_several_windows_shows_its_standard_error() -> None:
+    """The side-by-side and before/after tables write a ratio of medians with the error the
+    windows' spread leaves it (relative errors in quadrature); a one-window ratio bare."""
+    def side(cpu: float, error: float | None) -> dict[str, Any]:
+        figures: dict[str, Any] = {"relay_cpu_us_per_req": cpu, "requests": 10, "errors": 0}
+        if error is not None:
+            figures["standard_error"] = {"relay_cpu_us_per_req": error}
+        return figures
+
+    phases = {"json/c32": {"sidecar": side(400.0, 12.0), "vllm-router": side(300.0, 9.0),
+                           "before": side(400.0, 16.0)},
+              "json/serial": {"sidecar": side(900.0, None), "vllm-router": side(600.0, None)}}
+    error = report.ratio_error(phases, "json/c32", "sidecar", "vllm-router",
+                               "relay_cpu_us_per_req")
+    assert error == pytest.approx(400 / 300 * math.hypot(0.03, 0.03))
+    assert report.ratio_error(phases, "json/serial", "sidecar", "vllm-router",
+                              "relay_cpu_us_per_req") is None
+    result = {"flows": {"seq": {"modes": ["sidecar", "before", "vllm-router"],
+                                "phases": phases}},
+              "plan": {"concurrencies": [32], "stream_tokens": 256, "stream_concurrency": 32}}
+    side_by_side = "\n".join(report.anchors_markdown(result))
+    assert "| CPU us per PD request, JSON, c=32 | - | 300 | 400 | 1.33 ± 0.06 |" in side_by_side
+    assert "| CPU us per PD request, JSON, one at a time | - | 600 | 900 | 1.50 |" in side_by_side
+    assert "| seq | json/c32 | 400 | 400 | 1.00 ± 0.05 |" in "\n".join(
+        report.before_markdown(result))

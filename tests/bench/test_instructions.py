@@ -23,6 +23,7 @@ from bench.instructions import (
     instructions_of,
     objects_table,
     per_unit,
+    sidecar_flags,
 )
 
 SITE = "/venv/lib/python3.11/site-packages"
@@ -125,3 +126,13 @@ def test_the_functions_table_is_per_unit_and_the_largest_first(tmp_path: Path) -
         ["40", "parse", "[aiohttp]"],
         ["2", "memcpy", "[libc.so.6]"],
     ]
+
+
+def test_the_sidecar_runs_from_the_tree_and_on_the_interpreter_it_is_given() -> None:
+    """``--sidecar-tree`` and ``--sidecar-python`` reach ``bench.run`` as its own flags; with
+    neither, the bench's own tree and interpreter run the sidecar."""
+    assert sidecar_flags(None, None) == []
+    assert sidecar_flags(Path("/tmp/before"), None) == ["--sidecar-tree", "/tmp/before"]
+    assert sidecar_flags(Path("/tmp/before"), "/opt/py/bin/python") == [
+        "--sidecar-tree", "/tmp/before", "--sidecar-python", "/opt/py/bin/python"]
+    assert sidecar_flags(None, "/opt/py/bin/python") == ["--sidecar-python", "/opt/py/bin/python"]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import subprocess
 import sys
@@ -163,3 +164,29 @@ def test_the_side_by_side_table_has_every_sidecar_way() -> None:
     assert "| figure | direct | `smg` | sidecar-w2 | sidecar-w2 / smg |" in table
     assert "| relay CPU us per token | - | 20.00 | 30.00 | 1.50 |" in table
     assert "| TTFT p50 ms | 50.0 | 60.0 | 55.0 | 0.92 |" in table
+
+
+def test_three_rounds_give_the_per_token_ratio_its_standard_error() -> None:
+    """From three rounds on, the relay CPU per token's ratio to a router carries the error
+    the rounds' spread leaves it; the other figures stay bare."""
+    def row(sidecar_cpu: float, router_cpu: float) -> dict[str, dict[str, float]]:
+        return {"direct": {"tokens_per_s": 1000.0, "ttft_p50_ms": 50.0},
+                "vllm-router": {"relay_cpu_us_per_token": router_cpu, "tokens_per_s": 990.0,
+                                "ttft_p50_ms": 60.0},
+                "sidecar": {"relay_cpu_us_per_token": sidecar_cpu, "tokens_per_s": 980.0,
+                            "ttft_p50_ms": 55.0}}
+
+    rounds = [{256: row(side, router)} for side, router in ((60.0, 50.0), (66.0, 55.0),
+                                                            (63.0, 60.0))]
+    result = {"flows": {"seq": {"anchors": ["vllm-router"],
+                                "ways": ["direct", "vllm-router", "sidecar"],
+                                "rounds": rounds}}}
+    table = paced.anchors_markdown(result)
+    # Medians 63 and 55; standard errors sqrt(pi/2) * stdev / sqrt(3): 2.17 and 3.62.
+    error = 63 / 55 * math.hypot(2.1708 / 63, 3.6181 / 55)
+    assert f"| relay CPU us per token | - | 55.00 | 63.00 | 1.15 ± {error:.2f} |" in table
+    assert "| TTFT p50 ms | 50.0 | 60.0 | 55.0 | 0.92 |" in table
+    two_rounds = paced.anchors_markdown({"flows": {"seq": {**result["flows"]["seq"],
+                                                         "rounds": rounds[:2]}}})
+    per_token = [line for line in two_rounds if line.startswith("| relay CPU us per token")]
+    assert len(per_token) == 1 and "±" not in per_token[0]
