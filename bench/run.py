@@ -347,7 +347,6 @@ def median_window(summaries: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-
 def _brief(summary: dict[str, Any]) -> str:
     cpu = summary.get("relay_cpu_us_per_req", summary.get("sidecar_cpu_us_per_req", "-"))
     return (f"{summary['rps']} req/s p50 {summary['p50_ms']} ms p99 {summary['p99_ms']} ms "
