@@ -93,8 +93,15 @@ NUDGE_TIMEOUT_S = 60.0
 #: a KV transfer from each); a warm-up with no answer in this long restarts both engines (the
 #: engines' first transfers, not the sidecar's legs) and warms again, once. A stalled prefill
 #: rank can also answer first through the sidecar's own deadline (a 504 after the prefill
-#: leg's 30 s, seen in CI at 19:07 UTC the same day): that is the same stall.
+#: leg's 30 s, seen in CI at 19:07 UTC the same day): that is the same stall (the deadline is
+#: PREFILL_DEADLINE_S since, so the warm-up's own wait ends first).
 WARM_UP_S = 60.0
+#: The sidecar's prefill deadline in these classes (`--prefill-timeout-s`): past the nudge
+#: and the wave it starts, under the client's 120 s. With the default 30 s a clean-clone run
+#: (2026-12-07 10:09 UTC, the Mooncake class) had the sidecar answer a stalled rank's request
+#: 504 ten seconds after its nudge, before the wave could finish it, and the class's next
+#: test failed with it (each test now counts only its own nudges).
+PREFILL_DEADLINE_S = 100.0
 
 
 @dataclass(frozen=True)
@@ -103,7 +110,8 @@ class RankedPair:
     decode: Engine
     sidecar: Sidecar
     sidecar_dir: Path
-    #: The requests that needed a nudge (``_nudge``), each one request more on NUDGE_RANK.
+    #: The requests that needed a nudge (``_nudge``), each one request more on NUDGE_RANK;
+    #: each test counts its own (it clears the list first).
     nudges: list[str] = field(default_factory=list)
 
     @property
@@ -125,7 +133,7 @@ def _ranked_pair(group: EngineGroup, tmp: pytest.TempPathFactory, prefill: Engin
     running = sidecar_process(
         sidecar_dir, "--engine", "vllm", "--engine-url", decode_engine.url,
         "--prefill-data-parallel-size", "2", "--data-parallel-size", "1",
-        *sidecar_args, *extra,
+        "--prefill-timeout-s", str(PREFILL_DEADLINE_S), *sidecar_args, *extra,
     )
     for sidecar in running:
         _warm_up(group, sidecar, sidecar_dir, prefill.name, decode.name)
@@ -260,6 +268,7 @@ def _nudge(pair: RankedPair, what: str) -> None:
 def _spread_over_both_ranks(pair: RankedPair, tag: str) -> None:
     """REQUESTS requests through the sidecar, each equal to the decode's own computation; the
     prefill legs spread over both ranks, and the KV moved for every one."""
+    pair.nudges.clear()  # this test's own: a failed test's nudges are not this one's
     before = [pair.served(0), pair.served(1)]
     for i in range(REQUESTS):
         body = completion_body(block_prompt(f"{tag} {i}"))
@@ -274,7 +283,6 @@ def _spread_over_both_ranks(pair: RankedPair, tag: str) -> None:
         assert metric_value(pair.decode.url, EXTERNAL_HITS) - hits >= prompt_tokens - 1
     per_rank = [pair.served(rank) - before[rank] for rank in (0, 1)]
     nudged = len(pair.nudges)
-    pair.nudges.clear()
     # Sequential legs go round the ranks: half on each (a nudge is one more on its rank).
     expected = [REQUESTS / 2, REQUESTS / 2]
     expected[NUDGE_RANK] += nudged
@@ -286,6 +294,7 @@ def _spread_over_both_ranks(pair: RankedPair, tag: str) -> None:
 
 
 def _named_rank_prefills_there(pair: RankedPair, tag: str) -> None:
+    pair.nudges.clear()
     before = [pair.served(0), pair.served(1)]
     body = completion_body(block_prompt(tag))
     expected = text_of(post_json(pair.decode.url + COMPLETIONS, body))
@@ -293,7 +302,6 @@ def _named_rank_prefills_there(pair: RankedPair, tag: str) -> None:
         got = _through(pair, body, "named rank 1", headers={"x-data-parallel-rank": "1"})
         assert got == expected
     nudged = len(pair.nudges)
-    pair.nudges.clear()
     expected = [0, 2]
     expected[NUDGE_RANK] += nudged
     assert [pair.served(0) - before[0], pair.served(1) - before[1]] == expected
