@@ -1,7 +1,8 @@
 """The stub engine as a process: ``python -m sidecar.tools.stubs`` and the argparse helpers.
 
-Proves: the module runs on its own, prints one JSON line with its ports once listening
-(OS-chosen ports, a bootstrap port for an SGLang prefill), serves requests, accepts faults
+Proves: the module runs on its own, prints one JSON line with its ports once listening, in
+one write (stubs started side by side on one pipe cannot split each other's lines; OS-chosen
+ports, a bootstrap port for an SGLang prefill), serves requests, accepts faults
 on the command line, and exits 0 on SIGTERM; bad flags exit 2; ``--faults-endpoint`` is off
 unless given; ``--transport lean`` builds the same config, refusing what it does not serve.
 """
@@ -22,7 +23,7 @@ import pytest
 from sidecar.dialects.sglang import SGLangOptions
 from sidecar.dialects.vllm_mooncake import MooncakeOptions
 from sidecar.tools.stubs import StubConfig
-from sidecar.tools.stubs.cli import add_stub_arguments, config_from_args
+from sidecar.tools.stubs.cli import add_stub_arguments, announce, config_from_args
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -140,3 +141,29 @@ async def test_bad_flags_exit_2() -> None:
     )
     _, err = await asyncio.wait_for(proc.communicate(), 60)
     assert proc.returncode == 2 and b"stub-engine" in err
+
+
+class _RecordingStdout:
+    """A stdout whose binary layer records each write (``print`` on an unbuffered stdout
+    writes a line's text and its newline apart)."""
+
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+        self.buffer = self
+
+    def write(self, data: bytes) -> int:
+        self.writes.append(bytes(data))
+        return len(data)
+
+    def flush(self) -> None:
+        pass
+
+
+def test_the_listening_line_leaves_in_one_write(monkeypatch: pytest.MonkeyPatch) -> None:
+    out = _RecordingStdout()
+    monkeypatch.setattr(sys, "stdout", out)
+    announce({"event": "listening", "port": 8200, "url": "http://127.0.0.1:8200"})
+    assert len(out.writes) == 1
+    assert out.writes[0].endswith(b"\n") and out.writes[0].count(b"\n") == 1
+    assert json.loads(out.writes[0]) == {"event": "listening", "port": 8200,
+                                         "url": "http://127.0.0.1:8200"}

@@ -204,6 +204,16 @@ def config_from_args(args: argparse.Namespace) -> StubConfig:
     )
 
 
+def announce(line: dict[str, Any]) -> None:
+    """``line`` as one JSON line on stdout, in one write: stubs started side by side on one
+    terminal or pipe (the docs' try-it blocks) cannot split each other's lines. ``print``
+    writes the text and its newline apart when stdout is unbuffered (``PYTHONUNBUFFERED``),
+    and another process's line could land between them."""
+    sys.stdout.flush()  # anything written through the text layer goes first
+    sys.stdout.buffer.write(jsonutil.dumps(line) + b"\n")
+    sys.stdout.buffer.flush()
+
+
 async def run_stub_command(args: argparse.Namespace) -> int:
     """Run a stub until SIGINT/SIGTERM; returns the process exit code."""
     try:
@@ -218,8 +228,7 @@ async def run_stub_command(args: argparse.Namespace) -> int:
     try:
         runner = run_stub if config.transport == "aiohttp" else run_lean
         async with runner(config) as stub:
-            line: dict[str, Any] = {"event": "listening", **stub.info(), "url": stub.url}
-            print(jsonutil.dumps(line).decode(), flush=True)
+            announce({"event": "listening", **stub.info(), "url": stub.url})
             await stop.wait()
     except OSError as exc:
         print(f"stub-engine: cannot listen: {exc}", file=sys.stderr)
