@@ -385,8 +385,10 @@ def _fmt(value: float | None, digits: int) -> str:
     return "-" if value is None else f"{value:,.{digits}f}"
 
 
-#: The paced side-by-side table's first figure (its ratios carry their standard error).
+#: The paced side-by-side table's first figure.
 CPU_PER_TOKEN = "relay CPU us per token"
+#: Its key in a round's figures: the one whose ratios carry their standard error.
+CPU_PER_TOKEN_KEY = "relay_cpu_us_per_token"
 
 
 def anchors_markdown(result: dict[str, Any]) -> list[str]:
@@ -412,10 +414,9 @@ def anchors_markdown(result: dict[str, Any]) -> list[str]:
                 values = [float(r[way][key]) for r in rows if key in r.get(way, {})]
                 return _median(values)
 
-            def error(way: str, rows: list[dict[str, Any]] = rows) -> float | None:
-                """The median relay CPU per token's standard error, from three rounds on."""
-                values = [float(r[way]["relay_cpu_us_per_token"]) for r in rows
-                          if "relay_cpu_us_per_token" in r.get(way, {})]
+            def error(way: str, key: str, rows: list[dict[str, Any]] = rows) -> float | None:
+                """The standard error of ``way``'s median ``key``, from three rounds on."""
+                values = [float(r[way][key]) for r in rows if key in r.get(way, {})]
                 return report.median_error(values) if len(values) >= 3 else None
 
             def vs_direct(way: str, rows: list[dict[str, Any]] = rows) -> float | None:
@@ -431,20 +432,23 @@ def anchors_markdown(result: dict[str, Any]) -> list[str]:
                 "| " + " | ".join(head) + " |",
                 "|" + "---|" * len(head),
             ]
-            figures = (
-                (CPU_PER_TOKEN, lambda w: med(w, "relay_cpu_us_per_token"), 2),
-                ("tokens/s", lambda w: med(w, "tokens_per_s"), 0),
-                ("tokens/s vs direct", vs_direct, 3),
-                ("TTFT p50 ms", lambda w: med(w, "ttft_p50_ms"), 1),
+            # Each row: its label, its figure per way, its digits, and the key of the rounds'
+            # figure whose ratios carry their standard error (None: no ±).
+            figures: tuple[tuple[str, Callable[[str], float | None], int, str | None], ...] = (
+                (CPU_PER_TOKEN, lambda w: med(w, CPU_PER_TOKEN_KEY), 2, CPU_PER_TOKEN_KEY),
+                ("tokens/s", lambda w: med(w, "tokens_per_s"), 0, None),
+                ("tokens/s vs direct", vs_direct, 3, None),
+                ("TTFT p50 ms", lambda w: med(w, "ttft_p50_ms"), 1, None),
             )
-            for label, get, digits in figures:
+            for label, get, digits, spread_key in figures:
                 values = {w: get(w) for w in cols}
                 cells = [label, *[_fmt(values[w], digits) for w in cols]]
                 for side_way, name in ratios:
                     side, anchor = values.get(side_way), values.get(name)
                     ratio = _fmt(side / anchor if side is not None and anchor else None, 2)
-                    if label == CPU_PER_TOKEN and side and anchor:
-                        side_error, anchor_error = error(side_way), error(name)
+                    if spread_key is not None and side and anchor:
+                        side_error = error(side_way, spread_key)
+                        anchor_error = error(name, spread_key)
                         if side_error is not None and anchor_error is not None:
                             spread = report.relative_ratio_error(side, side_error, anchor,
                                                                  anchor_error)
