@@ -291,10 +291,11 @@ def _spread_over_both_ranks(pair: RankedPair, tag: str) -> None:
     else:
         # After a stall, each rank at least one leg, not exactly its half. A clean-clone run
         # (2026-12-07 11:35 UTC, the Mooncake class) had its first request answer after a
-        # nudge and the engine count [2, 3] with the nudge on rank 0: the four legs split 1
-        # and 3. That run kept no sidecar log to say why; a leg the stall failed on rank 0
-        # and prefilled again on rank 1, which then cools rank 0 for the next turn, gives
-        # exactly that split. A tally that is off now prints the sidecar's side.
+        # nudge, all four equal to the decode's output with their KV moved, and the engine
+        # count [2, 3] with the nudge on rank 0. Why is not known: that run kept no sidecar
+        # log, and the sidecar's rules give no leg on a single target another rank (a whole
+        # move after a failed decode would count one more, not one fewer). The count after a
+        # stall is the engines' wave's; a tally that is off now prints the sidecar's side.
         assert min(prefilled) >= 1, _rank_report(pair, per_rank)
     # The sidecar's own tally of its legs by rank agrees with the engine's.
     ok_legs = [_ok_legs(pair, rank) - legs_before[rank] for rank in (0, 1)]
