@@ -270,7 +270,7 @@ def _spread_over_both_ranks(pair: RankedPair, tag: str) -> None:
     prefill legs spread over both ranks, and the KV moved for every one."""
     pair.nudges.clear()  # this test's own: a failed test's nudges are not this one's
     before = [pair.served(0), pair.served(1)]
-    legs_before = [_ok_legs(pair, 0), _ok_legs(pair, 1)]
+    legs_before = [_prefill_legs(pair, 0), _prefill_legs(pair, 1)]
     for i in range(REQUESTS):
         body = completion_body(block_prompt(f"{tag} {i}"))
         expected = text_of(post_json(pair.decode.url + COMPLETIONS, body))
@@ -298,21 +298,21 @@ def _spread_over_both_ranks(pair: RankedPair, tag: str) -> None:
         # stall is the engines' wave's; a tally that is off now prints the sidecar's side.
         assert min(prefilled) >= 1, _rank_report(pair, per_rank)
     # The sidecar's own tally of its legs by rank agrees with the engine's.
-    ok_legs = [_ok_legs(pair, rank) - legs_before[rank] for rank in (0, 1)]
+    ok_legs = [_prefill_legs(pair, rank) - legs_before[rank] for rank in (0, 1)]
     assert ok_legs == prefilled or (nudged and min(ok_legs) >= 1), _rank_report(pair, per_rank)
 
 
-def _ok_legs(pair: RankedPair, rank: int) -> float:
-    return metric_value(pair.sidecar.url, RANK_LEGS, leg="prefill", rank=str(rank), outcome="ok")
+def _prefill_legs(pair: RankedPair, rank: int, outcome: str = "ok") -> float:
+    """The sidecar's prefill legs on ``rank`` that ended with ``outcome``, since it started."""
+    return metric_value(pair.sidecar.url, RANK_LEGS, leg="prefill", rank=str(rank),
+                        outcome=outcome)
 
 
 def _rank_report(pair: RankedPair, per_rank: list[float]) -> str:
     """Why a per-rank tally differs: the engine's per rank, the nudges, the sidecar's legs by
     rank and outcome, and the tail of its log."""
-    sidecar_legs = {
-        (rank, outcome): metric_value(pair.sidecar.url, RANK_LEGS, leg="prefill",
-                                      rank=str(rank), outcome=outcome)
-        for rank in (0, 1) for outcome in ("ok", "failed", "connect_refused", "rejected")}
+    sidecar_legs = {(rank, outcome): _prefill_legs(pair, rank, outcome) for rank in (0, 1)
+                    for outcome in ("ok", "failed", "connect_refused", "rejected")}
     sidecar_log = (pair.sidecar_dir / "sidecar.log").read_text(errors="replace")
     return (f"engine requests per rank {per_rank}, nudges {pair.nudges}, the sidecar's "
             f"prefill legs (rank, outcome) since start {sidecar_legs}\n--- sidecar:\n"
