@@ -10,7 +10,11 @@ switched on for one request only and records every function of the ``sidecar`` p
 runs (``sidecar/tools`` and the generated gRPC code aside); that is done twice and the two
 sets are intersected, so a background task that happened to wake during one request (the
 engine's health check) is not counted. The figures: the modules (files), their lines (the
-whole files'), the functions.
+whole files'), their code (those lines less blank ones, comments and docstrings), the lines of
+the functions that ran (each from its first line to its last that holds code, a line two of
+them share counted once), the functions; and the serving package's lines and code
+(``sidecar/`` less the tools and the generated gRPC code), the size issue #33 sets a target
+for.
 
     http-json     POST /v1/completions on a decode sidecar with x-prefiller-host-port
     http-stream   the same, streamed
@@ -26,11 +30,14 @@ with all its lines however few of them ran.
 from __future__ import annotations
 
 import argparse
+import ast
 import asyncio
 import contextlib
+import io
 import json
 import subprocess
 import sys
+import tokenize
 import types
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -46,11 +53,46 @@ NOT_COUNTED = (PACKAGE / "tools", PACKAGE / "grpc_gen")
 MODEL = "stub-model"
 
 
+#: Tokens that are no code of their own: a line holding only these is blank or a comment.
+_NOT_CODE = frozenset({tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT,
+                       tokenize.DEDENT, tokenize.ENCODING, tokenize.ENDMARKER})
+
+
+def docstring_lines(source: str) -> set[int]:
+    """The lines of the module's, its classes' and its functions' docstrings."""
+    lines: set[int] = set()
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef,
+                                 ast.AsyncFunctionDef)) or not node.body:
+            continue
+        first = node.body[0]
+        if (isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
+                and isinstance(first.value.value, str)):
+            lines.update(range(first.lineno, (first.end_lineno or first.lineno) + 1))
+    return lines
+
+
+def code_lines(source: str) -> int:
+    """How many of the source's lines hold code: not blank, a comment or a docstring (a
+    string that is a statement of its own elsewhere counts as code)."""
+    code: set[int] = set()
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type not in _NOT_CODE:
+            code.update(range(token.start[0], token.end[0] + 1))
+    return len(code - docstring_lines(source))
+
+
+def _source(module: str) -> str:
+    return (ROOT / module).read_text()
+
+
 @dataclass
 class PathFigures:
-    """One request's path through the package: module -> the functions of it that ran."""
+    """One request's path through the package: module -> the functions of it that ran, and
+    each such function's lines (first, last)."""
 
     functions: dict[str, set[str]] = field(default_factory=dict)
+    spans: dict[tuple[str, str], tuple[int, int]] = field(default_factory=dict)
 
     @property
     def modules(self) -> list[str]:
@@ -58,7 +100,20 @@ class PathFigures:
 
     @property
     def lines(self) -> int:
-        return sum(len((ROOT / module).read_text().splitlines()) for module in self.functions)
+        return sum(len(_source(module).splitlines()) for module in self.functions)
+
+    @property
+    def code(self) -> int:
+        return sum(code_lines(_source(module)) for module in self.functions)
+
+    @property
+    def ran_lines(self) -> int:
+        """The lines of the functions that ran, a line of nested functions counted once."""
+        by_module: dict[str, set[int]] = {}
+        for (module, name), (first, last) in self.spans.items():
+            if name in self.functions.get(module, ()):
+                by_module.setdefault(module, set()).update(range(first, last + 1))
+        return sum(len(lines) for lines in by_module.values())
 
     @property
     def function_count(self) -> int:
@@ -67,11 +122,23 @@ class PathFigures:
     def intersect(self, other: PathFigures) -> PathFigures:
         common = {module: names & other.functions[module]
                   for module, names in self.functions.items() if module in other.functions}
-        return PathFigures({module: names for module, names in common.items() if names})
+        return PathFigures({module: names for module, names in common.items() if names},
+                           self.spans | other.spans)
 
     def summary(self) -> dict[str, Any]:
-        return {"files": len(self.functions), "lines": self.lines,
-                "functions": self.function_count, "modules": self.modules}
+        return {"files": len(self.functions), "lines": self.lines, "code": self.code,
+                "ran_lines": self.ran_lines, "functions": self.function_count,
+                "modules": self.modules}
+
+
+def serving_size() -> dict[str, int]:
+    """The serving package's files, lines and code: ``sidecar/`` less the tools and the
+    generated gRPC code."""
+    modules = [path for path in sorted(PACKAGE.rglob("*.py"))
+               if not any(room in path.parents for room in NOT_COUNTED)]
+    sources = [path.read_text() for path in modules]
+    return {"files": len(modules), "lines": sum(len(text.splitlines()) for text in sources),
+            "code": sum(code_lines(text) for text in sources)}
 
 
 def _counted(filename: str) -> str | None:
@@ -99,6 +166,10 @@ async def profiled(run: Callable[[], Awaitable[object]]) -> PathFigures:
             module = seen[code] = _counted(code.co_filename)
         if module is not None:
             figures.functions.setdefault(module, set()).add(code.co_qualname)
+            if (module, code.co_qualname) not in figures.spans:
+                lines = [line for _, _, line in code.co_lines() if line is not None]
+                figures.spans[module, code.co_qualname] = (code.co_firstlineno,
+                                                           max(lines, default=0))
 
     sys.setprofile(hook)
     try:
@@ -225,14 +296,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print JSON, module lists included")
     args = parser.parse_args(argv)
     paths = asyncio.run(all_paths())
+    serving = serving_size()
     if args.json:
-        print(json.dumps({name: figures.summary() for name, figures in paths.items()},
-                         indent=2))
+        print(json.dumps({**{name: figures.summary() for name, figures in paths.items()},
+                          "serving": serving}, indent=2))
         return 0
-    print(f"{'request':<12} {'files':>5} {'lines':>6} {'functions':>9}")
+    print(f"{'request':<12} {'files':>5} {'lines':>6} {'code':>6} {'ran':>6} {'functions':>9}")
     for name, figures in paths.items():
-        print(f"{name:<12} {len(figures.functions):>5} {figures.lines:>6} "
-              f"{figures.function_count:>9}")
+        print(f"{name:<12} {len(figures.functions):>5} {figures.lines:>6} {figures.code:>6} "
+              f"{figures.ran_lines:>6} {figures.function_count:>9}")
+    print(f"{'serving':<12} {serving['files']:>5} {serving['lines']:>6} {serving['code']:>6}")
     return 0
 
 
